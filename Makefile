@@ -1,0 +1,59 @@
+# pagestream — set-up, run, test, benchmarks.  `make run` and `make test` do all the set-up.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+
+# The one place torch's build is chosen: where nvidia-smi sees a GPU, the default (CUDA)
+# wheel; elsewhere the CPU build 2.13.0 (an unpinned `torch` would pull a multi-GB CUDA
+# build onto a CPU-only machine).  Override with `make setup TORCH_SPEC=...`.
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+
+.PHONY: setup run test test-fast lint format bench bench-serve gpu-check compose-check clean
+
+setup: $(VENV)/.stamp
+
+$(VENV)/.stamp: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+run: setup
+	@echo "pagestream: serving on http://$(HOST):$(PORT)/  (chat page at /, OpenAI API at /v1)"
+	$(PY) -m service.cli serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(ARGS)
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow" $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check service scheduler gpu tests bench
+	$(VENV)/bin/ruff format --check service scheduler gpu tests bench
+
+format: setup
+	$(VENV)/bin/ruff check --fix service scheduler gpu tests bench
+	$(VENV)/bin/ruff format service scheduler gpu tests bench
+
+bench: setup
+	$(PY) -m bench.run $(ARGS)
+
+bench-serve: setup
+	$(PY) -m service.cli bench serve $(ARGS)
+
+# For a machine with a CUDA GPU: native kernel tests at real sizes, bandwidth, e2e decode.
+gpu-check: setup
+	$(PY) -m bench.gpu_check $(ARGS)
+
+compose-check:
+	docker-compose -f docker/docker-compose.yml config -q
+	docker-compose -f docker/docker-compose.yml -f docker/docker-compose.cuda.yml config -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,0 +1,151 @@
+"""Attention in plain torch ops: the CPU path and the reference the kernels are held to."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.attention.base import AttentionBackend, AttentionMetadata
+
+
+def write_kv_reference(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store each new token's K/V at its flat slot (block * block_size + offset)."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, nb] int
+) -> torch.Tensor:  # [B, nb * block_size, kv_heads, head_dim]
+    b, nb = block_tables.shape
+    gathered = cache.index_select(0, block_tables.reshape(-1).long())
+    return gathered.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """One sequence at a time, straight from the definition; slow, for tests."""
+    out = torch.empty_like(q)
+    bs = meta.block_size
+    qsl = meta.query_start_loc.tolist()
+    for i in range(meta.num_seqs):
+        start, end = qsl[i], qsl[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        nb = (seq_len + bs - 1) // bs
+        blocks = meta.block_tables[i, :nb].long()
+        kc = k_cache[blocks].reshape(nb * bs, *k_cache.shape[2:])[:seq_len].float()
+        vc = v_cache[blocks].reshape(nb * bs, *v_cache.shape[2:])[:seq_len].float()
+        qi = q[start:end].float()  # [L, H, D]
+        group = q.shape[1] // kc.shape[1]
+        kc = kc.repeat_interleave(group, dim=1)  # [S, H, D]
+        vc = vc.repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,shd->hls", qi, kc) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [L, S]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1)
+        out[start:end] = torch.einsum("hls,shd->lhd", probs, vc).to(q.dtype)
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Batched decode over a gathered context, then one SDPA call per prefill chunk."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            qlen = meta.query_lens_cpu[i]
+            end = start + qlen
+            out[start:end] = self._prefill(
+                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i
+            )
+            start = end
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, H, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        b = q.shape[0]
+        bs = meta.block_size
+        max_len = max(meta.seq_lens_cpu[:b])
+        nb = (max_len + bs - 1) // bs
+        tables = meta.block_tables[:b, :nb]
+        kv_heads, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv_heads
+        kc = _gather_context(k_cache, tables).transpose(1, 2)  # [B, Hkv, S, D]
+        vc = _gather_context(v_cache, tables).transpose(1, 2)
+        qg = q.view(b, kv_heads, group, d)  # [B, Hkv, G, D]
+        scores = torch.matmul(qg, kc.transpose(2, 3)).float() * self.scale  # [B, Hkv, G, S]
+        s = scores.shape[-1]
+        valid = torch.arange(s, device=q.device)[None, :] < meta.seq_lens[:b, None]  # [B, S]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(vc.dtype)
+        return torch.matmul(probs, vc).view(b, self.num_heads, d)  # [B, H, D]
+
+    def _prefill(
+        self,
+        q: torch.Tensor,  # [L, H, D]
+        k: torch.Tensor,  # [L, Hkv, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        i: int,
+    ) -> torch.Tensor:
+        qlen = q.shape[0]
+        seq_len = meta.seq_lens_cpu[i]
+        ctx = seq_len - qlen
+        group = self.num_heads // self.num_kv_heads
+        qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if ctx == 0:
+            # Nothing cached before this chunk: attend over the fresh K/V directly.
+            kt = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vt = v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=group > 1
+            )
+        else:
+            bs = meta.block_size
+            nb = (seq_len + bs - 1) // bs
+            table = meta.block_tables[i : i + 1, :nb]
+            kt = _gather_context(k_cache, table)[:, :seq_len].transpose(1, 2)  # [1, Hkv, S, D]
+            vt = _gather_context(v_cache, table)[:, :seq_len].transpose(1, 2)
+            # Query j sits at position ctx + j and sees keys 0..ctx + j (bottom-right causal).
+            q_pos = torch.arange(ctx, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=group > 1
+            )
+        return o.squeeze(0).transpose(0, 1)  # [L, H, D]

@@ -1,0 +1,207 @@
+"""Model configuration read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# architecture name -> (q/k/v bias, per-head q/k RMSNorm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint the server cannot run; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    hidden_act: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_context(self) -> int:
+        """Longest context the model supports as we run it (no sliding-window attention)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        bias_default, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ModelLoadError(f"config.json: missing required field {key!r}")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ModelLoadError(
+                f"config.json: num_attention_heads {heads} is not a multiple of "
+                f"num_key_value_heads {kv_heads}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (silu only)")
+
+        # transformers 5 nests rope settings in rope_parameters; older files keep
+        # rope_theta + rope_scaling at top level.  Accept both.
+        rope_params = raw.get("rope_parameters") or {}
+        rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = raw.get("rope_scaling") or None
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = rope_params
+        if scaling is not None:
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            if rtype == "default":
+                scaling = None
+            elif rtype != "llama3":
+                raise ModelLoadError(
+                    f"config.json: rope scaling type {rtype!r} is not supported (llama3 only)"
+                )
+            else:
+                scaling = {**scaling, "rope_type": "llama3"}
+
+        sliding = None
+        if arch == "MistralForCausalLM" or raw.get("use_sliding_window"):
+            sliding = raw.get("sliding_window") or None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", bias_default)),
+            qk_norm=qk_norm,
+            sliding_window=int(sliding) if sliding else None,
+            hidden_act=act,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{path}: no config.json (not a Hugging Face checkpoint?)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_path}: invalid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies [head_dim // 2], float32, as transformers computes them."""
+        dim = self.head_dim
+        inv = 1.0 / (
+            self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
+        if self.rope_scaling is None:
+            return inv
+        s = self.rope_scaling
+        factor = float(s["factor"])
+        low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on CPU (exact, and the oracle's dtype) and bfloat16 on CUDA."""
+    if isinstance(name, torch.dtype):
+        return name
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+    }
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise ModelLoadError(
+            f"dtype {name!r} is not supported; use auto, float32, bfloat16 or float16"
+        )
+    return table[name]
+
+
+def read_eos_token_ids(path: str | Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """EOS ids from config.json, extended by generation_config.json (chat models list the
+    end-of-turn token there)."""
+    ids = list(cfg.eos_token_ids)
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{gen}: invalid JSON: {e}") from e
+        for e in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if int(e) not in ids:
+                ids.append(int(e))
+    return tuple(ids)

@@ -1,0 +1,161 @@
+"""Load a Hugging Face checkpoint directory into a CausalLM, failing early and clearly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gpu.attention.base import AttentionBackend
+from gpu.config import ModelConfig, ModelLoadError
+from gpu.model import CausalLM, Rotary
+
+# Keys some checkpoints carry that hold no weights we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{path}: shards listed in the index are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(
+        f"{path}: no model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are supported)"
+    )
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of a checkpoint, shard by shard."""
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (cfg.q_size, h),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, cfg.q_size),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if cfg.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (cfg.q_size,),
+                p + "self_attn.k_proj.bias": (cfg.kv_size,),
+                p + "self_attn.v_proj.bias": (cfg.kv_size,),
+            }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+def _fmt(names: list[str]) -> str:
+    head = ", ".join(sorted(names)[:5])
+    return head + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+
+def read_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, checked against the config (names and shapes)."""
+    expected = _expected_shapes(cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for name, t in iter_checkpoint(path):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name not in expected:
+            # Tied checkpoints sometimes store lm_head too; it equals the embedding.
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            unexpected.append(name)
+            continue
+        if tuple(t.shape) != expected[name]:
+            raise ModelLoadError(
+                f"{path}: tensor {name} has shape {tuple(t.shape)}, "
+                f"config.json implies {expected[name]}"
+            )
+        tensors[name] = t
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: checkpoint is missing tensors: {_fmt(missing)}")
+    if unexpected:
+        raise ModelLoadError(
+            f"{path}: checkpoint has tensors {cfg.architecture} does not use: {_fmt(unexpected)}"
+        )
+    return tensors
+
+
+def _to_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> ours, fusing q/k/v and gate/up so each layer runs two fewer matmuls."""
+    sd = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head_weight"] = hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        attn = p + "self_attn."
+        sd[q + "self_attn.qkv_proj.weight"] = torch.cat(
+            [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
+        )
+        if cfg.attention_bias:
+            sd[q + "self_attn.qkv_proj.bias"] = torch.cat(
+                [hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]]
+            )
+        if cfg.qk_norm:
+            sd[q + "self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
+            sd[q + "self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
+        sd[q + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+        sd[q + "mlp.gate_up_proj.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+        )
+        sd[q + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
+        sd[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        sd[q + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return sd
+
+
+def load_model(
+    path: str | Path,
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> CausalLM:
+    """Build the model on the meta device and assign the checkpoint's tensors into it."""
+    hf = read_checkpoint(path, cfg)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in _to_state_dict(cfg, hf).items()}
+    del hf
+    with torch.device("meta"):
+        model = CausalLM(cfg, backend, max_positions)
+    model.load_state_dict(sd, strict=True, assign=True)
+    # Non-persistent buffers were built on meta; rebuild them for real.
+    model.rotary = Rotary(cfg, max_positions).to(device)
+    return model.eval().requires_grad_(False)

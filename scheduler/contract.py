@@ -1,0 +1,94 @@
+"""The step contract: one SchedulerOutput to the model runner, one ModelOutput back.
+
+Plain Python lists only (no tensors): the scheduler stays torch-free and these objects can
+cross a thread or process boundary.  Only the scheduler writes request state; the runner
+caches what `NewRequestData` tells it once and drops it when the id appears in
+`finished_req_ids`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from scheduler.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, gc=False, kw_only=True):
+    """Sent once per request lifetime, the first step it is scheduled (or forked)."""
+
+    req_id: str
+    prompt_len: int
+    # Every token known when the request is registered (prompt, then any output so far,
+    # as for a child forked after its parent's first sample).  Penalties read it.
+    token_ids: list[int]
+    sampling: SamplingParams
+    # Which of the n samples of its group this is: a seeded request draws from
+    # seed + sample_index, so the n samples differ yet repeat run after run.
+    sample_index: int = 0
+
+
+class ScheduledRequest(msgspec.Struct, gc=False, kw_only=True):
+    """One request's work in a step."""
+
+    req_id: str
+    input_ids: list[int]  # tokens fed this step (decode: 1, prefill chunk: many)
+    start_pos: int  # position of input_ids[0]; equals num_computed_tokens before the step
+    block_table: list[int]  # physical blocks covering positions [0, start_pos + len(input_ids))
+    sample: bool  # the chunk ends at the last known token: sample the next one
+    # n > 1: requests forked from this one at its first sample; each draws its own token
+    # from this request's logits row (the prompt's KV was computed once, here).
+    fork_ids: list[str] = msgspec.field(default_factory=list)
+
+
+class KVBlockPayload(msgspec.Struct, gc=False, kw_only=True):
+    """The K and V of every layer for one block, as raw bytes (Redis prefix tier)."""
+
+    block_id: int
+    data: bytes
+
+
+class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
+    step: int
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]
+    finished_req_ids: list[str]
+    # (src, dst): copy a block's KV before the forward (copy-on-write of a shared block).
+    copy_blocks: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # KV to write into blocks before the forward (blocks loaded from the Redis tier).
+    load_kv: list[KVBlockPayload] = msgspec.field(default_factory=list)
+    # Blocks to read out after the forward (full blocks published to the Redis tier).
+    save_kv_blocks: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.input_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.copy_blocks and not self.load_kv
+
+
+class TokenLogprobs(msgspec.Struct, gc=False, array_like=True):
+    """Logprob of the sampled token, and the top-n alternatives (model distribution)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class ModelOutput(msgspec.Struct, gc=False, kw_only=True):
+    # Requests that sampled this step, in order, with their token (forked children too).
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    # Parallel to req_ids when any request asked for logprobs; None entries otherwise.
+    logprobs: list[TokenLogprobs | None] | None = None
+    # Payloads of save_kv_blocks, in the same order.
+    saved_kv: list[KVBlockPayload] = msgspec.field(default_factory=list)
+    # Set when a request failed inside the runner (e.g. a bad payload): req_id -> reason.
+    errors: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """Id of the index-th sample (index >= 1) of an n > 1 request; sample 0 is the parent."""
+    return f"{parent_id}#{index}"

@@ -1,0 +1,56 @@
+"""The executor actor: runs the model runner off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from scheduler.contract import ModelOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute_model(self, so: SchedulerOutput) -> ModelOutput: ...
+
+
+class ExecutorError(RuntimeError):
+    """The model runner raised: the engine cannot go on."""
+
+
+def describe_step(so: SchedulerOutput) -> str:
+    reqs = ", ".join(
+        f"{r.req_id}[pos {r.start_pos}+{len(r.input_ids)}, {len(r.block_table)} blocks]"
+        for r in so.scheduled[:16]
+    )
+    more = f" (+{len(so.scheduled) - 16} more)" if len(so.scheduled) > 16 else ""
+    return (
+        f"step {so.step}: {len(so.scheduled)} requests, {so.num_scheduled_tokens} tokens, "
+        f"{len(so.new_requests)} new, {len(so.copy_blocks)} block copies, "
+        f"{len(so.load_kv)} KV loads: {reqs}{more}"
+    )
+
+
+class ThreadExecutor:
+    """One dedicated worker thread: torch releases the GIL inside its kernels, so the
+    event loop keeps serving sockets while a step computes."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagestream-exec")
+
+    async def execute(self, so: SchedulerOutput) -> ModelOutput:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, self.runner.execute_model, so)
+        except Exception as e:
+            log.exception("model runner failed at %s", describe_step(so))
+            raise ExecutorError(f"model runner failed at step {so.step}: {e!r}") from e
+
+    def execute_sync(self, so: SchedulerOutput) -> ModelOutput:
+        return self.runner.execute_model(so)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,148 @@
+"""Per-request block tables on top of the block pool: prefix hits, slot allocation,
+copy-on-write and forks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler.block_pool import Block, BlockEvent, BlockPool
+from scheduler.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        on_event: Callable[[BlockEvent], None] | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, on_event)
+        self.req_blocks: dict[str, list[Block]] = {}
+        # The same tables as plain ids, kept in step so a step copies them with list().
+        self.req_block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    # ---------------------------------------------------------------- look-up
+    def get_computed_blocks(self, req: Request) -> list[Block]:
+        """Longest chain of locally cached full blocks for a request with nothing computed.
+
+        At least the last token is always left to compute: its logits are what we sample.
+        """
+        assert req.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        req.update_block_hashes(bs)
+        hits: list[Block] = []
+        for h in req.block_hashes[: (req.num_tokens - 1) // bs]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def blocks_of(self, req_id: str) -> list[Block]:
+        return self.req_blocks.get(req_id, [])
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return self.req_block_ids.get(req_id, [])
+
+    # ---------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        copies: list[tuple[int, int]],
+        new_computed_blocks: list[Block] | None = None,
+    ) -> list[Block] | None:
+        """Give `req` slots for `num_new_tokens` tokens after its computed ones.
+
+        `new_computed_blocks` are local prefix hits taken on admission.  On success returns the newly allocated blocks and appends to `copies` the
+        (src, dst) KV copy a copy-on-write needs; on a short pool returns None and
+        changes nothing.
+        """
+        bs = self.block_size
+        hits = new_computed_blocks or []
+        blocks = self.req_blocks.get(req.req_id)
+        if blocks is None:
+            blocks = []
+        num_computed = req.num_computed_tokens + len(hits) * bs
+        total = num_computed + num_new_tokens
+        need = -(-total // bs) - len(blocks) - len(hits)
+        # A fork shares its parent's partial last block; whoever writes it first while
+        # it is shared gets a private copy.
+        first = num_computed // bs
+        cow = num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1
+        revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if max(need, 0) + cow + revived > self.pool.num_free:
+            return None
+        ids = self.req_block_ids.setdefault(req.req_id, [])
+        self.pool.touch(hits)
+        fresh = self.pool.allocate(need) if need > 0 else []
+        assert fresh is not None
+        for b in (*hits, *fresh):
+            blocks.append(b)
+            ids.append(b.block_id)
+        if cow:
+            (copy,) = self.pool.allocate(1) or ()
+            old = blocks[first]
+            copies.append((old.block_id, copy.block_id))
+            self.pool.free([old])
+            blocks[first] = copy
+            ids[first] = copy.block_id
+        self.req_blocks[req.req_id] = blocks
+        self._cache_full_blocks(req, blocks, total)
+        return fresh
+
+    def _cache_full_blocks(self, req: Request, blocks: list[Block], num_tokens: int) -> None:
+        """Register the blocks that are full once this step has run.
+
+        Registering before the forward pass is safe: every backend writes a step's K/V
+        before any attention reads, so a request that hits these blocks in the same
+        step reads finished values.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(num_tokens, req.num_tokens) // bs
+        start = self.num_cached_blocks.get(req.req_id, 0)
+        if full <= start:
+            return
+        req.update_block_hashes(bs)
+        hashes = req.block_hashes
+        for i in range(start, full):
+            self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None)
+        self.num_cached_blocks[req.req_id] = full
+
+    # ---------------------------------------------------------------- release
+    def free(self, req: Request) -> None:
+        """Release a request's blocks, tail first (its tail is evicted before its prefix)."""
+        blocks = self.req_blocks.pop(req.req_id, None)
+        self.req_block_ids.pop(req.req_id, None)
+        self.num_cached_blocks.pop(req.req_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share all of the parent's blocks with a child (read-only until copy-on-write)."""
+        blocks = list(self.req_blocks[parent.req_id])
+        self.pool.touch(blocks)
+        self.req_blocks[child.req_id] = blocks
+        self.req_block_ids[child.req_id] = [b.block_id for b in blocks]
+        self.num_cached_blocks[child.req_id] = self.num_cached_blocks.get(parent.req_id, 0)
+        child.block_hashes = list(parent.block_hashes)
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage()

@@ -1,0 +1,102 @@
+"""Engine-side request state.  Only the scheduler mutates it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from scheduler.block_pool import BlockHash, hash_block
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # not yet admitted, or preempted and waiting to recompute
+    WAITING_FOR_PARENT = 1  # sample i > 0 of an n > 1 group, before the prompt is computed
+    WAITING_FOR_REMOTE = 2  # looking up the Redis prefix tier
+    RUNNING = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        max_tokens: int,
+        cache_salt: str | None = None,
+        sample_index: int = 0,
+        group_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.group_id = group_id or req_id
+        self.params = params
+        self.sample_index = sample_index
+        self.prompt_len = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.max_tokens = max_tokens  # already capped by max_model_len
+        self.cache_salt = cache_salt
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        )
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_hashes: list[BlockHash] = []
+        self.fork_ids: list[str] = []  # n > 1: children waiting for this one's first token
+        self.registered = False  # the runner has this request's NewRequestData
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from a prefix cache (first admission)
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.remote_lookup_done = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend the hash chain over every full block of known tokens."""
+        full = len(self.token_ids) // block_size
+        hashes = self.block_hashes
+        while len(hashes) < full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block(
+                    parent, self.token_ids[i * block_size : (i + 1) * block_size], self.cache_salt
+                )
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id}, {self.status.name}, computed={self.num_computed_tokens}"
+            f"/{self.num_tokens})"
+        )

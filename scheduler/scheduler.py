@@ -1,0 +1,374 @@
+"""Continuous batching with chunked prefill: which tokens of which requests run each step.
+
+There are no prefill/decode phases.  Every request has `num_computed_tokens` chasing
+`num_tokens`; a step gives each running request what it needs (a decode needs 1) and
+fills the rest of the token budget with prompt chunks.  Chunked prefill, prefix-cache
+hits and recompute after preemption all follow from that one rule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.block_pool import BlockEvent
+from scheduler.contract import (
+    ModelOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import FINISH_REASONS, Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot take (too long, bad params); the message says why."""
+
+
+@dataclass
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({self.num_kv_blocks} blocks of {self.block_size} tokens) cannot "
+                f"hold one sequence of max_model_len {self.max_model_len}; add blocks or lower "
+                "max_model_len"
+            )
+
+
+@dataclass
+class RequestUpdate:
+    """What one sequence produced in one step (or how it ended)."""
+
+    req_id: str
+    group_id: str
+    sample_index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        on_block_event: Callable[[BlockEvent], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(
+            config.num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            on_event=on_block_event,
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
+        self.finished_req_ids: list[str] = []  # to tell the runner next step
+        self.num_preemptions = 0
+        self.step_id = 0
+
+    # ---------------------------------------------------------------- intake
+    def add_request(self, group: list[Request]) -> None:
+        """Queue a request (group[0]) and, for n > 1, its other samples, which are forked
+        from it once its prompt is computed."""
+        parent = group[0]
+        max_len = self.config.max_model_len
+        if parent.prompt_len == 0:
+            raise RequestRejected("the prompt is empty")
+        if parent.prompt_len >= max_len:
+            raise RequestRejected(
+                f"the prompt has {parent.prompt_len} tokens; max_model_len is {max_len}, which "
+                "must leave room for at least one generated token"
+            )
+        if parent.group_id in self.groups:
+            raise RequestRejected(f"request id {parent.group_id!r} is already in use")
+        for r in group:
+            if r.req_id in self.requests:
+                raise RequestRejected(f"request id {r.req_id!r} is already in use")
+        parent.fork_ids = [r.req_id for r in group[1:]]
+        for child in group[1:]:
+            child.status = RequestStatus.WAITING_FOR_PARENT
+        for r in group:
+            self.requests[r.req_id] = r
+        self.groups[parent.group_id] = group
+        self.waiting.append(parent)
+
+    def abort(self, group_id: str) -> list[RequestUpdate]:
+        """End every live sequence of a request; frees their blocks now."""
+        group = self.groups.get(group_id)
+        if not group:
+            return []
+        updates = []
+        for r in group:
+            if r.status.finished:
+                continue
+            if r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE):
+                try:
+                    self.waiting.remove(r)
+                except ValueError:
+                    pass
+            self._finish(r, RequestStatus.FINISHED_ABORTED)
+            updates.append(self._update(r, []))
+        return updates
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        new_reqs: list[NewRequestData] = []
+        copies: list[tuple[int, int]] = []
+        done: set[str] = set()
+        preempted = False
+
+        # Decodes first, then partly computed prompts: a long prompt never delays a decode.
+        order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n, copies) is None:
+                victim = self._newest_unscheduled(done)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            self._schedule(req, n, scheduled, new_reqs)
+            done.add(req.req_id)
+            budget -= n
+
+        # No admissions in a step that preempted: the pool is already short.
+        while self.waiting and budget > 0 and not preempted:
+            req = self.waiting[0]
+            if len(self.running) + 1 + len(req.fork_ids) > cfg.max_num_seqs:
+                break
+            hits = self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, n, copies, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule(req, n, scheduled, new_reqs)
+            done.add(req.req_id)
+            budget -= n
+
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        self.step_id += 1
+        return SchedulerOutput(
+            step=self.step_id,
+            new_requests=new_reqs,
+            scheduled=scheduled,
+            finished_req_ids=finished,
+            copy_blocks=copies,
+        )
+
+    def _schedule(
+        self,
+        req: Request,
+        n: int,
+        scheduled: list[ScheduledRequest],
+        new_reqs: list[NewRequestData],
+    ) -> None:
+        s = req.num_computed_tokens
+        sample = s + n == req.num_tokens
+        forks = req.fork_ids if sample else []
+        scheduled.append(
+            ScheduledRequest(
+                req_id=req.req_id,
+                input_ids=req.token_ids[s : s + n],
+                start_pos=s,
+                block_table=list(self.kv.block_ids(req.req_id)),
+                sample=sample,
+                fork_ids=list(forks),
+            )
+        )
+        if not req.registered:
+            new_reqs.append(self._new_request_data(req))
+        for cid in forks:
+            child = self.requests[cid]
+            if not child.registered:
+                new_reqs.append(self._new_request_data(child))
+
+    @staticmethod
+    def _new_request_data(req: Request) -> NewRequestData:
+        req.registered = True
+        return NewRequestData(
+            req_id=req.req_id,
+            prompt_len=req.prompt_len,
+            token_ids=list(req.token_ids),
+            sampling=req.params,
+            sample_index=req.sample_index,
+        )
+
+    def _newest_unscheduled(self, done: set[str]) -> Request:
+        for r in reversed(self.running):
+            if r.req_id not in done:
+                return r
+        raise AssertionError("nothing left to preempt")  # pragma: no cover
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks; it recomputes later (prefix hits permitting)."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---------------------------------------------------------------- update
+    def update_from_output(self, so: SchedulerOutput, mo: ModelOutput) -> list[RequestUpdate]:
+        """Advance every scheduled request by what the step computed and sampled."""
+        sampled = {rid: i for i, rid in enumerate(mo.req_ids)}
+        logprobs = mo.logprobs
+        updates: list[RequestUpdate] = []
+        for sr in so.scheduled:
+            req = self.requests.get(sr.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            req.num_computed_tokens += len(sr.input_ids)
+            if not sr.sample:
+                continue
+            if rid_err := mo.errors.get(req.req_id):
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                updates.append(self._update(req, [], error=rid_err))
+                continue
+            # Fork before the parent can finish and free the shared prompt blocks.
+            for cid in sr.fork_ids:
+                child = self.requests.get(cid)
+                if child is None or child.status != RequestStatus.WAITING_FOR_PARENT:
+                    continue
+                self.kv.fork(req, child)
+                child.num_computed_tokens = req.num_computed_tokens
+                child.first_scheduled_time = req.first_scheduled_time
+                child.num_cached_tokens = req.num_cached_tokens
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+                i = sampled[cid]
+                updates.append(
+                    self._append_token(child, mo.sampled_token_ids[i], logprobs and logprobs[i])
+                )
+            req.fork_ids = []
+            i = sampled[req.req_id]
+            updates.append(self._append_token(req, mo.sampled_token_ids[i], logprobs and logprobs[i]))
+        return updates
+
+    def _append_token(
+        self, req: Request, tok: int, lp: TokenLogprobs | None
+    ) -> RequestUpdate:
+        req.token_ids.append(tok)
+        n_out = req.num_output_tokens
+        status = None
+        if tok in req.stop_ids and n_out >= req.params.min_tokens:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_token_id = tok
+        elif n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(req, status)
+        return self._update(req, [tok], [lp] if req.params.logprobs is not None else None)
+
+    def _update(
+        self,
+        req: Request,
+        toks: list[int],
+        lps: list[TokenLogprobs | None] | None = None,
+        error: str | None = None,
+    ) -> RequestUpdate:
+        return RequestUpdate(
+            req_id=req.req_id,
+            group_id=req.group_id,
+            sample_index=req.sample_index,
+            new_token_ids=toks,
+            logprobs=lps,
+            finish_reason=req.finish_reason,
+            stop_token_id=req.stop_token_id,
+            num_prompt_tokens=req.prompt_len,
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
+        )
+
+    def finish_external(self, req_id: str, status: RequestStatus) -> RequestUpdate | None:
+        """End one sequence for a reason found outside the engine (e.g. a stop string)."""
+        req = self.requests.get(req_id)
+        if req is None or req.status.finished:
+            return None
+        if req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE):
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self._finish(req, status)
+        return self._update(req, [])
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.finish_reason = FINISH_REASONS[status]
+        if req.registered:
+            self.finished_req_ids.append(req.req_id)
+        del self.requests[req.req_id]
+        group = self.groups.get(req.group_id)
+        if group is not None and all(r.status.finished for r in group):
+            del self.groups[req.group_id]
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )

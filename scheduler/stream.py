@@ -1,0 +1,74 @@
+"""Per-request output channel between the engine actor and one consumer.
+
+The engine only appends and sets an event, so a slow consumer never blocks a step; what
+piles up between two reads is merged into one delta per sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from scheduler.scheduler import RequestUpdate
+
+
+def merge_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
+    """Fold several updates of the same sequence into one, keeping sequence order."""
+    merged: dict[str, RequestUpdate] = {}
+    for u in updates:
+        m = merged.get(u.req_id)
+        if m is None:
+            merged[u.req_id] = RequestUpdate(
+                req_id=u.req_id,
+                group_id=u.group_id,
+                sample_index=u.sample_index,
+                new_token_ids=list(u.new_token_ids),
+                logprobs=list(u.logprobs) if u.logprobs is not None else None,
+                finish_reason=u.finish_reason,
+                stop_token_id=u.stop_token_id,
+                num_prompt_tokens=u.num_prompt_tokens,
+                num_cached_tokens=u.num_cached_tokens,
+                error=u.error,
+            )
+            continue
+        m.new_token_ids += u.new_token_ids
+        if u.logprobs is not None:
+            m.logprobs = (m.logprobs or []) + list(u.logprobs)
+        m.finish_reason = u.finish_reason or m.finish_reason
+        m.stop_token_id = u.stop_token_id if u.stop_token_id is not None else m.stop_token_id
+        m.error = u.error or m.error
+    return list(merged.values())
+
+
+class RequestStream:
+    def __init__(self, group_id: str, n: int = 1) -> None:
+        self.group_id = group_id
+        self.n = n
+        self._pending: list[RequestUpdate] = []
+        self._event = asyncio.Event()
+        self._live = n  # sequences not finished yet
+        self.error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._live == 0 or self.error is not None
+
+    def put(self, updates: list[RequestUpdate]) -> None:
+        """Engine side: never blocks."""
+        self._pending.extend(updates)
+        self._live -= sum(1 for u in updates if u.finish_reason is not None)
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._event.set()
+
+    async def get(self) -> list[RequestUpdate]:
+        """Consumer side: everything since the last call, one merged update per sequence.
+        Raises the engine's error if the engine died."""
+        while not self._pending:
+            if self.error is not None:
+                raise self.error
+            self._event.clear()
+            await self._event.wait()
+        pending, self._pending = self._pending, []
+        return merge_updates(pending)
