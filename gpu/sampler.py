@@ -1,0 +1,418 @@
+"""Batched token sampler: one call per step turns the logits of every sampling row into a token.
+
+Per row, in vLLM's order: raw logits -> min_tokens masking -> repetition / frequency / presence
+penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample.
+
+Sampling uses the exponential race: with q ~ Exp(1) drawn independently per token,
+argmax(probs / q) is a sample from probs.  It needs no normalisation and no cumulative sum, and
+filtered tokens are simply probability 0.  A seeded row draws its whole [V] vector of q from its
+own generator, so its tokens depend only on its own logits and seed, never on its batchmates.
+
+Every stage only touches the rows that need it: an all-greedy batch with no penalties and no
+logprobs is a single argmax.  The caller's logits tensor is never written to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.contract import NewRequestData, TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+
+# vLLM raises temperatures in (0, 0.01) to 0.01: smaller ones blow logits / T up towards inf.
+_MIN_TEMPERATURE = 1e-2
+# Top-p looks for the nucleus among the most likely 256 tokens (a cheap topk), then 4096 for
+# the rows whose nucleus is wider; only the rest sort the whole vocabulary (~25x slower on CPU).
+_TOP_P_WINDOWS = (256, 4096)
+# torch.Generator.manual_seed takes a 64-bit value; request seeds are unbounded Python ints.
+_SEED_MASK = (1 << 64) - 1
+
+
+class RequestSamplingState:
+    """Per-request state the model runner caches (created once from NewRequestData).
+
+    `token_ids` is the prompt followed by every output token so far; the runner calls
+    `append` with each sampled token.  Penalties and min_tokens read it.
+    """
+
+    __slots__ = (
+        "_prompt_ids",
+        "generator",
+        "greedy",
+        "needs_penalties",
+        "params",
+        "plain_greedy",
+        "prompt_len",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_len: int,
+        token_ids: list[int],
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.params = params
+        self.generator = generator
+        self.prompt_len = prompt_len
+        self.token_ids = token_ids
+        # Cached once: the per-step loop reads plain attributes instead of re-deriving them.
+        self.greedy = params.greedy
+        self.needs_penalties = params.needs_penalties
+        # Rows that can take the batch-wide argmax fast path whatever their state.
+        self.plain_greedy = (
+            self.greedy
+            and not self.needs_penalties
+            and params.logprobs is None
+            and params.min_tokens == 0
+        )
+        self._prompt_ids: torch.Tensor | None = None
+
+    @classmethod
+    def create(cls, data: NewRequestData, device: torch.device) -> RequestSamplingState:
+        """State for a newly registered request; seeded requests get their own generator."""
+        params = data.sampling
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            # seed + sample_index: the n samples of one request differ, yet repeat run to run.
+            generator.manual_seed((params.seed + data.sample_index) & _SEED_MASK)
+        return cls(params, data.prompt_len, list(data.token_ids), generator)
+
+    def append(self, token_id: int) -> None:
+        """Record a sampled token (the runner calls this once per step per sampled row)."""
+        self.token_ids.append(token_id)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    def prompt_id_tensor(self, device: torch.device) -> torch.Tensor:
+        """Distinct prompt token ids as an int64 tensor, built once (repetition penalty)."""
+        if self._prompt_ids is None or self._prompt_ids.device != device:
+            ids = torch.tensor(self.token_ids[: self.prompt_len], dtype=torch.long, device=device)
+            self._prompt_ids = torch.unique(ids)
+        return self._prompt_ids
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None] | None  # None when no row asked for logprobs
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[RequestSamplingState]) -> torch.Tensor:
+    """Apply vLLM's repetition, frequency and presence penalties to `logits` in place.
+
+    logits: [P, V], one row per entry of `rows`.  Repetition penalty scales every token seen
+    in the prompt or the output (positive logits divided, others multiplied); frequency and
+    presence penalties subtract penalty * count and penalty * (count > 0) over output tokens.
+    Returns `logits`.
+    """
+    _penalize(logits, list(range(len(rows))), rows)
+    return logits
+
+
+def _penalize(
+    logits: torch.Tensor,  # [R, V], written in place
+    row_ids: list[int],  # the rows of logits to penalise
+    rows: Sequence[RequestSamplingState],  # their states, parallel to row_ids
+) -> None:
+    """Penalties touch only the tokens a row has seen, so work on those (row, token) pairs
+    alone: O(tokens seen), never O(rows * vocabulary)."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    # Output tokens as flat (row * V + token) keys, then their counts per (row, token).
+    outputs = [r.token_ids[r.prompt_len :] for r in rows]
+    out_keys = torch.tensor(
+        [i * vocab + t for i, o in zip(row_ids, outputs, strict=True) for t in o],
+        dtype=torch.long,
+    ).to(dev)
+    out_uniq, out_count = torch.unique(out_keys, return_counts=True)  # sorted keys
+    keys = [out_uniq]
+    rep = [r.params.repetition_penalty for r in rows]
+    for i, r, p in zip(row_ids, rows, rep, strict=True):
+        # Repetition penalty also covers the prompt (its distinct ids are cached per request).
+        if p != 1.0 and r.prompt_len:
+            keys.append(r.prompt_id_tensor(dev) + i * vocab)
+    # A key may appear twice (a prompt token also in the output): both copies compute the
+    # same value from the same inputs, so the duplicate write below is harmless.
+    keys_t = torch.cat(keys)  # [N]
+    if keys_t.numel() == 0:
+        return
+    # Output count of every key: look it up among the sorted output keys (0 if absent).
+    count = torch.zeros(keys_t.shape, dtype=logits.dtype, device=dev)  # [N]
+    if out_uniq.numel():
+        j = torch.searchsorted(out_uniq, keys_t).clamp_max_(out_uniq.numel() - 1)
+        count = torch.where(out_uniq[j] == keys_t, out_count[j].to(logits.dtype), count)
+    # Per-row parameters, expanded to the keys' rows.
+    slot_of_row = torch.full((logits.shape[0],), -1, dtype=torch.long)  # [R]
+    slot_of_row[torch.tensor(row_ids, dtype=torch.long)] = torch.arange(len(row_ids))
+    row = keys_t // vocab
+    tok = keys_t - row * vocab
+    slot = slot_of_row.to(dev)[row]  # [N] index into rows
+
+    def param(values: list[float]) -> torch.Tensor:  # [N]
+        return torch.tensor(values, dtype=logits.dtype, device=dev)[slot]
+
+    val = logits[row, tok]  # [N]
+    if any(p != 1.0 for p in rep):
+        penalty = param(rep)
+        # Same arithmetic as vLLM (multiply by 1/penalty), so results match it bit for bit.
+        val = val * torch.where(val > 0, 1.0 / penalty, penalty)
+    freq = [r.params.frequency_penalty for r in rows]
+    if any(freq):
+        val = val - param(freq) * count
+    pres = [r.params.presence_penalty for r in rows]
+    if any(pres):
+        val = val - param(pres) * (count > 0)
+    logits[row, tok] = val
+
+
+def _on_rows(t: torch.Tensor, pos: list[int], fn: Callable[[torch.Tensor], None]) -> None:
+    """Run the in-place `fn` on rows `pos` of `t`, copying them out only for a strict subset."""
+    if len(pos) == t.shape[0]:
+        fn(t)
+        return
+    idx = torch.tensor(pos, device=t.device)
+    sub = t.index_select(0, idx)
+    fn(sub)
+    t.index_copy_(0, idx, sub)
+
+
+def _top_k_(probs: torch.Tensor, k: list[int]) -> None:
+    """Zero every prob below the row's k-th largest (ties with it are kept, as in vLLM)."""
+    k_t = torch.tensor(k, device=probs.device).unsqueeze(1)  # [K, 1]
+    kth = probs.topk(max(k), dim=-1).values.gather(1, k_t - 1)  # [K, 1]
+    probs.masked_fill_(probs < kth, 0.0)
+
+
+def _nucleus_floor(
+    desc: torch.Tensor,  # [S, W] probs sorted descending (the top W of each row)
+    limit: torch.Tensor,  # [S, 1] top_p * mass of the row
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest kept prob of each row's nucleus, and whether the nucleus fits in the W."""
+    cum = desc.cumsum(-1)  # [S, W]
+    # Keep a token while the mass strictly above it is below the limit (vLLM: drop tokens
+    # whose ascending cumulative mass <= 1 - p); the top token is always kept.
+    n_keep = ((cum - desc) < limit).sum(-1, keepdim=True)  # [S, 1], >= 1
+    return desc.gather(1, n_keep - 1), cum[:, -1:] >= limit
+
+
+def _top_p_(probs: torch.Tensor, top_p: list[float]) -> None:
+    """Zero every prob outside the row's nucleus, computed on what top-k left (renormalised).
+
+    The nucleus is cut at a probability value, so tokens tied with its smallest member are
+    all kept (vLLM's sort splits such ties arbitrarily).
+    """
+    vocab = probs.shape[1]
+    mass = probs.sum(-1, keepdim=True)  # [S, 1]; < 1 when top-k already removed tokens
+    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device).unsqueeze(1) * mass
+    floor = torch.empty_like(limit)  # [S, 1] smallest prob kept
+    todo = torch.arange(probs.shape[0], device=probs.device)  # rows whose floor is unknown
+    for window in (*_TOP_P_WINDOWS, vocab):
+        window = min(window, vocab)
+        sub = probs if todo.numel() == probs.shape[0] else probs.index_select(0, todo)
+        if window == vocab:
+            desc = sub.sort(dim=-1, descending=True).values  # [n, V]
+        else:
+            desc = sub.topk(window, dim=-1).values  # [n, window], descending
+        sub_floor, fits = _nucleus_floor(desc, limit.index_select(0, todo))
+        floor.index_copy_(0, todo, sub_floor)
+        if window == vocab:
+            break
+        fits = fits.squeeze(1)
+        if bool(fits.all()):
+            break
+        todo = todo[~fits]
+    probs.masked_fill_(probs < floor, 0.0)
+
+
+def _min_p_(probs: torch.Tensor, min_p: list[float]) -> None:
+    """Zero every prob below min_p times the row's largest."""
+    scale = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+    probs.masked_fill_(probs < probs.amax(-1, keepdim=True) * scale, 0.0)
+
+
+class Sampler:
+    """Samples one token per row from a step's logits; see the module docstring for the order."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(t for t in dict.fromkeys(eos_token_ids) if 0 <= t < vocab_size)
+        self.device = torch.device(device)
+        # Unseeded rows draw from this, so an engine started with the same seed repeats itself.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed & _SEED_MASK)
+
+    def __call__(self, logits: torch.Tensor, rows: list[RequestSamplingState]) -> SamplerOutput:
+        """Sample a token for each row.  logits: [R, >= V] float32 on `device`, never modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if logits.shape[1] > self.vocab_size:
+            # A padded lm_head: the columns past the vocabulary are not tokens.
+            logits = logits[:, : self.vocab_size]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if all(r.plain_greedy for r in rows):
+            return SamplerOutput(token_ids=logits.argmax(-1).tolist(), logprobs=None)
+        return self._sample(logits, rows)
+
+    def _sample(self, logits: torch.Tensor, rows: list[RequestSamplingState]) -> SamplerOutput:
+        num_rows, vocab = logits.shape
+        dev = logits.device
+        greedy: list[int] = []
+        unseeded: list[int] = []
+        seeded: list[int] = []
+        min_tok: list[int] = []
+        penal: list[int] = []
+        want_lp: list[int] = []
+        for i, r in enumerate(rows):
+            if r.greedy:
+                greedy.append(i)
+            elif r.generator is None:
+                unseeded.append(i)
+            else:
+                seeded.append(i)
+            p = r.params
+            if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
+                min_tok.append(i)
+            if r.needs_penalties:
+                penal.append(i)
+            if p.logprobs is not None:
+                want_lp.append(i)
+
+        x = logits  # [R, V]; copied before the first in-place write so logprobs see raw logits
+        if min_tok:
+            x = x.clone()
+            # vLLM masks the model's eos even under ignore_eos (its all_stop_token_ids always
+            # holds it), plus the request's stop_token_ids.
+            mask_r: list[int] = []
+            mask_c: list[int] = []
+            for i in min_tok:
+                stop = [t for t in rows[i].params.stop_token_ids if 0 <= t < vocab]
+                ids = [*self.eos_token_ids, *stop]
+                mask_r += [i] * len(ids)
+                mask_c += ids
+            if mask_c:
+                x[torch.tensor(mask_r, device=dev), torch.tensor(mask_c, device=dev)] = -torch.inf
+        if penal:
+            if x is logits:
+                x = x.clone()
+            _penalize(x, penal, [rows[i] for i in penal])
+
+        tokens = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
+        if len(greedy) == num_rows:
+            tokens = x.argmax(-1)
+        elif greedy:
+            g = torch.tensor(greedy, device=dev)
+            tokens.index_copy_(0, g, x.index_select(0, g).argmax(-1))
+
+        # Random rows, unseeded first: their noise is then one contiguous batched draw.
+        rand = unseeded + seeded
+        if rand:
+            if len(rand) == num_rows and (not seeded or not unseeded or unseeded[-1] < seeded[0]):
+                tokens = self._sample_rows(x, [rows[i] for i in rand], len(unseeded), x is logits)
+            else:
+                r_idx = torch.tensor(rand, device=dev)
+                sub = x.index_select(0, r_idx)  # [Rr, V]
+                sampled = self._sample_rows(sub, [rows[i] for i in rand], len(unseeded), False)
+                tokens.index_copy_(0, r_idx, sampled)
+
+        logprobs = self._logprobs(logits, tokens, rows, want_lp)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def _sample_rows(
+        self,
+        x: torch.Tensor,  # [Rr, V] penalised logits of the random rows, unseeded rows first
+        rows: list[RequestSamplingState],
+        num_unseeded: int,
+        shared: bool,  # x is the caller's tensor: no in-place writes
+    ) -> torch.Tensor:  # [Rr] token ids
+        vocab = x.shape[1]
+        temps = [max(r.params.temperature, _MIN_TEMPERATURE) for r in rows]
+        if any(t != 1.0 for t in temps):
+            t = torch.tensor(temps, dtype=x.dtype, device=x.device).unsqueeze(1)  # [Rr, 1]
+            x = x / t if shared else x.div_(t)
+        probs = torch.softmax(x, dim=-1)  # [Rr, V]
+
+        top_k: list[int] = []
+        k_pos: list[int] = []
+        top_p: list[float] = []
+        p_pos: list[int] = []
+        min_p: list[float] = []
+        m_pos: list[int] = []
+        for j, r in enumerate(rows):
+            p = r.params
+            if 0 < p.top_k < vocab:
+                k_pos.append(j)
+                top_k.append(p.top_k)
+            if p.top_p < 1.0:
+                p_pos.append(j)
+                top_p.append(p.top_p)
+            if p.min_p > 0.0:
+                m_pos.append(j)
+                min_p.append(p.min_p)
+        # Filters zero probabilities in place; the race needs no renormalisation afterwards.
+        if k_pos:
+            _on_rows(probs, k_pos, lambda sub: _top_k_(sub, top_k))
+        if p_pos:
+            _on_rows(probs, p_pos, lambda sub: _top_p_(sub, top_p))
+        if m_pos:
+            _on_rows(probs, m_pos, lambda sub: _min_p_(sub, min_p))
+
+        q = torch.empty_like(probs)  # [Rr, V]
+        if num_unseeded:
+            q[:num_unseeded].uniform_(generator=self.generator)
+        for j in range(num_unseeded, len(rows)):
+            q[j].uniform_(generator=rows[j].generator)  # one full [V] draw per seeded sample
+        # Exp(1) by inversion: log(u) = -q with u in [0, 1), so argmax(probs / q) is
+        # argmin(probs / log(u)) and saves a negation pass.  log(u) < 0 is never 0, so a filtered
+        # token gives -0.0 (never NaN) and loses to every kept token, whose value is < 0.
+        # (uniform_ + log_ is ~3x cheaper than exponential_ on CPU.)
+        q.log_()
+        return probs.div_(q).argmin(-1)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor,  # [R, V] raw
+        tokens: torch.Tensor,  # [R]
+        rows: list[RequestSamplingState],
+        want: list[int],
+    ) -> list[TokenLogprobs | None] | None:
+        """Logprob of each sampled token and the top-n, from the raw logits (vLLM's default)."""
+        if not want:
+            return None
+        if len(want) == len(rows):
+            raw, tok = logits, tokens
+        else:
+            idx = torch.tensor(want, device=logits.device)
+            raw, tok = logits.index_select(0, idx), tokens.index_select(0, idx)
+        lp = torch.log_softmax(raw, dim=-1)  # [L, V]
+        tok_lp = lp.gather(1, tok.unsqueeze(1)).squeeze(1).tolist()
+        tok_ids = tok.tolist()
+        ns = [rows[i].params.logprobs or 0 for i in want]
+        if max(ns):
+            top_v, top_i = lp.topk(max(ns), dim=-1)  # [L, n_max], sorted descending
+            top_vals, top_ids = top_v.tolist(), top_i.tolist()
+        else:
+            top_vals = top_ids = [[] for _ in want]
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        for j, i in enumerate(want):
+            n = ns[j]
+            out[i] = TokenLogprobs(tok_ids[j], tok_lp[j], top_ids[j][:n], top_vals[j][:n])
+        return out
