@@ -1,0 +1,83 @@
+"""Generated checkpoints for tests, built once and reused.
+
+`tiny_checkpoint("qwen3", seed=1)` returns a directory holding a random-weight HF checkpoint
+made by `service.make_model`.  Checkpoints are cached on disk under
+`~/.cache/pagestream/test-checkpoints/<code version>/<arch>-<hash of the arguments>`; the
+code version hashes `make_model.py`, so a change to it rebuilds them (and old versions are
+pruned).  Treat them as read-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+
+from service import make_model as mm
+
+_MAKE_MODEL_ARGS = set(inspect.signature(mm.make_model).parameters) - {"out_dir", "arch"}
+_READY = ".complete"
+_built: dict[str, Path] = {}
+
+
+def _code_version() -> str:
+    src = Path(inspect.getfile(mm)).read_bytes()
+    return hashlib.sha256(
+        src + f"/{torch.__version__}/{tokenizers.__version__}".encode()
+    ).hexdigest()[:16]
+
+
+def _prune_other_versions(parent: Path, keep: str) -> None:
+    # Checkpoints of an older make_model.py are never read again; an hour's grace leaves
+    # a concurrent run of another checkout alone.
+    if not parent.is_dir():
+        return
+    for d in parent.iterdir():
+        if d.name != keep and d.is_dir() and time.time() - d.stat().st_mtime > 3600:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def tiny_checkpoint(arch: str = "llama", **overrides: Any) -> Path:
+    """A tiny-preset checkpoint for `arch`.  Keyword arguments of `make_model` (seed,
+    init_std, dtype, vocab_size, preset, ...) pass through; any other keyword overrides a
+    config.json field (e.g. `num_hidden_layers=2`, `tie_word_embeddings=True`)."""
+    kwargs = {k: v for k, v in overrides.items() if k in _MAKE_MODEL_ARGS}
+    cfg_over = dict(kwargs.pop("config_overrides", None) or {})
+    cfg_over.update({k: v for k, v in overrides.items() if k not in _MAKE_MODEL_ARGS})
+    spec = {"arch": arch, **kwargs, "config_overrides": cfg_over}
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    if key in _built:
+        return _built[key]
+
+    code = _code_version()
+    root = mm.cache_root() / "test-checkpoints" / code
+    path = root / f"{arch}-{key}"
+    if not (path / _READY).is_file():
+        if not root.is_dir():
+            _prune_other_versions(root.parent, keep=code)
+        root.mkdir(parents=True, exist_ok=True)
+        # Build beside the final place and rename, so concurrent test processes never see
+        # a half-written checkpoint.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=root))
+        try:
+            mm.make_model(tmp, arch=arch, config_overrides=cfg_over or None, **kwargs)
+            (tmp / _READY).write_text(json.dumps(spec, sort_keys=True, default=str))
+            if not (path / _READY).is_file():
+                if path.exists():  # a stale, incomplete build
+                    shutil.rmtree(path, ignore_errors=True)
+                with contextlib.suppress(OSError):  # another process finished first
+                    os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _built[key] = path
+    return path
