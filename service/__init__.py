@@ -1,0 +1,29 @@
+"""pagestream's service layer: the server, the offline LLM API and the CLI.
+
+`from service import LLM, SamplingParams` is the offline entry point; the imports are
+lazy so that `import service` does not pull in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from service.engine import AsyncEngine, EngineArgs, RequestOutput
+    from service.llm import LLM
+
+__all__ = ["LLM", "AsyncEngine", "EngineArgs", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from service.llm import LLM
+
+        return LLM
+    if name in ("AsyncEngine", "EngineArgs", "RequestOutput"):
+        from service import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

@@ -1,0 +1,361 @@
+"""AsyncEngine: the composition of tokenizer, scheduler actor and model executor.
+
+`generate()` is what every transport (SSE, WebSocket, the offline LLM class) consumes:
+an async iterator of RequestOutputs carrying text deltas, with detokenization and stop
+strings handled per sequence.  Closing the iterator early aborts the request in the
+engine, which frees its KV blocks within one step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scheduler.contract import TokenLogprobs
+from scheduler.engine import EngineCore, StepInfo
+from scheduler.executor import ThreadExecutor
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from service.detokenizer import IncrementalDetokenizer, StopChecker
+from service.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine; mirrors the `serve` flags and LLM(...) kwargs."""
+
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    redis_url: str | None = None
+    device: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's shape), cumulative, with the latest delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+class _Sequence:
+    """Service-side state of one sample: detokenizer, stop strings, accumulated output."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], p: SamplingParams):
+        self.out = CompletionOutput(index=index, logprobs=[] if p.logprobs is not None else None)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, p.skip_special_tokens)
+        self.stops = StopChecker(p.stop, p.include_stop_str_in_output) if p.stop else None
+        self.params = p
+        self.done = False
+
+
+def default_model_dir() -> Path:
+    from service.make_model import cache_root
+
+    return cache_root() / "models" / "default-small"
+
+
+def ensure_default_model() -> Path:
+    """The embedded default model (the `small` preset), written on first use."""
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        from service.make_model import make_model
+
+        log.info("writing the embedded default model to %s (first use)", path)
+        make_model(path, preset="small")
+    return path
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        runner: object,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        model_dir: Path,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> None:
+        self.args = args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.model_dir = model_dir
+        self.model_name = args.model or "pagestream-default"
+        self.executor = ThreadExecutor(runner)  # type: ignore[arg-type]
+        self._step_hooks: list[Callable[[StepInfo], None]] = [on_step] if on_step else []
+        self.core = EngineCore(scheduler, self.executor, on_step=self._on_step)
+        self._ids = itertools.count()
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
+        )
+        self.max_model_len = scheduler.config.max_model_len
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> AsyncEngine:
+        """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
+        from gpu.model_runner import ModelRunner  # torch stays out of light imports
+
+        model_dir = Path(args.model) if args.model else ensure_default_model()
+        runner = ModelRunner(
+            model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_bytes=args.kv_cache_bytes,
+            attention_backend=args.attention_backend,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+        )
+        tokenizer = Tokenizer.from_dir(model_dir)
+        capacity = runner.num_kv_blocks * args.block_size
+        max_model_len = runner.max_model_len
+        if args.max_model_len is None and capacity < max_model_len:
+            log.warning(
+                "KV cache holds %d tokens; lowering max_model_len from %d", capacity, max_model_len
+            )
+            max_model_len = capacity
+        budget = args.max_num_batched_tokens or (2048 if runner.device.type == "cuda" else 512)
+        sched = Scheduler(
+            SchedulerConfig(
+                num_kv_blocks=runner.num_kv_blocks,
+                block_size=args.block_size,
+                max_num_batched_tokens=budget,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_prefix_caching=args.enable_prefix_caching,
+            )
+        )
+        return cls(args, runner=runner, tokenizer=tokenizer, scheduler=sched, model_dir=model_dir)
+
+    def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
+        self._step_hooks.append(hook)
+
+    def _on_step(self, info: StepInfo) -> None:
+        for hook in self._step_hooks:
+            hook(info)
+
+    async def start(self) -> None:
+        self.core.start()
+
+    async def shutdown(self) -> None:
+        await self.core.stop()
+        self.executor.shutdown()
+
+    @property
+    def dead(self) -> BaseException | None:
+        return self.core.dead
+
+    # ---------------------------------------------------------------- requests
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+        return list(prompt)
+
+    def render_chat(self, messages: list[dict], **template_kwargs: object) -> list[int]:
+        """Chat messages -> prompt ids through the checkpoint's template."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **template_kwargs
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise RequestRejected(
+                f"the prompt has {prompt_len} tokens, but max_model_len is {self.max_model_len}"
+            )
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise RequestRejected(
+                f"max_tokens is {params.max_tokens} but the prompt has {prompt_len} tokens and "
+                f"max_model_len is {self.max_model_len} (at most {room} tokens can be generated)"
+            )
+        return params.max_tokens
+
+    def build_group(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> list[Request]:
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        now = time.monotonic()
+        return [
+            Request(
+                request_id if i == 0 else f"{request_id}#{i}",
+                prompt_ids,
+                params,
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max_tokens,
+                cache_salt=cache_salt,
+                sample_index=i,
+                group_id=request_id,
+                arrival_time=now,
+            )
+            for i in range(params.n)
+        ]
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs.  Raises RequestRejected (bad input) before the
+        first yield; closing the iterator early aborts the request."""
+        params = params or SamplingParams()
+        ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        group = self.build_group(rid, ids, params, cache_salt)
+        stream = self.core.add(group)
+        metrics = RequestMetrics(arrival_time=group[0].arrival_time)
+        seqs = [_Sequence(i, self.tokenizer, ids, params) for i in range(params.n)]
+        out = RequestOutput(
+            request_id=rid,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=ids,
+            outputs=[s.out for s in seqs],
+            metrics=metrics,
+        )
+        live = params.n
+        try:
+            while live:
+                updates = await stream.get()
+                now = time.monotonic()
+                for s in seqs:
+                    s.out.delta_text, s.out.delta_token_ids = "", []
+                    s.out.delta_logprobs = [] if s.out.logprobs is not None else None
+                for u in updates:
+                    seq = seqs[u.sample_index]
+                    if seq.done:
+                        continue
+                    if u.new_token_ids:
+                        if metrics.first_token_time is None:
+                            metrics.first_token_time = now
+                        metrics.last_token_time = now
+                        metrics.token_times.append(now)
+                    out.num_cached_tokens = u.num_cached_tokens
+                    self._apply(seq, u)
+                    if seq.done:
+                        live -= 1
+                if live == 0:
+                    metrics.finished_time = now
+                    out.finished = True
+                yield out
+        finally:
+            if live:
+                self.core.abort(rid)
+
+    def _apply(self, seq: _Sequence, u) -> None:  # u: RequestUpdate
+        o = seq.out
+        toks = u.new_token_ids
+        lps = u.logprobs or []
+        text_ids = toks
+        hide_stop_token = u.stop_token_id is not None and not seq.params.include_stop_str_in_output
+        if seq.stops is None:
+            if hide_stop_token and toks:
+                text_ids = toks[:-1]
+            delta = seq.detok.push(text_ids)
+            o.token_ids += toks
+            o.delta_token_ids += toks
+            if o.logprobs is not None:
+                o.logprobs += lps
+                o.delta_logprobs += lps  # type: ignore[operator]
+        else:
+            # Token by token, so the token that completes a stop string is known exactly.
+            delta = ""
+            for j, t in enumerate(toks):
+                is_stop_tok = hide_stop_token and j == len(toks) - 1
+                piece = "" if is_stop_tok else seq.detok.push([t])
+                emit, stopped = seq.stops.push(piece)
+                delta += emit
+                o.token_ids.append(t)
+                o.delta_token_ids.append(t)
+                if o.logprobs is not None and j < len(lps):
+                    o.logprobs.append(lps[j])
+                    o.delta_logprobs.append(lps[j])  # type: ignore[union-attr]
+                if stopped:
+                    o.finish_reason, o.stop_reason = "stop", seq.stops.matched
+                    seq.done = True
+                    self.core.finish_sequence(u.req_id)
+                    break
+        if u.finish_reason is not None and not seq.done:
+            seq.done = True
+            tail = seq.detok.flush()
+            if seq.stops is not None:
+                emit, stopped = seq.stops.push(tail)
+                delta += emit if stopped else emit + seq.stops.flush()
+                if stopped:
+                    o.finish_reason, o.stop_reason = "stop", seq.stops.matched
+            else:
+                delta += tail
+            if o.finish_reason is None:
+                o.finish_reason = u.finish_reason if u.error is None else "error"
+                if u.stop_token_id is not None:
+                    o.stop_reason = u.stop_token_id
+        o.text += delta
+        o.delta_text += delta

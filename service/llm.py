@@ -1,0 +1,113 @@
+"""The offline batch API, shaped like vLLM's `LLM` so its users feel at home."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from scheduler.sampling_params import SamplingParams
+from service.engine import AsyncEngine, EngineArgs, RequestOutput
+from service.tokenizer import Tokenizer
+
+
+class LLM:
+    """Batch generation on the same engine the server runs.
+
+    >>> llm = LLM(model="/path/to/checkpoint")
+    >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    >>> outs[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
+        redis_url: str | None = None,
+        kv_cache_bytes: int | None = None,
+        device: str | None = None,
+    ) -> None:
+        self.args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            seed=seed,
+            attention_backend=attention_backend,
+            enable_prefix_caching=enable_prefix_caching,
+            redis_url=redis_url,
+            device=device,
+        )
+        self._loop = asyncio.new_event_loop()
+        self.engine = AsyncEngine.from_args(self.args)
+        self._loop.run_until_complete(self.engine.start())
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]] | list[int],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(plist)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} sampling params for {len(plist)} prompts")
+        return self._loop.run_until_complete(self._generate_all(plist, params))
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.engine.render_chat(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(ids, sampling_params)
+
+    async def _generate_all(
+        self, prompts: list[str | list[int]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        async def one(prompt: str | list[int], p: SamplingParams) -> RequestOutput:
+            self._counter += 1
+            last = None
+            async for out in self.engine.generate(prompt, p, request_id=f"llm-{self._counter}"):
+                last = out
+            assert last is not None
+            return last
+
+        # Submitting in order keeps admission order = prompt order, like vLLM.
+        tasks = [asyncio.ensure_future(one(pr, p)) for pr, p in zip(prompts, params, strict=True)]
+        return list(await asyncio.gather(*tasks))
+
+    def shutdown(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.shutdown())
+            self._loop.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
