@@ -8,6 +8,7 @@ hits and recompute after preemption all follow from that one rule.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -51,7 +52,7 @@ class SchedulerConfig:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What one sequence produced in one step (or how it ended)."""
 
@@ -65,6 +66,7 @@ class RequestUpdate:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    first_scheduled_time: float | None = None
 
 
 @dataclass
@@ -136,10 +138,8 @@ class Scheduler:
             if r.status.finished:
                 continue
             if r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE):
-                try:
+                with contextlib.suppress(ValueError):
                     self.waiting.remove(r)
-                except ValueError:
-                    pass
             self._finish(r, RequestStatus.FINISHED_ABORTED)
             updates.append(self._update(r, []))
         return updates
@@ -298,12 +298,12 @@ class Scheduler:
                 )
             req.fork_ids = []
             i = sampled[req.req_id]
-            updates.append(self._append_token(req, mo.sampled_token_ids[i], logprobs and logprobs[i]))
+            updates.append(
+                self._append_token(req, mo.sampled_token_ids[i], logprobs and logprobs[i])
+            )
         return updates
 
-    def _append_token(
-        self, req: Request, tok: int, lp: TokenLogprobs | None
-    ) -> RequestUpdate:
+    def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
         req.token_ids.append(tok)
         n_out = req.num_output_tokens
         status = None
@@ -334,6 +334,7 @@ class Scheduler:
             num_prompt_tokens=req.prompt_len,
             num_cached_tokens=req.num_cached_tokens,
             error=error,
+            first_scheduled_time=req.first_scheduled_time,
         )
 
     def finish_external(self, req_id: str, status: RequestStatus) -> RequestUpdate | None:
@@ -342,10 +343,8 @@ class Scheduler:
         if req is None or req.status.finished:
             return None
         if req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE):
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         self._finish(req, status)
         return self._update(req, [])
 

@@ -28,6 +28,7 @@ def merge_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
                 num_prompt_tokens=u.num_prompt_tokens,
                 num_cached_tokens=u.num_cached_tokens,
                 error=u.error,
+                first_scheduled_time=u.first_scheduled_time,
             )
             continue
         m.new_token_ids += u.new_token_ids

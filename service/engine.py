@@ -134,6 +134,8 @@ class AsyncEngine:
         self.model_name = args.model or "pagestream-default"
         self.executor = ThreadExecutor(runner)  # type: ignore[arg-type]
         self._step_hooks: list[Callable[[StepInfo], None]] = [on_step] if on_step else []
+        # Called once per request when it ends (finished, aborted or failed).
+        self.request_hooks: list[Callable[[RequestOutput], None]] = []
         self.core = EngineCore(scheduler, self.executor, on_step=self._on_step)
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
@@ -210,10 +212,12 @@ class AsyncEngine:
             )
         return list(prompt)
 
-    def render_chat(self, messages: list[dict], **template_kwargs: object) -> list[int]:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: object
+    ) -> list[int]:
         """Chat messages -> prompt ids through the checkpoint's template."""
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **template_kwargs
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -299,6 +303,8 @@ class AsyncEngine:
                         metrics.last_token_time = now
                         metrics.token_times.append(now)
                     out.num_cached_tokens = u.num_cached_tokens
+                    if metrics.first_scheduled_time is None:
+                        metrics.first_scheduled_time = u.first_scheduled_time
                     self._apply(seq, u)
                     if seq.done:
                         live -= 1
@@ -309,6 +315,11 @@ class AsyncEngine:
         finally:
             if live:
                 self.core.abort(rid)
+                for s in seqs:
+                    if s.out.finish_reason is None:
+                        s.out.finish_reason = "abort"
+            for hook in self.request_hooks:
+                hook(out)
 
     def _apply(self, seq: _Sequence, u) -> None:  # u: RequestUpdate
         o = seq.out

@@ -1,0 +1,157 @@
+"""Prometheus metrics with the names an operator of vLLM would recognise."""
+
+from __future__ import annotations
+
+import itertools
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from scheduler.engine import StepInfo
+from scheduler.scheduler import SchedulerStats
+from service.engine import RequestOutput
+
+# The *_created series only add noise to every scrape.
+disable_created_metrics()
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+
+class Metrics:
+    """One registry per server (tests run several servers in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        m = ["model_name"]
+        self.ttft = Histogram(
+            "pagestream_time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            m, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "pagestream_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            m, buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "pagestream_e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            m, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "pagestream_request_queue_time_seconds",
+            "Time a request waited before its first step.",
+            m, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.running = Gauge(
+            "pagestream_num_requests_running", "Sequences in the running batch.", m, registry=r
+        )
+        self.waiting = Gauge(
+            "pagestream_num_requests_waiting", "Requests waiting to be admitted.", m, registry=r
+        )
+        self.kv_usage = Gauge(
+            "pagestream_kv_cache_usage_ratio",
+            "KV blocks held by live requests over all blocks (cached-but-free blocks count as free).",
+            m, registry=r,
+        )  # fmt: skip
+        self.prefix_queries = Counter(
+            "pagestream_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            m, registry=r,
+        )  # fmt: skip
+        self.prefix_hits = Counter(
+            "pagestream_prefix_cache_hits",
+            "Prompt tokens served from the prefix cache, by tier (local, redis).",
+            [*m, "tier"], registry=r,
+        )  # fmt: skip
+        self.preemptions = Counter(
+            "pagestream_num_preemptions", "Requests preempted for KV space.", m, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pagestream_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r
+        )
+        self.generation_tokens = Counter(
+            "pagestream_generation_tokens", "Tokens generated.", m, registry=r
+        )
+        self.requests = Counter(
+            "pagestream_request_success",
+            "Finished requests by finish reason.",
+            [*m, "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.step_time = Histogram(
+            "pagestream_engine_step_seconds",
+            "Wall time of one engine step (model forward and sampling).",
+            m, buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.extra_counters: dict[str, Counter] = {}
+        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self._last_extra: dict[str, float] = {}
+        # Label children resolved once: the step hook runs every step.
+        self._c = {
+            name: getattr(self, name).labels(model_name)
+            for name in (
+                "ttft", "itl", "e2e", "queue", "running", "waiting", "kv_usage",
+                "prefix_queries", "preemptions", "prompt_tokens", "generation_tokens", "step_time",
+            )
+        }  # fmt: skip
+        self._hits_local = self.prefix_hits.labels(model_name, "local")
+        self.prefix_hits.labels(model_name, "redis")  # expose the series from the start
+
+    def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        """A further counter (e.g. the Redis tier's), registered once."""
+        if name not in self.extra_counters:
+            self.extra_counters[name] = Counter(
+                name, doc, ["model_name", *labels], registry=self.registry
+            )
+        return self.extra_counters[name]
+
+    def on_step(self, info: StepInfo, stats: SchedulerStats) -> None:
+        c = self._c
+        c["running"].set(stats.num_running)
+        c["waiting"].set(stats.num_waiting)
+        c["kv_usage"].set(stats.kv_usage)
+        c["step_time"].observe(info.seconds)
+        c["generation_tokens"].inc(len(info.mo.req_ids))
+        last = self._last
+        if stats.prefix_queries > last.prefix_queries:
+            c["prefix_queries"].inc(stats.prefix_queries - last.prefix_queries)
+        if stats.prefix_hits > last.prefix_hits:
+            self._hits_local.inc(stats.prefix_hits - last.prefix_hits)
+        if stats.num_preemptions > last.num_preemptions:
+            c["preemptions"].inc(stats.num_preemptions - last.num_preemptions)
+        self._last = stats
+
+    def on_request_done(self, out: RequestOutput) -> None:
+        m = out.metrics
+        c = self._c
+        c["prompt_tokens"].inc(len(out.prompt_token_ids))
+        for o in out.outputs:
+            self.requests.labels(self.model_name, o.finish_reason or "abort").inc()
+        if m is None:
+            return
+        if m.first_scheduled_time is not None:
+            c["queue"].observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.first_token_time is not None:
+            c["ttft"].observe(m.first_token_time - m.arrival_time)
+        if m.last_token_time is not None:
+            c["e2e"].observe(m.last_token_time - m.arrival_time)
+        times = m.token_times
+        for a, b in itertools.pairwise(times):
+            c["itl"].observe(b - a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,524 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Streaming responses are server-sent events.  The request is aborted in the engine the
+moment its client goes away: the server runs with handler cancellation, so the handler
+is cancelled on disconnect and the generator's finally block sends the abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from scheduler.contract import TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import RequestRejected
+from service.engine import AsyncEngine, RequestOutput
+from service.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_chat,
+    decode_completion,
+)
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # tell nginx-style proxies not to buffer the stream
+}
+
+
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> bytes:
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
+    return orjson.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+    )
+
+
+def error_response(
+    message: str, status: int = 400, param: str | None = None, code: str | None = None
+) -> web.Response:
+    return web.Response(
+        body=error_body(message, status, param, code),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def json_response(obj: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """A snapshot of one choice's progress, taken when its generator yields."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+async def _snapshots(
+    gen: AsyncIterator[RequestOutput], prompt_index: int, n: int
+) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
+    async for out in gen:
+        deltas = [
+            ChoiceDelta(
+                prompt_index * n + o.index,
+                o.delta_text,
+                o.delta_token_ids,
+                o.delta_logprobs,
+                o.finish_reason,
+                o.stop_reason,
+            )
+            for o in out.outputs
+            if o.delta_text or o.delta_token_ids or o.finish_reason
+        ]
+        yield deltas, out
+
+
+async def merge(
+    gens: list[AsyncIterator[RequestOutput]], n: int
+) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
+    """Interleave the outputs of several prompts' generators as they come."""
+    if len(gens) == 1:
+        async for item in _snapshots(gens[0], 0, n):
+            yield item
+        return
+    queue: asyncio.Queue[tuple[list[ChoiceDelta], RequestOutput] | BaseException | None] = (
+        asyncio.Queue()
+    )
+
+    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in _snapshots(g, i, n):
+                queue.put_nowait(item)
+        except BaseException as e:  # re-raised in the consumer
+            queue.put_nowait(e)
+            raise
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(tasks)
+        while live:
+            item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.names = served_model_names
+        self.tokenizer = engine.tokenizer
+        self._token_text: dict[int, str] = {}
+
+    # ---------------------------------------------------------------- helpers
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+
+    def token_text(self, tid: int) -> str:
+        s = self._token_text.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            self._token_text[tid] = s
+        return s
+
+    def chat_logprobs(self, lps: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        content = []
+        for lp in lps:
+            tok = self.token_text(lp.token_id)
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": lp.logprob,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self.token_text(i)),
+                            "logprob": v,
+                            "bytes": list(t.encode()),
+                        }
+                        for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def completion_logprobs(
+        self, lps: list[TokenLogprobs] | None, offset: int
+    ) -> tuple[dict[str, Any] | None, int]:
+        if lps is None:
+            return None, offset
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            tok = self.token_text(lp.token_id)
+            tokens.append(tok)
+            token_lps.append(lp.logprob)
+            tops.append(
+                {
+                    self.token_text(i): v
+                    for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                }
+            )
+            offsets.append(offset)
+            offset += len(tok)
+        return (
+            {
+                "tokens": tokens,
+                "token_logprobs": token_lps,
+                "top_logprobs": tops,
+                "text_offset": offsets,
+            },
+            offset,
+        )
+
+    def _start(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        texts: list[str | None],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        # Build (and so validate) every group before starting any.
+        try:
+            for ids in prompts:
+                self.engine.build_group(request_id, ids, params, cache_salt)
+        except RequestRejected as e:
+            raise BadRequest(str(e), "messages" if texts == [None] else "prompt") from e
+        suffix = len(prompts) > 1
+        return [
+            self.engine.generate(
+                text or "",
+                params,
+                f"{request_id}-{i}" if suffix else request_id,
+                prompt_token_ids=ids,
+                cache_salt=cache_salt,
+            )
+            for i, (ids, text) in enumerate(zip(prompts, texts, strict=True))
+        ]
+
+    # ---------------------------------------------------------------- /v1/models
+    async def models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "pagestream",
+                        "root": str(self.engine.model_dir),
+                        "max_model_len": self.engine.max_model_len,
+                    }
+                    for name in self.names
+                ],
+            }
+        )
+
+    # ---------------------------------------------------------------- chat
+    async def chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        req: ChatCompletionRequest = decode_chat(body)
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        try:
+            ids = self.engine.render_chat(
+                [m.as_template_dict() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gens = self._start(rid, [ids], [None], params, req.cache_salt)
+        model = req.model or self.names[0]
+        if req.stream:
+            return await self._chat_stream(request, req, rid, model, ids, gens[0], params)
+        return await self._chat_full(req, rid, model, ids, gens[0], params)
+
+    async def _chat_full(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        ids: list[int],
+        gen: AsyncIterator[RequestOutput],
+        params: SamplingParams,
+    ) -> web.Response:
+        last: RequestOutput | None = None
+        async for out in gen:
+            last = out
+        assert last is not None
+        choices = []
+        for o in last.outputs:
+            choice: dict[str, Any] = {
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": self.chat_logprobs(o.logprobs),
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = o.token_ids
+            choices.append(choice)
+        completion = sum(len(o.token_ids) for o in last.outputs)
+        resp: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": _usage(len(ids), completion, last.num_cached_tokens),
+        }
+        if req.return_token_ids:
+            resp["prompt_token_ids"] = ids
+        return json_response(resp)
+
+    async def _chat_stream(
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        ids: list[int],
+        gen: AsyncIterator[RequestOutput],
+        params: SamplingParams,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        created = int(time.time())
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        completion_tokens = 0
+
+        async def send(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
+            chunk: dict[str, Any] = {**base, "choices": choices}
+            if usage is not None:
+                chunk["usage"] = usage
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+
+        first: dict[str, Any] = {"role": "assistant", "content": ""}
+        head = [
+            {"index": i, "delta": dict(first), "logprobs": None, "finish_reason": None}
+            for i in range(params.n)
+        ]
+        if req.return_token_ids:
+            base_first = {**base, "prompt_token_ids": ids}
+            await resp.write(b"data: " + orjson.dumps({**base_first, "choices": head}) + b"\n\n")
+        else:
+            await send(head)
+        cached = 0
+        try:
+            async for deltas, out in merge([gen], params.n):
+                cached = out.num_cached_tokens
+                choices = []
+                for d in deltas:
+                    completion_tokens += len(d.token_ids)
+                    c: dict[str, Any] = {
+                        "index": d.index,
+                        "delta": {"content": d.text} if d.text else {},
+                        "logprobs": self.chat_logprobs(d.logprobs),
+                        "finish_reason": d.finish_reason,
+                    }
+                    if d.finish_reason is not None:
+                        c["stop_reason"] = d.stop_reason
+                    if req.return_token_ids:
+                        c["token_ids"] = d.token_ids
+                    choices.append(c)
+                if choices:
+                    usage = _usage(len(ids), completion_tokens, cached) if continuous else None
+                    await send(choices, usage)
+        except RequestRejected as e:  # pragma: no cover - validated before streaming
+            await resp.write(b"data: " + error_body(str(e), 400) + b"\n\n")
+        except Exception as e:
+            await resp.write(b"data: " + error_body(f"generation failed: {e}", 500) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if include_usage:
+            await send([], _usage(len(ids), completion_tokens, cached))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ---------------------------------------------------------------- completions
+    async def completions(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        req: CompletionRequest = decode_completion(body)
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        raw = req.prompts()
+        prompts, texts = [], []
+        for p in raw:
+            try:
+                ids = self.engine.encode_prompt(p)
+            except RequestRejected as e:
+                raise BadRequest(str(e), "prompt") from e
+            if not ids:
+                raise BadRequest("the prompt encodes to no tokens", "prompt")
+            prompts.append(ids)
+            texts.append(p if isinstance(p, str) else None)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gens = self._start(rid, prompts, texts, params, req.cache_salt)
+        model = req.model or self.names[0]
+        if req.stream:
+            return await self._completion_stream(request, req, rid, model, prompts, gens, params)
+        return await self._completion_full(req, rid, model, prompts, gens, params)
+
+    async def _completion_full(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        model: str,
+        prompts: list[list[int]],
+        gens: list[AsyncIterator[RequestOutput]],
+        params: SamplingParams,
+    ) -> web.Response:
+        finals: dict[int, RequestOutput] = {}
+
+        async def run(i: int, g: AsyncIterator[RequestOutput]) -> None:
+            async for out in g:
+                finals[i] = out
+
+        await asyncio.gather(*(run(i, g) for i, g in enumerate(gens)))
+        choices = []
+        completion = 0
+        cached = 0
+        for i in range(len(prompts)):
+            out = finals[i]
+            cached += out.num_cached_tokens
+            for o in out.outputs:
+                completion += len(o.token_ids)
+                lp, _ = self.completion_logprobs(o.logprobs, 0)
+                choice: dict[str, Any] = {
+                    "index": i * params.n + o.index,
+                    "text": o.text,
+                    "logprobs": lp,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = prompts[i]
+                    choice["token_ids"] = o.token_ids
+                choices.append(choice)
+        return json_response(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": choices,
+                "usage": _usage(sum(map(len, prompts)), completion, cached),
+            }
+        )
+
+    async def _completion_stream(
+        self,
+        request: web.Request,
+        req: CompletionRequest,
+        rid: str,
+        model: str,
+        prompts: list[list[int]],
+        gens: list[AsyncIterator[RequestOutput]],
+        params: SamplingParams,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        prompt_tokens = sum(map(len, prompts))
+        completion_tokens = 0
+        offsets: dict[int, int] = {}
+        sent_prompt_ids: set[int] = set()
+        cached: dict[int, int] = {}
+        try:
+            async for deltas, out in merge(gens, params.n):
+                choices = []
+                for d in deltas:
+                    completion_tokens += len(d.token_ids)
+                    lp, offsets[d.index] = self.completion_logprobs(
+                        d.logprobs, offsets.get(d.index, 0)
+                    )
+                    c: dict[str, Any] = {
+                        "index": d.index,
+                        "text": d.text,
+                        "logprobs": lp,
+                        "finish_reason": d.finish_reason,
+                    }
+                    if d.finish_reason is not None:
+                        c["stop_reason"] = d.stop_reason
+                    if req.return_token_ids:
+                        if d.index not in sent_prompt_ids:
+                            c["prompt_token_ids"] = prompts[d.index // params.n]
+                            sent_prompt_ids.add(d.index)
+                        c["token_ids"] = d.token_ids
+                    choices.append(c)
+                cached[id(out)] = out.num_cached_tokens
+                if choices:
+                    chunk: dict[str, Any] = {**base, "choices": choices}
+                    if continuous:
+                        chunk["usage"] = _usage(
+                            prompt_tokens, completion_tokens, sum(cached.values())
+                        )
+                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        except Exception as e:
+            await resp.write(b"data: " + error_body(f"generation failed: {e}", 500) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if include_usage:
+            chunk = {
+                **base,
+                "choices": [],
+                "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values())),
+            }
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
