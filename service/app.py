@@ -112,8 +112,9 @@ async def api_middleware(
         return await handler(request)
     except BadRequest as e:
         return error_response(e.message, e.status, e.param)
-    except web.HTTPRequestEntityTooLarge as e:
-        return error_response(f"request body is larger than the limit of {e.max_size} bytes", 413)
+    except web.HTTPRequestEntityTooLarge:
+        limit = state.config.max_request_bytes
+        return error_response(f"request body is larger than the limit of {limit} bytes", 413)
     except web.HTTPException as e:
         if e.status >= 400 and request.path.startswith("/v1"):
             return error_response(e.reason or "error", e.status)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from scheduler.sampling_params import SamplingParams
 from service.engine import AsyncEngine, EngineArgs, RequestOutput
 from service.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 class LLM:
@@ -50,10 +55,19 @@ class LLM:
             redis_url=redis_url,
             device=device,
         )
-        self._loop = asyncio.new_event_loop()
         self.engine = AsyncEngine.from_args(self.args)
-        self._loop.run_until_complete(self.engine.start())
+        # The engine lives on its own loop thread, so LLM works from plain scripts and from
+        # code that already runs an event loop (notebooks, async tests) alike.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pagestream-llm", daemon=True
+        )
+        self._thread.start()
+        self._run(self.engine.start())
         self._counter = 0
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -75,7 +89,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise ValueError(f"got {len(params)} sampling params for {len(plist)} prompts")
-        return self._loop.run_until_complete(self._generate_all(plist, params))
+        return self._run(self._generate_all(plist, params))
 
     def chat(
         self,
@@ -102,9 +116,15 @@ class LLM:
         return list(await asyncio.gather(*tasks))
 
     def shutdown(self) -> None:
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(self.engine.shutdown())
+        if self._thread.is_alive():
+            self._run(self.engine.shutdown())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
             self._loop.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -10,7 +10,6 @@ socket aborts every generation it started.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -70,8 +69,11 @@ class WSSession:
                 t.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
             self.outbox.put_nowait(None)
-            with contextlib.suppress(Exception):
-                await writer
+            try:
+                await asyncio.wait_for(writer, 5.0)
+            except (Exception, asyncio.CancelledError):
+                writer.cancel()
+                raise
 
     def handle(self, data: str) -> None:
         try:

@@ -1,0 +1,142 @@
+"""A real pagestream server on a loopback port, run in a background thread.
+
+The server has its own event loop (as in production), so tests can use blocking clients
+(the official openai client) as well as async ones without sharing a loop with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from service.app import STATE, ServerConfig, create_app
+from service.engine import AsyncEngine, EngineArgs
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, config: ServerConfig, engine: AsyncEngine | None = None) -> None:
+        self.config = config
+        self.config.host = "127.0.0.1"
+        if not self.config.port or self.config.port == 8000:
+            self.config.port = free_port()
+        self._engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.app = create_app(config, engine)
+        self.runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.config.port}/v1/ws"
+
+    @property
+    def state(self):
+        return self.app[STATE]
+
+    @property
+    def engine(self) -> AsyncEngine:
+        engine = self.state.engine
+        assert engine is not None
+        return engine
+
+    def start(self, timeout: float = 120.0) -> LiveServer:
+        self._thread.start()
+
+        async def up() -> None:
+            self.runner = web.AppRunner(
+                self.app, handler_cancellation=True, shutdown_timeout=self.config.shutdown_timeout
+            )
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.config.port).start()
+
+        self.call(up())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.url + "/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    return self
+            if self.state.load_error is not None:
+                raise RuntimeError(f"model failed to load: {self.state.load_error}")
+            time.sleep(0.05)
+        raise TimeoutError("server did not become healthy")
+
+    def call(self, coro: Any, timeout: float = 60.0) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_loop(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
+        """Call fn on the server's loop thread (engine state is owned by that thread)."""
+
+        async def wrap() -> T:
+            return fn()
+
+        return self.call(wrap(), timeout)
+
+    def kv_all_free(self) -> bool:
+        def check() -> bool:
+            sched = self.engine.scheduler
+            pool = sched.kv.pool
+            return (
+                not sched.has_unfinished()
+                and not sched.requests
+                and pool.num_free == pool.num_blocks
+                and not self.engine.core.streams
+            )
+
+        return self.on_loop(check)
+
+    def wait_kv_free(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.kv_all_free():
+                return
+            time.sleep(0.02)
+        sched = self.engine.scheduler
+        raise AssertionError(
+            f"KV blocks not freed: {sched.kv.pool.num_free}/{sched.kv.pool.num_blocks} free, "
+            f"requests {list(sched.requests)}"
+        )
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            with contextlib.suppress(Exception):
+                self.call(self.runner.cleanup(), timeout=self.config.shutdown_timeout + 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def live_server(
+    model: str, *, engine_kwargs: dict[str, Any] | None = None, **config: Any
+) -> Iterator[LiveServer]:
+    args = EngineArgs(
+        model=model, **({"dtype": "float32", "num_kv_blocks": 256} | (engine_kwargs or {}))
+    )
+    server = LiveServer(ServerConfig(engine=args, **config)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
