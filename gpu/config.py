@@ -150,9 +150,7 @@ class ModelConfig:
     def inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies [head_dim // 2], float32, as transformers computes them."""
         dim = self.head_dim
-        inv = 1.0 / (
-            self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        )
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if self.rope_scaling is None:
             return inv
         s = self.rope_scaling

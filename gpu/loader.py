@@ -115,7 +115,10 @@ def read_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
 
 def _to_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF names -> ours, fusing q/k/v and gate/up so each layer runs two fewer matmuls."""
-    sd = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    sd = {
+        "embed_tokens.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         sd["lm_head_weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_layers):

@@ -18,7 +18,9 @@ BlockHash = bytes
 _ROOT = b"pagestream-root"
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: str | None) -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_key: str | None
+) -> BlockHash:
     """Hash of one full block, chained on its parent's hash.
 
     Stable across processes and machines (blake2b over packed ids, not Python's salted

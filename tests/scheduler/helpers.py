@@ -24,9 +24,7 @@ def make_group(
 ) -> list[Request]:
     params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=ignore_eos, temperature=0)
     cap = min(max_tokens, max_model_len - len(prompt))
-    group = [
-        Request(rid, prompt, params, eos_token_ids=(EOS,), max_tokens=cap, cache_salt=salt)
-    ]
+    group = [Request(rid, prompt, params, eos_token_ids=(EOS,), max_tokens=cap, cache_salt=salt)]
     for i in range(1, n):
         group.append(
             Request(

@@ -127,7 +127,9 @@ class KVMachine(RuleBasedStateMachine):
         for req in self.live.values():
             blocks = self.kv.blocks_of(req.req_id)
             assert len(blocks) == -(-req.num_tokens // BS)
-            got = [self.slots[blocks[p // BS].block_id * BS + p % BS] for p in range(req.num_tokens)]
+            got = [
+                self.slots[blocks[p // BS].block_id * BS + p % BS] for p in range(req.num_tokens)
+            ]
             assert got == req.token_ids, req.req_id
 
     @invariant()

@@ -65,7 +65,10 @@ def test_chunked_prefill_respects_budget_and_never_stalls_decodes():
     run = drive(
         sched,
         runner,
-        {0: [make_group("short", [11, 12, 13], 30)], 3: [make_group("long", list(range(20, 320)), 5)]},
+        {
+            0: [make_group("short", [11, 12, 13], 30)],
+            3: [make_group("long", list(range(20, 320)), 5)],
+        },
     )
     long_steps = 0
     for k, so in enumerate(run.steps):
