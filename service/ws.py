@@ -10,6 +10,7 @@ socket aborts every generation it started.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,8 @@ class WSSession:
         self.state = state
         self.conn_id = conn_id
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        # Recently finished ids, so a cancel that crossed its `done` is not an error.
+        self.finished: collections.deque[str] = collections.deque(maxlen=256)
         # One writer drains this queue, so concurrent generations never interleave frames
         # and a slow client applies back-pressure to the writer, not to the engine.
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -79,16 +82,17 @@ class WSSession:
         try:
             frame = decode_ws(data)
         except BadRequest as e:
-            self.error(None, 400, e.message, e.param)
+            self.error(_frame_id(data), 400, e.message, e.param)
             return
         if isinstance(frame, WSPing):
             self.send({"type": "pong"})
         elif isinstance(frame, WSCancel):
             task = self.tasks.get(frame.id)
-            if task is None:
-                self.error(frame.id, 404, f"no generation with id {frame.id!r} is running")
-            else:
+            if task is not None:
                 task.cancel()
+            elif frame.id not in self.finished:
+                self.error(frame.id, 404, f"no generation with id {frame.id!r} is running")
+            # else: the cancel crossed the `done` on the wire; nothing left to stop.
         elif isinstance(frame, WSGenerate):
             if frame.id in self.tasks:
                 self.error(
@@ -175,7 +179,18 @@ class WSSession:
                 self.error(gid, 500, f"generation failed: {e}")
         finally:
             self.tasks.pop(gid, None)
+            self.finished.append(gid)
             self.state.inflight_dec()
+
+
+def _frame_id(data: str) -> str | None:
+    """The `id` of a frame that failed validation, so the error names its generation."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    gid = obj.get("id") if isinstance(obj, dict) else None
+    return gid if isinstance(gid, str) else None
 
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:

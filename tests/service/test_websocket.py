@@ -120,6 +120,8 @@ async def test_bad_frames_get_error_and_socket_stays_usable(server, frame, param
         assert err["code"] in (400, 404) and err["message"]
         if param is not None:
             assert err["param"] == param
+        if '"id": "g"' in frame:
+            assert err["id"] == "g", "the error must name the generation it belongs to"
         await ws.send(json.dumps({
             "type": "generate", "id": "ok", "prompt": "fine",
             "params": {"max_tokens": 2, "ignore_eos": True},
