@@ -34,12 +34,13 @@ def hash_block(
 
 
 class Block:
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "hits", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.hits = 0  # prefix-cache hits since it was cached (hot blocks get published)
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -149,6 +150,7 @@ class BlockPool:
             if self.on_event:
                 self.on_event(BlockRemoved(h, b.block_id))
         b.block_hash = None
+        b.hits = 0
 
     def lookup(self, h: BlockHash) -> Block | None:
         return self.cached.get(h)

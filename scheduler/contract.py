@@ -65,7 +65,12 @@ class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.copy_blocks and not self.load_kv
+        return (
+            not self.scheduled
+            and not self.copy_blocks
+            and not self.load_kv
+            and not self.save_kv_blocks
+        )
 
 
 class TokenLogprobs(msgspec.Struct, gc=False, array_like=True):

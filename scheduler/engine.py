@@ -7,8 +7,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from scheduler.block_pool import BlockHash
 from scheduler.contract import ModelOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import RequestRejected, RequestUpdate, Scheduler
@@ -44,6 +45,15 @@ class FinishSequence:
 
 
 @dataclass
+class RemoteLookupDone:
+    """The shared prefix tier answered a request's look-up."""
+
+    req_id: str
+    start: int
+    payloads: list[bytes]
+
+
+@dataclass
 class StepInfo:
     so: SchedulerOutput
     mo: ModelOutput
@@ -54,7 +64,18 @@ class _Stop:
     pass
 
 
-Message = AddRequest | AbortRequest | FinishSequence | _Stop
+Message = AddRequest | AbortRequest | FinishSequence | RemoteLookupDone | _Stop
+
+
+class Tier(Protocol):
+    """The part of scheduler.prefix_tier.PrefixTier the engine drives."""
+
+    stats: Any
+
+    @property
+    def available(self) -> bool: ...
+    async def lookup(self, hashes: list[BlockHash]) -> list[bytes]: ...
+    def publish(self, items: list[tuple[BlockHash, bytes]]) -> None: ...
 
 
 class EngineCore:
@@ -64,8 +85,11 @@ class EngineCore:
         executor: Executor,
         *,
         on_step: Callable[[StepInfo], None] | None = None,
+        tier: Tier | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.tier = tier
+        self._lookups: set[asyncio.Task[None]] = set()
         self.executor = executor
         self.on_step = on_step
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
@@ -74,6 +98,7 @@ class EngineCore:
         self.idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        self.tokens_computed = 0  # tokens fed through the model (prefill chunks + decodes)
 
     # ---------------------------------------------------------------- control
     def start(self) -> asyncio.Task[None]:
@@ -135,6 +160,10 @@ class EngineCore:
                 msg.stream.fail(e)
                 return True
             self.streams[gid] = msg.stream
+            if self.tier is not None and self.tier.available:
+                self._start_lookup(msg.group[0])
+        elif isinstance(msg, RemoteLookupDone):
+            sched.remote_lookup_done(msg.req_id, msg.start, msg.payloads)
         elif isinstance(msg, AbortRequest):
             self._dispatch(sched.abort(msg.group_id))
         elif isinstance(msg, FinishSequence):
@@ -144,6 +173,28 @@ class EngineCore:
         elif isinstance(msg, _Stop):
             return False
         return True
+
+    def _start_lookup(self, req: Request) -> None:
+        """Ask the shared tier for the prompt blocks we lack; the request waits, parked,
+        and everyone else keeps stepping.  The answer comes back as a message."""
+        plan = self.scheduler.remote_lookup_plan(req)
+        if plan is None:
+            return
+        start, hashes = plan
+        self.scheduler.park_for_remote(req)
+        tier = self.tier
+        assert tier is not None
+
+        async def run() -> None:
+            payloads: list[bytes] = []
+            try:
+                payloads = await tier.lookup(hashes)
+            finally:
+                self.inbox.put_nowait(RemoteLookupDone(req.req_id, start, payloads))
+
+        task = asyncio.create_task(run())
+        self._lookups.add(task)
+        task.add_done_callback(self._lookups.discard)
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         by_group: dict[str, list[RequestUpdate]] = {}
@@ -174,14 +225,21 @@ class EngineCore:
                     continue
                 so = sched.schedule()
                 if so.is_empty and not so.finished_req_ids:
-                    # Nothing runnable right now (e.g. waiting on a prefix look-up):
-                    # sleep until a message arrives or a short tick passes.
-                    await self._wait_inbox(0.005)
+                    # Nothing runnable right now (requests parked on a prefix look-up,
+                    # which answers by message): wait for the next message.
+                    await self._wait_inbox(0.05)
                     continue
                 t0 = time.perf_counter()
                 mo = await self.executor.execute(so)
                 updates = sched.update_from_output(so, mo)
+                if self.tier is not None:
+                    if so.save_kv_blocks:
+                        self.tier.publish(sched.take_saved(so, mo))
+                    if so.load_kv:
+                        self.tier.stats.blocks_loaded += len(so.load_kv)
+                        self.tier.stats.bytes_loaded += sum(len(p.data) for p in so.load_kv)
                 self.num_steps += 1
+                self.tokens_computed += so.num_scheduled_tokens
                 self._dispatch(updates)
                 if self.on_step is not None:
                     self.on_step(StepInfo(so, mo, time.perf_counter() - t0))
@@ -194,6 +252,8 @@ class EngineCore:
             self.streams.clear()
             raise
         finally:
+            for t in self._lookups:
+                t.cancel()
             self.idle.set()
 
     async def _wait_inbox(self, timeout: float) -> None:

@@ -65,10 +65,13 @@ class KVCacheManager:
         num_new_tokens: int,
         copies: list[tuple[int, int]],
         new_computed_blocks: list[Block] | None = None,
+        num_external_tokens: int = 0,
     ) -> list[Block] | None:
         """Give `req` slots for `num_new_tokens` tokens after its computed ones.
 
-        `new_computed_blocks` are local prefix hits taken on admission.  On success returns the newly allocated blocks and appends to `copies` the
+        `new_computed_blocks` are local prefix hits taken on admission;
+        `num_external_tokens` (whole blocks) follow them and are filled by loading KV from
+        the shared tier, so they need fresh blocks but no compute.  On success returns the newly allocated blocks and appends to `copies` the
         (src, dst) KV copy a copy-on-write needs; on a short pool returns None and
         changes nothing.
         """
@@ -77,7 +80,7 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.req_id)
         if blocks is None:
             blocks = []
-        num_computed = req.num_computed_tokens + len(hits) * bs
+        num_computed = req.num_computed_tokens + len(hits) * bs + num_external_tokens
         total = num_computed + num_new_tokens
         need = -(-total // bs) - len(blocks) - len(hits)
         # A fork shares its parent's partial last block; whoever writes it first while

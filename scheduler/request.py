@@ -45,6 +45,7 @@ class Request:
         sample_index: int = 0,
         group_id: str | None = None,
         arrival_time: float | None = None,
+        publish_prefix: bool = False,
     ) -> None:
         self.req_id = req_id
         self.group_id = group_id or req_id
@@ -68,7 +69,12 @@ class Request:
         self.stop_token_id: int | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
-        self.remote_lookup_done = False
+        # Publish every full block of this request's prompt to the shared prefix tier
+        # (a client registering a system prompt), rather than waiting for hits.
+        self.publish_prefix = publish_prefix
+        # KV payloads found in the shared tier: blocks [remote_start, remote_start + len).
+        self.remote_start = 0
+        self.remote_payloads: list[bytes] = []
 
     @property
     def num_tokens(self) -> int:

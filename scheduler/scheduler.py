@@ -13,9 +13,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from scheduler.block_pool import BlockEvent
+from scheduler.block_pool import BlockEvent, BlockHash
 from scheduler.contract import (
+    KVBlockPayload,
     ModelOutput,
     NewRequestData,
     ScheduledRequest,
@@ -77,7 +79,17 @@ class SchedulerStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    prefix_hits_remote: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+
+
+class PublishPolicy(Protocol):
+    """What the scheduler asks of the shared prefix tier (see scheduler.prefix_tier)."""
+
+    cfg: Any  # .hit_threshold
+
+    def should_publish(self, h: BlockHash) -> bool: ...
+    def on_hits(self, hashes: list[BlockHash]) -> None: ...
 
 
 class Scheduler:
@@ -85,6 +97,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         on_block_event: Callable[[BlockEvent], None] | None = None,
+        tier: PublishPolicy | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -101,6 +114,13 @@ class Scheduler:
         self.finished_req_ids: list[str] = []  # to tell the runner next step
         self.num_preemptions = 0
         self.step_id = 0
+        # Shared prefix tier: requests parked while it is asked for their prompt's KV,
+        # blocks to read out for publication, and what each step's read-outs were.
+        self.tier = tier
+        self.remote_pending: dict[str, Request] = {}
+        self.prefix_hits_remote = 0
+        self._to_save: dict[BlockHash, None] = {}
+        self._saving: dict[int, dict[int, BlockHash]] = {}
 
     # ---------------------------------------------------------------- intake
     def add_request(self, group: list[Request]) -> None:
@@ -137,15 +157,80 @@ class Scheduler:
         for r in group:
             if r.status.finished:
                 continue
-            if r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE):
-                with contextlib.suppress(ValueError):
-                    self.waiting.remove(r)
+            self._unqueue(r)
             self._finish(r, RequestStatus.FINISHED_ABORTED)
             updates.append(self._update(r, []))
         return updates
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote_pending)
+
+    def _unqueue(self, r: Request) -> None:
+        if r.status == RequestStatus.WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(r)
+        elif r.status == RequestStatus.WAITING_FOR_REMOTE:
+            self.remote_pending.pop(r.req_id, None)
+
+    # ---------------------------------------------------------------- shared prefix tier
+    def remote_lookup_plan(self, req: Request) -> tuple[int, list[BlockHash]] | None:
+        """(first block index, hashes) of the prompt blocks worth asking the shared tier
+        for: those past the local hits, leaving the last token to compute."""
+        if not self.config.enable_prefix_caching or req.num_computed_tokens:
+            return None
+        bs = self.block_size
+        req.update_block_hashes(bs)
+        max_blocks = (req.num_tokens - 1) // bs
+        local = len(self.kv.get_computed_blocks(req))
+        if local >= max_blocks:
+            return None
+        return local, req.block_hashes[local:max_blocks]
+
+    def park_for_remote(self, req: Request) -> None:
+        """Hold a queued request out of admission while the tier is asked."""
+        self.waiting.remove(req)
+        req.status = RequestStatus.WAITING_FOR_REMOTE
+        self.remote_pending[req.req_id] = req
+
+    def remote_lookup_done(self, req_id: str, start: int, payloads: list[bytes]) -> None:
+        req = self.remote_pending.pop(req_id, None)
+        if req is None:
+            return  # aborted meanwhile
+        req.remote_start, req.remote_payloads = start, payloads
+        req.status = RequestStatus.WAITING
+        # Back into the queue in arrival order.
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].arrival_time > req.arrival_time:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def _note_hits(self, req: Request, hits: list) -> None:
+        tier = self.tier
+        if tier is None:
+            return
+        threshold = tier.cfg.hit_threshold
+        hashes = []
+        for b in hits:
+            b.hits += 1
+            hashes.append(b.block_hash)
+            if (b.hits >= threshold or req.publish_prefix) and tier.should_publish(b.block_hash):
+                self._to_save[b.block_hash] = None
+        if hashes:
+            tier.on_hits(hashes)
+
+    def _note_registration(self, req: Request, end: int) -> None:
+        """A registered prefix: publish every prompt block full once this step has run."""
+        bs = self.block_size
+        req.update_block_hashes(bs)
+        tier = self.tier
+        for h in req.block_hashes[: min(end, req.prompt_len) // bs]:
+            if tier is not None and tier.should_publish(h):
+                self._to_save[h] = None
+
+    def take_saved(self, so: SchedulerOutput, mo: ModelOutput) -> list[tuple[BlockHash, bytes]]:
+        """Payloads read out in a step, keyed by block hash, for the tier to publish."""
+        mapping = self._saving.pop(so.step, {})
+        return [(mapping[p.block_id], p.data) for p in mo.saved_kv if p.block_id in mapping]
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -154,8 +239,10 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         new_reqs: list[NewRequestData] = []
         copies: list[tuple[int, int]] = []
+        load_kv: list[KVBlockPayload] = []
         done: set[str] = set()
         preempted = False
+        bs = self.block_size
 
         # Decodes first, then partly computed prompts: a long prompt never delays a decode.
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -184,12 +271,25 @@ class Scheduler:
             if len(self.running) + 1 + len(req.fork_ids) > cfg.max_num_seqs:
                 break
             hits = self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.block_size
+            local, remote = len(hits), 0
+            if req.remote_payloads:
+                # Blocks the shared tier holds, contiguous with the local hits.
+                end = min(req.remote_start + len(req.remote_payloads), (req.num_tokens - 1) // bs)
+                if req.remote_start <= local < end:
+                    remote = end - local
+            num_hit = (local + remote) * bs
             n = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, n, copies, hits) is None:
+            fresh = self.kv.allocate_slots(req, n, copies, hits, num_external_tokens=remote * bs)
+            if fresh is None:
                 break
             self.waiting.popleft()
-            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            for i in range(remote):
+                payload = req.remote_payloads[local - req.remote_start + i]
+                load_kv.append(KVBlockPayload(block_id=fresh[i].block_id, data=payload))
+            req.remote_payloads = []
+            self.kv.record_prefix_lookup(req.num_tokens, local * bs)
+            self.prefix_hits_remote += remote * bs
+            self._note_hits(req, hits)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = num_hit
@@ -202,12 +302,24 @@ class Scheduler:
 
         finished, self.finished_req_ids = self.finished_req_ids, []
         self.step_id += 1
+        save: dict[int, BlockHash] = {}
+        if self._to_save:
+            # Looked up now, after every allocation of this step: a block still cached
+            # under its hash holds exactly that prefix's KV once the forward has run.
+            for h in self._to_save:
+                b = self.kv.pool.lookup(h)
+                if b is not None:
+                    save[b.block_id] = h
+            self._to_save.clear()
+            self._saving[self.step_id] = save
         return SchedulerOutput(
             step=self.step_id,
             new_requests=new_reqs,
             scheduled=scheduled,
             finished_req_ids=finished,
             copy_blocks=copies,
+            load_kv=load_kv,
+            save_kv_blocks=list(save),
         )
 
     def _schedule(
@@ -230,6 +342,8 @@ class Scheduler:
                 fork_ids=list(forks),
             )
         )
+        if req.publish_prefix and s < req.prompt_len:
+            self._note_registration(req, s + n)
         if not req.registered:
             new_reqs.append(self._new_request_data(req))
         for cid in forks:
@@ -342,9 +456,7 @@ class Scheduler:
         req = self.requests.get(req_id)
         if req is None or req.status.finished:
             return None
-        if req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE):
-            with contextlib.suppress(ValueError):
-                self.waiting.remove(req)
+        self._unqueue(req)
         self._finish(req, status)
         return self._update(req, [])
 
@@ -370,4 +482,5 @@ class Scheduler:
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            prefix_hits_remote=self.prefix_hits_remote,
         )

@@ -17,10 +17,12 @@ import orjson
 from aiohttp import WSCloseCode, web
 
 from scheduler.engine import EngineDeadError, StepInfo
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import RequestRejected
 from service.engine import AsyncEngine, EngineArgs
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
-from service.protocol import BadRequest
+from service.protocol import BadRequest, decode_prefix
 from service.ws import websocket_handler
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,8 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
             def on_step(info: StepInfo) -> None:
                 metrics.on_step(info, engine.scheduler.stats())
+                if engine.tier is not None:
+                    metrics.on_tier(engine.tier.name, engine.tier.stats, engine.tier.healthy)
 
             engine.add_step_hook(on_step)
             engine.request_hooks.append(metrics.on_request_done)
@@ -215,6 +219,37 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generation(request, chat=False)
 
 
+async def register_prefix(request: web.Request) -> web.StreamResponse:
+    """POST /v1/cache/prefixes {"messages": [...]} or {"prompt": str | [ids]}: compute a
+    shared prefix (typically a system prompt) and publish its KV to the shared tier now,
+    so every replica can load it instead of recomputing."""
+    serving = _serving(request)
+    body = await request.read()
+    req = decode_prefix(body)
+    engine = serving.engine
+    if (req.messages is None) == (req.prompt is None):
+        raise BadRequest("give exactly one of messages or prompt", "messages")
+    if req.messages is not None:
+        try:
+            ids = engine.render_chat(
+                [m.as_template_dict() for m in req.messages], add_generation_prompt=False
+            )
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+    else:
+        try:
+            ids = engine.encode_prompt(req.prompt)  # type: ignore[arg-type]
+        except RequestRejected as e:
+            raise BadRequest(str(e), "prompt") from e
+    try:
+        engine.resolve_max_tokens(len(ids), SamplingParams(max_tokens=1))
+    except RequestRejected as e:
+        raise BadRequest(str(e), "prompt") from e
+    result = await engine.register_prefix(ids, cache_salt=req.cache_salt)
+    result["shared_tier"] = engine.tier.name if engine.tier is not None else None
+    return json_response(result)
+
+
 async def models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.serving is None:
@@ -265,6 +300,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():

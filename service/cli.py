@@ -62,6 +62,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=_env("PAGESTREAM_REDIS_URL"),
         help="Redis for the cross-replica prefix index (default: in-process only)",
     )
+    g.add_argument(
+        "--redis-hit-threshold",
+        type=int,
+        default=1,
+        help="local prefix hits before a block's KV is published to Redis",
+    )
+    g.add_argument(
+        "--redis-max-kv-memory",
+        type=float,
+        default=1.0,
+        metavar="GiB",
+        help="cap on KV bytes this model keeps in Redis",
+    )
+    g.add_argument(
+        "--redis-lookup-deadline",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="longest a request waits for a Redis look-up",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
@@ -81,6 +101,9 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         attention_backend=a.attention_backend,
         enable_prefix_caching=not a.no_prefix_caching,
         redis_url=a.redis_url,
+        redis_hit_threshold=a.redis_hit_threshold,
+        redis_max_kv_bytes=int(a.redis_max_kv_memory * (1 << 30)),
+        redis_lookup_deadline=a.redis_lookup_deadline,
         device=a.device,
     )
 

@@ -8,8 +8,12 @@ engine, which frees its KV blocks within one step.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import os
+import socket
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +23,7 @@ from pathlib import Path
 from scheduler.contract import TokenLogprobs
 from scheduler.engine import EngineCore, StepInfo
 from scheduler.executor import ThreadExecutor
+from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
@@ -43,7 +48,10 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
-    redis_url: str | None = None
+    redis_url: str | None = None  # redis://... shares prefixes across replicas; memory://
+    redis_hit_threshold: int = 1  # local hits before a block's KV is published
+    redis_max_kv_bytes: int = 1 << 30  # cap on KV bytes this model keeps in Redis
+    redis_lookup_deadline: float = 1.0  # seconds a Redis look-up may take
     device: str | None = None
 
 
@@ -98,6 +106,50 @@ class _Sequence:
         self.done = False
 
 
+def namespace_fingerprint(model_dir: Path, dtype: str, block_size: int) -> str:
+    """What must match for two replicas to share KV: the weights, dtype, block size and
+    tokenizer.  Weights are identified by their safetensors headers (names, shapes,
+    offsets) plus sampled bytes, which is cheap even for large checkpoints."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(f"v1|{dtype}|{block_size}|".encode())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        f = model_dir / name
+        if f.is_file():
+            h.update(name.encode() + f.read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}|{size}|".encode())
+        with f.open("rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            h.update(fh.read(min(header_len, 1 << 24)))
+            for frac in (0.25, 0.5, 0.75, 1.0):
+                fh.seek(max(8 + header_len, int(size * frac) - 65536))
+                h.update(fh.read(65536))
+    return h.hexdigest()
+
+
+def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> PrefixTier:
+    dtype = str(runner.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+    fp = namespace_fingerprint(model_dir, dtype, args.block_size)
+    cfg = TierConfig(
+        namespace=f"pagestream:{fp}",
+        payload_bytes=runner.kv_bytes_per_block,  # type: ignore[attr-defined]
+        replica_id=f"{socket.gethostname()}:{os.getpid()}",
+        lookup_deadline=args.redis_lookup_deadline,
+        hit_threshold=args.redis_hit_threshold,
+        max_kv_bytes=args.redis_max_kv_bytes,
+        meta={
+            "model": str(model_dir),
+            "dtype": dtype,
+            "block_size": str(args.block_size),
+            "payload_bytes": str(runner.kv_bytes_per_block),  # type: ignore[attr-defined]
+        },
+    )
+    store, kind = make_store(args.redis_url or "", cfg)
+    log.info("shared prefix tier: %s, namespace %s", kind, cfg.namespace)
+    return PrefixTier(store, cfg, name=kind)
+
+
 def default_model_dir() -> Path:
     from service.make_model import cache_root
 
@@ -125,6 +177,7 @@ class AsyncEngine:
         scheduler: Scheduler,
         model_dir: Path,
         on_step: Callable[[StepInfo], None] | None = None,
+        tier: PrefixTier | None = None,
     ) -> None:
         self.args = args
         self.runner = runner
@@ -136,7 +189,8 @@ class AsyncEngine:
         self._step_hooks: list[Callable[[StepInfo], None]] = [on_step] if on_step else []
         # Called once per request when it ends (finished, aborted or failed).
         self.request_hooks: list[Callable[[RequestOutput], None]] = []
-        self.core = EngineCore(scheduler, self.executor, on_step=self._on_step)
+        self.tier = tier
+        self.core = EngineCore(scheduler, self.executor, on_step=self._on_step, tier=tier)
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
@@ -170,6 +224,9 @@ class AsyncEngine:
             )
             max_model_len = capacity
         budget = args.max_num_batched_tokens or (2048 if runner.device.type == "cuda" else 512)
+        tier = None
+        if args.redis_url and args.enable_prefix_caching:
+            tier = build_prefix_tier(args, runner, model_dir)
         sched = Scheduler(
             SchedulerConfig(
                 num_kv_blocks=runner.num_kv_blocks,
@@ -178,9 +235,18 @@ class AsyncEngine:
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
-            )
+            ),
+            on_block_event=tier.on_block_event if tier else None,
+            tier=tier,
         )
-        return cls(args, runner=runner, tokenizer=tokenizer, scheduler=sched, model_dir=model_dir)
+        return cls(
+            args,
+            runner=runner,
+            tokenizer=tokenizer,
+            scheduler=sched,
+            model_dir=model_dir,
+            tier=tier,
+        )
 
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
         self._step_hooks.append(hook)
@@ -190,10 +256,14 @@ class AsyncEngine:
             hook(info)
 
     async def start(self) -> None:
+        if self.tier is not None:
+            self.tier.start()
         self.core.start()
 
     async def shutdown(self) -> None:
         await self.core.stop()
+        if self.tier is not None:
+            await self.tier.close()
         self.executor.shutdown()
 
     @property
@@ -242,6 +312,7 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        publish_prefix: bool = False,
     ) -> list[Request]:
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         now = time.monotonic()
@@ -256,6 +327,7 @@ class AsyncEngine:
                 sample_index=i,
                 group_id=request_id,
                 arrival_time=now,
+                publish_prefix=publish_prefix,
             )
             for i in range(params.n)
         ]
@@ -268,13 +340,14 @@ class AsyncEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        publish_prefix: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs.  Raises RequestRejected (bad input) before the
         first yield; closing the iterator early aborts the request."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        group = self.build_group(rid, ids, params, cache_salt)
+        group = self.build_group(rid, ids, params, cache_salt, publish_prefix)
         stream = self.core.add(group)
         metrics = RequestMetrics(arrival_time=group[0].arrival_time)
         seqs = [_Sequence(i, self.tokenizer, ids, params) for i in range(params.n)]
@@ -320,6 +393,27 @@ class AsyncEngine:
                         s.out.finish_reason = "abort"
             for hook in self.request_hooks:
                 hook(out)
+
+    async def register_prefix(
+        self, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> dict[str, int]:
+        """Compute a prefix (e.g. a system prompt) and publish the KV of all its full
+        blocks to the shared tier now, rather than after it proves hot."""
+        bs = self.scheduler.block_size
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        rid = f"prefix-{uuid.uuid4().hex[:16]}"
+        last = None
+        async for out in self.generate(
+            "", params, rid, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt,
+            publish_prefix=True,
+        ):  # fmt: skip
+            last = out
+        assert last is not None
+        return {
+            "prompt_tokens": len(prompt_token_ids),
+            "blocks": len(prompt_token_ids) // bs,
+            "cached_tokens": last.num_cached_tokens,
+        }
 
     def _apply(self, seq: _Sequence, u) -> None:  # u: RequestUpdate
         o = seq.out

@@ -14,6 +14,7 @@ from prometheus_client import (
 )
 
 from scheduler.engine import StepInfo
+from scheduler.prefix_tier import TierStats
 from scheduler.scheduler import SchedulerStats
 from service.engine import RequestOutput
 
@@ -109,7 +110,8 @@ class Metrics:
             )
         }  # fmt: skip
         self._hits_local = self.prefix_hits.labels(model_name, "local")
-        self.prefix_hits.labels(model_name, "redis")  # expose the series from the start
+        self._hits_redis = self.prefix_hits.labels(model_name, "redis")
+        self._tier_up: Gauge | None = None
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         """A further counter (e.g. the Redis tier's), registered once."""
@@ -118,6 +120,49 @@ class Metrics:
                 name, doc, ["model_name", *labels], registry=self.registry
             )
         return self.extra_counters[name]
+
+    def on_tier(self, tier_name: str, st: TierStats, up: bool) -> None:
+        """Counters of the shared prefix tier (look-ups, blocks and bytes, errors)."""
+        fields = {
+            "lookups": ("pagestream_prefix_tier_lookups", "Look-ups sent to the shared tier."),
+            "blocks_loaded": (
+                "pagestream_prefix_tier_blocks_loaded", "KV blocks loaded from the shared tier."
+            ),
+            "bytes_loaded": (
+                "pagestream_prefix_tier_bytes_loaded", "KV bytes loaded from the shared tier."
+            ),
+            "blocks_published": (
+                "pagestream_prefix_tier_blocks_published", "KV blocks written to the shared tier."
+            ),
+            "bytes_published": (
+                "pagestream_prefix_tier_bytes_published", "KV bytes written to the shared tier."
+            ),
+            "errors": (
+                "pagestream_prefix_tier_errors",
+                "Shared-tier operations that failed (it then serves locally and retries).",
+            ),
+            "bad_payloads": (
+                "pagestream_prefix_tier_bad_payloads",
+                "Payloads dropped for a failed checksum or size check.",
+            ),
+        }  # fmt: skip
+        for attr, (name, doc) in fields.items():
+            value = getattr(st, attr)
+            key = f"{tier_name}:{attr}"
+            last = self._last_extra.get(key, 0)
+            if value > last:
+                self.counter(name, doc, ("tier",)).labels(self.model_name, tier_name).inc(
+                    value - last
+                )
+                self._last_extra[key] = value
+        if self._tier_up is None:
+            self._tier_up = Gauge(
+                "pagestream_prefix_tier_up",
+                "1 while the shared prefix tier answers, 0 while degraded to local caching.",
+                ["model_name", "tier"],
+                registry=self.registry,
+            )
+        self._tier_up.labels(self.model_name, tier_name).set(1 if up else 0)
 
     def on_step(self, info: StepInfo, stats: SchedulerStats) -> None:
         c = self._c
@@ -131,6 +176,8 @@ class Metrics:
             c["prefix_queries"].inc(stats.prefix_queries - last.prefix_queries)
         if stats.prefix_hits > last.prefix_hits:
             self._hits_local.inc(stats.prefix_hits - last.prefix_hits)
+        if stats.prefix_hits_remote > last.prefix_hits_remote:
+            self._hits_redis.inc(stats.prefix_hits_remote - last.prefix_hits_remote)
         if stats.num_preemptions > last.num_preemptions:
             c["preemptions"].inc(stats.num_preemptions - last.num_preemptions)
         self._last = stats

@@ -256,9 +256,20 @@ class WSPing(Struct, forbid_unknown_fields=True, tag="ping", tag_field="type", k
 
 ClientFrame = WSGenerate | WSCancel | WSPing
 
+
+class PrefixRegistration(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of POST /v1/cache/prefixes."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    prompt: str | list[NonNegInt] | None = None
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    model: str | None = None
+
+
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _ws_decoder = msgspec.json.Decoder(ClientFrame)
+_prefix_decoder = msgspec.json.Decoder(PrefixRegistration)
 
 
 def field_of(err: msgspec.ValidationError) -> str | None:
@@ -295,3 +306,7 @@ def decode_completion(body: bytes) -> CompletionRequest:
 
 def decode_ws(frame: str | bytes) -> WSGenerate | WSCancel | WSPing:
     return decode(_ws_decoder, frame)
+
+
+def decode_prefix(body: bytes) -> PrefixRegistration:
+    return decode(_prefix_decoder, body)

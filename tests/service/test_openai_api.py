@@ -263,7 +263,7 @@ def test_raw_sse_format(server):
                 "stream": True,
                 "ignore_eos": True,
                 "stream_options": {"include_usage": True},
-            }  # fmt: skip
+            }
         ).encode(),
         headers={"Content-Type": "application/json"},
     )
