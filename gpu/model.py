@@ -22,12 +22,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers: normalise in float32, cast back, then scale, so
-        # bf16 runs round exactly where the reference does.
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            # One fused op; in float32 it computes what transformers computes.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Lower precision: transformers' op order (normalise in float32, round, then
+        # scale) so bf16 runs round where the reference rounds.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -41,15 +43,14 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]  # [T, 1, D/2]
-        sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """cos/sin rows of a step's positions, [T, 1, D/2]; looked up once per forward
+        and shared by every layer."""
+        cos = self.cos.index_select(0, positions).to(dtype)[:, None, :]
+        sin = self.sin.index_select(0, positions).to(dtype)[:, None, :]
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,8 +81,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2]
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -94,7 +94,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        cos, sin = rope
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -122,12 +123,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -153,8 +153,9 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]

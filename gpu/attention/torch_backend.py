@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -62,9 +63,23 @@ def paged_attention_reference(
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Batched decode over a gathered context, then one SDPA call per prefill chunk."""
+    """Decode through the compiled CPU kernel when it is there (else batched over a
+    gathered context), then one SDPA call per prefill chunk."""
 
     name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self._kernel_ok: dict[torch.dtype, bool] = {}
+
+    def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
+        ok = self._kernel_ok.get(q.dtype)
+        if ok is None:
+            ok = q.device.type == "cpu" and cpu_kernels.supports(
+                q.dtype, self.num_heads, self.num_kv_heads, self.head_dim
+            )
+            self._kernel_ok[q.dtype] = ok
+        return ok
 
     def forward(
         self,
@@ -98,6 +113,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         b = q.shape[0]
+        if self._use_cpu_kernel(q):
+            return cpu_kernels.decode_attention(
+                q, k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], self.scale
+            )
         bs = meta.block_size
         max_len = max(meta.seq_lens_cpu[:b])
         nb = (max_len + bs - 1) // bs

@@ -1,0 +1,137 @@
+"""CPU kernels compiled on first use (a C++ compiler is all they need; no torch headers).
+
+`decode_attention` reads K/V rows straight from the paged cache, which the torch path
+cannot do without first gathering (and transposing) every sequence's blocks into a dense
+copy.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0, `available()` is False
+and the torch path runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("paged_decode.cpp")
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGESTREAM_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pagestream"
+    )
+    return Path(root) / "cpu-kernels"
+
+
+def _flags() -> list[str]:
+    # -march=native: built on the machine that runs it (cached per source + flags + CPU).
+    march = os.environ.get("PAGESTREAM_CPU_MARCH", "native")
+    return ["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    flags = _flags()
+    key = hashlib.sha256(
+        _SRC.read_bytes() + " ".join([cxx, *flags]).encode() + _cpu_id().encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"libpagestream_cpu-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cxx, *flags, str(_SRC), "-o", tmp], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"compiling {_SRC.name} failed: {e.stderr[-2000:]}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it once per machine; None if it cannot be built."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("PAGESTREAM_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except Exception as e:  # no compiler, no OpenMP, read-only cache...
+        log.warning("CPU attention kernel unavailable, using the torch path: %s", e)
+        return None
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    for name in ("ps_decode_f32", "ps_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
+        fn.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    lib = load()
+    return (
+        lib is not None
+        and dtype in (torch.float32, torch.bfloat16)
+        and num_heads // num_kv_heads <= lib.ps_max_group()
+        and head_dim <= lib.ps_max_dim()
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    lib = load()
+    assert lib is not None
+    assert q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    lens = seq_lens.contiguous()
+    out = torch.empty_like(q)
+    b, hq, d = q.shape
+    fn = lib.ps_decode_bf16 if q.dtype == torch.bfloat16 else lib.ps_decode_f32
+    fn(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), out.data_ptr(), b, hq, k_cache.shape[2], d,
+        k_cache.shape[1], scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
