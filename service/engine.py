@@ -47,6 +47,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    threads: int | None = None  # torch CPU threads (default: torch's, i.e. all cores)
     enable_prefix_caching: bool = True
     redis_url: str | None = None  # redis://... shares prefixes across replicas; memory://
     redis_hit_threshold: int = 1  # local hits before a block's KV is published
@@ -178,6 +179,7 @@ class AsyncEngine:
         model_dir: Path,
         on_step: Callable[[StepInfo], None] | None = None,
         tier: PrefixTier | None = None,
+        executor: ThreadExecutor | None = None,
     ) -> None:
         self.args = args
         self.runner = runner
@@ -185,7 +187,7 @@ class AsyncEngine:
         self.scheduler = scheduler
         self.model_dir = model_dir
         self.model_name = args.model or "pagestream-default"
-        self.executor = ThreadExecutor(runner)  # type: ignore[arg-type]
+        self.executor = executor or ThreadExecutor(runner)  # type: ignore[arg-type]
         self._step_hooks: list[Callable[[StepInfo], None]] = [on_step] if on_step else []
         # Called once per request when it ends (finished, aborted or failed).
         self.request_hooks: list[Callable[[RequestOutput], None]] = []
@@ -201,20 +203,31 @@ class AsyncEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> AsyncEngine:
         """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
+        import torch
+
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
 
         model_dir = Path(args.model) if args.model else ensure_default_model()
-        runner = ModelRunner(
-            model_dir,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_bytes=args.kv_cache_bytes,
-            attention_backend=args.attention_backend,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-        )
+        threads = args.threads
+
+        def build() -> ModelRunner:
+            if threads:
+                torch.set_num_threads(threads)
+            return ModelRunner(
+                model_dir,
+                dtype=args.dtype,
+                device=args.device,
+                block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks,
+                kv_cache_bytes=args.kv_cache_bytes,
+                attention_backend=args.attention_backend,
+                max_model_len=args.max_model_len,
+                seed=args.seed,
+            )
+
+        # Built on the thread that will run every step (see ThreadExecutor).
+        executor = ThreadExecutor(factory=build)
+        runner = executor.runner
         tokenizer = Tokenizer.from_dir(model_dir)
         capacity = runner.num_kv_blocks * args.block_size
         max_model_len = runner.max_model_len
@@ -246,6 +259,7 @@ class AsyncEngine:
             scheduler=sched,
             model_dir=model_dir,
             tier=tier,
+            executor=executor,
         )
 
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:

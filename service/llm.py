@@ -39,7 +39,15 @@ class LLM:
         redis_url: str | None = None,
         kv_cache_bytes: int | None = None,
         device: str | None = None,
+        threads: int | None = None,
     ) -> None:
+        if max_num_batched_tokens is None:
+            # Offline batches favour throughput over inter-token latency: a larger step
+            # budget than the server's (vLLM makes the same split).
+            import torch
+
+            cuda = torch.cuda.is_available() and device != "cpu"
+            max_num_batched_tokens = 8192 if cuda else 2048
         self.args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -54,6 +62,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             redis_url=redis_url,
             device=device,
+            threads=threads,
         )
         self.engine = AsyncEngine.from_args(self.args)
         # The engine lives on its own loop thread, so LLM works from plain scripts and from
