@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from gpu.attention import create_attention_backend
 from gpu.attention.base import AttentionMetadata
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
+from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler
 from scheduler.contract import KVBlockPayload, ModelOutput, ScheduledRequest, SchedulerOutput
@@ -53,6 +55,9 @@ class ModelRunner:
         attention_backend: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
+        cuda_graphs: bool | None = None,
+        graph_batch_sizes: Sequence[int] | None = None,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -96,6 +101,29 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
         self.requests: dict[str, RequestSamplingState] = {}
         self.last_step_seconds = 0.0
+        self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
+
+    def _setup_graphs(
+        self, enabled: bool | None, sizes: Sequence[int] | None, max_num_seqs: int
+    ) -> DecodeGraphs | None:
+        """Decode-step CUDA graphs: on by default on CUDA with the Triton backend (the
+        torch path syncs with the host, so it cannot be captured)."""
+        graph_safe = self.attn_backend.name == "triton"
+        if enabled is None:
+            enabled = self.device.type == "cuda" and graph_safe
+        if not enabled:
+            return None
+        if not graph_safe:
+            raise ModelLoadError("CUDA graphs need the triton attention backend")
+        sizes = [b for b in (sizes or DEFAULT_SIZES) if b <= max_num_seqs] or [1]
+        capture = self.device.type == "cuda"
+        # Pin the split-context choice: the heuristic reads max_seq_len on the host, and a
+        # captured launch must not depend on it.
+        self.attn_backend.num_splits = 1  # type: ignore[attr-defined]
+        graphs = DecodeGraphs(self, sizes, capture=capture)
+        graphs.capture_all()
+        self.attn_backend.num_splits = None  # type: ignore[attr-defined]
+        return graphs
 
     # ------------------------------------------------------------------ sizing
     @property
@@ -133,8 +161,17 @@ class ModelRunner:
             self._load_kv(so.load_kv)
         out = ModelOutput(req_ids=[], sampled_token_ids=[])
         if so.scheduled:
-            inputs = self._prepare(so.scheduled)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            graphs = self.graphs
+            if (
+                graphs is not None
+                and all(len(r.input_ids) == 1 for r in so.scheduled)
+                and graphs.bucket(len(so.scheduled)) is not None
+            ):
+                inputs = self._prepare_samples(so.scheduled)
+                hidden = graphs.run(so.scheduled)
+            else:
+                inputs = self._prepare(so.scheduled)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if inputs.sample_states:
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
                 result = self.sampler(logits, inputs.sample_states)
@@ -147,6 +184,27 @@ class ModelRunner:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0
         return out
+
+    def _prepare_samples(self, decodes: list[ScheduledRequest]) -> StepInputs:
+        """Sampling rows of a decode-only step run through a graph (hidden row i is
+        request i; the graph owns the other inputs)."""
+        rows: list[int] = []
+        states: list[RequestSamplingState] = []
+        ids: list[str] = []
+        for i, r in enumerate(decodes):
+            if r.sample:
+                for rid in (r.req_id, *r.fork_ids):
+                    rows.append(i)
+                    states.append(self.requests[rid])
+                    ids.append(rid)
+        return StepInputs(
+            input_ids=torch.empty(0),
+            positions=torch.empty(0),
+            meta=None,  # type: ignore[arg-type]
+            logits_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            sample_states=states,
+            sample_ids=ids,
+        )
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # Decodes first: backends batch the one-token queries together.

@@ -56,6 +56,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="longest prompt + output (default: the model's, capped by the KV cache)",
     )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs for decode steps (they are on by default on CUDA)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument(
         "--redis-url",
@@ -100,6 +105,7 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         seed=a.seed,
         attention_backend=a.attention_backend,
         threads=a.threads,
+        cuda_graphs=False if a.enforce_eager else None,
         enable_prefix_caching=not a.no_prefix_caching,
         redis_url=a.redis_url,
         redis_hit_threshold=a.redis_hit_threshold,

@@ -48,6 +48,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     threads: int | None = None  # torch CPU threads (default: torch's, i.e. all cores)
+    cuda_graphs: bool | None = None  # None: on for CUDA + Triton; False = vLLM's enforce_eager
     enable_prefix_caching: bool = True
     redis_url: str | None = None  # redis://... shares prefixes across replicas; memory://
     redis_hit_threshold: int = 1  # local hits before a block's KV is published
@@ -223,6 +224,8 @@ class AsyncEngine:
                 attention_backend=args.attention_backend,
                 max_model_len=args.max_model_len,
                 seed=args.seed,
+                cuda_graphs=args.cuda_graphs,
+                max_num_seqs=args.max_num_seqs,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).

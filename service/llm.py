@@ -40,6 +40,8 @@ class LLM:
         kv_cache_bytes: int | None = None,
         device: str | None = None,
         threads: int | None = None,
+        enforce_eager: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if max_num_batched_tokens is None:
             # Offline batches favour throughput over inter-token latency: a larger step
@@ -63,6 +65,7 @@ class LLM:
             redis_url=redis_url,
             device=device,
             threads=threads,
+            cuda_graphs=False if enforce_eager else cuda_graphs,
         )
         self.engine = AsyncEngine.from_args(self.args)
         # The engine lives on its own loop thread, so LLM works from plain scripts and from

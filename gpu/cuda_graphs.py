@@ -1,0 +1,135 @@
+"""CUDA graphs for decode-only steps, captured at a few batch-size buckets.
+
+A decode step of b sequences runs the graph of the smallest bucket B >= b: the step's
+inputs are copied into static buffers and rows b..B-1 are padding (slot -1: nothing is
+written to the cache; sequence length 0: attention returns zeros), so one graph serves
+every batch up to its size and every context length.  Steps with prefill chunks, or
+more sequences than the largest bucket, run eagerly.
+
+Only the decode step is wrapped; logits and sampling stay eager.  With `capture=False`
+the same padded static-buffer path runs without a graph, which lets CPU tests exercise
+it through the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from gpu.attention.base import AttentionMetadata
+from scheduler.contract import ScheduledRequest
+
+if TYPE_CHECKING:
+    from gpu.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, sizes: Sequence[int], capture: bool = True) -> None:
+        self.runner = runner
+        self.sizes = sorted(set(sizes))
+        self.capture = capture
+        dev = runner.device
+        maxb = self.sizes[-1]
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(maxb, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(maxb, dtype=torch.int64, device=dev)
+        self.slots = torch.full((maxb,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(maxb, dtype=torch.int32, device=dev)
+        self.ctx_lens = torch.zeros(maxb, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(maxb + 1, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(maxb, self.max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.metas = {b: self._meta(b) for b in self.sizes}
+        self.replays = 0
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        # max_seq_len is the bound the kernels are launched for; the real lengths are
+        # read on the device, so the same launch stays right for any context.
+        return AttentionMetadata(
+            num_tokens=b,
+            num_seqs=b,
+            num_decodes=b,
+            query_start_loc=self.qsl[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            context_lens=self.ctx_lens[:b],
+            block_tables=self.tables[:b],
+            slot_mapping=self.slots[:b],
+            max_query_len=1,
+            max_seq_len=self.runner.max_model_len,
+            query_lens_cpu=[1] * b,
+            seq_lens_cpu=[self.runner.max_model_len] * b,
+            block_size=self.runner.block_size,
+        )
+
+    def bucket(self, n: int) -> int | None:
+        for b in self.sizes:
+            if b >= n:
+                return b
+        return None
+
+    def _forward(self, b: int) -> torch.Tensor:
+        r = self.runner
+        return r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, self.metas[b])
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture one graph per bucket, largest first so smaller ones reuse its pool."""
+        if not self.capture:
+            return
+        pool = None
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.sizes):
+                self._forward(b)  # warm-up: autotuning and lazy init outside the capture
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    self.outputs[b] = self._forward(b)
+                pool = g.pool()
+                self.graphs[b] = g
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize(self.runner.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def run(self, decodes: list[ScheduledRequest]) -> torch.Tensor:  # [n, hidden]
+        """One decode step through the bucket's graph (or its eager equivalent)."""
+        n = len(decodes)
+        b = self.bucket(n)
+        assert b is not None
+        bs = self.runner.block_size
+        ids, pos, slots, lens, ctx = [], [], [], [], []
+        table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
+        for i, r in enumerate(decodes):
+            s = r.start_pos
+            ids.append(r.input_ids[0])
+            pos.append(s)
+            slots.append(r.block_table[s // bs] * bs + s % bs)
+            lens.append(s + 1)
+            ctx.append(s)
+            table[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+        pad = b - n
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [-1] * pad  # padded rows write nothing to the cache...
+        lens += [0] * pad  # ...and attend to nothing
+        ctx += [0] * pad
+        dev = self.runner.device
+        self.input_ids[:b].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(pos), non_blocking=True)
+        self.slots[:b].copy_(torch.tensor(slots), non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.ctx_lens[:b].copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
+        self.tables[:b].copy_(table.to(dev), non_blocking=True)
+        self.replays += 1
+        if self.capture:
+            self.graphs[b].replay()
+            return self.outputs[b][:n]
+        return self._forward(b)[:n]
