@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-async def _ttft(engine, prompt: list[int], rid: str) -> float:  # noqa: ANN001
+async def _ttft(engine, prompt: list[int], rid: str) -> float:
     from scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -26,7 +26,7 @@ async def _ttft(engine, prompt: list[int], rid: str) -> float:  # noqa: ANN001
     return first
 
 
-async def _wait_published(engine, n: int) -> None:  # noqa: ANN001
+async def _wait_published(engine, n: int) -> None:
     for _ in range(3000):
         if engine.tier.stats.blocks_published >= n:
             return
