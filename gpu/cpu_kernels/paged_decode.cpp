@@ -68,86 +68,7 @@ inline float hsum(v16f v) {
   return s;
 }
 
-// The same computation with the head dimension in 16-float chunks (dim % 16 == 0).
-template <typename T>
-void decode_vec(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t tstride,
-                const int32_t* lens, T* out, int nseq, int nheads, int nkv, int dim, int bs,
-                float scale, int nthreads) {
-  const int group = nheads / nkv;
-  const int chunks = dim / 16;
-  const int64_t row = static_cast<int64_t>(nkv) * dim;
-#pragma omp parallel num_threads(nthreads)
-  {
-    std::vector<float> scores;
-    v16f qv[kMaxGroup][kMaxDim / 16];
-    v16f acc[kMaxGroup][kMaxDim / 16];
-#pragma omp for schedule(dynamic, 1)
-    for (int item = 0; item < nseq * nkv; ++item) {
-      const int s = item / nkv, h = item % nkv;
-      const int len = lens[s];
-      const int32_t* table = tables + static_cast<int64_t>(s) * tstride;
-      T* o0 = out + (static_cast<int64_t>(s) * nheads + h * group) * dim;
-      if (len <= 0) {
-        for (int i = 0; i < group * dim; ++i) store(o0 + i, 0.0f);
-        continue;
-      }
-      scores.resize(static_cast<size_t>(group) * len);
-      for (int g = 0; g < group; ++g) {
-        const T* qs = q + (static_cast<int64_t>(s) * nheads + h * group + g) * dim;
-        for (int c = 0; c < chunks; ++c) qv[g][c] = load16(qs + 16 * c) * scale;
-      }
-      for (int t0 = 0; t0 < len; t0 += bs) {
-        const int64_t base = static_cast<int64_t>(table[t0 / bs]) * bs * row + h * dim;
-        const int n = len - t0 < bs ? len - t0 : bs;
-        for (int j = 0; j < n; ++j) {
-          const T* k = kc + base + j * row;
-          v16f kv[kMaxDim / 16];
-          for (int c = 0; c < chunks; ++c) kv[c] = load16(k + 16 * c);
-          for (int g = 0; g < group; ++g) {
-            v16f a = qv[g][0] * kv[0];
-            for (int c = 1; c < chunks; ++c) a += qv[g][c] * kv[c];
-            scores[static_cast<size_t>(g) * len + t0 + j] = hsum(a);
-          }
-        }
-      }
-      float denom[kMaxGroup];
-      for (int g = 0; g < group; ++g) {
-        float* sc = scores.data() + static_cast<size_t>(g) * len;
-        float m = sc[0];
-        for (int t = 1; t < len; ++t) m = sc[t] > m ? sc[t] : m;
-        float sum = 0.0f;
-        for (int t = 0; t < len; ++t) {
-          sc[t] = std::exp(sc[t] - m);
-          sum += sc[t];
-        }
-        denom[g] = sum;
-        for (int c = 0; c < chunks; ++c) acc[g][c] = v16f{};
-      }
-      for (int t0 = 0; t0 < len; t0 += bs) {
-        const int64_t base = static_cast<int64_t>(table[t0 / bs]) * bs * row + h * dim;
-        const int n = len - t0 < bs ? len - t0 : bs;
-        for (int j = 0; j < n; ++j) {
-          const T* v = vc + base + j * row;
-          v16f vv[kMaxDim / 16];
-          for (int c = 0; c < chunks; ++c) vv[c] = load16(v + 16 * c);
-          for (int g = 0; g < group; ++g) {
-            const float p = scores[static_cast<size_t>(g) * len + t0 + j];
-            for (int c = 0; c < chunks; ++c) acc[g][c] += p * vv[c];
-          }
-        }
-      }
-      for (int g = 0; g < group; ++g) {
-        const float inv = 1.0f / denom[g];
-        T* o = o0 + g * dim;
-        for (int c = 0; c < chunks; ++c) {
-          v16f r = acc[g][c] * inv;
-          for (int i = 0; i < 16; ++i) store(o + 16 * c + i, r[i]);
-        }
-      }
-    }
-  }
-}
-
+// Any head dimension, scalar loops (the compiler still vectorises them).
 template <typename T>
 void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t tstride,
             const int32_t* lens, T* out, int nseq, int nheads, int nkv, int dim, int bs,
@@ -228,6 +149,104 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t
   }
 }
 
+// The same computation with the head dimension in C chunks of 16 floats (dim = 16 C).
+// C is a compile-time constant so each query head's accumulators stay in registers.
+template <typename T, int C>
+void decode_vec(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t tstride,
+                const int32_t* lens, T* out, int nseq, int nheads, int nkv, int bs, float scale,
+                int nthreads) {
+  constexpr int dim = 16 * C;
+  const int group = nheads / nkv;
+  const int64_t row = static_cast<int64_t>(nkv) * dim;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> scores;
+    v16f qv[kMaxGroup][C];
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < nseq * nkv; ++item) {
+      const int s = item / nkv, h = item % nkv;
+      const int len = lens[s];
+      const int32_t* table = tables + static_cast<int64_t>(s) * tstride;
+      T* o0 = out + (static_cast<int64_t>(s) * nheads + h * group) * dim;
+      if (len <= 0) {
+        for (int i = 0; i < group * dim; ++i) store(o0 + i, 0.0f);
+        continue;
+      }
+      scores.resize(static_cast<size_t>(group) * len);
+      for (int g = 0; g < group; ++g) {
+        const T* qs = q + (static_cast<int64_t>(s) * nheads + h * group + g) * dim;
+        for (int c = 0; c < C; ++c) qv[g][c] = load16(qs + 16 * c) * scale;
+      }
+      // Pass 1: scores; each K row is converted once and used by every head of the group.
+      for (int t0 = 0; t0 < len; t0 += bs) {
+        const int64_t base = static_cast<int64_t>(table[t0 / bs]) * bs * row + h * dim;
+        const int n = len - t0 < bs ? len - t0 : bs;
+        for (int j = 0; j < n; ++j) {
+          const T* k = kc + base + j * row;
+          v16f kv[C];
+          for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+          for (int g = 0; g < group; ++g) {
+            v16f a = qv[g][0] * kv[0];
+            for (int c = 1; c < C; ++c) a += qv[g][c] * kv[c];
+            scores[static_cast<size_t>(g) * len + t0 + j] = hsum(a);
+          }
+        }
+      }
+      // Pass 2 + 3, one head at a time so its accumulator lives in registers; the
+      // group's V rows are re-read from L1/L2, not memory.
+      for (int g = 0; g < group; ++g) {
+        float* sc = scores.data() + static_cast<size_t>(g) * len;
+        float m = sc[0];
+        for (int t = 1; t < len; ++t) m = sc[t] > m ? sc[t] : m;
+        float sum = 0.0f;
+        for (int t = 0; t < len; ++t) {
+          sc[t] = std::exp(sc[t] - m);
+          sum += sc[t];
+        }
+        v16f acc[C] = {};
+        for (int t0 = 0; t0 < len; t0 += bs) {
+          const int64_t base = static_cast<int64_t>(table[t0 / bs]) * bs * row + h * dim;
+          const int n = len - t0 < bs ? len - t0 : bs;
+          for (int j = 0; j < n; ++j) {
+            const T* v = vc + base + j * row;
+            const float p = sc[t0 + j];
+            for (int c = 0; c < C; ++c) acc[c] += p * load16(v + 16 * c);
+          }
+        }
+        const float inv = 1.0f / sum;
+        T* o = o0 + g * dim;
+        for (int c = 0; c < C; ++c) {
+          v16f r = acc[c] * inv;
+          for (int i = 0; i < 16; ++i) store(o + 16 * c + i, r[i]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t tstride,
+              const int32_t* lens, T* out, int nseq, int nheads, int nkv, int dim, int bs,
+              float scale, int nthreads) {
+  switch (dim) {
+    case 32:
+      return decode_vec<T, 2>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, bs,
+                              scale, nthreads);
+    case 64:
+      return decode_vec<T, 4>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, bs,
+                              scale, nthreads);
+    case 128:
+      return decode_vec<T, 8>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, bs,
+                              scale, nthreads);
+    case 256:
+      return decode_vec<T, 16>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, bs,
+                               scale, nthreads);
+    default:
+      return decode<T>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale,
+                       nthreads);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -238,22 +257,14 @@ int ps_max_dim() { return kMaxDim; }
 void ps_decode_f32(const float* q, const float* kc, const float* vc, const int32_t* tables,
                    int64_t tstride, const int32_t* lens, float* out, int nseq, int nheads,
                    int nkv, int dim, int bs, float scale, int nthreads) {
-  if (dim % 16 == 0)
-    decode_vec<float>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale,
-                      nthreads);
-  else
-    decode<float>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale,
+  dispatch<float>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale,
                   nthreads);
 }
 
 void ps_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                     const int32_t* tables, int64_t tstride, const int32_t* lens, uint16_t* out,
                     int nseq, int nheads, int nkv, int dim, int bs, float scale, int nthreads) {
-  if (dim % 16 == 0)
-    decode_vec<uint16_t>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs,
-                         scale, nthreads);
-  else
-    decode<uint16_t>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale,
+  dispatch<uint16_t>(q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale,
                      nthreads);
 }
 
