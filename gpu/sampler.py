@@ -375,17 +375,21 @@ class Sampler:
         if m_pos:
             _on_rows(probs, m_pos, lambda sub: _min_p_(sub, min_p))
 
-        q = torch.empty_like(probs)  # [Rr, V]
+        # Inverse-CDF sampling: one uniform per row, u in (0, 1], and the first token
+        # whose cumulative (unnormalised, filtered) probability reaches u * total.  A
+        # filtered token has zero width in the CDF, so it is never the first to reach a
+        # positive target.  One draw per row (rather than an exponential race with a full
+        # vocabulary of noise per row) is ~10x cheaper on CPU, and a seeded request still
+        # consumes exactly one draw per step whatever its batch.
+        cdf = probs.cumsum_(-1)  # [Rr, V]
+        u = torch.empty(len(rows), 1, dtype=cdf.dtype, device=cdf.device)  # [Rr, 1]
         if num_unseeded:
-            q[:num_unseeded].uniform_(generator=self.generator)
+            u[:num_unseeded].uniform_(generator=self.generator)
         for j in range(num_unseeded, len(rows)):
-            q[j].uniform_(generator=rows[j].generator)  # one full [V] draw per seeded sample
-        # Exp(1) by inversion: log(u) = -q with u in [0, 1), so argmax(probs / q) is
-        # argmin(probs / log(u)) and saves a negation pass.  log(u) < 0 is never 0, so a filtered
-        # token gives -0.0 (never NaN) and loses to every kept token, whose value is < 0.
-        # (uniform_ + log_ is ~3x cheaper than exponential_ on CPU.)
-        q.log_()
-        return probs.div_(q).argmin(-1)
+            u[j].uniform_(generator=rows[j].generator)
+        target = (1.0 - u).mul_(cdf[:, -1:])  # [Rr, 1]
+        tok = torch.searchsorted(cdf, target).squeeze(1)
+        return tok.clamp_(max=vocab - 1)
 
     @staticmethod
     def _logprobs(
