@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu import cpu_kernels
 from gpu.attention import create_attention_backend
 from gpu.attention.base import AttentionMetadata
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
@@ -87,6 +88,8 @@ class ModelRunner:
         self.model = load_model(
             self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len
         )
+        if self.device.type == "cpu":
+            cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
         shape = (self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: the torch decode path reads padded slots (masked to weight 0),
