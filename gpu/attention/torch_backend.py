@@ -63,8 +63,8 @@ def paged_attention_reference(
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decode through the compiled CPU kernel when it is there (else batched over a
-    gathered context), then one SDPA call per prefill chunk."""
+    """Decode and prefill through the compiled CPU kernels when they are there; else
+    decode batched over a gathered context and one SDPA call per prefill chunk."""
 
     name = "torch"
 
@@ -95,15 +95,37 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        start = nd
+        if meta.num_seqs > nd:
+            self._prefill_all(q, k, v, k_cache, v_cache, meta, out)
+        return out
+
+    def _prefill_all(
+        self,
+        q: torch.Tensor,  # [num_tokens, H, D], the whole step
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Every prefill chunk of the step (the requests after the decodes), into `out`.
+        The compiled kernel does them all in one call straight from the paged cache (the
+        chunk's K/V are already written); otherwise one SDPA call per chunk."""
+        nd = meta.num_decodes
+        if self._use_cpu_kernel(q):
+            cpu_kernels.prefill_attention(
+                q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+                meta.seq_lens[nd:], self.scale, out,
+            )  # fmt: skip
+            return
+        start = nd  # decodes are one token each
         for i in range(nd, meta.num_seqs):
-            qlen = meta.query_lens_cpu[i]
-            end = start + qlen
+            end = start + meta.query_lens_cpu[i]
             out[start:end] = self._prefill(
                 q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i
             )
             start = end
-        return out
 
     def _decode(
         self,

@@ -1,9 +1,10 @@
 """CPU kernels compiled on first use (a C++ compiler is all they need; no torch headers).
 
-`decode_attention` reads K/V rows straight from the paged cache, which the torch path
-cannot do without first gathering (and transposing) every sequence's blocks into a dense
-copy.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0, `available()` is False
-and the torch path runs instead.
+`decode_attention` and `prefill_attention` read K/V rows straight from the paged cache,
+which the torch path cannot do without first gathering (and transposing) every sequence's
+blocks into a dense copy; prefill is a flash-attention style kernel several times faster
+than torch's CPU SDPA.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
+`available()` is False and the torch path runs instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("paged_decode.cpp")
+# Compiled together into one shared library.
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp")]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -53,7 +55,9 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler found (set CXX)")
     flags = _flags()
     key = hashlib.sha256(
-        _SRC.read_bytes() + " ".join([cxx, *flags]).encode() + _cpu_id().encode()
+        b"".join(p.read_bytes() for p in _SRCS)
+        + " ".join([cxx, *flags]).encode()
+        + _cpu_id().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"libpagestream_cpu-{key}.so"
     if out.is_file():
@@ -64,11 +68,13 @@ def _build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cxx, *flags, str(_SRC), "-o", tmp], check=True, capture_output=True, text=True
+            [cxx, *flags, *map(str, _SRCS), "-o", tmp], check=True, capture_output=True, text=True
         )
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"compiling {_SRC.name} failed: {e.stderr[-2000:]}") from e
+        raise RuntimeError(
+            f"compiling {' '.join(p.name for p in _SRCS)} failed: {e.stderr[-2000:]}"
+        ) from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -92,6 +98,10 @@ def load() -> ctypes.CDLL | None:
     for name in ("ps_decode_f32", "ps_decode_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
+        fn.restype = None
+    for name in ("ps_prefill_f32", "ps_prefill_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         fn.restype = None
     _lib = lib
     return lib
@@ -135,3 +145,51 @@ def decode_attention(
         k_cache.shape[1], scale, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_tokens, Hq, D]: rows query_start_loc[i]..[i + 1] are request i's
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the chunk's K/V already written
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32, absolute rows of q/out
+    seq_lens: torch.Tensor,  # [B] int32, context after the chunk
+    scale: float,
+    out: torch.Tensor | None = None,  # written in place at the requests' rows
+) -> torch.Tensor:
+    """Causal attention of every request's chunk over its paged context, in one call:
+    query j of a chunk of length L sits at position seq_len - L + j and sees keys up to it.
+    Rows of q/out outside the requests' ranges are left alone."""
+    lib = load()
+    assert lib is not None
+    assert q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
+    b = seq_lens.shape[0]
+    assert query_start_loc.shape[0] == b + 1 and block_tables.shape[0] >= b
+    # Tokens may be strided (a view into a fused qkv projection); heads x dim must be dense.
+    if not _rows_dense(q):
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    dst = out if _rows_dense(out) else torch.empty_like(q, memory_format=torch.contiguous_format)
+    tables = block_tables.contiguous()
+    qsl = query_start_loc.contiguous()
+    lens = seq_lens.contiguous()
+    _, hq, d = q.shape
+    fn = lib.ps_prefill_bf16 if q.dtype == torch.bfloat16 else lib.ps_prefill_f32
+    fn(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), qsl.data_ptr(), lens.data_ptr(), dst.data_ptr(), dst.stride(0), b,
+        hq, k_cache.shape[2], d, k_cache.shape[1], scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if dst is not out:
+        lo, hi = int(qsl[0]), int(qsl[-1])
+        out[lo:hi] = dst[lo:hi]
+    return out
+
+
+def _rows_dense(t: torch.Tensor) -> bool:
+    """[tokens, heads, dim] with each token's heads x dim contiguous (any token stride)."""
+    return t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
