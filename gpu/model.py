@@ -13,6 +13,7 @@ from torch import nn
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
+from gpu.cpu_linear import pack_model_linears, pack_weight, packed_linear
 
 
 class RMSNorm(nn.Module):
@@ -142,6 +143,7 @@ class CausalLM(nn.Module):
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
         # than an alias) keeps state_dict() and assign-loading simple.
         self.lm_head_weight: nn.Parameter | None = None
+        self.lm_head_packed: torch.Tensor | None = None  # set by pack_for_cpu()
         if not config.tie_word_embeddings:
             self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
 
@@ -159,5 +161,18 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
+        if self.lm_head_packed is not None:
+            return packed_linear(hidden, self.lm_head_packed, None).float()
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         return F.linear(hidden, w).float()
+
+    def pack_for_cpu(self) -> int:
+        """Reorder every projection's weights for oneDNN once (CPU)."""
+        dtype = self.embed_tokens.weight.dtype
+        n = pack_model_linears(self, dtype)
+        if n:
+            w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+            self.lm_head_packed = pack_weight(w)
+            if self.lm_head_weight is not None:
+                self.lm_head_weight = None  # only the packed copy is used from now on
+        return n

@@ -90,6 +90,8 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
+            packed = self.model.pack_for_cpu()
+            log.info("CPU: %d projections use pre-packed oneDNN weights", packed)
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
         shape = (self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: the torch decode path reads padded slots (masked to weight 0),
