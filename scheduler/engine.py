@@ -116,20 +116,8 @@ class EngineCore:
             self._task = None
 
     def validate(self, group: list[Request]) -> None:
-        """The checks that need no engine state, so callers can reject synchronously."""
-        max_len = self.scheduler.config.max_model_len
-        p = group[0]
-        if p.prompt_len == 0:
-            raise RequestRejected("the prompt is empty")
-        if p.prompt_len >= max_len:
-            raise RequestRejected(
-                f"the prompt has {p.prompt_len} tokens; max_model_len is {max_len}, which "
-                "must leave room for at least one generated token"
-            )
-        if len(group) > self.scheduler.config.max_num_seqs:
-            raise RequestRejected(
-                f"n={len(group)} is more than max_num_seqs ({self.scheduler.config.max_num_seqs})"
-            )
+        """Reject a request synchronously, before it reaches the actor."""
+        self.scheduler.check_group(group)
 
     def add(self, group: list[Request]) -> RequestStream:
         """Queue a request (all n samples) and return its output stream."""

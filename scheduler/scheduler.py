@@ -123,18 +123,28 @@ class Scheduler:
         self._saving: dict[int, dict[int, BlockHash]] = {}
 
     # ---------------------------------------------------------------- intake
+    def check_group(self, group: list[Request]) -> None:
+        """The checks that need no queue state (callers run them synchronously, before
+        the engine actor sees the request)."""
+        max_len = self.config.max_model_len
+        p = group[0]
+        if p.prompt_len == 0:
+            raise RequestRejected("the prompt is empty")
+        if p.prompt_len >= max_len:
+            raise RequestRejected(
+                f"the prompt has {p.prompt_len} tokens; max_model_len is {max_len}, which "
+                "must leave room for at least one generated token"
+            )
+        if len(group) > self.config.max_num_seqs:
+            raise RequestRejected(
+                f"n={len(group)} is more than max_num_seqs ({self.config.max_num_seqs})"
+            )
+
     def add_request(self, group: list[Request]) -> None:
         """Queue a request (group[0]) and, for n > 1, its other samples, which are forked
         from it once its prompt is computed."""
         parent = group[0]
-        max_len = self.config.max_model_len
-        if parent.prompt_len == 0:
-            raise RequestRejected("the prompt is empty")
-        if parent.prompt_len >= max_len:
-            raise RequestRejected(
-                f"the prompt has {parent.prompt_len} tokens; max_model_len is {max_len}, which "
-                "must leave room for at least one generated token"
-            )
+        self.check_group(group)
         if parent.group_id in self.groups:
             raise RequestRejected(f"request id {parent.group_id!r} is already in use")
         for r in group:
