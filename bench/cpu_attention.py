@@ -1,22 +1,37 @@
-"""CPU prefill attention: torch SDPA (the fallback path) against the compiled paged kernel.
+"""CPU attention: the compiled paged kernels, prefill and decode.
 
     python -m bench.cpu_attention [--threads 2] [--repeats 7] [--quick]
+                                  [--only prefill|decode] [--baseline REV]
 
-Each case is one layer's prefill attention for one request: a chunk of L query tokens
-after ctx cached tokens, K/V in a paged cache with a scattered block table.  "sdpa" is
-exactly what `TorchAttentionBackend._prefill` does without the kernel (SDPA over the fresh
-K/V when ctx == 0, else gather the context and SDPA with a mask); "kernel" is
+Prefill: one layer's prefill attention for one request, a chunk of L query tokens after
+ctx cached tokens, K/V in a paged cache with a scattered block table.  "sdpa" is exactly
+what `TorchAttentionBackend._prefill` does without the kernel (SDPA over the fresh K/V
+when ctx == 0, else gather the context and SDPA with a mask); "kernel" is
 `cpu_kernels.prefill_attention`.  GFLOP/s count only unmasked work: 4 * D * Hq flops per
-(query, visible key) pair.  Times are the median of several repeats (shared machines are
-noisy); everything runs on this one Python thread so only one OpenMP team exists.
+(query, visible key) pair.
+
+Decode: one layer's decode attention for a batch, `cpu_kernels.decode_attention`, in
+milliseconds and GB/s of K/V read (each sequence's K and V rows, once).  "hot": every call
+reads the same blocks (as far as they fit, from the caches); "cold": the blocks sit in a
+~1 GB cache and every call reads a different set of them, as a model's layers do (its
+other layers' K/V evict each one's between steps).  --baseline REV also builds the decode
+kernel of git revision REV (same flags) and times it alongside.
+
+Times are the median of several repeats (shared machines are noisy); everything runs on
+this one Python thread so only one OpenMP team exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -89,20 +104,143 @@ def run_case(qlen, ctx, hq, hkv, d, bs, dtype, repeats) -> tuple[float, float]:
     return timeit(sdpa, repeats), timeit(kernel, repeats)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--hq", type=int, default=9)
-    ap.add_argument("--hkv", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--quick", action="store_true", help="a few cases only")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if not cpu_kernels.available():
-        raise SystemExit("the CPU kernel is unavailable (no C++ compiler?)")
+# ---- decode ---------------------------------------------------------------------------
+
+# name, batch, context range, Hq, Hkv, D
+DECODE_CASES = [
+    ("GQA", 64, (300, 768), 9, 3, 64),
+    ("MHA", 64, (300, 768), 8, 8, 64),
+    ("MQA", 64, (300, 768), 8, 1, 128),
+    ("GQA", 32, (300, 768), 32, 8, 128),
+    ("GQA", 64, (32, 160), 9, 3, 64),
+    ("GQA", 2, (3000, 4096), 9, 3, 64),
+    ("GQA", 1, (4096, 4096), 32, 8, 128),
+]
+COLD_BYTES = 1 << 30  # K + V cache for the cold runs: well past any L3
+
+
+class DecodeCase:
+    """A batch's decode inputs, its blocks scattered over a cache; for cold runs, many
+    disjoint block tables over a ~1 GB cache, one per call in turn."""
+
+    def __init__(self, batch, ctx, hq, hkv, d, bs, dtype, cold: bool, seed: int = 0):
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        self.lens = [rng.randint(*ctx) for _ in range(batch)]
+        nb = [-(-n // bs) for n in self.lens]
+        need = sum(nb)
+        block_bytes = bs * hkv * d * torch.empty(0, dtype=dtype).element_size()
+        num_blocks = max(need + 8, COLD_BYTES // (2 * block_bytes)) if cold else need + 8
+        self.kc = torch.empty(num_blocks, bs, hkv, d, dtype=dtype).normal_(generator=g)
+        self.vc = torch.empty_like(self.kc).normal_(generator=g)
+        perm = list(range(num_blocks))
+        rng.shuffle(perm)
+        self.tables = []
+        for first in range(0, num_blocks - need + 1, need):
+            t = torch.zeros(batch, max(nb), dtype=torch.int32)
+            i = first
+            for r, n in enumerate(nb):
+                t[r, :n] = torch.tensor(perm[i : i + n])
+                i += n
+            self.tables.append(t)
+        self.q = torch.randn(batch, hq, d, generator=g).to(dtype)
+        self.seq_lens = torch.tensor(self.lens, dtype=torch.int32)
+        self.scale = d**-0.5
+        self.calls = 0
+        self.kv_bytes = sum(self.lens) * 2 * hkv * d * self.kc.element_size()
+
+    def next_table(self) -> torch.Tensor:
+        self.calls += 1
+        return self.tables[self.calls % len(self.tables)]
+
+
+def build_baseline(rev: str) -> ctypes.CDLL:
+    """The decode kernel of git revision `rev`, compiled as the library is."""
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(
+        ["git", "show", f"{rev}:gpu/cpu_kernels/paged_decode.cpp"],
+        cwd=root, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    cxx = shutil.which("c++") or shutil.which("g++") or "c++"
+    tmp = Path(tempfile.mkdtemp(prefix="pagestream-baseline-"))
+    (tmp / "decode.cpp").write_text(src)
+    out = tmp / "decode.so"
+    subprocess.run(
+        [cxx, *cpu_kernels._flags(), str(tmp / "decode.cpp"), "-o", str(out)], check=True
+    )
+    lib = ctypes.CDLL(str(out))
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    for name in ("ps_decode_f32", "ps_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
+        fn.restype = None
+    return lib
+
+
+def decode_runner(case: DecodeCase, lib: ctypes.CDLL | None, threads: int, cold: bool):
+    out = torch.empty_like(case.q)
+    b, hq, d = case.q.shape
+
+    def kernel():
+        t = case.next_table() if cold else case.tables[0]
+        cpu_kernels.decode_attention(
+            case.q, case.kc, case.vc, t, case.seq_lens, case.scale, num_threads=threads
+        )
+
+    def baseline():
+        t = case.next_table() if cold else case.tables[0]
+        fn = lib.ps_decode_bf16 if case.q.dtype == torch.bfloat16 else lib.ps_decode_f32
+        fn(
+            case.q.data_ptr(), case.kc.data_ptr(), case.vc.data_ptr(), t.data_ptr(),
+            t.stride(0), case.seq_lens.data_ptr(), out.data_ptr(), b, hq, case.kc.shape[2], d,
+            case.kc.shape[1], case.scale, threads,
+        )  # fmt: skip
+
+    return kernel if lib is None else baseline
+
+
+def bench_decode(args, baseline: ctypes.CDLL | None) -> None:
+    dot = bool(cpu_kernels.load().ps_decode_bf16_dot())
+    print(
+        f"\ndecode, threads={args.threads}  bf16 path: {'AVX-512 BF16 dot' if dot else 'fp32 FMA'}"
+    )
+    cols = ["dtype", "case", "B", "ctx", "D", "K/V MB"]
+    for mode in ("hot", "cold"):
+        if baseline is not None:
+            cols += [f"base {mode} ms"]
+        cols += [f"{mode} ms", f"{mode} GB/s"]
+        if baseline is not None:
+            cols += [f"{mode} speedup"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    cases = DECODE_CASES[:1] + DECODE_CASES[4:6] if args.quick else DECODE_CASES
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, batch, ctx, hq, hkv, d in cases:
+            row = [str(dtype).removeprefix("torch."), f"{name} {hq}/{hkv}", str(batch)]
+            row += [f"{ctx[0]}-{ctx[1]}" if ctx[0] != ctx[1] else str(ctx[0]), str(d)]
+            for cold in (False, True):
+                case = DecodeCase(batch, ctx, hq, hkv, d, args.block_size, dtype, cold)
+                if not cold:
+                    row.append(f"{case.kv_bytes / 1e6:.1f}")
+                tk = timeit(decode_runner(case, None, args.threads, cold), args.repeats)
+                if baseline is not None:
+                    tb = timeit(decode_runner(case, baseline, args.threads, cold), args.repeats)
+                    row.append(f"{tb * 1e3:.3f}")
+                row += [f"{tk * 1e3:.3f}", f"{case.kv_bytes / tk / 1e9:.1f}"]
+                if baseline is not None:
+                    row.append(f"{tb / tk:.2f}x")
+                del case
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+# ---- prefill ------------------------------------------------------------------------------
+
+
+def bench_prefill(args) -> None:
     dot = bool(cpu_kernels.load().ps_prefill_bf16_dot())
-    print(f"threads={args.threads}  bf16 path: {'AVX-512 BF16 dot' if dot else 'fp32 FMA'}")
+    print(
+        f"prefill, threads={args.threads}  bf16 path: {'AVX-512 BF16 dot' if dot else 'fp32 FMA'}"
+    )
     hq, hkv, bs = args.hq, args.hkv, args.block_size
     cases = [
         (128, 0, 64), (256, 0, 64), (512, 0, 64), (1024, 0, 64), (2048, 0, 64),
@@ -126,6 +264,26 @@ def main() -> None:
                 f"| {gf / ts:.0f} | {gf / tk:.0f} | {ts / tk:.2f}x |",
                 flush=True,
             )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--hq", type=int, default=9, help="prefill query heads")
+    ap.add_argument("--hkv", type=int, default=3, help="prefill kv heads")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="a few cases only")
+    ap.add_argument("--only", choices=["prefill", "decode"])
+    ap.add_argument("--baseline", metavar="REV", help="also time the decode kernel of git REV")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        raise SystemExit("the CPU kernel is unavailable (no C++ compiler?)")
+    if args.only != "decode":
+        bench_prefill(args)
+    if args.only != "prefill":
+        bench_decode(args, build_baseline(args.baseline) if args.baseline else None)
 
 
 if __name__ == "__main__":

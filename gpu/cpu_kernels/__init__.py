@@ -128,21 +128,27 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    num_threads: int | None = None,  # default: torch.get_num_threads()
 ) -> torch.Tensor:  # [B, Hq, D]
+    """One query token per sequence against its whole paged context (zeros where the
+    context is empty)."""
     lib = load()
     assert lib is not None
     assert q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    assert hq % hkv == 0 and hq // hkv <= lib.ps_max_group() and d <= lib.ps_max_dim()
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = seq_lens.contiguous()
     out = torch.empty_like(q)
-    b, hq, d = q.shape
     fn = lib.ps_decode_bf16 if q.dtype == torch.bfloat16 else lib.ps_decode_f32
     fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.stride(0), lens.data_ptr(), out.data_ptr(), b, hq, k_cache.shape[2], d,
-        k_cache.shape[1], scale, torch.get_num_threads(),
+        tables.stride(0), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, k_cache.shape[1],
+        scale, num_threads or torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -46,23 +46,87 @@ def decode_case(seed: int, lens: list[int], hq: int, hkv: int, d: int, bs: int, 
     return q, kc, vc, meta
 
 
+def run_decode(q, kc, vc, meta, scale, num_threads=None, seq_lens=None):
+    lens = meta.seq_lens if seq_lens is None else seq_lens
+    return cpu_kernels.decode_attention(
+        q, kc, vc, meta.block_tables, lens, scale, num_threads=num_threads
+    )
+
+
+def assert_decode_close(got, ref, dtype, fp32_tol=1e-5):
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    tol = fp32_tol if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("hq", "hkv", "d"),
-    [(4, 2, 64), (8, 1, 64), (4, 4, 128), (9, 3, 64), (6, 2, 40), (2, 2, 16)],
-)
-@pytest.mark.parametrize("bs", [16, 8])
+    [
+        (4, 2, 64), (8, 1, 64), (4, 4, 128), (9, 3, 64), (6, 2, 40), (2, 2, 16),
+        (8, 8, 64), (16, 1, 128), (8, 2, 256), (3, 1, 33), (12, 4, 80),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("bs", [16, 8, 32])
 def test_decode_kernel_matches_reference(dtype, hq, hkv, d, bs):
-    lens = [1, bs, bs + 1, 2 * bs - 1, 3 * bs + 5, 97]
+    # GQA, MQA (16 heads per kv head: several P.V head blocks) and MHA; head dims that are
+    # whole vectors, not (40, 80), odd (33) or past the register-held query (256); blocks
+    # smaller than a 16-key tile (8), equal to it and larger (32); contexts with partial
+    # tiles and several tiles.
+    lens = [1, bs, bs + 1, 2 * bs - 1, 3 * bs + 5, 97, 300]
     seed = hq * 1000 + hkv * 100 + d + bs + (dtype == torch.bfloat16)
     q, kc, vc, meta = decode_case(seed, lens, hq, hkv, d, bs, dtype)
     scale = d**-0.5
-    got = cpu_kernels.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, scale)
-    ref = paged_attention_reference(q, kc, vc, meta, scale)
-    assert got.dtype == dtype and got.shape == q.shape
-    assert torch.isfinite(got).all()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    got = run_decode(q, kc, vc, meta, scale)
+    assert_decode_close(got, paged_attention_reference(q, kc, vc, meta, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv"),
+    [([2000], 8, 1), ([1500, 700], 9, 3), ([4100, 33], 4, 4), ([900], 32, 1), ([100, 60], 8, 4)],
+)
+def test_decode_kernel_few_sequences(dtype, threads, lens, hq, hkv):
+    # Few sequences for the threads: work items are ranges of a long context (merged from
+    # their maxima and sums), and where that is not enough (short contexts, or more
+    # threads), items take fewer kv heads.
+    d, bs = 64, 16
+    q, kc, vc, meta = decode_case(len(lens) + hq, lens, hq, hkv, d, bs, dtype)
+    got = run_decode(q, kc, vc, meta, d**-0.5, num_threads=threads)
+    assert_decode_close(got, paged_attention_reference(q, kc, vc, meta, d**-0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["rising", "falling", "spike"])
+def test_decode_kernel_extreme_scores(dtype, shape):
+    # Scores spanning hundreds (natural log units): rising ones move the running max at
+    # every tile by far more than the kernel lets it lag, falling ones never, and a lone
+    # spike once, mid-context.  Every query head of a group sees the same profile.
+    hq, hkv, d, bs = 4, 2, 64, 16
+    lens = [700, 130, 2000]
+    q, kc, vc, meta = decode_case(17, lens, hq, hkv, d, bs, dtype)
+    u = torch.nn.functional.normalize(
+        torch.randn(d, generator=torch.Generator().manual_seed(3)), dim=0
+    )
+    q[:] = (8 * u).to(dtype)  # |q| * scale = 1: a score is k . u
+    for r, n in enumerate(lens):
+        pos = torch.arange(n, dtype=torch.float32)
+        if shape == "rising":
+            a = pos * (500 / n)
+        elif shape == "falling":
+            a = (n - pos) * (500 / n)
+        else:
+            a = torch.where(pos == n // 2, 60.0, 0.0)
+        for p in range(n):
+            blk, slot = int(meta.block_tables[r, p // bs]), p % bs
+            kc[blk, slot] = (kc[blk, slot].float() * 0.1 + a[p] * u).to(dtype)
+    got = run_decode(q, kc, vc, meta, d**-0.5)
+    ref = paged_attention_reference(q, kc, vc, meta, d**-0.5)
+    # fp32 scores of ~500 carry rounding errors of ~500 * 2^-24 each, which the softmax turns
+    # into relative errors of that size, in the reference as much as in the kernel.
+    assert_decode_close(got, ref, dtype, fp32_tol=5e-4)
 
 
 def test_backend_uses_kernel_and_can_be_switched_off(monkeypatch):
@@ -76,11 +140,17 @@ def test_backend_uses_kernel_and_can_be_switched_off(monkeypatch):
     torch.testing.assert_close(fast, slow._decode(q, kc, vc, meta), atol=1e-5, rtol=1e-5)
 
 
-def test_zero_length_rows_give_zeros():
-    q, kc, vc, meta = decode_case(5, [4, 9], 4, 2, 64, 16, torch.bfloat16)
-    lens = torch.tensor([0, 9], dtype=torch.int32)
-    out = cpu_kernels.decode_attention(q, kc, vc, meta.block_tables, lens, 0.125)
-    assert (out[0] == 0).all() and torch.isfinite(out).all()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_length_rows_give_zeros(dtype):
+    lens = [4, 9, 1200, 30]
+    q, kc, vc, meta = decode_case(5, lens, 4, 2, 64, 16, dtype)
+    ref = paged_attention_reference(q, kc, vc, meta, 0.125)
+    zeroed = torch.tensor([0, 9, 1200, 0], dtype=torch.int32)
+    out = run_decode(q, kc, vc, meta, 0.125, num_threads=2, seq_lens=zeroed)
+    assert (out[0] == 0).all() and (out[3] == 0).all() and torch.isfinite(out).all()
+    assert_decode_close(out[1:3], ref[1:3], dtype)
+    none = torch.zeros(4, dtype=torch.int32)
+    assert (run_decode(q, kc, vc, meta, 0.125, seq_lens=none) == 0).all()
 
 
 # ---- prefill ---------------------------------------------------------------------------
