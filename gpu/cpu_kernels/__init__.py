@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 # Compiled together into one shared library.
 _SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp")]
+_HEADERS = [Path(__file__).with_name("simd.h")]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -55,7 +56,7 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler found (set CXX)")
     flags = _flags()
     key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in _SRCS)
+        b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
         + " ".join([cxx, *flags]).encode()
         + _cpu_id().encode()
     ).hexdigest()[:16]

@@ -52,37 +52,21 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define PS_DPBF16 1
-#else
-#define PS_DPBF16 0
-#endif
+#include "simd.h"
 
 namespace {
 
-// ---- vectors (exp2 and the bf16 conversions are paged_prefill.cpp's) -----------------
+using namespace ps;
+
+// ---- tiles ----------------------------------------------------------------------------
 
 #if defined(__AVX512F__)
-constexpr int kW = 16;
 constexpr int kPvHeads = 6;  // P.V micro-tile: heads x kW-wide chunks (24 of 32 registers)
 constexpr int kPvCols = 4;
 #else
-#if defined(__AVX__)
-constexpr int kW = 8;
-#else
-constexpr int kW = 4;  // SSE, NEON
-#endif
 constexpr int kPvHeads = 4;  // 12 of 16 registers
 constexpr int kPvCols = 3;
 #endif
-typedef float vf __attribute__((vector_size(4 * kW)));
-typedef int32_t vi __attribute__((vector_size(4 * kW)));
-typedef uint32_t vu __attribute__((vector_size(4 * kW)));
-typedef uint16_t vh __attribute__((vector_size(2 * kW)));
-
 constexpr int kTile = 16;  // keys per score tile
 static_assert(kTile % kW == 0, "a tile is whole vectors");
 // Keys per item at least when a context is split to make more items than threads.
@@ -92,21 +76,9 @@ constexpr int kMinChunk = 256;
 constexpr int kMinKeysPerThread = 256;
 constexpr int kMaxGroup = 128;
 constexpr int kMaxDim = 256;
-// Finite "minus infinity": -ffast-math assumes no infinities, and exp2 of anything this
-// negative underflows to exactly 0.
-constexpr float kNeg = -1e30f;
 // Headroom (base-2 exponent) a score may exceed the running max by before it is moved.
 constexpr float kLazy = 8.0f;
 
-inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) {  // bfloat16 -> float: the high half of an fp32
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline vf bcast(float x) { return vf{} + x; }
 // a * b + c, one rounding, never reassociated into a longer sequence (-ffast-math would
 // split a dot product's FMA chain into multiplies and adds).
 inline vf fmadd(vf a, vf b, vf c) {
@@ -118,12 +90,7 @@ inline vf fmadd(vf a, vf b, vf c) {
   return a * b + c;
 #endif
 }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+using ps::loadv;  // the float overload; a local declaration would otherwise hide it
 inline vf loadv(const uint16_t* p) {
   vh h;
   std::memcpy(&h, p, sizeof h);
@@ -194,46 +161,6 @@ inline void store_row(uint16_t* dst, const float* src, float inv, int n) {
   }
 }
 
-// 2^x for x <= ~0 (all the softmax needs): 2^f by a polynomial on [-0.5, 0.5] (constant
-// term pinned to 1), times 2^n.  Degree 5: relative error < 2e-7, for fp32.  Degree 3:
-// < 1.2e-4, for probabilities about to be rounded to bf16.
-template <int Deg>
-inline vf exp2_poly(vf f) {
-  static_assert(Deg == 3 || Deg == 5, "fitted degrees");
-  vf p;
-  if constexpr (Deg == 5) {
-    p = bcast(0.0013218672247603536f);
-    p = p * f + 0.009671698324382305f;
-    p = p * f + 0.05550893023610115f;
-    p = p * f + 0.24022237956523895f;
-    p = p * f + 0.6931468844413757f;
-  } else {
-    p = bcast(0.05459282547235489f);
-    p = p * f + 0.24221783876419067f;
-    p = p * f + 0.6933686137199402f;
-  }
-  return p * f + 1.0f;
-}
-#if defined(__AVX512F__)
-template <int Deg = 5>
-inline vf exp2v(vf x) {
-  // vscalefps applies 2^n and flushes to exactly 0 when n is hugely negative.
-  const __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return (vf)_mm512_scalef_ps((__m512)exp2_poly<Deg>(x - (vf)n), n);
-}
-#else
-template <int Deg = 5>
-inline vf exp2v(vf x) {
-  // 2^n built in the exponent bits; below -127 the biased exponent is 0: exactly 0.
-  x = vmax(x, bcast(-127.4f));
-  const vi nb = __builtin_convertvector(x + 127.5f, vi);  // floor(x + 0.5) + 127, >= 0
-  const vf p = exp2_poly<Deg>(x - (__builtin_convertvector(nb, vf) - 127.0f));
-  const vi bits = nb << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-#endif
 
 // ---- transpose-add reduction --------------------------------------------------------
 

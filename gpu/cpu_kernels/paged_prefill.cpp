@@ -40,40 +40,27 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define PS_DPBF16 1
-#else
-#define PS_DPBF16 0
-#endif
+#include "simd.h"
 
 namespace {
 
 // One native vector of floats: its kW lanes hold kW query rows (scores, softmax) or kW
 // head-dim values (P.V).  Wider-than-native GCC vectors compile to dreadful code.
+using namespace ps;
+
 #if defined(__AVX512F__)
-constexpr int kW = 16;
 // 32 vector registers: micro-tiles of 24 accumulators leave room for the operands.
 constexpr int kQkVecs = 3;  // row vectors (kW rows each) per score micro-tile
 constexpr int kQkKeys = 8;  // keys per score micro-tile
 constexpr int kPvRows = 6;  // rows per P.V micro-tile
 constexpr int kPvCols = 4;  // kW-wide head-dim chunks per P.V micro-tile
 #else
-#if defined(__AVX__)
-constexpr int kW = 8;
-#else
-constexpr int kW = 4;  // SSE, NEON
-#endif
 // 16 vector registers: 12 accumulators.
 constexpr int kQkVecs = 3;
 constexpr int kQkKeys = 4;
 constexpr int kPvRows = 4;
 constexpr int kPvCols = 3;
 #endif
-typedef float vf __attribute__((vector_size(4 * kW)));
-typedef int32_t vi __attribute__((vector_size(4 * kW)));
 // Keys per online-softmax step.  Larger tiles amortise the O rescale (a load, multiply and
 // store of the accumulator tile) but waste more work on the causal diagonal.
 constexpr int kTileKeys = 64;
@@ -82,17 +69,6 @@ static_assert(kTileKeys % kQkKeys == 0 && kTileKeys % 2 == 0, "tile must hold wh
 // amortise loading K/V tiles, small enough to keep Q, S and O in L1 and give the threads
 // many items to balance.
 constexpr int kTargetRows = 48;
-// Finite "minus infinity": -ffast-math assumes no infinities, and exp2 of anything this
-// negative underflows to exactly 0.
-constexpr float kNeg = -1e30f;
-
-inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) {  // bfloat16 -> float: the high half of an fp32
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 inline void from_f(float* p, float x) { *p = x; }
 inline void from_f(uint16_t* p, float x) {  // float -> bfloat16, round to nearest even
   uint32_t u;
@@ -105,55 +81,6 @@ inline void from_f(uint16_t* p, float x) {  // float -> bfloat16, round to neare
   *p = static_cast<uint16_t>(u >> 16);
 }
 
-inline vf bcast(float x) { return vf{} + x; }
-inline vf loadu(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-
-// 2^x for x <= ~0 (all the softmax needs).  x = n + f with f in [-0.5, 0.5]; 2^f by a
-// polynomial (least-squares fits, constant term pinned to 1 so 2^0 is exact: an unchanged
-// running max must rescale by exactly 1), times 2^n.  Degree 5: relative error < 2e-7,
-// for fp32.  Degree 3: < 1.2e-4, for probabilities about to be rounded to bf16 (2e-3).
-template <int Deg>
-inline vf exp2_poly(vf f) {
-  static_assert(Deg == 3 || Deg == 5, "fitted degrees");
-  vf p;
-  if constexpr (Deg == 5) {
-    p = bcast(0.0013218672247603536f);
-    p = p * f + 0.009671698324382305f;
-    p = p * f + 0.05550893023610115f;
-    p = p * f + 0.24022237956523895f;
-    p = p * f + 0.6931468844413757f;
-  } else {
-    p = bcast(0.05459282547235489f);
-    p = p * f + 0.24221783876419067f;
-    p = p * f + 0.6933686137199402f;
-  }
-  return p * f + 1.0f;
-}
-#if defined(__AVX512F__)
-template <int Deg = 5>
-inline vf exp2v(vf x) {
-  // vscalefps applies 2^n and flushes to exactly 0 when n is hugely negative (masked).
-  const __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return (vf)_mm512_scalef_ps((__m512)exp2_poly<Deg>(x - (vf)n), n);
-}
-#else
-template <int Deg = 5>
-inline vf exp2v(vf x) {
-  // 2^n built in the exponent bits; below -127 the biased exponent is 0: exactly 0.
-  x = vmax(x, bcast(-127.4f));
-  const vi nb = __builtin_convertvector(x + 127.5f, vi);  // floor(x + 0.5) + 127, >= 0
-  const vf p = exp2_poly<Deg>(x - (__builtin_convertvector(nb, vf) - 127.0f));
-  const vi bits = nb << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-#endif
 
 #if defined(__AVX512F__)
 // In-register transpose of a 16x16 matrix of 32-bit elements: r[i] holds row i on entry,
@@ -225,7 +152,7 @@ struct PvF32 {
     }
     for (int j = 0; j < nk; ++j) {
       vf vv[CB];
-      for (int c = 0; c < CB; ++c) vv[c] = loadu(vrow[j] + voff + kW * c);
+      for (int c = 0; c < CB; ++c) vv[c] = loadv(vrow[j] + voff + kW * c);
       for (int r = 0; r < RB; ++r) {
         const vf pb = bcast(p[j * rp + r]);
         for (int c = 0; c < CB; ++c) acc[r][c] += pb * vv[c];
