@@ -124,6 +124,16 @@ class LiveServer:
         if self.runner is not None:
             with contextlib.suppress(Exception):
                 self.call(self.runner.cleanup(), timeout=self.config.shutdown_timeout + 30)
+
+        async def drain() -> None:
+            # Let cancelled handler tasks (socket writers) run to their end.
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self.call(drain(), timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
