@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,17 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+
+
+def cache_root() -> Path:
+    """Where pagestream keeps what it builds on first use (default model, test
+    checkpoints, compiled CPU kernels): $PAGESTREAM_CACHE, else $XDG_CACHE_HOME/pagestream,
+    else ~/.cache/pagestream."""
+    explicit = os.environ.get("PAGESTREAM_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagestream"
 
 
 class ModelLoadError(ValueError):

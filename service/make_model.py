@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from gpu.config import cache_root as gpu_cache_root
+
 # Bump when the tokenizer recipe changes, so cached tokenizers are retrained.
 TOKENIZER_RECIPE_VERSION = 1
 
@@ -280,8 +282,7 @@ def random_state_dict(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pagestream"
+    return gpu_cache_root()
 
 
 @cache

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from gpu.config import cache_root
+
 log = logging.getLogger(__name__)
 
 # Compiled together into one shared library.
@@ -30,10 +32,7 @@ _tried = False
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGESTREAM_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pagestream"
-    )
-    return Path(root) / "cpu-kernels"
+    return cache_root() / "cpu-kernels"
 
 
 def _flags() -> list[str]:
