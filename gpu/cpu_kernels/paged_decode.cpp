@@ -508,20 +508,6 @@ constexpr int kPvDotHeads = 6;
 constexpr int kPvDotCols = 2;  // chunks of 32 dims: 6 x 4 accumulators
 #endif  // PS_DPBF16
 
-// Run-time (heads, cols) -> instantiated micro-kernel tables.
-template <template <int, int> class K, int NR, int NC, int I = 0, typename Fn>
-void fill_table(Fn* t) {
-  if constexpr (I < NR * NC) {
-    t[I] = &K<I / NC + 1, I % NC + 1>::run;
-    fill_table<K, NR, NC, I + 1>(t);
-  }
-}
-template <template <int, int> class K, int NR, int NC, typename Fn>
-std::array<Fn, NR * NC> make_table() {
-  std::array<Fn, NR * NC> t{};
-  fill_table<K, NR, NC>(t.data());
-  return t;
-}
 template <template <int> class K, int N, int I = 0, typename Fn>
 void fill_table1(Fn* t) {
   if constexpr (I < N) {

@@ -253,20 +253,6 @@ inline __m512i pack_p_pair(vf a, vf b) {
 }
 #endif  // PS_DPBF16
 
-// Run-time (rows, cols) -> instantiated micro-kernel tables.
-template <template <int, int> class K, int NR, int NC, int I = 0, typename Fn>
-void fill_table(Fn* t) {
-  if constexpr (I < NR * NC) {
-    t[I] = &K<I / NC + 1, I % NC + 1>::run;
-    fill_table<K, NR, NC, I + 1>(t);
-  }
-}
-template <template <int, int> class K, int NR, int NC, typename Fn>
-std::array<Fn, NR * NC> make_table() {
-  std::array<Fn, NR * NC> t{};
-  fill_table<K, NR, NC>(t.data());
-  return t;
-}
 
 template <typename T>
 struct Args {

@@ -6,6 +6,7 @@
 
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 
@@ -93,5 +94,21 @@ inline vf exp2v(vf x) {
   return p * scale;
 }
 #endif
+
+// Run-time (rows, cols) -> a table of micro-kernels K<rows, cols> instantiated at
+// compile time, so the hot loops have constant trip counts.
+template <template <int, int> class K, int NR, int NC, int I = 0, typename Fn>
+void fill_table(Fn* t) {
+  if constexpr (I < NR * NC) {
+    t[I] = &K<I / NC + 1, I % NC + 1>::run;
+    fill_table<K, NR, NC, I + 1>(t);
+  }
+}
+template <template <int, int> class K, int NR, int NC, typename Fn>
+std::array<Fn, NR * NC> make_table() {
+  std::array<Fn, NR * NC> t{};
+  fill_table<K, NR, NC>(t.data());
+  return t;
+}
 
 }  // namespace ps
