@@ -60,7 +60,7 @@ def make_case(qlen: int, ctx: int, hq: int, hkv: int, d: int, bs: int, dtype, se
         num_tokens=qlen, num_seqs=1, num_decodes=0,
         query_start_loc=torch.tensor([0, qlen], dtype=torch.int32),
         seq_lens=torch.tensor([seq], dtype=torch.int32),
-        context_lens=torch.tensor([ctx], dtype=torch.int32), block_tables=table,
+        block_tables=table,
         slot_mapping=slots, max_query_len=qlen, max_seq_len=seq, query_lens_cpu=[qlen],
         seq_lens_cpu=[seq], block_size=bs,
     )  # fmt: skip

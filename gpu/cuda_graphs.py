@@ -42,7 +42,6 @@ class DecodeGraphs:
         self.positions = torch.zeros(maxb, dtype=torch.int64, device=dev)
         self.slots = torch.full((maxb,), -1, dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(maxb, dtype=torch.int32, device=dev)
-        self.ctx_lens = torch.zeros(maxb, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(maxb + 1, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(maxb, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -59,7 +58,6 @@ class DecodeGraphs:
             num_decodes=b,
             query_start_loc=self.qsl[: b + 1],
             seq_lens=self.seq_lens[:b],
-            context_lens=self.ctx_lens[:b],
             block_tables=self.tables[:b],
             slot_mapping=self.slots[:b],
             max_query_len=1,
@@ -105,7 +103,7 @@ class DecodeGraphs:
         b = self.bucket(n)
         assert b is not None
         bs = self.runner.block_size
-        ids, pos, slots, lens, ctx = [], [], [], [], []
+        ids, pos, slots, lens = [], [], [], []
         table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
         for i, r in enumerate(decodes):
             s = r.start_pos
@@ -113,20 +111,17 @@ class DecodeGraphs:
             pos.append(s)
             slots.append(r.block_table[s // bs] * bs + s % bs)
             lens.append(s + 1)
-            ctx.append(s)
             table[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
         pad = b - n
         ids += [0] * pad
         pos += [0] * pad
         slots += [-1] * pad  # padded rows write nothing to the cache...
         lens += [0] * pad  # ...and attend to nothing
-        ctx += [0] * pad
         dev = self.runner.device
         self.input_ids[:b].copy_(torch.tensor(ids), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(pos), non_blocking=True)
         self.slots[:b].copy_(torch.tensor(slots), non_blocking=True)
         self.seq_lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.ctx_lens[:b].copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
         self.tables[:b].copy_(table.to(dev), non_blocking=True)
         self.replays += 1
         if self.capture:

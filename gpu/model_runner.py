@@ -32,15 +32,22 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
 
 
 @dataclass
+class SampleRows:
+    """Where each sampled request reads its logits, and its sampling state."""
+
+    rows: torch.Tensor  # [R] index into the step's hidden states
+    states: list[RequestSamplingState]
+    ids: list[str]
+
+
+@dataclass
 class StepInputs:
-    """Device tensors of one step, plus where each sampling row reads its logits."""
+    """Device tensors of one step."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [R] index into the T hidden states
-    sample_states: list[RequestSamplingState]
-    sample_ids: list[str]
+    samples: SampleRows
 
 
 class ModelRunner:
@@ -172,17 +179,19 @@ class ModelRunner:
                 and all(len(r.input_ids) == 1 for r in so.scheduled)
                 and graphs.bucket(len(so.scheduled)) is not None
             ):
-                inputs = self._prepare_samples(so.scheduled)
+                # The graph's hidden row i is scheduled request i.
+                samples = self._sample_rows(so.scheduled, range(len(so.scheduled)))
                 hidden = graphs.run(so.scheduled)
             else:
                 inputs = self._prepare(so.scheduled)
+                samples = inputs.samples
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if inputs.sample_states:
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-                result = self.sampler(logits, inputs.sample_states)
-                for state, tok in zip(inputs.sample_states, result.token_ids, strict=True):
+            if samples.states:
+                logits = self.model.compute_logits(hidden.index_select(0, samples.rows))
+                result = self.sampler(logits, samples.states)
+                for state, tok in zip(samples.states, result.token_ids, strict=True):
                     state.append(tok)
-                out.req_ids = inputs.sample_ids
+                out.req_ids = samples.ids
                 out.sampled_token_ids = result.token_ids
                 out.logprobs = result.logprobs
         if so.save_kv_blocks:
@@ -190,42 +199,32 @@ class ModelRunner:
         self.last_step_seconds = time.perf_counter() - t0
         return out
 
-    def _prepare_samples(self, decodes: list[ScheduledRequest]) -> StepInputs:
-        """Sampling rows of a decode-only step run through a graph (hidden row i is
-        request i; the graph owns the other inputs)."""
+    def _sample_rows(self, reqs: list[ScheduledRequest], last_rows: Sequence[int]) -> SampleRows:
+        """Which hidden rows feed the sampler: each sampling request's last fed token, once
+        for it and once for each request forked from it (n > 1)."""
         rows: list[int] = []
         states: list[RequestSamplingState] = []
         ids: list[str] = []
-        for i, r in enumerate(decodes):
+        for r, row in zip(reqs, last_rows, strict=True):
             if r.sample:
                 for rid in (r.req_id, *r.fork_ids):
-                    rows.append(i)
+                    rows.append(row)
                     states.append(self.requests[rid])
                     ids.append(rid)
-        return StepInputs(
-            input_ids=torch.empty(0),
-            positions=torch.empty(0),
-            meta=None,  # type: ignore[arg-type]
-            logits_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            sample_states=states,
-            sample_ids=ids,
-        )
+        return SampleRows(torch.tensor(rows, dtype=torch.int64, device=self.device), states, ids)
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # Decodes first: backends batch the one-token queries together.
         ordered = [r for r in scheduled if len(r.input_ids) == 1]
+        num_decodes = len(ordered)
         ordered += [r for r in scheduled if len(r.input_ids) != 1]
-        num_decodes = sum(1 for r in scheduled if len(r.input_ids) == 1)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        ctx_lens: list[int] = []
-        rows: list[int] = []
-        states: list[RequestSamplingState] = []
-        sample_ids: list[str] = []
+        last_rows: list[int] = []  # hidden row of each request's last fed token
         max_blocks = max(len(r.block_table) for r in ordered)
         tables = np.zeros((len(ordered), max_blocks), dtype=np.int32)
         for i, r in enumerate(ordered):
@@ -239,14 +238,10 @@ class ModelRunner:
                 slots += [bt[p // bs] * bs + p % bs for p in range(s, s + n)]
             qsl.append(qsl[-1] + n)
             seq_lens.append(s + n)
-            ctx_lens.append(s)
             tables[i, : len(bt)] = bt
-            if r.sample:
-                for rid in (r.req_id, *r.fork_ids):
-                    rows.append(qsl[-1] - 1)
-                    states.append(self.requests[rid])
-                    sample_ids.append(rid)
+            last_rows.append(qsl[-1] - 1)
         dev = self.device
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(ordered))]
 
         def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dt, device=dev)
@@ -257,12 +252,11 @@ class ModelRunner:
             num_decodes=num_decodes,
             query_start_loc=t(qsl, torch.int32),
             seq_lens=t(seq_lens, torch.int32),
-            context_lens=t(ctx_lens, torch.int32),
             block_tables=torch.from_numpy(tables).to(dev),
             slot_mapping=t(slots, torch.int64),
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(ordered))),
+            max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            query_lens_cpu=[qsl[i + 1] - qsl[i] for i in range(len(ordered))],
+            query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
@@ -270,9 +264,7 @@ class ModelRunner:
             input_ids=t(input_ids, torch.int64),
             positions=t(positions, torch.int64),
             meta=meta,
-            logits_rows=t(rows, torch.int64),
-            sample_states=states,
-            sample_ids=sample_ids,
+            samples=self._sample_rows(ordered, last_rows),
         )
 
     # ------------------------------------------------------------------ KV blocks

@@ -24,7 +24,6 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
-    context_lens: torch.Tensor  # [num_seqs] int32, tokens cached before this step
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token
     max_query_len: int
@@ -33,10 +32,6 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
 
 
 class AttentionBackend(ABC):

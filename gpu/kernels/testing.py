@@ -99,7 +99,6 @@ def make_paged_batch(
         num_decodes=num_decodes,
         query_start_loc=dev(torch.tensor(qsl, dtype=torch.int32)),
         seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
-        context_lens=dev(torch.tensor(list(context_lens), dtype=torch.int32)),
         block_tables=dev(tables),
         slot_mapping=dev(slot_mapping),
         max_query_len=max(query_lens, default=0),

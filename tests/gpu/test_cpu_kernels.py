@@ -39,7 +39,7 @@ def decode_case(seed: int, lens: list[int], hq: int, hkv: int, d: int, bs: int, 
     meta = AttentionMetadata(
         num_tokens=b, num_seqs=b, num_decodes=b,
         query_start_loc=torch.arange(b + 1, dtype=torch.int32), seq_lens=seq_lens,
-        context_lens=seq_lens - 1, block_tables=tables,
+        block_tables=tables,
         slot_mapping=torch.zeros(b, dtype=torch.int64), max_query_len=1,
         max_seq_len=max(lens), query_lens_cpu=[1] * b, seq_lens_cpu=lens, block_size=bs,
     )  # fmt: skip
@@ -186,7 +186,7 @@ def prefill_case(seed, qlens, ctxs, hq, hkv, d, bs, dtype, num_decodes=0):
         num_tokens=t, num_seqs=b, num_decodes=num_decodes,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
-        context_lens=torch.tensor(ctxs, dtype=torch.int32), block_tables=tables,
+        block_tables=tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64), max_query_len=max(qlens),
         max_seq_len=max(lens), query_lens_cpu=list(qlens), seq_lens_cpu=lens, block_size=bs,
     )  # fmt: skip
