@@ -34,12 +34,12 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check service scheduler gpu tests bench
-	$(VENV)/bin/ruff format --check service scheduler gpu tests bench
+	$(VENV)/bin/ruff check service scheduler gpu tests bench modelkit
+	$(VENV)/bin/ruff format --check service scheduler gpu tests bench modelkit
 
 format: setup
-	$(VENV)/bin/ruff check --fix service scheduler gpu tests bench
-	$(VENV)/bin/ruff format service scheduler gpu tests bench
+	$(VENV)/bin/ruff check --fix service scheduler gpu tests bench modelkit
+	$(VENV)/bin/ruff format service scheduler gpu tests bench modelkit
 
 bench: setup
 	$(PY) -m bench.run $(ARGS)

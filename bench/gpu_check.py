@@ -613,7 +613,7 @@ def write_checkpoint(out_dir: Path, s: Sizes, device: Any) -> tuple[Path, int]:
 
     overrides = dict(s.model)
     try:
-        from service.make_model import build_config, state_dict_shapes
+        from modelkit.make_model import build_config, state_dict_shapes
 
         cfg = build_config(
             "mid",

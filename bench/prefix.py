@@ -37,9 +37,9 @@ async def _wait_published(engine, n: int) -> None:
 def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     if shutil.which("redis-server") is None:
         return "### prefix: skipped (no redis-server binary)\n"
+    from bench.redis_server import RedisServer
     from gpu.config import ModelConfig
-    from service.engine import AsyncEngine, EngineArgs
-    from tests.redis_server import RedisServer
+    from service.async_engine import AsyncEngine, EngineArgs
 
     path: Path = model_dir(args)
     vocab = ModelConfig.from_dir(path).vocab_size

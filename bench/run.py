@@ -35,10 +35,10 @@ def _print_table(title: str, header: list[str], rows: list[list[str]]) -> str:
 def model_dir(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    from service.make_model import cache_root, make_model
+    from modelkit.make_model import cache_root, make_model
 
     if args.preset == "small":
-        from service.engine import ensure_default_model
+        from service.async_engine import ensure_default_model
 
         return ensure_default_model()  # the embedded default model is the small preset
     path = cache_root() / "models" / f"bench-{args.preset}"

@@ -39,7 +39,7 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
 
 
 def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
-    from service.bench_serve import BenchConfig, run_benchmark
+    from bench.serve import BenchConfig, run_benchmark
 
     path: Path = model_dir(args)
     port = _free_port()

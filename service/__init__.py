@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from service.engine import AsyncEngine, EngineArgs, RequestOutput
+    from service.async_engine import AsyncEngine, EngineArgs, RequestOutput
     from service.llm import LLM
 
 __all__ = ["LLM", "AsyncEngine", "EngineArgs", "RequestOutput", "SamplingParams"]
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name in ("AsyncEngine", "EngineArgs", "RequestOutput"):
-        from service import engine
+        from service import async_engine as engine
 
         return getattr(engine, name)
     raise AttributeError(name)

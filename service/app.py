@@ -16,10 +16,10 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import WSCloseCode, web
 
-from scheduler.engine import EngineDeadError, StepInfo
+from scheduler.engine_core import EngineDeadError, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine, EngineArgs
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
 from service.protocol import BadRequest, decode_prefix

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from service.engine import EngineArgs
+from service.async_engine import EngineArgs
 
 
 def _env(name: str) -> str | None:
@@ -171,11 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # These two own their argument parsing.
     if argv[:1] == ["make-model"]:
-        from service.make_model import main as make_model_main
+        from modelkit.make_model import main as make_model_main
 
         return make_model_main(argv[1:])
     if argv[:2] == ["bench", "serve"]:
-        from service.bench_serve import main as bench_main
+        from bench.serve import main as bench_main
 
         return bench_main(argv[2:])
     ap = build_parser()

@@ -9,7 +9,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from scheduler.sampling_params import SamplingParams
-from service.engine import AsyncEngine, EngineArgs, RequestOutput
+from service.async_engine import AsyncEngine, EngineArgs, RequestOutput
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")

@@ -13,10 +13,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from scheduler.engine import StepInfo
+from scheduler.engine_core import StepInfo
 from scheduler.prefix_tier import TierStats
 from scheduler.scheduler import SchedulerStats
-from service.engine import RequestOutput
+from service.async_engine import RequestOutput
 
 # The *_created series only add noise to every scrape.
 disable_created_metrics()

@@ -20,7 +20,7 @@ from aiohttp import web
 from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.engine import AsyncEngine, RequestOutput
+from service.async_engine import AsyncEngine, RequestOutput
 from service.protocol import (
     BadRequest,
     ChatCompletionRequest,

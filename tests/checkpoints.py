@@ -1,7 +1,7 @@
 """Generated checkpoints for tests, built once and reused.
 
 `tiny_checkpoint("qwen3", seed=1)` returns a directory holding a random-weight HF checkpoint
-made by `service.make_model`.  Checkpoints are cached on disk under
+made by `modelkit.make_model`.  Checkpoints are cached on disk under
 `~/.cache/pagestream/test-checkpoints/<code version>/<arch>-<hash of the arguments>`; the
 code version hashes `make_model.py`, so a change to it rebuilds them (and old versions are
 pruned).  Treat them as read-only.
@@ -23,7 +23,7 @@ from typing import Any
 import tokenizers
 import torch
 
-from service import make_model as mm
+from modelkit import make_model as mm
 
 _MAKE_MODEL_ARGS = set(inspect.signature(mm.make_model).parameters) - {"out_dir", "arch"}
 _READY = ".complete"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from scheduler.sampling_params import SamplingParams
-from service.engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine, EngineArgs
 from tests.checkpoints import tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")

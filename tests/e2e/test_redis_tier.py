@@ -13,7 +13,7 @@ import random
 import pytest
 
 from scheduler.sampling_params import SamplingParams
-from service.engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine, EngineArgs
 from tests.checkpoints import tiny_checkpoint
 from tests.redis_server import RedisServer
 

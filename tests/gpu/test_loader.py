@@ -136,7 +136,7 @@ def test_eos_ids_merge_generation_config(ckpt):
 
 def test_server_reports_a_load_failure(ckpt):
     from service.app import ServerConfig
-    from service.engine import EngineArgs
+    from service.async_engine import EngineArgs
     from tests.service.live_server import LiveServer
 
     edit_config(ckpt, architectures=["BertModel"])

@@ -1,4 +1,4 @@
-"""service.make_model: generated checkpoints load in transformers exactly and behave."""
+"""modelkit.make_model: generated checkpoints load in transformers exactly and behave."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpu.config import ModelConfig
-from service import make_model as mm
+from modelkit import make_model as mm
 from tests.checkpoints import tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -9,6 +9,7 @@ mismatch is a bug.
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -80,10 +81,19 @@ def scattered_tables(rng: random.Random, num_blocks: int, needs: list[int]) -> l
     return tables
 
 
+TOL = 2e-4
+
+
 def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(ours, ref, atol=TOL, rtol=TOL)
+    # Argmax must agree wherever the reference's choice is not a near-tie: two logits
+    # within the tolerance may legitimately swap order under another summation order
+    # (ISA, thread count), and that is no bug.
+    top2 = ref.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 4 * TOL * top2[:, 0].abs().clamp(min=1.0)
+    assert torch.equal(ours.argmax(-1)[decided], ref.argmax(-1)[decided])
+    assert decided.any(), "every row a near-tie: the case tests nothing"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -91,7 +101,8 @@ def test_varlen_prefill_logits_match(case):
     arch, over = CASES[case]
     path = tiny_checkpoint(arch, **over)
     runner = runner_for(path)
-    rng = random.Random(hash(case) & 0xFFFF)
+    # A stable seed: hash(str) changes with PYTHONHASHSEED, so prompts would differ per run.
+    rng = random.Random(zlib.crc32(case.encode()))
     vocab = runner.config.vocab_size
     lengths = [37, 5, 16, 1, 50]
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

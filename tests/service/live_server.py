@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from service.app import STATE, ServerConfig, create_app
-from service.engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine, EngineArgs
 
 T = TypeVar("T")
 

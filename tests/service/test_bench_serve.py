@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from service import bench_serve as bs
-from service.bench_serve import (
+from bench import serve as bs
+from bench.serve import (
     BenchConfig,
     RequestResult,
     SSEParser,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler.contract import TokenLogprobs
-from scheduler.engine import EngineCore, StepInfo
+from scheduler.engine_core import EngineCore, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
 from scheduler.request import Request
@@ -153,7 +153,7 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
 
 
 def default_model_dir() -> Path:
-    from service.make_model import cache_root
+    from modelkit.make_model import cache_root
 
     return cache_root() / "models" / "default-small"
 
@@ -162,7 +162,7 @@ def ensure_default_model() -> Path:
     """The embedded default model (the `small` preset), written on first use."""
     path = default_model_dir()
     if not (path / "config.json").is_file():
-        from service.make_model import make_model
+        from modelkit.make_model import make_model
 
         log.info("writing the embedded default model to %s (first use)", path)
         make_model(path, preset="small")

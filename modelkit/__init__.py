@@ -1,0 +1,2 @@
+"""Checkpoints the project writes itself: random-weight presets in HF format with a locally
+trained BPE tokenizer (tests, demos and the embedded default model)."""
