@@ -12,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from scheduler.scheduler import RequestRejected
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
-
-if TYPE_CHECKING:
-    from service.app import ServerState
+from service.state import STATE, ServerState, check_origin
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +192,6 @@ def _frame_id(data: str) -> str | None:
 
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
-    from service.app import STATE, check_origin
 
     state = request.app[STATE]
     if not check_origin(request, state.config.allowed_origins):
