@@ -327,7 +327,9 @@ class AsyncEngine:
         vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise RequestRejected(f"{what} token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise RequestRejected(
+                f"{what} token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
         return ids
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -399,6 +401,23 @@ class AsyncEngine:
         group = self.build_group(request_id, prompt_token_ids, params, cache_salt, publish_prefix)
         stream = self.core.add(group)
         return Submitted(request_id, prompt_token_ids, params, stream, group[0].arrival_time)
+
+    def submit_many(
+        self,
+        prompts: list[tuple[str, list[int]]],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> list[Submitted]:
+        """Several (request id, prompt ids) as one: all validated and admitted against the
+        waiting bound before any is queued."""
+        groups = [self.build_group(rid, ids, params, cache_salt) for rid, ids in prompts]
+        for g in groups:
+            self.core.validate(g)
+        self.core.admit(groups)
+        return [
+            Submitted(rid, ids, params, self.core.add(g), g[0].arrival_time)
+            for (rid, ids), g in zip(prompts, groups, strict=True)
+        ]
 
     def release(self, sub: Submitted) -> None:
         """Abort a submitted request whose outputs will never be read."""

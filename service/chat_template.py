@@ -123,9 +123,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for seq, k in ((left, right), (right, left)):
-                if isinstance(seq, str | list | tuple) and isinstance(k, int):
-                    if len(seq) * max(k, 0) > self.max_size:
-                        raise SecurityError("string or list repetition exceeds the size limit")
+                big = isinstance(seq, str | list | tuple) and isinstance(k, int)
+                if big and len(seq) * max(k, 0) > self.max_size:
+                    raise SecurityError("string or list repetition exceeds the size limit")
         elif operator == "**":
             if isinstance(right, int) and abs(right) > 64 and isinstance(left, int):
                 raise SecurityError("integer power exceeds the size limit")
@@ -136,7 +136,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                         raise SecurityError("format width exceeds the size limit")
         return super().call_binop(context, operator, left, right)
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         for v in (*args, *kwargs.values()):
             __self._check_int(v)
         # The sandbox hands out str.format wrapped; the bound method is underneath.
@@ -290,7 +290,9 @@ class ChatTemplates:
             ):
                 size += len(piece)
                 if size > cap:
-                    raise TemplateError(f"the rendered chat template exceeds {cap} characters", param)
+                    raise TemplateError(
+                        f"the rendered chat template exceeds {cap} characters", param
+                    )
                 parts.append(piece)
             return "".join(parts)
         except SecurityError as e:

@@ -46,7 +46,7 @@ def _limit_memory(max_bytes: int) -> None:
         return
     import resource
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
     # What this worker already maps, plus the allowance.
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -149,9 +149,7 @@ class RenderPool:
 
     async def _replace(self) -> None:
         loop = asyncio.get_running_loop()
-        w = await loop.run_in_executor(
-            None, _Worker, self._ctx, self.templates, self.max_memory
-        )
+        w = await loop.run_in_executor(None, _Worker, self._ctx, self.templates, self.max_memory)
         self._all.add(w)
         assert self._idle is not None
         self._idle.put_nowait(w)

@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 
 from service.chat_template import NAMED_SPECIAL_TOKENS, ChatTemplates
+
 # transformers' "no limit" model_max_length is 1e30; anything this large means none.
 _NO_LIMIT = 10**12
 
