@@ -227,6 +227,8 @@ class AsyncEngine:
             dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
         )
         self.max_model_len = scheduler.config.max_model_len
+        # Ids the model has embeddings for (a tokenizer may know more added tokens).
+        self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -316,11 +318,6 @@ class AsyncEngine:
         return self.core.dead
 
     # ---------------------------------------------------------------- requests
-    @property
-    def vocab_size(self) -> int:
-        """Ids the model has embeddings for (a tokenizer may know more added tokens)."""
-        return self.runner.config.vocab_size  # type: ignore[attr-defined]
-
     def check_token_ids(self, ids: list[int], what: str = "prompt") -> list[int]:
         """Refuse ids the model cannot embed: a client's token-id prompt, or a text whose
         tokenizer produced added tokens past the model's vocabulary."""
