@@ -24,7 +24,7 @@ class Limits:
     max_websockets: int = 1024  # open WebSockets per server
     trust_request_chat_template: bool = False
     template_workers: int = 2  # chat-template render processes
-    template_timeout: float = 5.0  # seconds one render (and one tokenization) may take
+    template_timeout: float = 3.0  # seconds one render (and one tokenization) may take
     template_memory_bytes: int = 1 << 30  # address space a render process may add
     max_template_output_chars: int = 8 << 20
 

@@ -27,6 +27,7 @@ from typing import Any
 from service.chat_template import ChatTemplates, TemplateError
 
 log = logging.getLogger(__name__)
+_START_TIMEOUT = 120.0
 
 
 @dataclass
@@ -72,6 +73,9 @@ def render_job(templates: ChatTemplates, job: RenderJob) -> str:
 def _worker_main(conn: multiprocessing.connection.Connection, templates: ChatTemplates,
                  max_memory: int) -> None:  # fmt: skip
     _limit_memory(max_memory)
+    if isinstance(templates.source, str):  # warm the checkpoint's own template
+        templates.compile(templates.source)
+    conn.send(("ready", "", None))
     while True:
         try:
             job: RenderJob = conn.recv()
@@ -103,6 +107,12 @@ class _Worker:
         )  # fmt: skip
         self.proc.start()
         child.close()
+        # Start-up (a fresh interpreter importing its modules) is not render time: wait
+        # for the worker to say it is ready before it takes jobs with a deadline.
+        if not self.conn.poll(_START_TIMEOUT):
+            self.kill()
+            raise RuntimeError(f"a chat-template worker did not start in {_START_TIMEOUT} s")
+        self.conn.recv()
 
     def roundtrip(self, job: RenderJob) -> tuple[str, str, str | None]:
         self.conn.send(job)
