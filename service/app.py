@@ -58,6 +58,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.draining = False
         self.websockets: set[web.WebSocketResponse] = set()
+        self.ws_opening = 0  # WebSocket handshakes in progress
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()

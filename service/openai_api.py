@@ -226,6 +226,7 @@ class OpenAIServing:
         texts: list[str | None],
         params: SamplingParams,
         cache_salt: str | None,
+        max_tokens_field: str = "max_tokens",
     ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
         """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
         when the queue is full), so errors come before the response starts.  The caller
@@ -237,7 +238,7 @@ class OpenAIServing:
                 list(zip(rids, prompts, strict=True)), params, cache_salt
             )
         except MaxTokensTooLarge as e:
-            raise BadRequest(str(e), "max_tokens") from e
+            raise BadRequest(str(e), max_tokens_field) from e
         except RequestRejected as e:
             raise BadRequest(str(e), "messages" if texts == [None] else "prompt") from e
         gens = [
@@ -286,7 +287,8 @@ class OpenAIServing:
             kwargs=kwargs,
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gens, subs = self._start(rid, [ids], [None], params, req.cache_salt)
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        gens, subs = self._start(rid, [ids], [None], params, req.cache_salt, field)
         model = req.model or self.names[0]
         try:
             if req.stream:

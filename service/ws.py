@@ -210,7 +210,8 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     if not check_origin(request, state.config.allowed_origins):
         return web.Response(status=403, text="cross-origin WebSocket refused")
     limits = state.config.limits
-    if len(state.websockets) >= limits.max_websockets:
+    # Sockets still in their handshake count too, so concurrent upgrades cannot overshoot.
+    if len(state.websockets) + state.ws_opening >= limits.max_websockets:
         if state.metrics is not None:
             state.metrics.on_rejected("websockets")
         return error_response(
@@ -221,7 +222,11 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     # A frame over the limit closes the socket with 1009 (message too big): the protocol's
     # own answer, since the frame cannot be parsed to say which generation it was.
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=limits.max_ws_frame_bytes)
-    await ws.prepare(request)
+    state.ws_opening += 1
+    try:
+        await ws.prepare(request)
+    finally:
+        state.ws_opening -= 1
     state.websockets.add(ws)
     session = WSSession(ws, state, state.next_conn_id())
     try:
