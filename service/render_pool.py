@@ -151,6 +151,7 @@ class RenderPool:
         self._waiting = 0
         self._threads = ThreadPoolExecutor(self.size, thread_name_prefix="pagestream-render-io")
         self._spawns: set[asyncio.Task[None]] = set()
+        self._jobs: set[asyncio.Task[Any]] = set()
         self.killed = 0  # renders stopped at the deadline or by the memory limit
 
     async def start(self) -> None:
@@ -179,27 +180,42 @@ class RenderPool:
             worker = await self._idle.get()
         finally:
             self._waiting -= 1
+        # The round trip runs as its own task: a caller cancelled mid-render (a client
+        # that went away) leaves the worker to finish and return to the pool, rather than
+        # killing it, so cancels cannot be used to churn processes.
+        task = asyncio.ensure_future(self._roundtrip(worker, job))
+        self._jobs.add(task)
+        task.add_done_callback(self._job_done)
+        status, text, err_param = await asyncio.shield(task)
+        if status != "ok":
+            raise TemplateError(text, err_param)
+        return text
+
+    async def _roundtrip(self, worker: _Worker, job: RenderJob) -> tuple[str, str, str | None]:
         param = "chat_template" if job.chat_template else "messages"
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._threads, worker.roundtrip, job)
         try:
-            status, text, err_param = await asyncio.wait_for(fut, self.timeout)
+            reply = await asyncio.wait_for(fut, self.timeout)
         except TimeoutError:
             self._discard(worker)
             raise TemplateError(
                 f"rendering the chat template took longer than {self.timeout:g} s", param
             ) from None
-        except asyncio.CancelledError:
-            # The client went away mid-render: the worker's state is unknown; replace it.
+        except asyncio.CancelledError:  # the pool is closing
             self._discard(worker)
             raise
         except (EOFError, OSError, ValueError) as e:  # the worker died (memory limit)
             self._discard(worker)
             raise TemplateError(f"the chat template crashed its renderer ({e!r})", param) from e
+        assert self._idle is not None
         self._idle.put_nowait(worker)
-        if status != "ok":
-            raise TemplateError(text, err_param)
-        return text
+        return reply
+
+    def _job_done(self, task: asyncio.Task[Any]) -> None:
+        self._jobs.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that went away does not want it
 
     def _discard(self, worker: _Worker) -> None:
         self.killed += 1
@@ -208,9 +224,10 @@ class RenderPool:
         self._respawn_later()
 
     async def close(self) -> None:
-        for t in list(self._spawns):
+        tasks = [*self._spawns, *self._jobs]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._spawns, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for w in list(self._all):
             w.kill()
         self._all.clear()

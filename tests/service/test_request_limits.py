@@ -143,6 +143,8 @@ def test_unknown_template_kwargs_are_dropped(strict):
         ("/v1/chat/completions", chat(logprobs=True, top_logprobs=6), 400, "top_logprobs"),
         ("/v1/chat/completions", chat(stop=["a"] * 5), 400, "stop"),
         ("/v1/chat/completions", chat(max_tokens=100_000), 400, "max_tokens"),
+        ("/v1/chat/completions", chat(max_completion_tokens=100_000), 400,
+         "max_completion_tokens"),
         ("/v1/chat/completions", chat("x " * 5000), 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
         ("/v1/chat/completions",

@@ -119,3 +119,20 @@ async def test_render_pool_memory_limit() -> None:
         assert await pool.render(RenderJob(MSGS)) == "user: hi\n"
     finally:
         await pool.close()
+
+
+async def test_cancelled_render_returns_its_worker() -> None:
+    pool = RenderPool(ChatTemplates(BASE), workers=1, timeout=30.0)
+    await pool.start()
+    slow = "{% for i in range(2000) %}{% for j in range(500) %}{% endfor %}{% endfor %}ok"
+    try:
+        task = asyncio.create_task(pool.render(RenderJob(MSGS, chat_template=slow)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The worker finishes the abandoned render and serves the next one: not killed.
+        assert await pool.render(RenderJob(MSGS)) == "user: hi\n"
+        assert pool.killed == 0
+    finally:
+        await pool.close()
