@@ -12,13 +12,15 @@ from pathlib import Path
 import orjson
 from aiohttp import WSCloseCode, web
 
-from scheduler.engine_core import EngineDeadError, StepInfo
+from scheduler.engine_core import EngineDeadError, EngineOverloaded, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
-from service.protocol import BadRequest, decode_prefix
+from service.openapi import openapi_document
+from service.prep import Preprocessor
+from service.protocol import BadRequest, check_messages, decode_prefix
 from service.state import STATE, ServerConfig, ServerState
 from service.ws import websocket_handler
 
@@ -59,6 +61,13 @@ async def api_middleware(
         if e.status >= 400 and request.path.startswith("/v1"):
             return error_response(e.reason or "error", e.status)
         raise
+    except EngineOverloaded as e:
+        if state.metrics is not None:
+            state.metrics.on_rejected("overloaded")
+        return error_response(
+            str(e), 429, code="server_overloaded",
+            headers={"Retry-After": str(max(1, round(e.retry_after)))},
+        )  # fmt: skip
     except EngineDeadError as e:
         return error_response(str(e), 503)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -90,9 +99,14 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
             engine.add_step_hook(on_step)
             engine.request_hooks.append(metrics.on_request_done)
+            prep = Preprocessor(
+                engine, state.config.limits, engine.args.max_waiting_requests or 1024
+            )
+            state.prep = prep  # before the first await: cleanup must find it
+            await prep.start()
             await engine.start()
             state.metrics = metrics
-            state.serving = OpenAIServing(engine, names)
+            state.serving = OpenAIServing(engine, names, prep)
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
         except Exception as e:
@@ -106,6 +120,8 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await task
     if state.engine is not None:
         await state.engine.shutdown()
+    if state.prep is not None:
+        await state.prep.close()
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)
@@ -163,22 +179,26 @@ async def register_prefix(request: web.Request) -> web.StreamResponse:
     so every replica can load it instead of recomputing."""
     serving = _serving(request)
     body = await request.read()
-    req = decode_prefix(body)
+    state = request.app[STATE]
+    state.inflight_inc()  # it runs a prefill: SIGTERM waits for it like any generation
+    try:
+        return await _register_prefix(serving, decode_prefix(body))
+    finally:
+        state.inflight_dec()
+
+
+async def _register_prefix(serving: OpenAIServing, req) -> web.Response:  # req: PrefixRegistration
     engine = serving.engine
+    serving.check_model(req.model)
     if (req.messages is None) == (req.prompt is None):
         raise BadRequest("give exactly one of messages or prompt", "messages")
     if req.messages is not None:
-        try:
-            ids = engine.render_chat(
-                [m.as_template_dict() for m in req.messages], add_generation_prompt=False
-            )
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from e
+        check_messages(req.messages)
+        ids = await serving.prep.chat_ids(
+            [m.as_template_dict() for m in req.messages], add_generation_prompt=False
+        )
     else:
-        try:
-            ids = engine.encode_prompt(req.prompt)  # type: ignore[arg-type]
-        except RequestRejected as e:
-            raise BadRequest(str(e), "prompt") from e
+        (ids,) = await serving.prep.prompt_ids([req.prompt])
     try:
         engine.resolve_max_tokens(len(ids), SamplingParams(max_tokens=1))
     except RequestRejected as e:
@@ -221,6 +241,10 @@ async def metrics_handler(request: web.Request) -> web.Response:
     )
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
 async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "index.html")
 
@@ -240,6 +264,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)

@@ -98,6 +98,12 @@ class Metrics:
             "Wall time of one engine step (model forward and sampling).",
             m, buckets=_ITL_BUCKETS, registry=r,
         )  # fmt: skip
+        self.rejected = Counter(
+            "pagestream_requests_rejected",
+            "Requests refused for load (overloaded: the waiting queue is full; websockets: "
+            "too many open sockets), answered 429.",
+            [*m, "reason"], registry=r,
+        )  # fmt: skip
         self.extra_counters: dict[str, Counter] = {}
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._last_extra: dict[str, float] = {}
@@ -181,6 +187,9 @@ class Metrics:
         if stats.num_preemptions > last.num_preemptions:
             c["preemptions"].inc(stats.num_preemptions - last.num_preemptions)
         self._last = stats
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
 
     def on_request_done(self, out: RequestOutput) -> None:
         m = out.metrics

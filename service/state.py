@@ -15,8 +15,10 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from service.async_engine import AsyncEngine, EngineArgs
+from service.limits import Limits
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
+from service.prep import Preprocessor
 
 
 @dataclass
@@ -29,6 +31,7 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits)
 
 
 class ServerState:
@@ -38,10 +41,12 @@ class ServerState:
         self.config = config
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
+        self.prep: Preprocessor | None = None
         self.metrics: Metrics | None = None
         self.load_error: BaseException | None = None
         self.draining = False
         self.websockets: set[web.WebSocketResponse] = set()
+        self.ws_opening = 0  # WebSocket handshakes in progress
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
