@@ -7,6 +7,8 @@ import contextlib
 import hmac
 import itertools
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from aiohttp import WSCloseCode, web
 from scheduler.engine_core import EngineDeadError, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.async_engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine, EngineArgs, RequestFailed
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
 from service.protocol import BadRequest, decode_prefix
@@ -40,6 +42,16 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
+    # Back-pressure: bytes of frames a WebSocket may have waiting for a slow reader, and
+    # how long one write (WebSocket frame or SSE chunk) may wait for the client to drain.
+    ws_max_outbox_bytes: int = 4 << 20
+    send_timeout: float = 30.0
+    # An engine failure ends the process (exit code ENGINE_FAILURE_EXIT) once clients have
+    # their errors, so a supervisor restarts it.  `pagestream serve` sets it; an embedded
+    # server (tests) keeps running, unhealthy.
+    exit_on_engine_failure: bool = False
+    # GET /debug/state (engine queues, KV blocks, memory, tasks) for operators and tests.
+    enable_debug_routes: bool = False
 
 
 class ServerState:
@@ -58,6 +70,8 @@ class ServerState:
         self.idle.set()
         self._conn_ids = itertools.count(1)
         self.started = time.time()
+        self.exit_code = 0
+        self.fatal_task: asyncio.Task[None] | None = None
 
     def next_conn_id(self) -> str:
         return str(next(self._conn_ids))
@@ -106,7 +120,7 @@ async def api_middleware(
     """API key check for /v1, and OpenAI-shaped errors for everything that goes wrong."""
     state = request.app[STATE]
     key = state.config.api_key
-    if key and request.path.startswith("/v1"):
+    if key and request.path.startswith(("/v1", "/debug")):
         given = _bearer(request)
         if given is None or not hmac.compare_digest(given.encode(), key.encode()):
             return error_response("invalid or missing API key", 401, code="invalid_api_key")
@@ -123,6 +137,8 @@ async def api_middleware(
         raise
     except EngineDeadError as e:
         return error_response(str(e), 503)
+    except RequestFailed as e:
+        return error_response(str(e), 500, code="request_failed")
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -153,8 +169,16 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             engine.add_step_hook(on_step)
             engine.request_hooks.append(metrics.on_request_done)
             await engine.start()
+            task = engine.core._task
+            assert task is not None
+            task.add_done_callback(lambda t: _on_engine_done(state, t))
             state.metrics = metrics
-            state.serving = OpenAIServing(engine, names)
+            state.serving = OpenAIServing(
+                engine,
+                names,
+                send_timeout=state.config.send_timeout,
+                on_slow_client=metrics.slow_clients.labels(names[0], "sse").inc,
+            )
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
         except Exception as e:
@@ -171,6 +195,33 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)
+
+ENGINE_FAILURE_EXIT = 70  # EX_SOFTWARE: the engine failed; a supervisor should restart us
+FATAL_FLUSH_SECONDS = 5.0  # how long in-flight handlers get to send their errors
+
+
+def _on_engine_done(state: ServerState, task: asyncio.Task[None]) -> None:
+    if task.cancelled() or task.exception() is None:
+        return  # a normal stop (shutdown)
+    state.fatal_task = asyncio.get_running_loop().create_task(_engine_failed(state))
+
+
+async def _engine_failed(state: ServerState) -> None:
+    """The engine died: every in-flight stream has already been failed with an error;
+    let the handlers deliver those errors, close the sockets with 1011, then (under
+    `pagestream serve`) end the process with a non-zero exit so it gets restarted.
+    /health answers 503 from the moment the engine died."""
+    log.critical("engine failed: %s", state.engine.dead if state.engine else "?")
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(state.idle.wait(), FATAL_FLUSH_SECONDS)
+    for ws in list(state.websockets):
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2.0):
+                await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"engine failed")
+    if state.config.exit_on_engine_failure:
+        state.exit_code = ENGINE_FAILURE_EXIT
+        log.critical("exiting with code %d so the supervisor restarts the server", state.exit_code)
+        signal.raise_signal(signal.SIGTERM)  # aiohttp's graceful shutdown, then exit
 
 
 async def on_shutdown(app: web.Application) -> None:
@@ -278,9 +329,55 @@ async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.metrics is None:
         return web.Response(text="", content_type="text/plain")
+    engine = state.engine
+    if engine is not None:
+        sched = engine.scheduler
+        state.metrics.refresh(sched.stats(), sched.kv.pool.num_used, engine.core.hook_errors)
     return web.Response(
         body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
     )
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def debug_state(request: web.Request) -> web.Response:
+    """What is running, waiting and held, for operators and the reliability tests:
+    after a storm every count here but the baselines must be back to zero."""
+    state = request.app[STATE]
+    engine = state.engine
+    body: dict[str, object] = {
+        "inflight": state.inflight,
+        "websockets": len(state.websockets),
+        "asyncio_tasks": len(asyncio.all_tasks()),
+        "rss_bytes": _rss_bytes() if os.path.exists("/proc/self/statm") else None,
+    }
+    if request.query.get("gc") == "1":  # a full gc pass: ~1 ms per 10k objects
+        import gc
+
+        gc.collect()
+        body["gc_objects"] = len(gc.get_objects())
+    if engine is not None:
+        sched = engine.scheduler
+        pool = sched.kv.pool
+        body |= {
+            "engine_dead": str(engine.dead) if engine.dead else None,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "remote_pending": len(sched.remote_pending),
+            "requests": len(sched.requests),
+            "groups": len(sched.groups),
+            "streams": len(engine.core.streams),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached": len(pool.cached),
+            "runner_requests": len(getattr(engine.runner, "requests", ())),
+            "num_preemptions": sched.num_preemptions,
+            "hook_errors": engine.core.hook_errors,
+        }
+    return json_response(body)
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -302,14 +399,17 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)
+    if config.enable_debug_routes:
+        app.router.add_get("/debug/state", debug_state)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)
     return app
 
 
-def run_server(config: ServerConfig) -> None:
-    """Serve until SIGTERM/SIGINT, on uvloop when available."""
+def run_server(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT, on uvloop when available; returns the exit code
+    (non-zero after an engine failure)."""
     try:
         import uvloop
 
@@ -324,6 +424,7 @@ def run_server(config: ServerConfig) -> None:
             f"pagestream serving on {url} (OpenAI API at {url}v1, chat page at {url})", flush=True
         )
 
+    config.exit_on_engine_failure = True
     web.run_app(
         app,
         host=config.host,
@@ -334,3 +435,4 @@ def run_server(config: ServerConfig) -> None:
         print=announce,
         access_log=None,
     )
+    return app[STATE].exit_code

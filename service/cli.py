@@ -119,7 +119,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from service.app import ServerConfig, run_server
 
     origins = [o for o in (a.allowed_origins or "").split(",") if o]
-    run_server(
+    return run_server(
         ServerConfig(
             engine=engine_args(a),
             host=a.host,
@@ -129,9 +129,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allowed_origins=origins,
             max_request_bytes=a.max_request_bytes,
             shutdown_timeout=a.shutdown_timeout,
+            ws_max_outbox_bytes=a.ws_max_outbox_bytes,
+            send_timeout=a.send_timeout,
+            enable_debug_routes=a.enable_debug_routes,
         )
     )
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,6 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip
+    s.add_argument(
+        "--ws-max-outbox-bytes", type=int, default=4 << 20,
+        help="bytes of frames a WebSocket may have waiting for a slow reader before its "
+        "generations are aborted and it is closed with 1008",
+    )  # fmt: skip
+    s.add_argument(
+        "--send-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="longest one WebSocket frame or SSE chunk may wait for the client to read it "
+        "before the stream is aborted",
+    )  # fmt: skip
+    s.add_argument(
+        "--enable-debug-routes", action="store_true",
+        help="serve GET /debug/state (queues, KV blocks, RSS, tasks; behind the API key)",
+    )  # fmt: skip
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

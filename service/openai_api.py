@@ -8,9 +8,11 @@ is cancelled on disconnect and the generator's finally block sends the abort.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +20,10 @@ import orjson
 from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
+from scheduler.engine_core import EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.async_engine import AsyncEngine, RequestOutput
+from service.async_engine import AsyncEngine, RequestFailed, RequestOutput
 from service.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -28,6 +31,13 @@ from service.protocol import (
     decode_chat,
     decode_completion,
 )
+
+
+class SlowClient(ConnectionResetError):
+    """An SSE client stopped reading; its connection has been dropped."""
+
+
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -137,11 +147,36 @@ async def merge(
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        *,
+        send_timeout: float = 30.0,
+        on_slow_client: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.names = served_model_names
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+        self.send_timeout = send_timeout
+        self.on_slow_client = on_slow_client
+
+    async def write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """One SSE write, bounded: a client that does not read for `send_timeout` seconds
+        loses its connection, and the request is aborted (its KV blocks freed)."""
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await resp.write(data)
+        except TimeoutError:
+            if self.on_slow_client is not None:
+                self.on_slow_client()
+            transport = request.transport
+            if transport is not None:
+                transport.abort()
+            raise SlowClient(
+                f"the client did not read the stream for {self.send_timeout:g} s"
+            ) from None
 
     # ---------------------------------------------------------------- helpers
     def check_model(self, model: str | None) -> None:
@@ -282,8 +317,9 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> web.Response:
         last: RequestOutput | None = None
-        async for out in gen:
-            last = out
+        async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            async for out in gen:
+                last = out
         assert last is not None
         choices = []
         for o in last.outputs:
@@ -333,7 +369,7 @@ class OpenAIServing:
             chunk: dict[str, Any] = {**base, "choices": choices}
             if usage is not None:
                 chunk["usage"] = usage
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
 
         first: dict[str, Any] = {"role": "assistant", "content": ""}
         head = [
@@ -342,39 +378,58 @@ class OpenAIServing:
         ]
         if req.return_token_ids:
             base_first = {**base, "prompt_token_ids": ids}
-            await resp.write(b"data: " + orjson.dumps({**base_first, "choices": head}) + b"\n\n")
+            await self.write(
+                request, resp, b"data: " + orjson.dumps({**base_first, "choices": head}) + b"\n\n"
+            )
         else:
             await send(head)
         cached = 0
         try:
-            async for deltas, out in merge([gen], params.n):
-                cached = out.num_cached_tokens
-                choices = []
-                for d in deltas:
-                    completion_tokens += len(d.token_ids)
-                    c: dict[str, Any] = {
-                        "index": d.index,
-                        "delta": {"content": d.text} if d.text else {},
-                        "logprobs": self.chat_logprobs(d.logprobs),
-                        "finish_reason": d.finish_reason,
-                    }
-                    if d.finish_reason is not None:
-                        c["stop_reason"] = d.stop_reason
-                    if req.return_token_ids:
-                        c["token_ids"] = d.token_ids
-                    choices.append(c)
-                if choices:
-                    usage = _usage(len(ids), completion_tokens, cached) if continuous else None
-                    await send(choices, usage)
-        except RequestRejected as e:  # pragma: no cover - validated before streaming
-            await resp.write(b"data: " + error_body(str(e), 400) + b"\n\n")
+            async with contextlib.aclosing(merge([gen], params.n)) as events:
+                async for deltas, out in events:
+                    cached = out.num_cached_tokens
+                    choices = []
+                    for d in deltas:
+                        completion_tokens += len(d.token_ids)
+                        c: dict[str, Any] = {
+                            "index": d.index,
+                            "delta": {"content": d.text} if d.text else {},
+                            "logprobs": self.chat_logprobs(d.logprobs),
+                            "finish_reason": d.finish_reason,
+                        }
+                        if d.finish_reason is not None:
+                            c["stop_reason"] = d.stop_reason
+                        if req.return_token_ids:
+                            c["token_ids"] = d.token_ids
+                        choices.append(c)
+                    if choices:
+                        usage = _usage(len(ids), completion_tokens, cached) if continuous else None
+                        await send(choices, usage)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
         except Exception as e:
-            await resp.write(b"data: " + error_body(f"generation failed: {e}", 500) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            return await self._stream_error(request, resp, e)
         if include_usage:
             await send([], _usage(len(ids), completion_tokens, cached))
-        await resp.write(b"data: [DONE]\n\n")
+        await self.write(request, resp, b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stream_error(
+        self, request: web.Request, resp: web.StreamResponse, e: Exception
+    ) -> web.StreamResponse:
+        """A stream that failed after its headers went out: an error event in OpenAI's
+        shape, then [DONE]."""
+        if isinstance(e, RequestRejected):
+            body = error_body(str(e), 400)
+        elif isinstance(e, EngineDeadError):
+            body = error_body(str(e), 503)
+        else:
+            if not isinstance(e, RequestFailed):
+                log.exception("stream failed")
+            body = error_body(f"generation failed: {e}", 500)
+        await self.write(request, resp, b"data: " + body + b"\n\n")
+        await self.write(request, resp, b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -413,10 +468,17 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
 
         async def run(i: int, g: AsyncIterator[RequestOutput]) -> None:
-            async for out in g:
-                finals[i] = out
+            async with contextlib.aclosing(g):  # type: ignore[type-var]
+                async for out in g:
+                    finals[i] = out
 
-        await asyncio.gather(*(run(i, g) for i, g in enumerate(gens)))
+        # One prompt failing fails the request; the TaskGroup aborts the others.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, g in enumerate(gens):
+                    tg.create_task(run(i, g))
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
         choices = []
         completion = 0
         cached = 0
@@ -470,47 +532,48 @@ class OpenAIServing:
         sent_prompt_ids: set[int] = set()
         cached: dict[int, int] = {}
         try:
-            async for deltas, out in merge(gens, params.n):
-                choices = []
-                for d in deltas:
-                    completion_tokens += len(d.token_ids)
-                    lp, offsets[d.index] = self.completion_logprobs(
-                        d.logprobs, offsets.get(d.index, 0)
-                    )
-                    c: dict[str, Any] = {
-                        "index": d.index,
-                        "text": d.text,
-                        "logprobs": lp,
-                        "finish_reason": d.finish_reason,
-                    }
-                    if d.finish_reason is not None:
-                        c["stop_reason"] = d.stop_reason
-                    if req.return_token_ids:
-                        if d.index not in sent_prompt_ids:
-                            c["prompt_token_ids"] = prompts[d.index // params.n]
-                            sent_prompt_ids.add(d.index)
-                        c["token_ids"] = d.token_ids
-                    choices.append(c)
-                cached[id(out)] = out.num_cached_tokens
-                if choices:
-                    chunk: dict[str, Any] = {**base, "choices": choices}
-                    if continuous:
-                        chunk["usage"] = _usage(
-                            prompt_tokens, completion_tokens, sum(cached.values())
+            async with contextlib.aclosing(merge(gens, params.n)) as events:
+                async for deltas, out in events:
+                    choices = []
+                    for d in deltas:
+                        completion_tokens += len(d.token_ids)
+                        lp, offsets[d.index] = self.completion_logprobs(
+                            d.logprobs, offsets.get(d.index, 0)
                         )
-                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                        c: dict[str, Any] = {
+                            "index": d.index,
+                            "text": d.text,
+                            "logprobs": lp,
+                            "finish_reason": d.finish_reason,
+                        }
+                        if d.finish_reason is not None:
+                            c["stop_reason"] = d.stop_reason
+                        if req.return_token_ids:
+                            if d.index not in sent_prompt_ids:
+                                c["prompt_token_ids"] = prompts[d.index // params.n]
+                                sent_prompt_ids.add(d.index)
+                            c["token_ids"] = d.token_ids
+                        choices.append(c)
+                    cached[id(out)] = out.num_cached_tokens
+                    if choices:
+                        chunk: dict[str, Any] = {**base, "choices": choices}
+                        if continuous:
+                            chunk["usage"] = _usage(
+                                prompt_tokens, completion_tokens, sum(cached.values())
+                            )
+                        await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
         except Exception as e:
-            await resp.write(b"data: " + error_body(f"generation failed: {e}", 500) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            return await self._stream_error(request, resp, e)
         if include_usage:
             chunk = {
                 **base,
                 "choices": [],
                 "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values())),
             }
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+            await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await self.write(request, resp, b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

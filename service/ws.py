@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from scheduler.engine_core import EngineDeadError
 from scheduler.scheduler import RequestRejected
+from service.async_engine import RequestFailed
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
 
 if TYPE_CHECKING:
@@ -31,36 +34,93 @@ MAX_CONCURRENT_PER_SOCKET = 64
 
 
 class WSSession:
-    def __init__(self, ws: web.WebSocketResponse, state: ServerState, conn_id: str) -> None:
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        state: ServerState,
+        conn_id: str,
+        request: web.Request | None = None,
+    ) -> None:
         self.ws = ws
         self.state = state
         self.conn_id = conn_id
+        self.request = request
         self.tasks: dict[str, asyncio.Task[None]] = {}
         # Recently finished ids, so a cancel that crossed its `done` is not an error.
         self.finished: collections.deque[str] = collections.deque(maxlen=256)
-        # One writer drains this queue, so concurrent generations never interleave frames
-        # and a slow client applies back-pressure to the writer, not to the engine.
+        # One writer drains this queue, so concurrent generations never interleave frames.
+        # It is bounded in bytes: a reader that falls further behind than that (or lets
+        # one frame wait longer than the send timeout) has its generations aborted and
+        # the socket closed with 1008, rather than the server buffering without end.
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.outbox_bytes = 0
+        self.max_outbox_bytes = state.config.ws_max_outbox_bytes
+        self.send_timeout = state.config.send_timeout
+        self.closing = False
+        self._writer: asyncio.Task[None] | None = None
+        self._closer: asyncio.Task[None] | None = None
 
     def send(self, frame: dict[str, Any]) -> None:
-        self.outbox.put_nowait(orjson.dumps(frame))
+        if self.closing:
+            return
+        data = orjson.dumps(frame)
+        self.outbox_bytes += len(data)
+        if self.outbox_bytes > self.max_outbox_bytes:
+            self.too_slow(f"more than {self.max_outbox_bytes} bytes of frames are waiting")
+            return
+        self.outbox.put_nowait(data)
 
     def error(self, gen_id: str | None, code: int, message: str, param: str | None = None) -> None:
         self.send({"type": "error", "id": gen_id, "code": code, "message": message, "param": param})
 
+    def too_slow(self, why: str) -> None:
+        """The client does not read: abort its generations (their KV blocks are freed at
+        the next step) and close the socket with 1008 and the reason."""
+        if self.closing:
+            return
+        self.closing = True
+        log.warning("websocket %s: client too slow (%s); closing it", self.conn_id, why)
+        if self.state.metrics is not None:
+            self.state.metrics.slow_clients.labels(self.state.metrics.model_name, "ws").inc()
+        for t in self.tasks.values():
+            t.cancel()
+        self._closer = asyncio.create_task(self._close_slow(why))
+
+    async def _close_slow(self, why: str) -> None:
+        if self._writer is not None and self._writer is not asyncio.current_task():
+            self._writer.cancel()
+        reason = f"client too slow: {why}"[:120].encode()
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason)
+        except (TimeoutError, ConnectionError, RuntimeError):
+            pass
+        finally:
+            # The close frame could not even be sent: drop the connection and its buffer.
+            transport = self.request.transport if self.request is not None else None
+            if transport is not None and not transport.is_closing():
+                transport.abort()
+
     async def writer(self) -> None:
         while (data := await self.outbox.get()) is not None:
-            if self.ws.closed:
+            self.outbox_bytes -= len(data)
+            if self.ws.closed or self.closing:
                 return
             try:
-                await self.ws.send_str(data.decode())
+                async with asyncio.timeout(self.send_timeout):
+                    await self.ws.send_str(data.decode())
+            except TimeoutError:
+                self.too_slow(f"a frame waited more than {self.send_timeout:g} s to be sent")
+                return
             except (ConnectionError, RuntimeError):
                 return
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self.writer())
+        writer = self._writer = asyncio.create_task(self.writer())
         try:
             async for msg in self.ws:
+                if self.closing:
+                    continue
                 if msg.type == WSMsgType.TEXT:
                     self.handle(msg.data)
                 elif msg.type == WSMsgType.BINARY:
@@ -71,12 +131,15 @@ class WSSession:
             for t in self.tasks.values():
                 t.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-            self.outbox.put_nowait(None)
-            try:
-                await asyncio.wait_for(writer, 5.0)
-            except (Exception, asyncio.CancelledError):
-                writer.cancel()
-                raise
+            if self._closer is not None:
+                await asyncio.gather(self._closer, writer, return_exceptions=True)
+            else:
+                self.outbox.put_nowait(None)
+                try:
+                    await asyncio.wait_for(writer, 5.0)
+                except (Exception, asyncio.CancelledError):
+                    writer.cancel()
+                    raise
 
     def handle(self, data: str) -> None:
         try:
@@ -129,19 +192,20 @@ class WSSession:
                     "", params, rid, prompt_token_ids=ids, cache_salt=frame.cache_salt
                 )
                 last = None
-                async for out in gen:
-                    last = out
-                    for o in out.outputs:
-                        if o.delta_text or o.delta_token_ids:
-                            self.send(
-                                {
-                                    "type": "delta",
-                                    "id": gid,
-                                    "index": o.index,
-                                    "text": o.delta_text,
-                                    "token_ids": o.delta_token_ids,
-                                }
-                            )
+                async with contextlib.aclosing(gen):
+                    async for out in gen:
+                        last = out
+                        for o in out.outputs:
+                            if o.delta_text or o.delta_token_ids:
+                                self.send(
+                                    {
+                                        "type": "delta",
+                                        "id": gid,
+                                        "index": o.index,
+                                        "text": o.delta_text,
+                                        "token_ids": o.delta_token_ids,
+                                    }
+                                )
                 assert last is not None
                 completion = sum(len(o.token_ids) for o in last.outputs)
                 reasons = [o.finish_reason for o in last.outputs]
@@ -162,6 +226,10 @@ class WSSession:
                 self.error(gid, e.status, e.message, e.param)
             except RequestRejected as e:
                 self.error(gid, 400, str(e), "prompt")
+            except RequestFailed as e:
+                self.error(gid, 500, str(e))
+            except EngineDeadError as e:
+                self.error(gid, 503, str(e))
             except asyncio.CancelledError:
                 if not self.ws.closed:
                     self.send(
@@ -202,11 +270,16 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=MAX_FRAME_BYTES)
     await ws.prepare(request)
     state.websockets.add(ws)
-    session = WSSession(ws, state, state.next_conn_id())
+    session = WSSession(ws, state, state.next_conn_id(), request)
     try:
         await session.run()
     finally:
         state.websockets.discard(ws)
         if not ws.closed:
-            await ws.close(code=WSCloseCode.GOING_AWAY if state.draining else WSCloseCode.OK)
+            # Bounded: a client that stopped reading must not hold the handler open.
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(state.config.send_timeout):
+                    await ws.close(
+                        code=WSCloseCode.GOING_AWAY if state.draining else WSCloseCode.OK
+                    )
     return ws
