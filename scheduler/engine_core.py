@@ -113,6 +113,9 @@ class EngineCore:
         self.inbox.put_nowait(_Stop())
         try:
             await self._task
+        except Exception:
+            if self.dead is None:
+                raise  # a failure in stopping itself; a death was logged when it happened
         finally:
             self._task = None
 
@@ -201,7 +204,7 @@ class EngineCore:
         sched = self.scheduler
         try:
             while True:
-                if not sched.has_unfinished():
+                if not sched.has_unfinished() and not sched.finished_req_ids:
                     self.idle.set()
                     msg = await self.inbox.get()
                     self.idle.clear()
