@@ -42,10 +42,11 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
-    # Back-pressure: bytes of frames a WebSocket may have waiting for a slow reader, and
-    # how long one write (WebSocket frame or SSE chunk) may wait for the client to drain.
-    ws_max_outbox_bytes: int = 4 << 20
+    # Back-pressure: bytes the server may hold for one slow reader (WebSocket outbox plus
+    # the socket's write buffer), and how long one write may wait for the client to drain.
+    max_buffered_bytes: int = 4 << 20
     send_timeout: float = 30.0
+    socket_send_buffer: int | None = None  # SO_SNDBUF of streaming connections (None: OS)
     # An engine failure ends the process (exit code ENGINE_FAILURE_EXIT) once clients have
     # their errors, so a supervisor restarts it.  `pagestream serve` sets it; an embedded
     # server (tests) keeps running, unhealthy.
@@ -178,6 +179,8 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
                 names,
                 send_timeout=state.config.send_timeout,
                 on_slow_client=metrics.slow_clients.labels(names[0], "sse").inc,
+                socket_send_buffer=state.config.socket_send_buffer,
+                max_buffered_bytes=state.config.max_buffered_bytes,
             )
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)

@@ -129,8 +129,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allowed_origins=origins,
             max_request_bytes=a.max_request_bytes,
             shutdown_timeout=a.shutdown_timeout,
-            ws_max_outbox_bytes=a.ws_max_outbox_bytes,
+            max_buffered_bytes=a.max_buffered_bytes,
             send_timeout=a.send_timeout,
+            socket_send_buffer=a.socket_send_buffer,
             enable_debug_routes=a.enable_debug_routes,
         )
     )
@@ -159,14 +160,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip
     s.add_argument(
-        "--ws-max-outbox-bytes", type=int, default=4 << 20,
-        help="bytes of frames a WebSocket may have waiting for a slow reader before its "
-        "generations are aborted and it is closed with 1008",
+        "--max-buffered-bytes", type=int, default=4 << 20,
+        help="bytes the server may hold for one slow-reading stream (WebSocket outbox plus "
+        "socket buffer); past it a WebSocket's generations are aborted and it is closed "
+        "with 1008, and an SSE write waits (up to --send-timeout) for the client to drain",
     )  # fmt: skip
     s.add_argument(
         "--send-timeout", type=float, default=30.0, metavar="SECONDS",
         help="longest one WebSocket frame or SSE chunk may wait for the client to read it "
         "before the stream is aborted",
+    )  # fmt: skip
+    s.add_argument(
+        "--socket-send-buffer", type=int, default=None, metavar="BYTES",
+        help="kernel send buffer of each streaming connection (default: the OS's "
+        "autotuning, up to 4 MiB); smaller makes back-pressure act sooner",
     )  # fmt: skip
     s.add_argument(
         "--enable-debug-routes", action="store_true",

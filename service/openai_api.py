@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,31 @@ class SlowClient(ConnectionResetError):
 
 
 log = logging.getLogger(__name__)
+
+
+async def wait_drained(transport: asyncio.BaseTransport | None, limit: int) -> None:
+    """Wait until at most `limit` bytes wait in the transport's buffer.  (aiohttp drains
+    only every 64 KiB written, and only above asyncio's high-water mark; this bound is
+    the operator's.)  Polls: it only runs for a client that is already behind."""
+    if transport is None:
+        return
+    while transport.get_write_buffer_size() > limit:  # type: ignore[attr-defined]
+        if transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        await asyncio.sleep(0.05)
+
+
+def limit_send_buffer(request: web.Request, nbytes: int | None) -> None:
+    """Cap the kernel send buffer of a streaming connection (None: the OS autotunes it,
+    up to net.ipv4.tcp_wmem's maximum, 4 MiB by default).  What a stalled reader can make
+    the server hold is this plus the transport's and the outbox's bounds."""
+    if not nbytes or request.transport is None:
+        return
+    sock = request.transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -91,20 +117,21 @@ class ChoiceDelta:
 async def _snapshots(
     gen: AsyncIterator[RequestOutput], prompt_index: int, n: int
 ) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
-    async for out in gen:
-        deltas = [
-            ChoiceDelta(
-                prompt_index * n + o.index,
-                o.delta_text,
-                o.delta_token_ids,
-                o.delta_logprobs,
-                o.finish_reason,
-                o.stop_reason,
-            )
-            for o in out.outputs
-            if o.delta_text or o.delta_token_ids or o.finish_reason
-        ]
-        yield deltas, out
+    async with contextlib.aclosing(gen):  # type: ignore[type-var]
+        async for out in gen:
+            deltas = [
+                ChoiceDelta(
+                    prompt_index * n + o.index,
+                    o.delta_text,
+                    o.delta_token_ids,
+                    o.delta_logprobs,
+                    o.finish_reason,
+                    o.stop_reason,
+                )
+                for o in out.outputs
+                if o.delta_text or o.delta_token_ids or o.finish_reason
+            ]
+            yield deltas, out
 
 
 async def merge(
@@ -112,8 +139,11 @@ async def merge(
 ) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
     """Interleave the outputs of several prompts' generators as they come."""
     if len(gens) == 1:
-        async for item in _snapshots(gens[0], 0, n):
-            yield item
+        # Closed explicitly all the way down: a consumer that stops early (a client gone)
+        # must abort the request now, not when the generators are garbage collected.
+        async with contextlib.aclosing(_snapshots(gens[0], 0, n)) as items:
+            async for item in items:
+                yield item
         return
     queue: asyncio.Queue[tuple[list[ChoiceDelta], RequestOutput] | BaseException | None] = (
         asyncio.Queue()
@@ -121,8 +151,9 @@ async def merge(
 
     async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
         try:
-            async for item in _snapshots(g, i, n):
-                queue.put_nowait(item)
+            async with contextlib.aclosing(_snapshots(g, i, n)) as items:
+                async for item in items:
+                    queue.put_nowait(item)
         except BaseException as e:  # re-raised in the consumer
             queue.put_nowait(e)
             raise
@@ -154,6 +185,8 @@ class OpenAIServing:
         *,
         send_timeout: float = 30.0,
         on_slow_client: Callable[[], None] | None = None,
+        socket_send_buffer: int | None = None,
+        max_buffered_bytes: int = 4 << 20,
     ) -> None:
         self.engine = engine
         self.names = served_model_names
@@ -161,13 +194,21 @@ class OpenAIServing:
         self._token_text: dict[int, str] = {}
         self.send_timeout = send_timeout
         self.on_slow_client = on_slow_client
+        self.socket_send_buffer = socket_send_buffer
+        self.max_buffered_bytes = max_buffered_bytes
+
+    def limit_send_buffer(self, request: web.Request) -> None:
+        limit_send_buffer(request, self.socket_send_buffer)
 
     async def write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
-        """One SSE write, bounded: a client that does not read for `send_timeout` seconds
-        loses its connection, and the request is aborted (its KV blocks freed)."""
+        """One SSE write, bounded: while more than `max_buffered_bytes` wait in the socket's
+        buffer the stream pauses (so does its generator: the engine merges what piles up),
+        and a client that does not drain it within `send_timeout` seconds loses its
+        connection, and the request is aborted (its KV blocks freed)."""
         try:
             async with asyncio.timeout(self.send_timeout):
                 await resp.write(data)
+                await wait_drained(request.transport, self.max_buffered_bytes)
         except TimeoutError:
             if self.on_slow_client is not None:
                 self.on_slow_client()
@@ -357,6 +398,7 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
+        self.limit_send_buffer(request)
         await resp.prepare(request)
         created = int(time.time())
         opts = req.stream_options
@@ -405,6 +447,8 @@ class OpenAIServing:
                     if choices:
                         usage = _usage(len(ids), completion_tokens, cached) if continuous else None
                         await send(choices, usage)
+        except SlowClient:
+            return resp  # dropped; the request was aborted as its generator closed
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:
@@ -521,6 +565,7 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
+        self.limit_send_buffer(request)
         await resp.prepare(request)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         opts = req.stream_options
@@ -562,6 +607,8 @@ class OpenAIServing:
                                 prompt_tokens, completion_tokens, sum(cached.values())
                             )
                         await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
+        except SlowClient:
+            return resp  # dropped; the request was aborted as its generator closed
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:

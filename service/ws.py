@@ -21,6 +21,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from scheduler.engine_core import EngineDeadError
 from scheduler.scheduler import RequestRejected
 from service.async_engine import RequestFailed
+from service.openai_api import limit_send_buffer, wait_drained
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
 
 if TYPE_CHECKING:
@@ -49,12 +50,13 @@ class WSSession:
         # Recently finished ids, so a cancel that crossed its `done` is not an error.
         self.finished: collections.deque[str] = collections.deque(maxlen=256)
         # One writer drains this queue, so concurrent generations never interleave frames.
-        # It is bounded in bytes: a reader that falls further behind than that (or lets
-        # one frame wait longer than the send timeout) has its generations aborted and
-        # the socket closed with 1008, rather than the server buffering without end.
+        # What waits for the client (this queue plus the socket's write buffer) is bounded
+        # in bytes: a reader that falls further behind than that (or lets one frame wait
+        # longer than the send timeout) has its generations aborted and the socket closed
+        # with 1008, rather than the server buffering without end.
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.outbox_bytes = 0
-        self.max_outbox_bytes = state.config.ws_max_outbox_bytes
+        self.max_buffered = state.config.max_buffered_bytes
         self.send_timeout = state.config.send_timeout
         self.closing = False
         self._writer: asyncio.Task[None] | None = None
@@ -65,10 +67,14 @@ class WSSession:
             return
         data = orjson.dumps(frame)
         self.outbox_bytes += len(data)
-        if self.outbox_bytes > self.max_outbox_bytes:
-            self.too_slow(f"more than {self.max_outbox_bytes} bytes of frames are waiting")
+        if self.outbox_bytes + self._transport_buffered() > self.max_buffered:
+            self.too_slow(f"more than {self.max_buffered} bytes are waiting for it")
             return
         self.outbox.put_nowait(data)
+
+    def _transport_buffered(self) -> int:
+        transport = self.request.transport if self.request is not None else None
+        return transport.get_write_buffer_size() if transport is not None else 0
 
     def error(self, gen_id: str | None, code: int, message: str, param: str | None = None) -> None:
         self.send({"type": "error", "id": gen_id, "code": code, "message": message, "param": param})
@@ -109,6 +115,8 @@ class WSSession:
             try:
                 async with asyncio.timeout(self.send_timeout):
                     await self.ws.send_str(data.decode())
+                    transport = self.request.transport if self.request is not None else None
+                    await wait_drained(transport, self.max_buffered // 2)
             except TimeoutError:
                 self.too_slow(f"a frame waited more than {self.send_timeout:g} s to be sent")
                 return
@@ -268,6 +276,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     if not check_origin(request, state.config.allowed_origins):
         return web.Response(status=403, text="cross-origin WebSocket refused")
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=MAX_FRAME_BYTES)
+    limit_send_buffer(request, state.config.socket_send_buffer)
     await ws.prepare(request)
     state.websockets.add(ws)
     session = WSSession(ws, state, state.next_conn_id(), request)
