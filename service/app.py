@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import itertools
 import logging
@@ -189,15 +190,49 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             log.exception("model failed to load")
 
     task = asyncio.create_task(load())
+    trimmer = asyncio.create_task(_trim_when_idle(state))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for t in (task, trimmer):
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
     if state.engine is not None:
         await state.engine.shutdown()
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)
+
+TRIM_IDLE_SECONDS = 2.0  # how long the engine must have been idle before a trim
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc.malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+async def _trim_when_idle(state: ServerState) -> None:
+    """After a burst of traffic, hand the allocator's free pages back to the OS once the
+    engine has gone idle.  A storm's steps allocate and free many short-lived tensors and
+    buffers across threads; glibc keeps the freed memory in its heaps, so without this
+    RSS ratchets up to each burst's high-water mark (the soak test measures it)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return
+    trimmed_at = -1
+    while True:
+        await asyncio.sleep(TRIM_IDLE_SECONDS)
+        engine = state.engine
+        if engine is None or state.inflight or not engine.core.idle.is_set():
+            continue
+        steps = engine.core.num_steps
+        if steps != trimmed_at:
+            trimmed_at = steps
+            await asyncio.to_thread(trim, 0)
+
 
 ENGINE_FAILURE_EXIT = 70  # EX_SOFTWARE: the engine failed; a supervisor should restart us
 FATAL_FLUSH_SECONDS = 5.0  # how long in-flight handlers get to send their errors
