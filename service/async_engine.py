@@ -297,7 +297,7 @@ class AsyncEngine:
         await self.core.stop()
         if self.tier is not None:
             await self.tier.close()
-        self.executor.shutdown()
+        self.executor.shutdown(wait=self.dead is None)
 
     @property
     def dead(self) -> BaseException | None:

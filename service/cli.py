@@ -130,7 +130,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from service.app import ServerConfig, run_server
 
     origins = [o for o in (a.allowed_origins or "").split(",") if o]
-    return run_server(
+    code = run_server(
         ServerConfig(
             engine=engine_args(a),
             host=a.host,
@@ -146,6 +146,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
             enable_debug_routes=a.enable_debug_routes,
         )
     )
+    if code:
+        # The engine failed.  Exit now, even if a step is stuck in a broken device: the
+        # executor's worker thread is not a daemon, and interpreter exit would join it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

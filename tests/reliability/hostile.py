@@ -80,5 +80,5 @@ async def flooding_socket(url: str, frames: int = 300) -> None:
 
 def hostile_requests(url: str) -> list[Any]:
     """The hostile requests that can run now (see HOSTILE_READY)."""
-    edge = [looping_template(url), huge_stop_string(url), many_prompts(url)]
-    return [flooding_socket(url), *(edge if HOSTILE_READY else [])]
+    edge = [looping_template, huge_stop_string, many_prompts] if HOSTILE_READY else []
+    return [flooding_socket(url), *(f(url) for f in edge)]
