@@ -23,7 +23,14 @@ from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler
-from scheduler.contract import KVBlockPayload, ModelOutput, ScheduledRequest, SchedulerOutput
+from scheduler.contract import (
+    KVBlockPayload,
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from scheduler.faults import FaultPlan
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +73,9 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
         max_num_seqs: int = 256,
+        faults: FaultPlan | None = None,
     ) -> None:
+        self.faults = faults  # fault injection (tests and drills); None in normal serving
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.config = ModelConfig.from_dir(self.model_dir)
@@ -164,58 +173,141 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelOutput:
+        """One step.  A failure that belongs to one request (its sampling state cannot be
+        built, its inputs are out of range, its row fails to sample) is reported in
+        `ModelOutput.errors` and the others go on; anything else raises (engine failure)."""
         t0 = time.perf_counter()
+        errors: dict[str, str] = {}
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
         for new in so.new_requests:
-            self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
+            try:
+                if self.faults is not None:
+                    self.faults.check_register(new.req_id, new.token_ids[: new.prompt_len])
+                self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
+            except Exception as e:
+                log.warning("request %s: could not register: %r", new.req_id, e)
+                errors[new.req_id] = f"could not start the request: {e}"
         if so.copy_blocks:
             self._copy_blocks(so.copy_blocks)
         if so.load_kv:
             self._load_kv(so.load_kv)
-        out = ModelOutput(req_ids=[], sampled_token_ids=[])
-        if so.scheduled:
+        out = ModelOutput(req_ids=[], sampled_token_ids=[], errors=errors)
+        scheduled = self._valid_inputs(so.scheduled, errors)
+        if self.faults is not None:
+            self.faults.check_forward(so.step, [self._prompt_of(r.req_id) for r in scheduled])
+        if scheduled:
             graphs = self.graphs
             if (
                 graphs is not None
-                and all(len(r.input_ids) == 1 for r in so.scheduled)
-                and graphs.bucket(len(so.scheduled)) is not None
+                and all(len(r.input_ids) == 1 for r in scheduled)
+                and graphs.bucket(len(scheduled)) is not None
             ):
                 # The graph's hidden row i is scheduled request i.
-                samples = self._sample_rows(so.scheduled, range(len(so.scheduled)))
-                hidden = graphs.run(so.scheduled)
+                samples = self._sample_rows(scheduled, range(len(scheduled)), errors)
+                hidden = graphs.run(scheduled)
             else:
-                inputs = self._prepare(so.scheduled)
+                inputs = self._prepare(scheduled, errors)
                 samples = inputs.samples
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if samples.states:
                 logits = self.model.compute_logits(hidden.index_select(0, samples.rows))
-                result = self.sampler(logits, samples.states)
-                for state, tok in zip(samples.states, result.token_ids, strict=True):
-                    state.append(tok)
-                out.req_ids = samples.ids
-                out.sampled_token_ids = result.token_ids
-                out.logprobs = result.logprobs
+                self._sample(logits, samples, out)
         if so.save_kv_blocks:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0
         return out
 
-    def _sample_rows(self, reqs: list[ScheduledRequest], last_rows: Sequence[int]) -> SampleRows:
+    def _prompt_of(self, req_id: str) -> list[int]:
+        st = self.requests.get(req_id)
+        return st.token_ids[: st.prompt_len] if st is not None else []
+
+    def _valid_inputs(
+        self, scheduled: list[ScheduledRequest], errors: dict[str, str]
+    ) -> list[ScheduledRequest]:
+        """Drop (and report) requests whose inputs would poison the whole batch: token ids
+        outside the embedding table, or a block table too short for their positions."""
+        vocab, bs = self.config.vocab_size, self.block_size
+        bad = None
+        for r in scheduled:
+            ids = r.input_ids
+            why = None
+            if not ids:
+                why = "no input tokens"
+            elif min(ids) < 0 or max(ids) >= vocab:
+                why = f"a token id is outside the vocabulary (0..{vocab - 1})"
+            elif len(r.block_table) * bs < r.start_pos + len(ids):
+                why = "its block table does not cover its positions"
+            if why is not None:
+                log.warning("request %s dropped from step: %s", r.req_id, why)
+                errors[r.req_id] = f"bad step input: {why}"
+                bad = bad or set()
+                bad.add(r.req_id)
+        if bad is None:
+            return scheduled
+        return [r for r in scheduled if r.req_id not in bad]
+
+    def _sample(self, logits: torch.Tensor, samples: SampleRows, out: ModelOutput) -> None:
+        """Sample every row at once; if that fails, row by row, so that only the rows that
+        fail on their own are reported as errors.  A greedy or seeded row draws the same
+        token either way (its draw depends on its own logits and generator only)."""
+        faults = self.faults
+        try:
+            if faults is not None:
+                for rid, st in zip(samples.ids, samples.states, strict=True):
+                    faults.check_sample(rid, st.token_ids[: st.prompt_len], st.num_output_tokens)
+            result = self.sampler(logits, samples.states)
+            ids, toks, lps = samples.ids, result.token_ids, result.logprobs
+        except Exception as e:
+            log.warning("sampling a batch of %d rows failed (%r); row by row", len(samples.ids), e)
+            ids, toks = [], []
+            row_lps: list[TokenLogprobs | None] = []
+            for i, (rid, st) in enumerate(zip(samples.ids, samples.states, strict=True)):
+                try:
+                    if faults is not None:
+                        prompt = st.token_ids[: st.prompt_len]
+                        faults.check_sample(rid, prompt, st.num_output_tokens)
+                    r = self.sampler(logits[i : i + 1], [st])
+                except Exception as row_e:
+                    log.warning("request %s: sampling failed: %r", rid, row_e)
+                    out.errors[rid] = f"sampling failed: {row_e}"
+                    continue
+                ids.append(rid)
+                toks += r.token_ids
+                row_lps.append(r.logprobs[0] if r.logprobs else None)
+            lps = row_lps if any(lp is not None for lp in row_lps) else None
+        by_id = dict(zip(samples.ids, samples.states, strict=True))
+        for rid, tok in zip(ids, toks, strict=True):
+            by_id[rid].append(tok)
+        out.req_ids = list(ids)
+        out.sampled_token_ids = list(toks)
+        out.logprobs = lps
+
+    def _sample_rows(
+        self,
+        reqs: list[ScheduledRequest],
+        last_rows: Sequence[int],
+        errors: dict[str, str] | None = None,
+    ) -> SampleRows:
         """Which hidden rows feed the sampler: each sampling request's last fed token, once
-        for it and once for each request forked from it (n > 1)."""
+        for it and once for each request forked from it (n > 1).  Requests that already
+        failed this step (see `errors`) take no row."""
         rows: list[int] = []
         states: list[RequestSamplingState] = []
         ids: list[str] = []
         for r, row in zip(reqs, last_rows, strict=True):
             if r.sample:
                 for rid in (r.req_id, *r.fork_ids):
+                    if errors and rid in errors:
+                        continue
                     rows.append(row)
                     states.append(self.requests[rid])
                     ids.append(rid)
         return SampleRows(torch.tensor(rows, dtype=torch.int64, device=self.device), states, ids)
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def _prepare(
+        self, scheduled: list[ScheduledRequest], errors: dict[str, str] | None = None
+    ) -> StepInputs:
         # Decodes first: backends batch the one-token queries together.
         ordered = [r for r in scheduled if len(r.input_ids) == 1]
         num_decodes = len(ordered)
@@ -266,7 +358,7 @@ class ModelRunner:
             input_ids=t(input_ids, torch.int64),
             positions=t(positions, torch.int64),
             meta=meta,
-            samples=self._sample_rows(ordered, last_rows),
+            samples=self._sample_rows(ordered, last_rows, errors),
         )
 
     # ------------------------------------------------------------------ KV blocks

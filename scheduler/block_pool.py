@@ -171,6 +171,11 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
+    def uncache(self, b: Block) -> None:
+        """Forget a block's hash (its KV cannot be trusted, e.g. its request failed)."""
+        if b.block_hash is not None:
+            self._evict(b)
+
     def cache(self, b: Block, h: BlockHash, parent: BlockHash | None) -> None:
         """Register a full, computed block under its hash (first one wins)."""
         if b.block_hash is not None:

@@ -116,6 +116,7 @@ class EngineCore:
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
         self.tokens_computed = 0  # tokens fed through the model (prefill chunks + decodes)
+        self.hook_errors: dict[str, int] = {}  # failures of guarded hooks, by hook
 
     # ---------------------------------------------------------------- control
     def start(self) -> asyncio.Task[None]:
@@ -129,6 +130,9 @@ class EngineCore:
         self.inbox.put_nowait(_Stop())
         try:
             await self._task
+        except Exception:
+            if self.dead is None:
+                raise  # a failure in stopping itself; a death was logged when it happened
         finally:
             self._task = None
 
@@ -255,7 +259,7 @@ class EngineCore:
         sched = self.scheduler
         try:
             while True:
-                if not sched.has_unfinished():
+                if not sched.has_unfinished() and not sched.finished_req_ids:
                     self.idle.set()
                     msg = await self.inbox.get()
                     self.idle.clear()
@@ -276,16 +280,14 @@ class EngineCore:
                 mo = await self.executor.execute(so)
                 updates = sched.update_from_output(so, mo)
                 if self.tier is not None:
-                    if so.save_kv_blocks:
-                        self.tier.publish(sched.take_saved(so, mo))
-                    if so.load_kv:
-                        self.tier.stats.blocks_loaded += len(so.load_kv)
-                        self.tier.stats.bytes_loaded += sum(len(p.data) for p in so.load_kv)
+                    self._feed_tier(so, mo)
                 self.num_steps += 1
                 self.tokens_computed += so.num_scheduled_tokens
                 self._dispatch(updates)
                 if self.on_step is not None:
-                    self.on_step(StepInfo(so, mo, time.perf_counter() - t0))
+                    self._guarded(
+                        "on_step hook", self.on_step, StepInfo(so, mo, time.perf_counter() - t0)
+                    )
         except Exception as e:
             self.dead = e
             log.error("engine stopped: %s", e)
@@ -293,11 +295,39 @@ class EngineCore:
             for stream in self.streams.values():
                 stream.fail(err)
             self.streams.clear()
+            while not self.inbox.empty():  # requests that arrived as the engine died
+                msg = self.inbox.get_nowait()
+                if isinstance(msg, AddRequest):
+                    msg.stream.fail(err)
             raise
         finally:
             for t in self._lookups:
                 t.cancel()
             self.idle.set()
+
+    def _feed_tier(self, so: SchedulerOutput, mo: ModelOutput) -> None:
+        tier = self.tier
+        assert tier is not None
+        if so.save_kv_blocks:
+
+            def publish() -> None:
+                tier.publish(self.scheduler.take_saved(so, mo))
+
+            self._guarded("prefix tier publish", publish)
+        if so.load_kv:
+            tier.stats.blocks_loaded += len(so.load_kv)
+            tier.stats.bytes_loaded += sum(len(p.data) for p in so.load_kv)
+
+    def _guarded(self, what: str, fn: Callable[..., object], *args: object) -> None:
+        """Hooks beside the step (metrics, the shared tier) can fail; the step loop must
+        not.  The first failure of each is logged with its traceback, later ones counted."""
+        try:
+            fn(*args)
+        except Exception:
+            n = self.hook_errors.get(what, 0)
+            self.hook_errors[what] = n + 1
+            if n == 0 or (n + 1) % 1000 == 0:
+                log.exception("%s failed (%d times so far); the engine goes on", what, n + 1)
 
     async def _wait_inbox(self, timeout: float) -> None:
         try:

@@ -73,5 +73,7 @@ class ThreadExecutor:
     def execute_sync(self, so: SchedulerOutput) -> ModelOutput:
         return self.runner.execute_model(so)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """`wait=False` after an engine failure: a step stuck in a broken device must not
+        keep the process from exiting (the worker is a daemon-like pool thread)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)

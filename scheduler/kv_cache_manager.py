@@ -129,9 +129,16 @@ class KVCacheManager:
         self.num_cached_blocks[req.req_id] = full
 
     # ---------------------------------------------------------------- release
-    def free(self, req: Request) -> None:
-        """Release a request's blocks, tail first (its tail is evicted before its prefix)."""
+    def free(self, req: Request, *, drop_private: bool = False) -> None:
+        """Release a request's blocks, tail first (its tail is evicted before its prefix).
+
+        `drop_private`: the request failed, so the blocks only it held may never have
+        been written; take them out of the prefix cache rather than offer them to others."""
         blocks = self.req_blocks.pop(req.req_id, None)
+        if blocks and drop_private:
+            for b in blocks:
+                if b.ref_cnt == 1:
+                    self.pool.uncache(b)
         self.req_block_ids.pop(req.req_id, None)
         self.num_cached_blocks.pop(req.req_id, None)
         if blocks:

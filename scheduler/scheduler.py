@@ -394,16 +394,17 @@ class Scheduler:
         sampled = {rid: i for i, rid in enumerate(mo.req_ids)}
         logprobs = mo.logprobs
         updates: list[RequestUpdate] = []
+        for rid, why in mo.errors.items():
+            # A failure the runner pinned on one request ends that request alone.
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                self._fail(req, why, updates)
         for sr in so.scheduled:
             req = self.requests.get(sr.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             req.num_computed_tokens += len(sr.input_ids)
             if not sr.sample:
-                continue
-            if rid_err := mo.errors.get(req.req_id):
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                updates.append(self._update(req, [], error=rid_err))
                 continue
             # Fork before the parent can finish and free the shared prompt blocks.
             for cid in sr.fork_ids:
@@ -461,6 +462,19 @@ class Scheduler:
             first_scheduled_time=req.first_scheduled_time,
         )
 
+    def _fail(self, req: Request, why: str, updates: list[RequestUpdate]) -> None:
+        """End a request with an error; children still waiting for it (n > 1) end too,
+        since they would fork from a prompt that never sampled."""
+        self._unqueue(req)
+        self._finish(req, RequestStatus.FINISHED_ERROR, drop_private=True)
+        updates.append(self._update(req, [], error=why))
+        for cid in req.fork_ids:
+            child = self.requests.get(cid)
+            if child is not None and child.status == RequestStatus.WAITING_FOR_PARENT:
+                self._finish(child, RequestStatus.FINISHED_ERROR)
+                updates.append(self._update(child, [], error=f"its parent failed: {why}"))
+        req.fork_ids = []
+
     def finish_external(self, req_id: str, status: RequestStatus) -> RequestUpdate | None:
         """End one sequence for a reason found outside the engine (e.g. a stop string)."""
         req = self.requests.get(req_id)
@@ -470,10 +484,10 @@ class Scheduler:
         self._finish(req, status)
         return self._update(req, [])
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, drop_private: bool = False) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, drop_private=drop_private)
         req.status = status
         req.finish_reason = FINISH_REASONS[status]
         if req.registered:

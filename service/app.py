@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -15,7 +18,7 @@ from aiohttp import WSCloseCode, web
 from scheduler.engine_core import EngineDeadError, EngineOverloaded, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.async_engine import AsyncEngine
+from service.async_engine import AsyncEngine, RequestFailed
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
 from service.openapi import openapi_document
@@ -46,7 +49,7 @@ async def api_middleware(
     """API key check for /v1, and OpenAI-shaped errors for everything that goes wrong."""
     state = request.app[STATE]
     key = state.config.api_key
-    if key and request.path.startswith("/v1"):
+    if key and request.path.startswith(("/v1", "/debug")):
         given = _bearer(request)
         if given is None or not hmac.compare_digest(given.encode(), key.encode()):
             return error_response("invalid or missing API key", 401, code="invalid_api_key")
@@ -70,6 +73,8 @@ async def api_middleware(
         )  # fmt: skip
     except EngineDeadError as e:
         return error_response(str(e), 503)
+    except RequestFailed as e:
+        return error_response(str(e), 500, code="request_failed")
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -105,8 +110,19 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             state.prep = prep  # before the first await: cleanup must find it
             await prep.start()
             await engine.start()
+            task = engine.core._task
+            assert task is not None
+            task.add_done_callback(lambda t: _on_engine_done(state, t))
             state.metrics = metrics
-            state.serving = OpenAIServing(engine, names, prep)
+            state.serving = OpenAIServing(
+                engine,
+                names,
+                prep,
+                send_timeout=state.config.send_timeout,
+                on_slow_client=metrics.slow_clients.labels(names[0], "sse").inc,
+                socket_send_buffer=state.config.socket_send_buffer,
+                max_buffered_bytes=state.config.max_buffered_bytes,
+            )
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
         except Exception as e:
@@ -114,10 +130,12 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             log.exception("model failed to load")
 
     task = asyncio.create_task(load())
+    trimmer = asyncio.create_task(_trim_when_idle(state))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for t in (task, trimmer):
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
     if state.engine is not None:
         await state.engine.shutdown()
     if state.prep is not None:
@@ -125,6 +143,65 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)
+
+TRIM_IDLE_SECONDS = 2.0  # how long the engine must have been idle before a trim
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc.malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+async def _trim_when_idle(state: ServerState) -> None:
+    """After a burst of traffic, hand the allocator's free pages back to the OS once the
+    engine has gone idle.  A storm's steps allocate and free many short-lived tensors and
+    buffers across threads; glibc keeps the freed memory in its heaps, so without this
+    RSS ratchets up to each burst's high-water mark (the soak test measures it)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return
+    trimmed_at = -1
+    while True:
+        await asyncio.sleep(TRIM_IDLE_SECONDS)
+        engine = state.engine
+        if engine is None or state.inflight or not engine.core.idle.is_set():
+            continue
+        steps = engine.core.num_steps
+        if steps != trimmed_at:
+            trimmed_at = steps
+            await asyncio.to_thread(trim, 0)
+
+
+ENGINE_FAILURE_EXIT = 70  # EX_SOFTWARE: the engine failed; a supervisor should restart us
+FATAL_FLUSH_SECONDS = 5.0  # how long in-flight handlers get to send their errors
+
+
+def _on_engine_done(state: ServerState, task: asyncio.Task[None]) -> None:
+    if task.cancelled() or task.exception() is None:
+        return  # a normal stop (shutdown)
+    state.fatal_task = asyncio.get_running_loop().create_task(_engine_failed(state))
+
+
+async def _engine_failed(state: ServerState) -> None:
+    """The engine died: every in-flight stream has already been failed with an error;
+    let the handlers deliver those errors, close the sockets with 1011, then (under
+    `pagestream serve`) end the process with a non-zero exit so it gets restarted.
+    /health answers 503 from the moment the engine died."""
+    log.critical("engine failed: %s", state.engine.dead if state.engine else "?")
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(state.idle.wait(), FATAL_FLUSH_SECONDS)
+    for ws in list(state.websockets):
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2.0):
+                await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"engine failed")
+    if state.config.exit_on_engine_failure:
+        state.exit_code = ENGINE_FAILURE_EXIT
+        log.critical("exiting with code %d so the supervisor restarts the server", state.exit_code)
+        signal.raise_signal(signal.SIGTERM)  # aiohttp's graceful shutdown, then exit
 
 
 async def on_shutdown(app: web.Application) -> None:
@@ -236,6 +313,10 @@ async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.metrics is None:
         return web.Response(text="", content_type="text/plain")
+    engine = state.engine
+    if engine is not None:
+        sched = engine.scheduler
+        state.metrics.refresh(sched.stats(), sched.kv.pool.num_used, engine.core.hook_errors)
     return web.Response(
         body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
     )
@@ -243,6 +324,48 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     return json_response(openapi_document())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def debug_state(request: web.Request) -> web.Response:
+    """What is running, waiting and held, for operators and the reliability tests:
+    after a storm every count here but the baselines must be back to zero."""
+    state = request.app[STATE]
+    engine = state.engine
+    body: dict[str, object] = {
+        "inflight": state.inflight,
+        "websockets": len(state.websockets),
+        "asyncio_tasks": len(asyncio.all_tasks()),
+        "rss_bytes": _rss_bytes() if os.path.exists("/proc/self/statm") else None,
+    }
+    if request.query.get("gc") == "1":  # a full gc pass: ~1 ms per 10k objects
+        import gc
+
+        gc.collect()
+        body["gc_objects"] = len(gc.get_objects())
+    if engine is not None:
+        sched = engine.scheduler
+        pool = sched.kv.pool
+        body |= {
+            "engine_dead": str(engine.dead) if engine.dead else None,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "remote_pending": len(sched.remote_pending),
+            "requests": len(sched.requests),
+            "groups": len(sched.groups),
+            "streams": len(engine.core.streams),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached": len(pool.cached),
+            "runner_requests": len(getattr(engine.runner, "requests", ())),
+            "num_preemptions": sched.num_preemptions,
+            "hook_errors": engine.core.hook_errors,
+        }
+    return json_response(body)
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -265,14 +388,17 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)
     app.router.add_get("/openapi.json", openapi)
+    if config.enable_debug_routes:
+        app.router.add_get("/debug/state", debug_state)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)
     return app
 
 
-def run_server(config: ServerConfig) -> None:
-    """Serve until SIGTERM/SIGINT, on uvloop when available."""
+def run_server(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT, on uvloop when available; returns the exit code
+    (non-zero after an engine failure)."""
     try:
         import uvloop
 
@@ -287,6 +413,7 @@ def run_server(config: ServerConfig) -> None:
             f"pagestream serving on {url} (OpenAI API at {url}v1, chat page at {url})", flush=True
         )
 
+    config.exit_on_engine_failure = True
     web.run_app(
         app,
         host=config.host,
@@ -297,3 +424,4 @@ def run_server(config: ServerConfig) -> None:
         print=announce,
         access_log=None,
     )
+    return app[STATE].exit_code

@@ -23,6 +23,7 @@ from pathlib import Path
 from scheduler.contract import TokenLogprobs
 from scheduler.engine_core import EngineCore, StepInfo
 from scheduler.executor import ThreadExecutor
+from scheduler.faults import FaultPlan
 from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -76,6 +77,13 @@ class Submitted:
     stream: RequestStream
     arrival_time: float
     consumed: bool = False
+    # Fault injection for tests and drills (see scheduler/faults.py); None reads the
+    # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
+    fault_injection: str | None = None
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine or its output processing; the others go on."""
 
 
 @dataclass
@@ -126,6 +134,7 @@ class _Sequence:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, p.skip_special_tokens)
         self.stops = StopChecker(p.stop, p.include_stop_str_in_output) if p.stop else None
         self.params = p
+        self.prompt_ids = prompt_ids
         self.done = False
 
 
@@ -229,6 +238,7 @@ class AsyncEngine:
         self.max_model_len = scheduler.config.max_model_len
         # Ids the model has embeddings for (a tokenizer may know more added tokens).
         self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
+        self.faults: FaultPlan | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -240,6 +250,9 @@ class AsyncEngine:
 
         model_dir = Path(args.model) if args.model else ensure_default_model()
         threads = args.threads
+        faults = FaultPlan.from_env(args.fault_injection)
+        if faults is not None:
+            log.warning("FAULT INJECTION is on: %s", faults)
 
         def build() -> ModelRunner:
             if threads:
@@ -256,6 +269,7 @@ class AsyncEngine:
                 seed=args.seed,
                 cuda_graphs=args.cuda_graphs,
                 max_num_seqs=args.max_num_seqs,
+                faults=faults,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).
@@ -285,7 +299,7 @@ class AsyncEngine:
             on_block_event=tier.on_block_event if tier else None,
             tier=tier,
         )
-        return cls(
+        engine = cls(
             args,
             runner=runner,
             tokenizer=tokenizer,
@@ -294,13 +308,15 @@ class AsyncEngine:
             tier=tier,
             executor=executor,
         )
+        engine.faults = faults
+        return engine
 
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
         self._step_hooks.append(hook)
 
     def _on_step(self, info: StepInfo) -> None:
         for hook in self._step_hooks:
-            hook(info)
+            self.core._guarded(f"step hook {getattr(hook, '__qualname__', hook)}", hook, info)
 
     async def start(self) -> None:
         if self.tier is not None:
@@ -311,7 +327,7 @@ class AsyncEngine:
         await self.core.stop()
         if self.tier is not None:
             await self.tier.close()
-        self.executor.shutdown()
+        self.executor.shutdown(wait=self.dead is None)
 
     @property
     def dead(self) -> BaseException | None:
@@ -474,9 +490,13 @@ class AsyncEngine:
                     out.num_cached_tokens = u.num_cached_tokens
                     if metrics.first_scheduled_time is None:
                         metrics.first_scheduled_time = u.first_scheduled_time
-                    self._apply(seq, u)
+                    self._apply_guarded(seq, u)
                     if seq.done:
                         live -= 1
+                    if u.error is not None:
+                        # One sample failed: the request fails (its other samples are
+                        # aborted below), and the client is told why.
+                        raise RequestFailed(f"request {rid} failed: {u.error}")
                 if live == 0:
                     metrics.finished_time = now
                     out.finished = True
@@ -488,7 +508,7 @@ class AsyncEngine:
                     if s.out.finish_reason is None:
                         s.out.finish_reason = "abort"
             for hook in self.request_hooks:
-                hook(out)
+                self.core._guarded(f"request hook {getattr(hook, '__qualname__', hook)}", hook, out)
 
     async def register_prefix(
         self, prompt_token_ids: list[int], cache_salt: str | None = None
@@ -510,6 +530,18 @@ class AsyncEngine:
             "blocks": len(prompt_token_ids) // bs,
             "cached_tokens": last.num_cached_tokens,
         }
+
+    def _apply_guarded(self, seq: _Sequence, u) -> None:  # u: RequestUpdate
+        """Detokenize and match stop strings; a failure there belongs to this request."""
+        try:
+            if self.faults is not None and u.new_token_ids:
+                self.faults.check_detok(u.req_id, seq.prompt_ids, len(seq.out.token_ids))
+            self._apply(seq, u)
+        except Exception as e:
+            log.exception("request %s: output processing failed", u.req_id)
+            seq.done = True
+            seq.out.finish_reason = "error"
+            raise RequestFailed(f"output processing failed: {e}") from e
 
     def _apply(self, seq: _Sequence, u) -> None:  # u: RequestUpdate
         o = seq.out

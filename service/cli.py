@@ -183,11 +183,22 @@ def limits(a: argparse.Namespace) -> Limits:
     )
 
 
+def bound_onednn_caches(capacity: int) -> None:
+    """Cap oneDNN's primitive caches (CPU).  They hold one compiled GEMM per distinct
+    (tokens in the step, weight shape), ~0.8 MB each with the tiny model, 1024 by
+    default: RSS rose by hundreds of MB over a few storms before this, with no Python
+    object left behind.  Read once when torch first runs a oneDNN op, so this must run
+    before torch is imported; an operator's own environment wins."""
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(capacity))
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    bound_onednn_caches(a.onednn_cache_capacity)
     from service.app import ServerConfig, run_server
 
     origins = [o for o in (a.allowed_origins or "").split(",") if o]
-    run_server(
+    code = run_server(
         ServerConfig(
             engine=engine_args(a),
             host=a.host,
@@ -198,8 +209,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_request_bytes=a.max_request_bytes,
             shutdown_timeout=a.shutdown_timeout,
             limits=limits(a),
+            max_buffered_bytes=a.max_buffered_bytes,
+            send_timeout=a.send_timeout,
+            socket_send_buffer=a.socket_send_buffer,
+            enable_debug_routes=a.enable_debug_routes,
         )
     )
+    if code:
+        # The engine failed.  Exit now, even if a step is stuck in a broken device: the
+        # executor's worker thread is not a daemon, and interpreter exit would join it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return 0
 
 
@@ -225,6 +247,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip
+    s.add_argument(
+        "--max-buffered-bytes", type=int, default=4 << 20,
+        help="bytes the server may hold for one slow-reading stream (WebSocket outbox plus "
+        "socket buffer); past it a WebSocket's generations are aborted and it is closed "
+        "with 1008, and an SSE write waits (up to --send-timeout) for the client to drain",
+    )  # fmt: skip
+    s.add_argument(
+        "--send-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="longest one WebSocket frame or SSE chunk may wait for the client to read it "
+        "before the stream is aborted",
+    )  # fmt: skip
+    s.add_argument(
+        "--socket-send-buffer", type=int, default=None, metavar="BYTES",
+        help="kernel send buffer of each streaming connection (default: the OS's "
+        "autotuning, up to 4 MiB); smaller makes back-pressure act sooner",
+    )  # fmt: skip
+    s.add_argument(
+        "--onednn-cache-capacity", type=int, default=64,
+        help="compiled CPU GEMMs kept (oneDNN/ideep primitive caches; each step size "
+        "compiles its own); bounds their memory",
+    )  # fmt: skip
+    s.add_argument(
+        "--enable-debug-routes", action="store_true",
+        help="serve GET /debug/state (queues, KV blocks, RSS, tasks; behind the API key)",
+    )  # fmt: skip
     add_engine_args(s)
     add_limit_args(s)
     s.set_defaults(func=cmd_serve)

@@ -104,6 +104,24 @@ class Metrics:
             "too many open sockets), answered 429.",
             [*m, "reason"], registry=r,
         )  # fmt: skip
+        self.slow_clients = Counter(
+            "pagestream_slow_clients",
+            "Streams closed because the client did not read fast enough, by transport.",
+            [*m, "transport"], registry=r,
+        )  # fmt: skip
+        self.request_errors = Counter(
+            "pagestream_request_errors",
+            "Requests that failed inside the engine or their output processing.",
+            m, registry=r,
+        )  # fmt: skip
+        self.hook_errors = Gauge(
+            "pagestream_engine_hook_errors",
+            "Failures of hooks beside the step loop (metrics, prefix tier), which go on.",
+            [*m, "hook"], registry=r,
+        )  # fmt: skip
+        self.kv_blocks_used = Gauge(
+            "pagestream_kv_blocks_used", "KV blocks held by live requests.", m, registry=r
+        )
         self.extra_counters: dict[str, Counter] = {}
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._last_extra: dict[str, float] = {}
@@ -197,6 +215,8 @@ class Metrics:
         c["prompt_tokens"].inc(len(out.prompt_token_ids))
         for o in out.outputs:
             self.requests.labels(self.model_name, o.finish_reason or "abort").inc()
+        if any(o.finish_reason == "error" for o in out.outputs):
+            self.request_errors.labels(self.model_name).inc()
         if m is None:
             return
         if m.first_scheduled_time is not None:
@@ -208,6 +228,19 @@ class Metrics:
         times = m.token_times
         for a, b in itertools.pairwise(times):
             c["itl"].observe(b - a)
+
+    def refresh(
+        self, stats: SchedulerStats, kv_blocks_used: int, hook_errors: dict[str, int]
+    ) -> None:
+        """Gauges read at scrape time (the step hook does not run while the engine idles,
+        so aborts between steps would otherwise leave them stale)."""
+        c = self._c
+        c["running"].set(stats.num_running)
+        c["waiting"].set(stats.num_waiting)
+        c["kv_usage"].set(stats.kv_usage)
+        self.kv_blocks_used.labels(self.model_name).set(kv_blocks_used)
+        for hook, n in hook_errors.items():
+            self.hook_errors.labels(self.model_name, hook).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,9 +8,12 @@ is cancelled on disconnect and the generator's finally block sends the abort.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +21,16 @@ import orjson
 from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
+from scheduler.engine_core import EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestOutput, Submitted
+from service.async_engine import (
+    AsyncEngine,
+    MaxTokensTooLarge,
+    RequestFailed,
+    RequestOutput,
+    Submitted,
+)
 from service.limits import Limits
 from service.prep import Preprocessor
 from service.protocol import (
@@ -31,6 +41,38 @@ from service.protocol import (
     decode_chat,
     decode_completion,
 )
+
+
+class SlowClient(ConnectionResetError):
+    """An SSE client stopped reading; its connection has been dropped."""
+
+
+log = logging.getLogger(__name__)
+
+
+async def wait_drained(transport: asyncio.BaseTransport | None, limit: int) -> None:
+    """Wait until at most `limit` bytes wait in the transport's buffer.  (aiohttp drains
+    only every 64 KiB written, and only above asyncio's high-water mark; this bound is
+    the operator's.)  Polls: it only runs for a client that is already behind."""
+    if transport is None:
+        return
+    while transport.get_write_buffer_size() > limit:  # type: ignore[attr-defined]
+        if transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        await asyncio.sleep(0.05)
+
+
+def limit_send_buffer(request: web.Request, nbytes: int | None) -> None:
+    """Cap the kernel send buffer of a streaming connection (None: the OS autotunes it,
+    up to net.ipv4.tcp_wmem's maximum, 4 MiB by default).  What a stalled reader can make
+    the server hold is this plus the transport's and the outbox's bounds."""
+    if not nbytes or request.transport is None:
+        return
+    sock = request.transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -90,20 +132,21 @@ class ChoiceDelta:
 async def _snapshots(
     gen: AsyncIterator[RequestOutput], prompt_index: int, n: int
 ) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
-    async for out in gen:
-        deltas = [
-            ChoiceDelta(
-                prompt_index * n + o.index,
-                o.delta_text,
-                o.delta_token_ids,
-                o.delta_logprobs,
-                o.finish_reason,
-                o.stop_reason,
-            )
-            for o in out.outputs
-            if o.delta_text or o.delta_token_ids or o.finish_reason
-        ]
-        yield deltas, out
+    async with contextlib.aclosing(gen):  # type: ignore[type-var]
+        async for out in gen:
+            deltas = [
+                ChoiceDelta(
+                    prompt_index * n + o.index,
+                    o.delta_text,
+                    o.delta_token_ids,
+                    o.delta_logprobs,
+                    o.finish_reason,
+                    o.stop_reason,
+                )
+                for o in out.outputs
+                if o.delta_text or o.delta_token_ids or o.finish_reason
+            ]
+            yield deltas, out
 
 
 async def merge(
@@ -111,8 +154,11 @@ async def merge(
 ) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
     """Interleave the outputs of several prompts' generators as they come."""
     if len(gens) == 1:
-        async for item in _snapshots(gens[0], 0, n):
-            yield item
+        # Closed explicitly all the way down: a consumer that stops early (a client gone)
+        # must abort the request now, not when the generators are garbage collected.
+        async with contextlib.aclosing(_snapshots(gens[0], 0, n)) as items:
+            async for item in items:
+                yield item
         return
     queue: asyncio.Queue[tuple[list[ChoiceDelta], RequestOutput] | BaseException | None] = (
         asyncio.Queue()
@@ -120,8 +166,9 @@ async def merge(
 
     async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
         try:
-            async for item in _snapshots(g, i, n):
-                queue.put_nowait(item)
+            async with contextlib.aclosing(_snapshots(g, i, n)) as items:
+                async for item in items:
+                    queue.put_nowait(item)
         except BaseException as e:  # re-raised in the consumer
             queue.put_nowait(e)
             raise
@@ -147,7 +194,15 @@ async def merge(
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, served_model_names: list[str], prep: Preprocessor
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        prep: Preprocessor,
+        *,
+        send_timeout: float = 30.0,
+        on_slow_client: Callable[[], None] | None = None,
+        socket_send_buffer: int | None = None,
+        max_buffered_bytes: int = 4 << 20,
     ) -> None:
         self.engine = engine
         self.prep = prep
@@ -155,6 +210,32 @@ class OpenAIServing:
         self.names = served_model_names
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+        self.send_timeout = send_timeout
+        self.on_slow_client = on_slow_client
+        self.socket_send_buffer = socket_send_buffer
+        self.max_buffered_bytes = max_buffered_bytes
+
+    def limit_send_buffer(self, request: web.Request) -> None:
+        limit_send_buffer(request, self.socket_send_buffer)
+
+    async def write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """One SSE write, bounded: while more than `max_buffered_bytes` wait in the socket's
+        buffer the stream pauses (so does its generator: the engine merges what piles up),
+        and a client that does not drain it within `send_timeout` seconds loses its
+        connection, and the request is aborted (its KV blocks freed)."""
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await resp.write(data)
+                await wait_drained(request.transport, self.max_buffered_bytes)
+        except TimeoutError:
+            if self.on_slow_client is not None:
+                self.on_slow_client()
+            transport = request.transport
+            if transport is not None:
+                transport.abort()
+            raise SlowClient(
+                f"the client did not read the stream for {self.send_timeout:g} s"
+            ) from None
 
     # ---------------------------------------------------------------- helpers
     def check_model(self, model: str | None) -> None:
@@ -307,8 +388,9 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> web.Response:
         last: RequestOutput | None = None
-        async for out in gen:
-            last = out
+        async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            async for out in gen:
+                last = out
         assert last is not None
         choices = []
         for o in last.outputs:
@@ -346,6 +428,7 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
+        self.limit_send_buffer(request)
         await resp.prepare(request)
         created = int(time.time())
         opts = req.stream_options
@@ -358,7 +441,7 @@ class OpenAIServing:
             chunk: dict[str, Any] = {**base, "choices": choices}
             if usage is not None:
                 chunk["usage"] = usage
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
 
         first: dict[str, Any] = {"role": "assistant", "content": ""}
         head = [
@@ -367,39 +450,60 @@ class OpenAIServing:
         ]
         if req.return_token_ids:
             base_first = {**base, "prompt_token_ids": ids}
-            await resp.write(b"data: " + orjson.dumps({**base_first, "choices": head}) + b"\n\n")
+            await self.write(
+                request, resp, b"data: " + orjson.dumps({**base_first, "choices": head}) + b"\n\n"
+            )
         else:
             await send(head)
         cached = 0
         try:
-            async for deltas, out in merge([gen], params.n):
-                cached = out.num_cached_tokens
-                choices = []
-                for d in deltas:
-                    completion_tokens += len(d.token_ids)
-                    c: dict[str, Any] = {
-                        "index": d.index,
-                        "delta": {"content": d.text} if d.text else {},
-                        "logprobs": self.chat_logprobs(d.logprobs),
-                        "finish_reason": d.finish_reason,
-                    }
-                    if d.finish_reason is not None:
-                        c["stop_reason"] = d.stop_reason
-                    if req.return_token_ids:
-                        c["token_ids"] = d.token_ids
-                    choices.append(c)
-                if choices:
-                    usage = _usage(len(ids), completion_tokens, cached) if continuous else None
-                    await send(choices, usage)
-        except RequestRejected as e:  # pragma: no cover - validated before streaming
-            await resp.write(b"data: " + error_body(str(e), 400) + b"\n\n")
+            async with contextlib.aclosing(merge([gen], params.n)) as events:
+                async for deltas, out in events:
+                    cached = out.num_cached_tokens
+                    choices = []
+                    for d in deltas:
+                        completion_tokens += len(d.token_ids)
+                        c: dict[str, Any] = {
+                            "index": d.index,
+                            "delta": {"content": d.text} if d.text else {},
+                            "logprobs": self.chat_logprobs(d.logprobs),
+                            "finish_reason": d.finish_reason,
+                        }
+                        if d.finish_reason is not None:
+                            c["stop_reason"] = d.stop_reason
+                        if req.return_token_ids:
+                            c["token_ids"] = d.token_ids
+                        choices.append(c)
+                    if choices:
+                        usage = _usage(len(ids), completion_tokens, cached) if continuous else None
+                        await send(choices, usage)
+        except SlowClient:
+            return resp  # dropped; the request was aborted as its generator closed
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
         except Exception as e:
-            await resp.write(b"data: " + error_body(f"generation failed: {e}", 500) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            return await self._stream_error(request, resp, e)
         if include_usage:
             await send([], _usage(len(ids), completion_tokens, cached))
-        await resp.write(b"data: [DONE]\n\n")
+        await self.write(request, resp, b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stream_error(
+        self, request: web.Request, resp: web.StreamResponse, e: Exception
+    ) -> web.StreamResponse:
+        """A stream that failed after its headers went out: an error event in OpenAI's
+        shape, then [DONE]."""
+        if isinstance(e, RequestRejected):
+            body = error_body(str(e), 400)
+        elif isinstance(e, EngineDeadError):
+            body = error_body(str(e), 503)
+        else:
+            if not isinstance(e, RequestFailed):
+                log.exception("stream failed")
+            body = error_body(f"generation failed: {e}", 500)
+        await self.write(request, resp, b"data: " + body + b"\n\n")
+        await self.write(request, resp, b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -437,10 +541,17 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
 
         async def run(i: int, g: AsyncIterator[RequestOutput]) -> None:
-            async for out in g:
-                finals[i] = out
+            async with contextlib.aclosing(g):  # type: ignore[type-var]
+                async for out in g:
+                    finals[i] = out
 
-        await asyncio.gather(*(run(i, g) for i, g in enumerate(gens)))
+        # One prompt failing fails the request; the TaskGroup aborts the others.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, g in enumerate(gens):
+                    tg.create_task(run(i, g))
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
         choices = []
         completion = 0
         cached = 0
@@ -483,6 +594,7 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
+        self.limit_send_buffer(request)
         await resp.prepare(request)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         opts = req.stream_options
@@ -494,47 +606,50 @@ class OpenAIServing:
         sent_prompt_ids: set[int] = set()
         cached: dict[int, int] = {}
         try:
-            async for deltas, out in merge(gens, params.n):
-                choices = []
-                for d in deltas:
-                    completion_tokens += len(d.token_ids)
-                    lp, offsets[d.index] = self.completion_logprobs(
-                        d.logprobs, offsets.get(d.index, 0)
-                    )
-                    c: dict[str, Any] = {
-                        "index": d.index,
-                        "text": d.text,
-                        "logprobs": lp,
-                        "finish_reason": d.finish_reason,
-                    }
-                    if d.finish_reason is not None:
-                        c["stop_reason"] = d.stop_reason
-                    if req.return_token_ids:
-                        if d.index not in sent_prompt_ids:
-                            c["prompt_token_ids"] = prompts[d.index // params.n]
-                            sent_prompt_ids.add(d.index)
-                        c["token_ids"] = d.token_ids
-                    choices.append(c)
-                cached[id(out)] = out.num_cached_tokens
-                if choices:
-                    chunk: dict[str, Any] = {**base, "choices": choices}
-                    if continuous:
-                        chunk["usage"] = _usage(
-                            prompt_tokens, completion_tokens, sum(cached.values())
+            async with contextlib.aclosing(merge(gens, params.n)) as events:
+                async for deltas, out in events:
+                    choices = []
+                    for d in deltas:
+                        completion_tokens += len(d.token_ids)
+                        lp, offsets[d.index] = self.completion_logprobs(
+                            d.logprobs, offsets.get(d.index, 0)
                         )
-                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                        c: dict[str, Any] = {
+                            "index": d.index,
+                            "text": d.text,
+                            "logprobs": lp,
+                            "finish_reason": d.finish_reason,
+                        }
+                        if d.finish_reason is not None:
+                            c["stop_reason"] = d.stop_reason
+                        if req.return_token_ids:
+                            if d.index not in sent_prompt_ids:
+                                c["prompt_token_ids"] = prompts[d.index // params.n]
+                                sent_prompt_ids.add(d.index)
+                            c["token_ids"] = d.token_ids
+                        choices.append(c)
+                    cached[id(out)] = out.num_cached_tokens
+                    if choices:
+                        chunk: dict[str, Any] = {**base, "choices": choices}
+                        if continuous:
+                            chunk["usage"] = _usage(
+                                prompt_tokens, completion_tokens, sum(cached.values())
+                            )
+                        await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
+        except SlowClient:
+            return resp  # dropped; the request was aborted as its generator closed
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
         except Exception as e:
-            await resp.write(b"data: " + error_body(f"generation failed: {e}", 500) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            return await self._stream_error(request, resp, e)
         if include_usage:
             chunk = {
                 **base,
                 "choices": [],
                 "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values())),
             }
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+            await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await self.write(request, resp, b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

@@ -32,6 +32,17 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
     limits: Limits = field(default_factory=Limits)
+    # Back-pressure: bytes the server may hold for one slow reader (WebSocket outbox plus
+    # the socket's write buffer), and how long one write may wait for the client to drain.
+    max_buffered_bytes: int = 4 << 20
+    send_timeout: float = 30.0
+    socket_send_buffer: int | None = None  # SO_SNDBUF of streaming connections (None: OS)
+    # An engine failure ends the process (exit code ENGINE_FAILURE_EXIT) once clients have
+    # their errors, so a supervisor restarts it.  `pagestream serve` sets it; an embedded
+    # server (tests) keeps running, unhealthy.
+    exit_on_engine_failure: bool = False
+    # GET /debug/state (engine queues, KV blocks, memory, tasks) for operators and tests.
+    enable_debug_routes: bool = False
 
 
 class ServerState:
@@ -52,6 +63,8 @@ class ServerState:
         self.idle.set()
         self._conn_ids = itertools.count(1)
         self.started = time.time()
+        self.exit_code = 0
+        self.fatal_task: asyncio.Task[None] | None = None
 
     def next_conn_id(self) -> str:
         return str(next(self._conn_ids))

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from typing import Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from scheduler.engine_core import EngineOverloaded
+from scheduler.engine_core import EngineDeadError, EngineOverloaded
 from scheduler.scheduler import RequestRejected
-from service.async_engine import MaxTokensTooLarge
-from service.openai_api import error_response
+from service.async_engine import MaxTokensTooLarge, RequestFailed
+from service.openai_api import error_response, limit_send_buffer, wait_drained
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, check_messages, decode_ws
 from service.state import STATE, ServerState, check_origin
 
@@ -30,36 +31,100 @@ HEARTBEAT_SECONDS = 20.0
 
 
 class WSSession:
-    def __init__(self, ws: web.WebSocketResponse, state: ServerState, conn_id: str) -> None:
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        state: ServerState,
+        conn_id: str,
+        request: web.Request | None = None,
+    ) -> None:
         self.ws = ws
         self.state = state
         self.conn_id = conn_id
+        self.request = request
         self.tasks: dict[str, asyncio.Task[None]] = {}
         # Recently finished ids, so a cancel that crossed its `done` is not an error.
         self.finished: collections.deque[str] = collections.deque(maxlen=256)
-        # One writer drains this queue, so concurrent generations never interleave frames
-        # and a slow client applies back-pressure to the writer, not to the engine.
+        # One writer drains this queue, so concurrent generations never interleave frames.
+        # What waits for the client (this queue plus the socket's write buffer) is bounded
+        # in bytes: a reader that falls further behind than that (or lets one frame wait
+        # longer than the send timeout) has its generations aborted and the socket closed
+        # with 1008, rather than the server buffering without end.
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.outbox_bytes = 0
+        self.max_buffered = state.config.max_buffered_bytes
+        self.send_timeout = state.config.send_timeout
+        self.closing = False
+        self._writer: asyncio.Task[None] | None = None
+        self._closer: asyncio.Task[None] | None = None
 
     def send(self, frame: dict[str, Any]) -> None:
-        self.outbox.put_nowait(orjson.dumps(frame))
+        if self.closing:
+            return
+        data = orjson.dumps(frame)
+        self.outbox_bytes += len(data)
+        if self.outbox_bytes + self._transport_buffered() > self.max_buffered:
+            self.too_slow(f"more than {self.max_buffered} bytes are waiting for it")
+            return
+        self.outbox.put_nowait(data)
+
+    def _transport_buffered(self) -> int:
+        transport = self.request.transport if self.request is not None else None
+        return transport.get_write_buffer_size() if transport is not None else 0
 
     def error(self, gen_id: str | None, code: int, message: str, param: str | None = None) -> None:
         self.send({"type": "error", "id": gen_id, "code": code, "message": message, "param": param})
 
+    def too_slow(self, why: str) -> None:
+        """The client does not read: abort its generations (their KV blocks are freed at
+        the next step) and close the socket with 1008 and the reason."""
+        if self.closing:
+            return
+        self.closing = True
+        log.warning("websocket %s: client too slow (%s); closing it", self.conn_id, why)
+        if self.state.metrics is not None:
+            self.state.metrics.slow_clients.labels(self.state.metrics.model_name, "ws").inc()
+        for t in self.tasks.values():
+            t.cancel()
+        self._closer = asyncio.create_task(self._close_slow(why))
+
+    async def _close_slow(self, why: str) -> None:
+        if self._writer is not None and self._writer is not asyncio.current_task():
+            self._writer.cancel()
+        reason = f"client too slow: {why}"[:120].encode()
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason)
+        except (TimeoutError, ConnectionError, RuntimeError):
+            pass
+        finally:
+            # The close frame could not even be sent: drop the connection and its buffer.
+            transport = self.request.transport if self.request is not None else None
+            if transport is not None and not transport.is_closing():
+                transport.abort()
+
     async def writer(self) -> None:
         while (data := await self.outbox.get()) is not None:
-            if self.ws.closed:
+            self.outbox_bytes -= len(data)
+            if self.ws.closed or self.closing:
                 return
             try:
-                await self.ws.send_str(data.decode())
+                async with asyncio.timeout(self.send_timeout):
+                    await self.ws.send_str(data.decode())
+                    transport = self.request.transport if self.request is not None else None
+                    await wait_drained(transport, self.max_buffered // 2)
+            except TimeoutError:
+                self.too_slow(f"a frame waited more than {self.send_timeout:g} s to be sent")
+                return
             except (ConnectionError, RuntimeError):
                 return
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self.writer())
+        writer = self._writer = asyncio.create_task(self.writer())
         try:
             async for msg in self.ws:
+                if self.closing:
+                    continue
                 if msg.type == WSMsgType.TEXT:
                     self.handle(msg.data)
                 elif msg.type == WSMsgType.BINARY:
@@ -70,12 +135,15 @@ class WSSession:
             for t in self.tasks.values():
                 t.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-            self.outbox.put_nowait(None)
-            try:
-                await asyncio.wait_for(writer, 5.0)
-            except (Exception, asyncio.CancelledError):
-                writer.cancel()
-                raise
+            if self._closer is not None:
+                await asyncio.gather(self._closer, writer, return_exceptions=True)
+            else:
+                self.outbox.put_nowait(None)
+                try:
+                    await asyncio.wait_for(writer, 5.0)
+                except (Exception, asyncio.CancelledError):
+                    writer.cancel()
+                    raise
 
     def handle(self, data: str) -> None:
         try:
@@ -133,19 +201,20 @@ class WSSession:
                     raise BadRequest(str(e), "params.max_tokens") from e
                 gen = engine.generate("", submitted=sub)
                 last = None
-                async for out in gen:
-                    last = out
-                    for o in out.outputs:
-                        if o.delta_text or o.delta_token_ids:
-                            self.send(
-                                {
-                                    "type": "delta",
-                                    "id": gid,
-                                    "index": o.index,
-                                    "text": o.delta_text,
-                                    "token_ids": o.delta_token_ids,
-                                }
-                            )
+                async with contextlib.aclosing(gen):
+                    async for out in gen:
+                        last = out
+                        for o in out.outputs:
+                            if o.delta_text or o.delta_token_ids:
+                                self.send(
+                                    {
+                                        "type": "delta",
+                                        "id": gid,
+                                        "index": o.index,
+                                        "text": o.delta_text,
+                                        "token_ids": o.delta_token_ids,
+                                    }
+                                )
                 assert last is not None
                 completion = sum(len(o.token_ids) for o in last.outputs)
                 reasons = [o.finish_reason for o in last.outputs]
@@ -170,6 +239,10 @@ class WSSession:
                 if self.state.metrics is not None:
                     self.state.metrics.on_rejected("overloaded")
                 self.error(gid, 429, str(e))
+            except RequestFailed as e:
+                self.error(gid, 500, str(e))
+            except EngineDeadError as e:
+                self.error(gid, 503, str(e))
             except asyncio.CancelledError:
                 if not self.ws.closed:
                     self.send(
@@ -219,17 +292,23 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     # A frame over the limit closes the socket with 1009 (message too big): the protocol's
     # own answer, since the frame cannot be parsed to say which generation it was.
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=limits.max_ws_frame_bytes)
+    limit_send_buffer(request, state.config.socket_send_buffer)
     state.ws_opening += 1
     try:
         await ws.prepare(request)
     finally:
         state.ws_opening -= 1
     state.websockets.add(ws)
-    session = WSSession(ws, state, state.next_conn_id())
+    session = WSSession(ws, state, state.next_conn_id(), request)
     try:
         await session.run()
     finally:
         state.websockets.discard(ws)
         if not ws.closed:
-            await ws.close(code=WSCloseCode.GOING_AWAY if state.draining else WSCloseCode.OK)
+            # Bounded: a client that stopped reading must not hold the handler open.
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(state.config.send_timeout):
+                    await ws.close(
+                        code=WSCloseCode.GOING_AWAY if state.draining else WSCloseCode.OK
+                    )
     return ws
