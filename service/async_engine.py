@@ -65,6 +65,9 @@ class EngineArgs:
     # (the offline LLM API queues everything it is given).
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    # Fault injection for tests and drills (see scheduler/faults.py); None reads the
+    # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
+    fault_injection: str | None = None
 
 
 @dataclass
@@ -77,9 +80,6 @@ class Submitted:
     stream: RequestStream
     arrival_time: float
     consumed: bool = False
-    # Fault injection for tests and drills (see scheduler/faults.py); None reads the
-    # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
-    fault_injection: str | None = None
 
 
 class RequestFailed(RuntimeError):
