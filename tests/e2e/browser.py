@@ -71,9 +71,12 @@ def chromium_context(user_data_dir: Path, timeout_ms: float = 15_000) -> Iterato
     """A headless chromium with a fresh profile; yields a playwright BrowserContext."""
     executable = chromium_path()
     try:
-        from playwright.sync_api import sync_playwright
+        from playwright.sync_api import expect, sync_playwright
     except ImportError:
         _missing("playwright is not installed")
+    # `expect` assertions have their own 5 s default that set_default_timeout does not
+    # touch; a reply streaming on a loaded 2-core machine can take longer than that.
+    expect.set_options(timeout=timeout_ms)
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             str(user_data_dir),
