@@ -26,6 +26,14 @@ class EngineDeadError(RuntimeError):
     """The engine stopped after an executor failure; no request can be served."""
 
 
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 @dataclass
 class AddRequest:
     group: list[Request]
@@ -86,8 +94,17 @@ class EngineCore:
         *,
         on_step: Callable[[StepInfo], None] | None = None,
         tier: Tier | None = None,
+        max_waiting_requests: int | None = None,
+        max_waiting_tokens: int | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # Admission bound: sequences (and prompt tokens) queued but not yet running.  The
+        # one place that says 429, so every transport answers an overload the same way.
+        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_tokens = max_waiting_tokens
+        self._inbox_seqs = 0  # added but not yet handed to the scheduler
+        self._inbox_tokens = 0
+        self.num_rejected = 0
         self.tier = tier
         self._lookups: set[asyncio.Task[None]] = set()
         self.executor = executor
@@ -123,12 +140,48 @@ class EngineCore:
         """Reject a request synchronously, before it reaches the actor."""
         self.scheduler.check_group(group)
 
+    def queued(self) -> tuple[int, int]:
+        """(sequences, prompt tokens) waiting for their first step: the scheduler's queue,
+        requests parked on a prefix look-up, and adds still in the inbox."""
+        sched = self.scheduler
+        seqs = len(sched.waiting) + len(sched.remote_pending) + self._inbox_seqs
+        tokens = self._inbox_tokens
+        if self.max_waiting_tokens is not None:
+            tokens += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            tokens += sum(r.num_tokens for r in sched.remote_pending.values())
+        return seqs, tokens
+
+    def admit(self, groups: list[list[Request]]) -> None:
+        """Raise EngineOverloaded if queueing all these groups would pass the waiting bound
+        (checked as one, so a multi-prompt request is taken whole or not at all)."""
+        if self.max_waiting_requests is None and self.max_waiting_tokens is None:
+            return
+        seqs, tokens = self.queued()
+        new_seqs = sum(len(g) for g in groups)
+        new_tokens = sum(g[0].prompt_len for g in groups)
+        if self.max_waiting_requests is not None and seqs + new_seqs > self.max_waiting_requests:
+            self.num_rejected += 1
+            raise EngineOverloaded(
+                f"the server is overloaded: {seqs} sequences are waiting (limit "
+                f"{self.max_waiting_requests}); retry later"
+            )
+        if self.max_waiting_tokens is not None and tokens + new_tokens > self.max_waiting_tokens:
+            self.num_rejected += 1
+            raise EngineOverloaded(
+                f"the server is overloaded: {tokens} prompt tokens are waiting (limit "
+                f"{self.max_waiting_tokens}); retry later"
+            )
+
     def add(self, group: list[Request]) -> RequestStream:
-        """Queue a request (all n samples) and return its output stream."""
+        """Queue a request (all n samples) and return its output stream.  Raises
+        RequestRejected (bad request), EngineOverloaded (queue full), EngineDeadError."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         self.validate(group)
+        self.admit([group])
         stream = RequestStream(group[0].group_id, len(group))
+        self._inbox_seqs += len(group)
+        self._inbox_tokens += group[0].prompt_len
         self.inbox.put_nowait(AddRequest(group, stream))
         return stream
 
@@ -142,6 +195,8 @@ class EngineCore:
     def _handle(self, msg: Message) -> bool:
         sched = self.scheduler
         if isinstance(msg, AddRequest):
+            self._inbox_seqs -= len(msg.group)
+            self._inbox_tokens -= msg.group[0].prompt_len
             gid = msg.group[0].group_id
             if gid in self.streams:
                 msg.stream.fail(RequestRejected(f"request id {gid!r} is already in use"))

@@ -19,13 +19,16 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import WSCloseCode, web
 
-from scheduler.engine_core import EngineDeadError, StepInfo
+from scheduler.engine_core import EngineDeadError, EngineOverloaded, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, EngineArgs, RequestFailed
+from service.limits import Limits
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
-from service.protocol import BadRequest, decode_prefix
+from service.openapi import openapi_document
+from service.prep import Preprocessor
+from service.protocol import BadRequest, check_messages, decode_prefix
 from service.ws import websocket_handler
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class ServerConfig:
     exit_on_engine_failure: bool = False
     # GET /debug/state (engine queues, KV blocks, memory, tasks) for operators and tests.
     enable_debug_routes: bool = False
+    limits: Limits = field(default_factory=Limits)
 
 
 class ServerState:
@@ -63,10 +67,12 @@ class ServerState:
         self.config = config
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
+        self.prep: Preprocessor | None = None
         self.metrics: Metrics | None = None
         self.load_error: BaseException | None = None
         self.draining = False
         self.websockets: set[web.WebSocketResponse] = set()
+        self.ws_opening = 0  # WebSocket handshakes in progress
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -137,6 +143,13 @@ async def api_middleware(
         if e.status >= 400 and request.path.startswith("/v1"):
             return error_response(e.reason or "error", e.status)
         raise
+    except EngineOverloaded as e:
+        if state.metrics is not None:
+            state.metrics.on_rejected("overloaded")
+        return error_response(
+            str(e), 429, code="server_overloaded",
+            headers={"Retry-After": str(max(1, round(e.retry_after)))},
+        )  # fmt: skip
     except EngineDeadError as e:
         return error_response(str(e), 503)
     except RequestFailed as e:
@@ -170,6 +183,11 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
             engine.add_step_hook(on_step)
             engine.request_hooks.append(metrics.on_request_done)
+            prep = Preprocessor(
+                engine, state.config.limits, engine.args.max_waiting_requests or 1024
+            )
+            state.prep = prep  # before the first await: cleanup must find it
+            await prep.start()
             await engine.start()
             task = engine.core._task
             assert task is not None
@@ -178,6 +196,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             state.serving = OpenAIServing(
                 engine,
                 names,
+                prep,
                 send_timeout=state.config.send_timeout,
                 on_slow_client=metrics.slow_clients.labels(names[0], "sse").inc,
                 socket_send_buffer=state.config.socket_send_buffer,
@@ -198,6 +217,8 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             await t
     if state.engine is not None:
         await state.engine.shutdown()
+    if state.prep is not None:
+        await state.prep.close()
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)
@@ -314,22 +335,26 @@ async def register_prefix(request: web.Request) -> web.StreamResponse:
     so every replica can load it instead of recomputing."""
     serving = _serving(request)
     body = await request.read()
-    req = decode_prefix(body)
+    state = request.app[STATE]
+    state.inflight_inc()  # it runs a prefill: SIGTERM waits for it like any generation
+    try:
+        return await _register_prefix(serving, decode_prefix(body))
+    finally:
+        state.inflight_dec()
+
+
+async def _register_prefix(serving: OpenAIServing, req) -> web.Response:  # req: PrefixRegistration
     engine = serving.engine
+    serving.check_model(req.model)
     if (req.messages is None) == (req.prompt is None):
         raise BadRequest("give exactly one of messages or prompt", "messages")
     if req.messages is not None:
-        try:
-            ids = engine.render_chat(
-                [m.as_template_dict() for m in req.messages], add_generation_prompt=False
-            )
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from e
+        check_messages(req.messages)
+        ids = await serving.prep.chat_ids(
+            [m.as_template_dict() for m in req.messages], add_generation_prompt=False
+        )
     else:
-        try:
-            ids = engine.encode_prompt(req.prompt)  # type: ignore[arg-type]
-        except RequestRejected as e:
-            raise BadRequest(str(e), "prompt") from e
+        (ids,) = await serving.prep.prompt_ids([req.prompt])
     try:
         engine.resolve_max_tokens(len(ids), SamplingParams(max_tokens=1))
     except RequestRejected as e:
@@ -418,6 +443,10 @@ async def debug_state(request: web.Request) -> web.Response:
     return json_response(body)
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
 async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "index.html")
 
@@ -439,6 +468,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_get("/v1/ws", websocket_handler)
     if config.enable_debug_routes:
         app.router.add_get("/debug/state", debug_state)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)

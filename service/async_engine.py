@@ -28,10 +28,15 @@ from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from scheduler.stream import RequestStream
 from service.detokenizer import IncrementalDetokenizer, StopChecker
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class MaxTokensTooLarge(RequestRejected):
+    """max_tokens does not fit beside the prompt in max_model_len (names that field)."""
 
 
 @dataclass
@@ -59,10 +64,26 @@ class EngineArgs:
     # Fault injection for tests and drills (see scheduler/faults.py); None reads the
     # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
     fault_injection: str | None = None
+    # Admission: past these, new requests get EngineOverloaded (HTTP 429).  None: unbounded
+    # (the offline LLM API queues everything it is given).
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
 
 
 class RequestFailed(RuntimeError):
     """One request failed inside the engine or its output processing; the others go on."""
+
+
+@dataclass
+class Submitted:
+    """A request queued in the engine whose outputs nobody has read yet."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    arrival_time: float
+    consumed: bool = False
 
 
 @dataclass
@@ -202,13 +223,22 @@ class AsyncEngine:
         # Called once per request when it ends (finished, aborted or failed).
         self.request_hooks: list[Callable[[RequestOutput], None]] = []
         self.tier = tier
-        self.core = EngineCore(scheduler, self.executor, on_step=self._on_step, tier=tier)
+        self.core = EngineCore(
+            scheduler,
+            self.executor,
+            on_step=self._on_step,
+            tier=tier,
+            max_waiting_requests=args.max_waiting_requests,
+            max_waiting_tokens=args.max_waiting_tokens,
+        )
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
         )
         self.max_model_len = scheduler.config.max_model_len
         self.faults: FaultPlan | None = None
+        # Ids the model has embeddings for (a tokenizer may know more added tokens).
+        self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -304,16 +334,21 @@ class AsyncEngine:
         return self.core.dead
 
     # ---------------------------------------------------------------- requests
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    def check_token_ids(self, ids: list[int], what: str = "prompt") -> list[int]:
+        """Refuse ids the model cannot embed: a client's token-id prompt, or a text whose
+        tokenizer produced added tokens past the model's vocabulary."""
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(
-                f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
+                f"{what} token id {bad} is outside the vocabulary (0..{vocab - 1})"
             )
-        return list(prompt)
+        return ids
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.check_token_ids(self.tokenizer.encode(prompt))
+        return self.check_token_ids(list(prompt))
 
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: object
@@ -322,7 +357,7 @@ class AsyncEngine:
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.check_token_ids(self.tokenizer.encode(text, add_special_tokens=False))
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len
@@ -333,7 +368,7 @@ class AsyncEngine:
         if params.max_tokens is None:
             return room
         if params.max_tokens > room:
-            raise RequestRejected(
+            raise MaxTokensTooLarge(
                 f"max_tokens is {params.max_tokens} but the prompt has {prompt_len} tokens and "
                 f"max_model_len is {self.max_model_len} (at most {room} tokens can be generated)"
             )
@@ -365,6 +400,44 @@ class AsyncEngine:
             for i in range(params.n)
         ]
 
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        publish_prefix: bool = False,
+    ) -> Submitted:
+        """Validate and queue a request now (synchronously, so a transport can answer 400
+        or 429 before it starts a response).  Pass the result to `generate`; if it is
+        never consumed, `release` it."""
+        group = self.build_group(request_id, prompt_token_ids, params, cache_salt, publish_prefix)
+        stream = self.core.add(group)
+        return Submitted(request_id, prompt_token_ids, params, stream, group[0].arrival_time)
+
+    def submit_many(
+        self,
+        prompts: list[tuple[str, list[int]]],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> list[Submitted]:
+        """Several (request id, prompt ids) as one: all validated and admitted against the
+        waiting bound before any is queued."""
+        groups = [self.build_group(rid, ids, params, cache_salt) for rid, ids in prompts]
+        for g in groups:
+            self.core.validate(g)
+        self.core.admit(groups)
+        return [
+            Submitted(rid, ids, params, self.core.add(g), g[0].arrival_time)
+            for (rid, ids), g in zip(prompts, groups, strict=True)
+        ]
+
+    def release(self, sub: Submitted) -> None:
+        """Abort a submitted request whose outputs will never be read."""
+        if not sub.consumed:
+            sub.consumed = True
+            self.core.abort(sub.request_id)
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -374,15 +447,21 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
         publish_prefix: bool = False,
+        submitted: Submitted | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs.  Raises RequestRejected (bad input) before the
-        first yield; closing the iterator early aborts the request."""
-        params = params or SamplingParams()
-        ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        group = self.build_group(rid, ids, params, cache_salt, publish_prefix)
-        stream = self.core.add(group)
-        metrics = RequestMetrics(arrival_time=group[0].arrival_time)
+        """Stream a request's outputs.  Raises RequestRejected (bad input) or
+        EngineOverloaded before the first yield; closing the iterator early aborts the
+        request.  With `submitted`, stream that already-queued request."""
+        if submitted is None:
+            params = params or SamplingParams()
+            ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
+            rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+            submitted = self.submit(ids, params, rid, cache_salt, publish_prefix)
+        submitted.consumed = True
+        stream, ids, params, rid = (
+            submitted.stream, submitted.prompt_token_ids, submitted.params, submitted.request_id
+        )  # fmt: skip
+        metrics = RequestMetrics(arrival_time=submitted.arrival_time)
         seqs = [_Sequence(i, self.tokenizer, ids, params) for i in range(params.n)]
         out = RequestOutput(
             request_id=rid,

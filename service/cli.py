@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from service.async_engine import EngineArgs
+from service.limits import Limits
 
 
 def _env(name: str) -> str | None:
@@ -87,6 +88,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="longest a request waits for a Redis look-up",
     )
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="sequences that may wait for their first step; past it new requests get 429 "
+        "(0: unbounded)",
+    )
+    g.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=0,
+        help="prompt tokens that may wait for their first step; past it 429 (0: unbounded)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
@@ -112,6 +126,60 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         redis_max_kv_bytes=int(a.redis_max_kv_memory * (1 << 30)),
         redis_lookup_deadline=a.redis_lookup_deadline,
         device=a.device,
+        max_waiting_requests=a.max_waiting_requests or None,
+        max_waiting_tokens=a.max_waiting_tokens or None,
+    )
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    d = Limits()
+    g = p.add_argument_group("limits (every byte from a client is hostile)")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help="stop strings in one request")  # fmt: skip
+    g.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
+                   help="characters in one stop string")  # fmt: skip
+    g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help="prompts in one /v1/completions body")  # fmt: skip
+    g.add_argument("--max-choices-per-request", type=int, default=d.max_choices_per_request,
+                   help="n x prompts: sequences one request may start")  # fmt: skip
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="logprobs / top_logprobs (at most 20)")  # fmt: skip
+    g.add_argument("--max-ws-frame-bytes", type=int, default=d.max_ws_frame_bytes,
+                   help="largest WebSocket frame; a bigger one closes the socket (1009)")  # fmt: skip
+    g.add_argument("--max-ws-generations", type=int, default=d.max_ws_generations,
+                   help="generations in flight on one WebSocket")  # fmt: skip
+    g.add_argument("--max-websockets", type=int, default=d.max_websockets,
+                   help="open WebSockets per server")  # fmt: skip
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests supply their own chat template (chat_template)")  # fmt: skip
+    g.add_argument("--template-workers", type=int, default=d.template_workers,
+                   help="processes that render chat templates")  # fmt: skip
+    g.add_argument("--template-timeout", type=float, default=d.template_timeout,
+                   metavar="SECONDS", help="longest one chat-template render or tokenization")  # fmt: skip
+    g.add_argument("--template-memory", type=float, default=d.template_memory_bytes / (1 << 30),
+                   metavar="GiB", help="memory a template render process may add")  # fmt: skip
+    g.add_argument("--max-template-output-chars", type=int,
+                   default=d.max_template_output_chars,
+                   help="longest rendered chat prompt, in characters")  # fmt: skip
+
+
+def limits(a: argparse.Namespace) -> Limits:
+    if not 0 <= a.max_logprobs <= 20:
+        raise SystemExit("--max-logprobs must be in [0, 20]")
+    return Limits(
+        max_stop_strings=a.max_stop_strings,
+        max_stop_string_chars=a.max_stop_string_chars,
+        max_prompts_per_request=a.max_prompts_per_request,
+        max_choices_per_request=a.max_choices_per_request,
+        max_logprobs=a.max_logprobs,
+        max_ws_frame_bytes=a.max_ws_frame_bytes,
+        max_ws_generations=a.max_ws_generations,
+        max_websockets=a.max_websockets,
+        trust_request_chat_template=a.trust_request_chat_template,
+        template_workers=a.template_workers,
+        template_timeout=a.template_timeout,
+        template_memory_bytes=int(a.template_memory * (1 << 30)),
+        max_template_output_chars=a.max_template_output_chars,
     )
 
 
@@ -144,6 +212,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             send_timeout=a.send_timeout,
             socket_send_buffer=a.socket_send_buffer,
             enable_debug_routes=a.enable_debug_routes,
+            limits=limits(a),
         )
     )
     if code:
@@ -204,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve GET /debug/state (queues, KV blocks, RSS, tasks; behind the API key)",
     )  # fmt: skip
     add_engine_args(s)
+    add_limit_args(s)
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("make-model", help="write a random-weight HF checkpoint", add_help=False)

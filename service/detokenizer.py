@@ -9,6 +9,7 @@ back until it is known not to be one, so a client never sees part of a stop stri
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -92,6 +93,56 @@ class IncrementalDetokenizer:
         return "".join(self._emitted)
 
 
+class _StopAutomaton:
+    """Aho-Corasick over the stop strings.  A state is the longest suffix of the text so
+    far that is a prefix of some stop string, so its depth is exactly how much text must
+    be held back; memory is one trie node per character of the stop strings (linear in
+    their total length, unlike a set of every prefix, which is quadratic)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        self.fail = [0]
+        self.match: list[int] = [-1]  # the longest stop ending at this state (index), or -1
+        for k, s in enumerate(stops):
+            node = 0
+            for ch in s:
+                nxt = self.goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto[node][ch] = nxt
+                    self.goto.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    self.fail.append(0)
+                    self.match.append(-1)
+                node = nxt
+            self.match[node] = k
+        # Breadth first: a node's failure link is shallower, so it is final before use.
+        queue = list(self.goto[0].values())
+        for node in queue:
+            for ch, child in self.goto[node].items():
+                f = self.fail[node]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                self.fail[child] = self.goto[f].get(ch, 0) if self.goto[f].get(ch) != child else 0
+                if self.match[child] < 0:
+                    self.match[child] = self.match[self.fail[child]]
+                queue.append(child)
+
+    def step(self, state: int, ch: str) -> int:
+        goto = self.goto
+        while state and ch not in goto[state]:
+            state = self.fail[state]
+        return goto[state].get(ch, 0)
+
+
+@lru_cache(maxsize=64)
+def _automaton(stops: tuple[str, ...]) -> _StopAutomaton:
+    # Shared by the n samples of a request (and by requests with the same stops): the
+    # automaton is read-only once built; each checker keeps only its state and held text.
+    return _StopAutomaton(stops)
+
+
 class StopChecker:
     """Stop strings over a stream of text deltas.
 
@@ -103,10 +154,9 @@ class StopChecker:
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self._stops = tuple(dict.fromkeys(s for s in stop if s))
         self._include = include_stop_str_in_output
-        # Every proper prefix of every stop string: what may have to be held back.
-        self._prefixes = {s[:k] for s in self._stops for k in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
-        self._held = ""
+        self._ac = _automaton(self._stops)
+        self._state = 0
+        self._held = ""  # always the last depth(state) characters of the text
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the stream
 
@@ -117,23 +167,19 @@ class StopChecker:
         if not self._stops:
             return delta, False
         text = self._held + delta
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
-        for s in self._stops:
-            i = text.find(s)
-            if i >= 0:
-                key = (i + len(s), -len(s), s)
-                if best is None or key < best:
-                    best = key
-        if best is not None:
-            end, neg_len, s = best
-            self.stopped, self.matched, self._held = True, s, ""
-            return text[: end if self._include else end + neg_len], True
-        hold = 0
-        for k in range(min(self._max_hold, len(text)), 0, -1):
-            if text[-k:] in self._prefixes:
-                hold = k
-                break
-        self._held = text[len(text) - hold :]
+        base = len(self._held)
+        ac, state = self._ac, self._state
+        for j, ch in enumerate(delta):
+            state = ac.step(state, ch)
+            k = ac.match[state]
+            if k >= 0:
+                s = self._stops[k]
+                end = base + j + 1
+                self.stopped, self.matched, self._held = True, s, ""
+                return text[: end if self._include else end - len(s)], True
+        self._state = state
+        hold = ac.depth[state]
+        self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False
 
     def flush(self) -> str:

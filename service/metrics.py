@@ -116,6 +116,12 @@ class Metrics:
         self.kv_blocks_used = Gauge(
             "pagestream_kv_blocks_used", "KV blocks held by live requests.", m, registry=r
         )
+        self.rejected = Counter(
+            "pagestream_requests_rejected",
+            "Requests refused for load (overloaded: the waiting queue is full; websockets: "
+            "too many open sockets), answered 429.",
+            [*m, "reason"], registry=r,
+        )  # fmt: skip
         self.extra_counters: dict[str, Counter] = {}
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._last_extra: dict[str, float] = {}
@@ -199,6 +205,9 @@ class Metrics:
         if stats.num_preemptions > last.num_preemptions:
             c["preemptions"].inc(stats.num_preemptions - last.num_preemptions)
         self._last = stats
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
 
     def on_request_done(self, out: RequestOutput) -> None:
         m = out.metrics

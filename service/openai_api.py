@@ -24,11 +24,20 @@ from scheduler.contract import TokenLogprobs
 from scheduler.engine_core import EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.async_engine import AsyncEngine, RequestFailed, RequestOutput
+from service.async_engine import (
+    AsyncEngine,
+    MaxTokensTooLarge,
+    RequestFailed,
+    RequestOutput,
+    Submitted,
+)
+from service.limits import Limits
+from service.prep import Preprocessor
 from service.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    check_messages,
     decode_chat,
     decode_completion,
 )
@@ -81,6 +90,7 @@ def error_body(
         403: "permission_error",
         404: "not_found_error",
         413: "invalid_request_error",
+        429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "server_error")
     return orjson.dumps(
@@ -89,12 +99,17 @@ def error_body(
 
 
 def error_response(
-    message: str, status: int = 400, param: str | None = None, code: str | None = None
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.Response(
         body=error_body(message, status, param, code),
         status=status,
         content_type="application/json",
+        headers=headers,
     )
 
 
@@ -182,6 +197,7 @@ class OpenAIServing:
         self,
         engine: AsyncEngine,
         served_model_names: list[str],
+        prep: Preprocessor,
         *,
         send_timeout: float = 30.0,
         on_slow_client: Callable[[], None] | None = None,
@@ -189,6 +205,8 @@ class OpenAIServing:
         max_buffered_bytes: int = 4 << 20,
     ) -> None:
         self.engine = engine
+        self.prep = prep
+        self.limits: Limits = prep.limits
         self.names = served_model_names
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
@@ -289,24 +307,30 @@ class OpenAIServing:
         texts: list[str | None],
         params: SamplingParams,
         cache_salt: str | None,
-    ) -> list[AsyncIterator[RequestOutput]]:
-        # Build (and so validate) every group before starting any.
+        max_tokens_field: str = "max_tokens",
+    ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
+        """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
+        when the queue is full), so errors come before the response starts.  The caller
+        must `release` the Submitted ones in a finally (aborts any never streamed)."""
+        suffix = len(prompts) > 1
+        rids = [f"{request_id}-{i}" if suffix else request_id for i in range(len(prompts))]
         try:
-            for ids in prompts:
-                self.engine.build_group(request_id, ids, params, cache_salt)
+            subs = self.engine.submit_many(
+                list(zip(rids, prompts, strict=True)), params, cache_salt
+            )
+        except MaxTokensTooLarge as e:
+            raise BadRequest(str(e), max_tokens_field) from e
         except RequestRejected as e:
             raise BadRequest(str(e), "messages" if texts == [None] else "prompt") from e
-        suffix = len(prompts) > 1
-        return [
-            self.engine.generate(
-                text or "",
-                params,
-                f"{request_id}-{i}" if suffix else request_id,
-                prompt_token_ids=ids,
-                cache_salt=cache_salt,
-            )
-            for i, (ids, text) in enumerate(zip(prompts, texts, strict=True))
+        gens = [
+            self.engine.generate(text or "", submitted=sub)
+            for sub, text in zip(subs, texts, strict=True)
         ]
+        return gens, subs
+
+    def _release(self, subs: list[Submitted]) -> None:
+        for sub in subs:
+            self.engine.release(sub)
 
     # ---------------------------------------------------------------- /v1/models
     async def models(self, request: web.Request) -> web.Response:
@@ -332,21 +356,27 @@ class OpenAIServing:
     async def chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
         req: ChatCompletionRequest = decode_chat(body)
         self.check_model(req.model)
+        check_messages(req.messages)
         params = req.to_sampling_params()
-        try:
-            ids = self.engine.render_chat(
-                [m.as_template_dict() for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from e
+        self.limits.check_sampling(params, logprobs_field="top_logprobs")
+        template, template_field, kwargs = req.template_request()
+        ids = await self.prep.chat_ids(
+            [m.as_template_dict() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=template,
+            template_param=template_field,
+            kwargs=kwargs,
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gens = self._start(rid, [ids], [None], params, req.cache_salt)
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        gens, subs = self._start(rid, [ids], [None], params, req.cache_salt, field)
         model = req.model or self.names[0]
-        if req.stream:
-            return await self._chat_stream(request, req, rid, model, ids, gens[0], params)
-        return await self._chat_full(req, rid, model, ids, gens[0], params)
+        try:
+            if req.stream:
+                return await self._chat_stream(request, req, rid, model, ids, gens[0], params)
+            return await self._chat_full(req, rid, model, ids, gens[0], params)
+        finally:
+            self._release(subs)
 
     async def _chat_full(
         self,
@@ -483,22 +513,21 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.to_sampling_params()
         raw = req.prompts()
-        prompts, texts = [], []
-        for p in raw:
-            try:
-                ids = self.engine.encode_prompt(p)
-            except RequestRejected as e:
-                raise BadRequest(str(e), "prompt") from e
-            if not ids:
-                raise BadRequest("the prompt encodes to no tokens", "prompt")
-            prompts.append(ids)
-            texts.append(p if isinstance(p, str) else None)
+        self.limits.check_prompt_count(len(raw))
+        self.limits.check_sampling(params, prompts=len(raw))
+        prompts = await self.prep.prompt_ids(raw)
+        texts = [p if isinstance(p, str) else None for p in raw]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gens = self._start(rid, prompts, texts, params, req.cache_salt)
+        gens, subs = self._start(rid, prompts, texts, params, req.cache_salt)
         model = req.model or self.names[0]
-        if req.stream:
-            return await self._completion_stream(request, req, rid, model, prompts, gens, params)
-        return await self._completion_full(req, rid, model, prompts, gens, params)
+        try:
+            if req.stream:
+                return await self._completion_stream(
+                    request, req, rid, model, prompts, gens, params
+                )
+            return await self._completion_full(req, rid, model, prompts, gens, params)
+        finally:
+            self._release(subs)
 
     async def _completion_full(
         self,

@@ -57,6 +57,16 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
         return d
 
 
+def check_messages(messages: list[ChatMessage], field: str = "messages") -> None:
+    """OpenAI's rule: every message has content, except an assistant message that carries
+    tool calls (not accepted by this server yet; when they are, that case passes here)."""
+    for i, m in enumerate(messages):
+        if m.content is None:
+            raise BadRequest(
+                f"{field}[{i}] (role {m.role}) has no content", f"{field}[{i}].content"
+            )
+
+
 class ResponseFormat(Struct, forbid_unknown_fields=False, kw_only=True):
     type: Literal["text", "json_object", "json_schema"]
 
@@ -137,7 +147,21 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
     store: bool | None = None
     # vLLM extensions
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_request(self) -> tuple[str | None, str, dict[str, Any]]:
+        """(request-supplied template or None, the field that carried it, other kwargs)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if "chat_template" in kwargs:
+            template = kwargs.pop("chat_template")
+            if self.chat_template is not None or not isinstance(template, str):
+                raise BadRequest(
+                    "chat_template_kwargs.chat_template must be a string (and not given twice)",
+                    "chat_template_kwargs.chat_template",
+                )
+            return template, "chat_template_kwargs.chat_template", kwargs
+        return self.chat_template, "chat_template", kwargs
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

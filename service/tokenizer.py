@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import cache, cached_property
+from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+from service.chat_template import NAMED_SPECIAL_TOKENS, ChatTemplates
+
 # transformers' "no limit" model_max_length is 1e30; anything this large means none.
 _NO_LIMIT = 10**12
 
@@ -55,88 +51,6 @@ def _id_list(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` renders its body, as in transformers
-    (which also records the span for assistant masks; we never need those)."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson HTML-escapes; templates expect plain JSON (transformers' filter).
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@cache
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-def _message_content(content: Any) -> Any:
-    """OpenAI content parts -> one string; strings pass through; other types are refused."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list | tuple):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            else:
-                raise ValueError(f"unsupported message content part (type {kind!r})")
-        # vLLM joins text parts with newlines, so the same request renders the same prompt.
-        return "\n".join(texts)
-    raise ValueError(f"message content must be a string or a list of parts, not {type(content)}")
-
-
-def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for m in messages:
-        if not isinstance(m, Mapping):
-            raise ValueError(f"a chat message must be an object, not {type(m).__name__}")
-        # Like transformers: a key set to None (OpenAI's content=None) counts as absent.
-        msg = {k: v for k, v in m.items() if v is not None}
-        if "content" in msg:
-            msg["content"] = _message_content(msg["content"])
-        out.append(msg)
-    return out
 
 
 class Tokenizer:
@@ -176,7 +90,7 @@ class Tokenizer:
         pp_eos = len(full) > len(plain) and full[-1:] == [self.eos_token_id]
         self._prepend_bos = add_bos_token and self.bos_token_id is not None and not pp_bos
         self._append_eos = add_eos_token and self.eos_token_id is not None and not pp_eos
-        self._templates: dict[str, jinja2.Template] = {}
+        self.templates = ChatTemplates(chat_template, self.special_tokens)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -275,30 +189,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def _template(self, name: str | None) -> jinja2.Template:
-        # `name` is a template name when the tokenizer has several, else a literal template.
-        source = self.chat_template
-        if name is not None:
-            source = source[name] if isinstance(source, dict) and name in source else name
-        elif isinstance(source, dict):
-            if "default" not in source:
-                raise ValueError(
-                    f"the tokenizer has several chat templates ({', '.join(sorted(source))}) "
-                    "and none is named 'default'"
-                )
-            source = source["default"]
-        if source is None:
-            raise ValueError(
-                "this model's tokenizer has no chat template; use the completions API or a "
-                "model with a chat template"
-            )
-        if source not in self._templates:
-            try:
-                self._templates[source] = _jinja_env().from_string(source)
-            except jinja2.TemplateSyntaxError as e:
-                raise ValueError(f"the chat template does not compile: {e}") from e
-        return self._templates[source]
-
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -312,17 +202,11 @@ class Tokenizer:
         """The prompt text for a conversation, as transformers' apply_chat_template renders it
         (`tokenize=False`).  Extra kwargs become template variables.  Raises ValueError when
         there is no template or the template rejects the conversation."""
-        template = self._template(chat_template)
-        variables = {**self.special_tokens, **kwargs}
-        try:
-            return template.render(
-                messages=_normalize_messages(messages),
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template: {e.message or e}") from e
-        except TypeError as e:  # e.g. a non-string role concatenated to a string
-            raise ValueError(f"chat template: {e}") from e
+        return self.templates.render(
+            messages,
+            add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            documents=documents,
+            **kwargs,
+        )

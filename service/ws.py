@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from scheduler.engine_core import EngineDeadError
+from scheduler.engine_core import EngineDeadError, EngineOverloaded
 from scheduler.scheduler import RequestRejected
-from service.async_engine import RequestFailed
+from service.async_engine import MaxTokensTooLarge, RequestFailed
 from service.openai_api import limit_send_buffer, wait_drained
-from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
+from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, check_messages, decode_ws
 
 if TYPE_CHECKING:
     from service.app import ServerState
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 20.0
-MAX_FRAME_BYTES = 1 << 20
-MAX_CONCURRENT_PER_SOCKET = 64
 
 
 class WSSession:
@@ -171,34 +169,39 @@ class WSSession:
                 )
             elif self.state.draining:
                 self.error(frame.id, 503, "the server is shutting down")
-            elif len(self.tasks) >= MAX_CONCURRENT_PER_SOCKET:
-                self.error(frame.id, 429, "too many concurrent generations on this socket")
-            elif self.state.engine is None:
+            elif len(self.tasks) >= (limit := self.state.config.limits.max_ws_generations):
+                self.error(
+                    frame.id,
+                    429,
+                    f"{limit} generations are already running on this socket (the limit)",
+                )
+            elif self.state.engine is None or self.state.prep is None:
                 self.error(frame.id, 503, "the model is still loading")
             else:
                 self.tasks[frame.id] = asyncio.create_task(self.generate(frame))
 
     async def generate(self, frame: WSGenerate) -> None:
-        engine = self.state.engine
-        assert engine is not None
+        engine, prep = self.state.engine, self.state.prep
+        assert engine is not None and prep is not None
         gid = frame.id
         self.state.inflight_inc()
         try:
             try:
                 params = frame.params.to_sampling_params()
+                prep.limits.check_sampling(params, prefix="params.")
                 if (frame.messages is None) == (frame.prompt is None):
                     raise BadRequest("give exactly one of messages or prompt", "messages")
                 if frame.messages is not None:
-                    try:
-                        ids = engine.render_chat([m.as_template_dict() for m in frame.messages])
-                    except ValueError as e:
-                        raise BadRequest(str(e), "messages") from e
+                    check_messages(frame.messages)
+                    ids = await prep.chat_ids([m.as_template_dict() for m in frame.messages])
                 else:
-                    ids = engine.encode_prompt(frame.prompt)  # type: ignore[arg-type]
+                    (ids,) = await prep.prompt_ids([frame.prompt])  # type: ignore[list-item]
                 rid = f"ws-{self.conn_id}-{gid}"
-                gen = engine.generate(
-                    "", params, rid, prompt_token_ids=ids, cache_salt=frame.cache_salt
-                )
+                try:
+                    sub = engine.submit(ids, params, rid, frame.cache_salt)
+                except MaxTokensTooLarge as e:
+                    raise BadRequest(str(e), "params.max_tokens") from e
+                gen = engine.generate("", submitted=sub)
                 last = None
                 async with contextlib.aclosing(gen):
                     async for out in gen:
@@ -234,6 +237,10 @@ class WSSession:
                 self.error(gid, e.status, e.message, e.param)
             except RequestRejected as e:
                 self.error(gid, 400, str(e), "prompt")
+            except EngineOverloaded as e:
+                if self.state.metrics is not None:
+                    self.state.metrics.on_rejected("overloaded")
+                self.error(gid, 429, str(e))
             except RequestFailed as e:
                 self.error(gid, 500, str(e))
             except EngineDeadError as e:
@@ -271,13 +278,30 @@ def _frame_id(data: str) -> str | None:
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
     from service.app import STATE, check_origin
+    from service.openai_api import error_response
 
     state = request.app[STATE]
     if not check_origin(request, state.config.allowed_origins):
         return web.Response(status=403, text="cross-origin WebSocket refused")
-    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=MAX_FRAME_BYTES)
+    limits = state.config.limits
+    # Sockets still in their handshake count too, so concurrent upgrades cannot overshoot.
+    if len(state.websockets) + state.ws_opening >= limits.max_websockets:
+        if state.metrics is not None:
+            state.metrics.on_rejected("websockets")
+        return error_response(
+            f"{limits.max_websockets} WebSockets are already open (the server's limit)",
+            429,
+            headers={"Retry-After": "1"},
+        )
+    # A frame over the limit closes the socket with 1009 (message too big): the protocol's
+    # own answer, since the frame cannot be parsed to say which generation it was.
+    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=limits.max_ws_frame_bytes)
     limit_send_buffer(request, state.config.socket_send_buffer)
-    await ws.prepare(request)
+    state.ws_opening += 1
+    try:
+        await ws.prepare(request)
+    finally:
+        state.ws_opening -= 1
     state.websockets.add(ws)
     session = WSSession(ws, state, state.next_conn_id(), request)
     try:

@@ -133,17 +133,17 @@ def wait_until(page: Any, cond: Callable[[], bool], timeout: float = 10.0, what:
 
 
 @contextlib.contextmanager
-def record_chats(engine: Any) -> Iterator[list[list[dict[str, Any]]]]:
-    """The chat messages the server renders into prompts, as the engine receives them."""
+def record_chats(prep: Any) -> Iterator[list[list[dict[str, Any]]]]:
+    """The chat messages the server renders into prompts (service.prep.Preprocessor)."""
     seen: list[list[dict[str, Any]]] = []
-    original = engine.render_chat
+    original = prep.chat_ids
 
-    def spy(messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[int]:
+    async def spy(messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[int]:
         seen.append([dict(m) for m in messages])
-        return original(messages, *args, **kwargs)
+        return await original(messages, *args, **kwargs)
 
-    engine.render_chat = spy  # an instance attribute shadows the method
+    prep.chat_ids = spy  # an instance attribute shadows the method
     try:
         yield seen
     finally:
-        del engine.render_chat
+        del prep.chat_ids

@@ -78,7 +78,7 @@ def test_streams_reply_and_keeps_history(server: LiveServer, context: Any) -> No
     system = page.input_value("#system-prompt")
     assert system  # a sensible default is there
 
-    with record_chats(server.engine) as seen:
+    with record_chats(server.state.prep) as seen:
         page.fill("#input", "Hello there")
         page.press("#input", "Enter")
         first = page.locator(".msg.assistant").nth(0)
@@ -173,7 +173,7 @@ def test_system_prompt_new_chat_and_text_only(server: LiveServer, context: Any) 
     page.fill("#system-prompt", edited)
     markup = "<img src=x onerror=\"document.body.dataset.pwned='1'\"><b>bold?</b>"
 
-    with record_chats(server.engine) as seen:
+    with record_chats(server.state.prep) as seen:
         page.fill("#input", markup)
         page.press("#input", "Enter")
         expect(page.locator(".msg.assistant").nth(0)).to_have_attribute("data-finish", "length")

@@ -193,7 +193,7 @@ def test_stop_strings_never_leak(client, offline):
         ({"prompt": [1, "a"]}, 400, "prompt", ""),
         ({"prompt": [999999]}, 400, "prompt", "vocabulary"),
         ({"prompt": "x", "model": "nope"}, 404, "model", "does not exist"),
-        ({"prompt": "x", "max_tokens": 5000}, 400, "prompt", "max_model_len"),
+        ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "max_model_len"),
         ({"prompt": "x", "n": 0}, 400, "n", ">= 1"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", ""),
     ],

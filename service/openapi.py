@@ -1,0 +1,93 @@
+"""The OpenAPI document served at /openapi.json, generated from the wire Structs.
+
+The request schemas are exactly what the decoders accept (msgspec writes them from the
+same Structs), so clients and fuzzers see the real contract.  The WebSocket frames have no
+OpenAPI operation of their own; their schema is published as `ClientFrame` under
+components and referenced from the `/v1/ws` GET's description.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import msgspec
+
+from service.protocol import (
+    ChatCompletionRequest,
+    ClientFrame,
+    CompletionRequest,
+    PrefixRegistration,
+)
+
+_REF = "#/components/schemas/{name}"
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(name="ErrorResponse")}
+    return {
+        str(c): {"description": "error", "content": {"application/json": {"schema": ref}}}
+        for c in codes
+    }
+
+
+def _post(summary: str, schema: dict[str, Any], streams: bool) -> dict[str, Any]:
+    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+    if streams:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {
+                "200": {"description": "OK", "content": ok},
+                **_errors(400, 401, 404, 413, 429, 503),
+            },
+        }
+    }
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    (chat, completion, frame, prefix), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ClientFrame, PrefixRegistration],
+        ref_template=_REF,
+    )
+    components["ClientFrame"] = frame
+    components["ErrorResponse"] = _ERROR
+    plain = {"200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pagestream", "version": "0.1.0"},
+        "paths": {
+            "/v1/chat/completions": _post("Chat completion (OpenAI)", chat, streams=True),
+            "/v1/completions": _post("Text completion (OpenAI)", completion, streams=True),
+            "/v1/cache/prefixes": _post("Compute and publish a shared prefix", prefix, False),
+            "/v1/models": {"get": {"summary": "Served models", "responses": plain}},
+            "/health": {"get": {"summary": "200 when serving, 503 otherwise", "responses": plain}},
+            "/v1/ws": {
+                "get": {
+                    "summary": "WebSocket: JSON text frames, client frames per the ClientFrame "
+                    "schema (components)",
+                    "responses": {"101": {"description": "Switching Protocols"}},
+                }
+            },
+        },
+        "components": {"schemas": components},
+    }

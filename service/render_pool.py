@@ -1,0 +1,234 @@
+"""Chat templates rendered in worker processes, with a deadline the server can enforce.
+
+Why processes: a template is a program (a request-supplied one when the operator trusts
+them, and any checkpoint's own can loop for a long time on a long conversation).  Python
+cannot stop a thread, so a render in a thread that runs past its deadline keeps a core and
+its memory until it ends by itself.  A worker process can be killed: a render that runs
+past `timeout` is answered with a 4xx, its worker is killed and replaced, and the event
+loop never notices.  Each worker also runs under an address-space limit, so a template
+that allocates without bound dies alone (MemoryError or a killed worker -> 4xx).
+Tokenization stays in the server process (the Rust tokenizer releases the GIL and its
+input is bounded by the rendered text's size cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.chat_template import ChatTemplates, TemplateError
+
+log = logging.getLogger(__name__)
+_START_TIMEOUT = 120.0
+
+
+@dataclass
+class RenderJob:
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    chat_template: str | None = None  # a request-supplied template (trusted by the caller)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # client chat_template_kwargs
+
+
+class RenderBusy(RuntimeError):
+    """Every worker is busy and the queue of renders waiting for one is full."""
+
+
+def _limit_memory(max_bytes: int) -> None:
+    if max_bytes <= 0 or sys.platform != "linux":
+        return
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    # What this worker already maps, plus the allowance.
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = mapped + max_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def render_job(templates: ChatTemplates, job: RenderJob) -> str:
+    """One job: client kwargs filtered against the template they will reach, then render.
+    (Runs in a worker process; also usable in-process.)"""
+    source = templates.select(job.chat_template)
+    kwargs = templates.request_kwargs(source, job.kwargs) if job.kwargs else {}
+    return templates.render(
+        job.messages,
+        job.add_generation_prompt,
+        chat_template=job.chat_template,
+        **kwargs,
+    )
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, templates: ChatTemplates,
+                 max_memory: int) -> None:  # fmt: skip
+    _limit_memory(max_memory)
+    if isinstance(templates.source, str):  # warm the checkpoint's own template
+        templates.compile(templates.source)
+    conn.send(("ready", "", None))
+    while True:
+        try:
+            job: RenderJob = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        param = "chat_template" if job.chat_template else "messages"
+        try:
+            reply: tuple[str, str, str | None] = ("ok", render_job(templates, job), None)
+        except TemplateError as e:
+            reply = ("err", str(e), e.param)
+        except MemoryError:
+            reply = ("err", "the chat template ran out of its memory allowance", param)
+        except RecursionError:
+            reply = ("err", "the chat template recursed too deeply", param)
+        except Exception as e:  # a template's own error, raise_exception(), bad content
+            reply = ("err", str(e), param)
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):
+            return
+
+
+class _Worker:
+    def __init__(self, ctx: Any, templates: ChatTemplates, max_memory: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, templates, max_memory), daemon=True,
+            name="pagestream-render",
+        )  # fmt: skip
+        self.proc.start()
+        child.close()
+        # Start-up (a fresh interpreter importing its modules) is not render time: wait
+        # for the worker to say it is ready before it takes jobs with a deadline.
+        if not self.conn.poll(_START_TIMEOUT):
+            self.kill()
+            raise RuntimeError(f"a chat-template worker did not start in {_START_TIMEOUT} s")
+        self.conn.recv()
+
+    def roundtrip(self, job: RenderJob) -> tuple[str, str, str | None]:
+        self.conn.send(job)
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        with contextlib.suppress(Exception):
+            self.proc.join(5)
+
+
+class RenderPool:
+    """`workers` render processes; `render()` waits for a free one (at most `max_queued`
+    renders wait; past that RenderBusy), and a render past `timeout` seconds is killed."""
+
+    def __init__(
+        self,
+        templates: ChatTemplates,
+        workers: int = 2,
+        timeout: float = 5.0,
+        max_queued: int = 256,
+        max_memory: int = 1 << 30,
+    ) -> None:
+        self.templates = templates
+        self.size = max(1, workers)
+        self.timeout = timeout
+        self.max_queued = max_queued
+        self.max_memory = max_memory
+        method = "forkserver" if sys.platform == "linux" else "spawn"
+        self._ctx = multiprocessing.get_context(method)
+        self._idle: asyncio.Queue[_Worker] | None = None
+        self._all: set[_Worker] = set()
+        self._waiting = 0
+        self._threads = ThreadPoolExecutor(self.size, thread_name_prefix="pagestream-render-io")
+        self._spawns: set[asyncio.Task[None]] = set()
+        self._jobs: set[asyncio.Task[Any]] = set()
+        self.killed = 0  # renders stopped at the deadline or by the memory limit
+
+    async def start(self) -> None:
+        self._idle = asyncio.Queue()
+        await asyncio.gather(*(self._replace() for _ in range(self.size)))
+
+    async def _replace(self) -> None:
+        loop = asyncio.get_running_loop()
+        w = await loop.run_in_executor(None, _Worker, self._ctx, self.templates, self.max_memory)
+        self._all.add(w)
+        assert self._idle is not None
+        self._idle.put_nowait(w)
+
+    def _respawn_later(self) -> None:
+        task = asyncio.create_task(self._replace())
+        self._spawns.add(task)
+        task.add_done_callback(self._spawns.discard)
+
+    async def render(self, job: RenderJob) -> str:
+        """The rendered prompt text; TemplateError (a 4xx) for a bad or runaway template."""
+        assert self._idle is not None, "RenderPool.start() was not awaited"
+        if self._waiting >= self.max_queued and self._idle.empty():
+            raise RenderBusy(f"{self._waiting} chat templates are already waiting to render")
+        self._waiting += 1
+        try:
+            worker = await self._idle.get()
+        finally:
+            self._waiting -= 1
+        # The round trip runs as its own task: a caller cancelled mid-render (a client
+        # that went away) leaves the worker to finish and return to the pool, rather than
+        # killing it, so cancels cannot be used to churn processes.
+        task = asyncio.ensure_future(self._roundtrip(worker, job))
+        self._jobs.add(task)
+        task.add_done_callback(self._job_done)
+        status, text, err_param = await asyncio.shield(task)
+        if status != "ok":
+            raise TemplateError(text, err_param)
+        return text
+
+    async def _roundtrip(self, worker: _Worker, job: RenderJob) -> tuple[str, str, str | None]:
+        param = "chat_template" if job.chat_template else "messages"
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._threads, worker.roundtrip, job)
+        try:
+            reply = await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError:
+            self._discard(worker)
+            raise TemplateError(
+                f"rendering the chat template took longer than {self.timeout:g} s", param
+            ) from None
+        except asyncio.CancelledError:  # the pool is closing
+            self._discard(worker)
+            raise
+        except (EOFError, OSError, ValueError) as e:  # the worker died (memory limit)
+            self._discard(worker)
+            raise TemplateError(f"the chat template crashed its renderer ({e!r})", param) from e
+        assert self._idle is not None
+        self._idle.put_nowait(worker)
+        return reply
+
+    def _job_done(self, task: asyncio.Task[Any]) -> None:
+        self._jobs.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that went away does not want it
+
+    def _discard(self, worker: _Worker) -> None:
+        self.killed += 1
+        self._all.discard(worker)
+        worker.kill()
+        self._respawn_later()
+
+    async def close(self) -> None:
+        tasks = [*self._spawns, *self._jobs]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for w in list(self._all):
+            w.kill()
+        self._all.clear()
+        self._threads.shutdown(wait=False, cancel_futures=True)
