@@ -322,10 +322,6 @@ async def metrics_handler(request: web.Request) -> web.Response:
     )
 
 
-async def openapi(request: web.Request) -> web.Response:
-    return json_response(openapi_document())
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -368,6 +364,10 @@ async def debug_state(request: web.Request) -> web.Response:
     return json_response(body)
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
 async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "index.html")
 
@@ -387,9 +387,9 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)
-    app.router.add_get("/openapi.json", openapi)
     if config.enable_debug_routes:
         app.router.add_get("/debug/state", debug_state)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)

@@ -61,13 +61,17 @@ class EngineArgs:
     redis_max_kv_bytes: int = 1 << 30  # cap on KV bytes this model keeps in Redis
     redis_lookup_deadline: float = 1.0  # seconds a Redis look-up may take
     device: str | None = None
+    # Fault injection for tests and drills (see scheduler/faults.py); None reads the
+    # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
+    fault_injection: str | None = None
     # Admission: past these, new requests get EngineOverloaded (HTTP 429).  None: unbounded
     # (the offline LLM API queues everything it is given).
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
-    # Fault injection for tests and drills (see scheduler/faults.py); None reads the
-    # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
-    fault_injection: str | None = None
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine or its output processing; the others go on."""
 
 
 @dataclass
@@ -80,10 +84,6 @@ class Submitted:
     stream: RequestStream
     arrival_time: float
     consumed: bool = False
-
-
-class RequestFailed(RuntimeError):
-    """One request failed inside the engine or its output processing; the others go on."""
 
 
 @dataclass
@@ -236,9 +236,9 @@ class AsyncEngine:
             dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
         )
         self.max_model_len = scheduler.config.max_model_len
+        self.faults: FaultPlan | None = None
         # Ids the model has embeddings for (a tokenizer may know more added tokens).
         self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
-        self.faults: FaultPlan | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod

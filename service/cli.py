@@ -208,11 +208,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allowed_origins=origins,
             max_request_bytes=a.max_request_bytes,
             shutdown_timeout=a.shutdown_timeout,
-            limits=limits(a),
             max_buffered_bytes=a.max_buffered_bytes,
             send_timeout=a.send_timeout,
             socket_send_buffer=a.socket_send_buffer,
             enable_debug_routes=a.enable_debug_routes,
+            limits=limits(a),
         )
     )
     if code:

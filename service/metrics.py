@@ -98,12 +98,6 @@ class Metrics:
             "Wall time of one engine step (model forward and sampling).",
             m, buckets=_ITL_BUCKETS, registry=r,
         )  # fmt: skip
-        self.rejected = Counter(
-            "pagestream_requests_rejected",
-            "Requests refused for load (overloaded: the waiting queue is full; websockets: "
-            "too many open sockets), answered 429.",
-            [*m, "reason"], registry=r,
-        )  # fmt: skip
         self.slow_clients = Counter(
             "pagestream_slow_clients",
             "Streams closed because the client did not read fast enough, by transport.",
@@ -122,6 +116,12 @@ class Metrics:
         self.kv_blocks_used = Gauge(
             "pagestream_kv_blocks_used", "KV blocks held by live requests.", m, registry=r
         )
+        self.rejected = Counter(
+            "pagestream_requests_rejected",
+            "Requests refused for load (overloaded: the waiting queue is full; websockets: "
+            "too many open sockets), answered 429.",
+            [*m, "reason"], registry=r,
+        )  # fmt: skip
         self.extra_counters: dict[str, Counter] = {}
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._last_extra: dict[str, float] = {}

@@ -1,10 +1,11 @@
 """Hostile requests sent beside the storm; each must get a 4xx within a few seconds while
 the storm goes on unharmed.
 
-HOSTILE_READY turns on the ones that need the request-edge limits (template sandbox and
-trust flag, stop-string limits, prompts-per-request limit).  Without those limits these
-requests freeze or exhaust the server (issue 9), so they stay off until that work is
-merged; the WebSocket flood is answered by the per-socket generation limit and always runs.
+They rely on the request-edge limits: a request-supplied chat template is refused unless
+the operator trusts them (and renders sandboxed, off the loop, with a time cap), stop
+strings are bounded in count and length, prompts per request and n x prompts are bounded,
+and a socket may run a bounded number of generations.  Without those limits the first
+three froze or exhausted the server (issue 9).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import aiohttp
 import websockets
 
-HOSTILE_READY = False
+HOSTILE_READY = True  # the edge limits are merged
 DEADLINE_S = 10.0  # "a few seconds", on a loaded 2-core machine in the middle of a storm
 
 LOOPING_TEMPLATE = (
@@ -25,7 +26,7 @@ LOOPING_TEMPLATE = (
 )
 
 
-async def _post_expect_4xx(url: str, path: str, body: dict[str, Any], what: str) -> None:
+async def _post_expect_4xx(url: str, path: str, body: dict[str, Any], what: str) -> str:
     t0 = time.monotonic()
     async with (
         aiohttp.ClientSession() as s,
@@ -38,25 +39,26 @@ async def _post_expect_4xx(url: str, path: str, body: dict[str, Any], what: str)
     err = json.loads(text)["error"]
     assert err["message"] and err["type"], f"{what}: not OpenAI's error shape: {text[:300]}"
     assert took < DEADLINE_S, f"{what} took {took:.1f} s"
+    return f"{what}: {r.status} in {took:.2f} s ({err['message'][:80]})"
 
 
-async def looping_template(url: str) -> None:
+async def looping_template(url: str) -> str:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
             "chat_template_kwargs": {"chat_template": LOOPING_TEMPLATE}}  # fmt: skip
-    await _post_expect_4xx(url, "/v1/chat/completions", body, "looping chat_template")
+    return await _post_expect_4xx(url, "/v1/chat/completions", body, "looping chat_template")
 
 
-async def huge_stop_string(url: str) -> None:
+async def huge_stop_string(url: str) -> str:
     body = {"prompt": "hi", "max_tokens": 4, "n": 8, "stop": ["a" * 100_000]}
-    await _post_expect_4xx(url, "/v1/completions", body, "100 KB stop string, n=8")
+    return await _post_expect_4xx(url, "/v1/completions", body, "100 KB stop string, n=8")
 
 
-async def many_prompts(url: str) -> None:
+async def many_prompts(url: str) -> str:
     body = {"prompt": ["hi"] * 200_000, "max_tokens": 1}
-    await _post_expect_4xx(url, "/v1/completions", body, "200,000 prompts")
+    return await _post_expect_4xx(url, "/v1/completions", body, "200,000 prompts")
 
 
-async def flooding_socket(url: str, frames: int = 300) -> None:
+async def flooding_socket(url: str, frames: int = 300) -> str:
     """300 generate frames at once on one socket: those past the per-socket limit get a
     4xx error frame, fast; the socket then goes away (aborting the rest)."""
     ws_url = url.replace("http://", "ws://") + "/v1/ws"
@@ -76,6 +78,7 @@ async def flooding_socket(url: str, frames: int = 300) -> None:
                         break
         took = time.monotonic() - t0
     assert took < DEADLINE_S, f"flooding socket: refusals took {took:.1f} s"
+    return f"flooding socket: {refused} of {frames} frames refused with 4xx in {took:.2f} s"
 
 
 def hostile_requests(url: str) -> list[Any]:

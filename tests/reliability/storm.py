@@ -24,6 +24,7 @@ class StormResult:
     sse_done: int = 0
     sse_dropped: int = 0
     sse_errors: list[str] = field(default_factory=list)
+    extra: list[Any] = field(default_factory=list)  # what the `extra` coroutines returned
     health_max_s: float = 0.0
     health_failures: int = 0
     seconds: float = 0.0
@@ -161,7 +162,8 @@ async def storm(
             jobs.append(_sse(session, url, k % 10 == 5, random.Random(rng.random()), res))
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.gather(*jobs, *(extra or []))
+                results = await asyncio.gather(*jobs, *(extra or []))
+            res.extra = results[len(jobs) :]
         finally:
             stop.set()
             await prober

@@ -120,6 +120,8 @@ async def test_storm_with_slow_reader_and_hostile_requests(server):
         res = await storm(server.url, ws_sockets=30, gens_per_socket=10,
                           sse_streams=SSE_STREAMS, extra=hostile)  # fmt: skip
         check_storm(res)
+        print("hostile:", *res.extra, sep="\n  ")
+        assert len(res.extra) == len(hostile) == 4
         code, reason, _ = await asyncio.to_thread(slow.read_until_close)
         assert code == 1008 and "too slow" in reason, (code, reason)
     finally:
