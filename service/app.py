@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
+import ipaddress
 import itertools
 import logging
 import time
@@ -15,13 +17,20 @@ from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import WSCloseCode, web
+from aiohttp.abc import AbstractAccessLogger
 
 from scheduler.engine_core import EngineDeadError, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, EngineArgs
 from service.metrics import Metrics
-from service.openai_api import OpenAIServing, error_response, json_response
+from service.openai_api import (
+    TENANT_SALT,
+    OpenAIServing,
+    error_response,
+    json_response,
+    salted,
+)
 from service.protocol import BadRequest, decode_prefix
 from service.ws import websocket_handler
 
@@ -36,10 +45,23 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # More keys (--api-key repeated, --api-key-file); any one of them (or api_key) passes.
+    api_keys: list[str] = field(default_factory=list)
     served_model_name: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    # Peers whose X-Forwarded-Host/-Proto/-Port and Forwarded headers are believed (IPs or
+    # CIDRs; "*" = any).  Empty: those headers are ignored, as a client could forge them.
+    forwarded_allow_ips: list[str] = field(default_factory=list)
+    # usage.prompt_tokens_details.cached_tokens tells a caller how much of its prompt was
+    # cached: off by default (vLLM's --enable-prompt-tokens-details), since with a shared
+    # cache that is an oracle for what others sent.
+    enable_prompt_tokens_details: bool = False
+    # Off: each API key's prefix blocks are salted with that key, so no key can hit (or
+    # probe) another's.  On: every caller shares one prefix cache.
+    shared_prefix_cache: bool = False
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
+    access_log: bool = True
 
 
 class ServerState:
@@ -47,6 +69,13 @@ class ServerState:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        keys = ([config.api_key] if config.api_key else []) + list(config.api_keys)
+        # Each key with the salt its prefix blocks are hashed under (None when shared).
+        self.keys: list[tuple[bytes, str | None]] = [
+            (k.encode(), None if config.shared_prefix_cache else key_salt(k))
+            for k in dict.fromkeys(keys)
+        ]
+        self.trusted_proxies = _parse_networks(config.forwarded_allow_ips)
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: Metrics | None = None
@@ -79,14 +108,80 @@ class ServerState:
 STATE = web.AppKey("pagestream_state", ServerState)
 
 
-def check_origin(request: web.Request, allowed: list[str]) -> bool:
-    """Refuse cross-site WebSocket hijacking: a browser always sends Origin; it must be this
-    server's own origin or one the operator allowed.  Non-browser clients send none."""
+def key_salt(key: str) -> str:
+    """The prefix-cache salt of one API key: the same on every replica (so a key's blocks
+    are shared across the fleet through Redis), and a one-way function of the key (the
+    block hashes in Redis reveal nothing about it)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=16, person=b"ps-key-salt").hexdigest()
+    return "key:" + digest
+
+
+def _parse_networks(items: list[str]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    nets = []
+    for item in items:
+        if item == "*":
+            nets += [ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0")]
+        else:
+            nets.append(ipaddress.ip_network(item, strict=False))
+    return nets
+
+
+def _peer_trusted(request: web.Request, nets: list) -> bool:
+    if not nets or request.remote is None:
+        return False
+    try:
+        addr = ipaddress.ip_address(request.remote)
+    except ValueError:  # a unix socket
+        return False
+    return any(addr.version == n.version and addr in n for n in nets)
+
+
+def _forwarded(request: web.Request) -> tuple[str | None, str | None]:
+    """(host, scheme) the client used, as a trusted proxy reports it: X-Forwarded-Host /
+    -Proto / -Port (nginx, most ingresses), else RFC 7239 Forwarded.  The first (client-
+    side) entry counts when proxies are chained."""
+    h = request.headers
+    host = h.get("X-Forwarded-Host", "").split(",")[0].strip() or None
+    scheme = h.get("X-Forwarded-Proto", "").split(",")[0].strip().lower() or None
+    port = h.get("X-Forwarded-Port", "").split(",")[0].strip()
+    if host is None and request.forwarded:
+        first = request.forwarded[0]
+        host, scheme = first.get("host"), (first.get("proto") or "").lower() or None
+    if host and port and ":" not in host.rsplit("]", 1)[-1]:
+        host = f"{host}:{port}"
+    return host, scheme
+
+
+def _origin_key(scheme: str, netloc: str) -> tuple[str, str]:
+    """scheme and host:port with the scheme's default port made explicit."""
+    scheme = scheme.lower()
+    netloc = netloc.lower()
+    if ":" not in netloc.rsplit("]", 1)[-1]:
+        netloc += ":443" if scheme in {"https", "wss"} else ":80"
+    return {"wss": "https", "ws": "http"}.get(scheme, scheme), netloc
+
+
+def check_origin(
+    request: web.Request, allowed: list[str], trusted_proxies: list | None = None
+) -> bool:
+    """Refuse cross-site WebSocket hijacking: a browser always sends Origin; it must be the
+    origin the page was served from (this server's Host, or what a trusted reverse proxy
+    says the client asked for) or one the operator allowed.  Non-browser clients send none."""
     origin = request.headers.get("Origin")
-    if origin is None or "*" in allowed or origin in allowed:
+    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
         return True
-    host = urlsplit(origin).netloc
-    return host.lower() == request.host.lower()
+    parts = urlsplit(origin)
+    if not parts.netloc:
+        return False  # "null" (sandboxed frames, file://) is never our own page
+    got = _origin_key(parts.scheme, parts.netloc)
+    if _peer_trusted(request, trusted_proxies or []):
+        host, scheme = _forwarded(request)
+        if host:
+            return got == _origin_key(scheme or request.scheme, host)
+    # Scheme is not compared here: behind a TLS-terminating proxy that is not trusted the
+    # server sees http while the page is https; the host:port still has to match.
+    own = _origin_key(parts.scheme, request.host)
+    return got[1] == own[1] or parts.netloc.lower() == request.host.lower()
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -99,17 +194,29 @@ def _bearer(request: web.Request) -> str | None:
     return None
 
 
+def _authorized(state: ServerState, given: str | None) -> tuple[bool, str | None]:
+    """(key accepted, that key's salt).  Every key is compared, so the time taken does not
+    say which one nearly matched."""
+    ok, salt = False, None
+    raw = (given or "").encode()
+    for key, key_salt_ in state.keys:
+        if hmac.compare_digest(raw, key):
+            ok, salt = True, key_salt_
+    return ok, salt
+
+
 @web.middleware
 async def api_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """API key check for /v1, and OpenAI-shaped errors for everything that goes wrong."""
     state = request.app[STATE]
-    key = state.config.api_key
-    if key and request.path.startswith("/v1"):
-        given = _bearer(request)
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+    if state.keys and request.path.startswith("/v1"):
+        ok, salt = _authorized(state, _bearer(request))
+        if not ok:
             return error_response("invalid or missing API key", 401, code="invalid_api_key")
+        if salt is not None:
+            request[TENANT_SALT] = salt
     try:
         return await handler(request)
     except BadRequest as e:
@@ -154,7 +261,9 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             engine.request_hooks.append(metrics.on_request_done)
             await engine.start()
             state.metrics = metrics
-            state.serving = OpenAIServing(engine, names)
+            state.serving = OpenAIServing(
+                engine, names, prompt_tokens_details=state.config.enable_prompt_tokens_details
+            )
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
         except Exception as e:
@@ -245,7 +354,11 @@ async def register_prefix(request: web.Request) -> web.StreamResponse:
         engine.resolve_max_tokens(len(ids), SamplingParams(max_tokens=1))
     except RequestRejected as e:
         raise BadRequest(str(e), "prompt") from e
-    result = await engine.register_prefix(ids, cache_salt=req.cache_salt)
+    result = await engine.register_prefix(
+        ids, cache_salt=salted(request.get(TENANT_SALT), req.cache_salt)
+    )
+    if not request.app[STATE].config.enable_prompt_tokens_details:
+        del result["cached_tokens"]  # an oracle for what others sent, like usage's
     result["shared_tier"] = engine.tier.name if engine.tier is not None else None
     return json_response(result)
 
@@ -274,6 +387,21 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
+async def live(request: web.Request) -> web.Response:
+    """Liveness for a supervisor (Kubernetes livenessProbe): 200 while the process serves,
+    also while it loads or drains; 503 once the model failed to load or the engine died,
+    which only a restart cures.  /health is the readiness signal."""
+    state = request.app[STATE]
+    dead = state.load_error or (state.engine.dead if state.engine is not None else None)
+    if dead is not None:
+        return web.Response(
+            body=orjson.dumps({"status": f"dead: {dead}"}),
+            status=503,
+            content_type="application/json",
+        )
+    return json_response({"status": "alive"})
+
+
 async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.metrics is None:
@@ -296,6 +424,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
     app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -306,6 +435,32 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)
     return app
+
+
+SECRET_PARAMS = frozenset({"api_key"})
+
+
+def redacted_target(request: web.BaseRequest) -> str:
+    """The request target with secrets in the query string masked (browsers send the API
+    key as ?api_key= on /v1/ws; it must never reach a log)."""
+    url = request.rel_url
+    if not SECRET_PARAMS.intersection(url.query):
+        return str(url)
+    masked = [(k, "REDACTED" if k in SECRET_PARAMS else v) for k, v in url.query.items()]
+    return str(url.with_query(masked))
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One line per request, like uvicorn's and nginx's, with the API key redacted (the
+    Authorization header is never logged at all)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info(
+            '%s "%s %s HTTP/%d.%d" %d %d %.3fs',
+            request.remote, request.method, redacted_target(request),
+            request.version.major, request.version.minor,
+            response.status, response.body_length, time,
+        )  # fmt: skip
 
 
 def run_server(config: ServerConfig) -> None:
@@ -332,5 +487,6 @@ def run_server(config: ServerConfig) -> None:
         handler_cancellation=True,
         shutdown_timeout=config.shutdown_timeout + 5.0,
         print=announce,
-        access_log=None,
+        access_log=logging.getLogger("pagestream.access") if config.access_log else None,
+        access_log_class=AccessLogger,
     )

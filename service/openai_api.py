@@ -36,6 +36,19 @@ SSE_HEADERS = {
 }
 
 
+# Request key under which the auth middleware leaves the caller's API-key salt.
+TENANT_SALT = web.RequestKey("pagestream_tenant_salt", str)
+
+
+def salted(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt a request's prefix blocks are hashed under: its API key's (None when the
+    operator shares the cache or has no keys), then the client's own `cache_salt` inside
+    it, so no client-chosen salt can reach another key's blocks."""
+    if tenant is None:
+        return cache_salt
+    return f"{tenant}/{cache_salt}" if cache_salt else tenant
+
+
 def error_body(
     message: str, status: int, param: str | None = None, code: str | None = None
 ) -> bytes:
@@ -137,13 +150,30 @@ async def merge(
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        prompt_tokens_details: bool = False,
+    ) -> None:
         self.engine = engine
+        self.details = prompt_tokens_details
         self.names = served_model_names
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
 
     # ---------------------------------------------------------------- helpers
+    def _usage(self, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": None,
+        }
+        if self.details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
             raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
@@ -266,7 +296,8 @@ class OpenAIServing:
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gens = self._start(rid, [ids], [None], params, req.cache_salt)
+        salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        gens = self._start(rid, [ids], [None], params, salt)
         model = req.model or self.names[0]
         if req.stream:
             return await self._chat_stream(request, req, rid, model, ids, gens[0], params)
@@ -304,7 +335,7 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": _usage(len(ids), completion, last.num_cached_tokens),
+            "usage": self._usage(len(ids), completion, last.num_cached_tokens),
         }
         if req.return_token_ids:
             resp["prompt_token_ids"] = ids
@@ -364,7 +395,7 @@ class OpenAIServing:
                         c["token_ids"] = d.token_ids
                     choices.append(c)
                 if choices:
-                    usage = _usage(len(ids), completion_tokens, cached) if continuous else None
+                    usage = self._usage(len(ids), completion_tokens, cached) if continuous else None
                     await send(choices, usage)
         except RequestRejected as e:  # pragma: no cover - validated before streaming
             await resp.write(b"data: " + error_body(str(e), 400) + b"\n\n")
@@ -373,7 +404,7 @@ class OpenAIServing:
             await resp.write(b"data: [DONE]\n\n")
             return resp
         if include_usage:
-            await send([], _usage(len(ids), completion_tokens, cached))
+            await send([], self._usage(len(ids), completion_tokens, cached))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -395,7 +426,8 @@ class OpenAIServing:
             prompts.append(ids)
             texts.append(p if isinstance(p, str) else None)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gens = self._start(rid, prompts, texts, params, req.cache_salt)
+        salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        gens = self._start(rid, prompts, texts, params, salt)
         model = req.model or self.names[0]
         if req.stream:
             return await self._completion_stream(request, req, rid, model, prompts, gens, params)
@@ -444,7 +476,7 @@ class OpenAIServing:
                 "created": int(time.time()),
                 "model": model,
                 "choices": choices,
-                "usage": _usage(sum(map(len, prompts)), completion, cached),
+                "usage": self._usage(sum(map(len, prompts)), completion, cached),
             }
         )
 
@@ -495,7 +527,7 @@ class OpenAIServing:
                 if choices:
                     chunk: dict[str, Any] = {**base, "choices": choices}
                     if continuous:
-                        chunk["usage"] = _usage(
+                        chunk["usage"] = self._usage(
                             prompt_tokens, completion_tokens, sum(cached.values())
                         )
                     await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
@@ -507,18 +539,9 @@ class OpenAIServing:
             chunk = {
                 **base,
                 "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values())),
+                "usage": self._usage(prompt_tokens, completion_tokens, sum(cached.values())),
             }
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-
-def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from scheduler.scheduler import RequestRejected
+from service.openai_api import TENANT_SALT, salted
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
 
 if TYPE_CHECKING:
@@ -31,8 +32,15 @@ MAX_CONCURRENT_PER_SOCKET = 64
 
 
 class WSSession:
-    def __init__(self, ws: web.WebSocketResponse, state: ServerState, conn_id: str) -> None:
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        state: ServerState,
+        conn_id: str,
+        tenant_salt: str | None = None,
+    ) -> None:
         self.ws = ws
+        self.tenant_salt = tenant_salt  # the API key's prefix-cache salt (see app.py)
         self.state = state
         self.conn_id = conn_id
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -125,9 +133,8 @@ class WSSession:
                 else:
                     ids = engine.encode_prompt(frame.prompt)  # type: ignore[arg-type]
                 rid = f"ws-{self.conn_id}-{gid}"
-                gen = engine.generate(
-                    "", params, rid, prompt_token_ids=ids, cache_salt=frame.cache_salt
-                )
+                salt = salted(self.tenant_salt, frame.cache_salt)
+                gen = engine.generate("", params, rid, prompt_token_ids=ids, cache_salt=salt)
                 last = None
                 async for out in gen:
                     last = out
@@ -197,12 +204,12 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     from service.app import STATE, check_origin
 
     state = request.app[STATE]
-    if not check_origin(request, state.config.allowed_origins):
+    if not check_origin(request, state.config.allowed_origins, state.trusted_proxies):
         return web.Response(status=403, text="cross-origin WebSocket refused")
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=MAX_FRAME_BYTES)
     await ws.prepare(request)
     state.websockets.add(ws)
-    session = WSSession(ws, state, state.next_conn_id())
+    session = WSSession(ws, state, state.next_conn_id(), request.get(TENANT_SALT))
     try:
         await session.run()
     finally:
