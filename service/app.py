@@ -406,6 +406,12 @@ async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.metrics is None:
         return web.Response(text="", content_type="text/plain")
+    engine = state.engine
+    if engine is not None and engine.tier is not None:
+        # The tier's writer publishes between steps; an idle replica has no step to copy
+        # its counters on, so they are brought up to date at scrape time too.
+        tier = engine.tier
+        state.metrics.on_tier(tier.name, tier.stats, tier.healthy)
     return web.Response(
         body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
     )
