@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -82,6 +83,9 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.draining = False
         self.websockets: set[web.WebSocketResponse] = set()
+        # Every HTTP connection a request came in on -> its requests in progress (0 = an
+        # idle keep-alive connection), so SIGTERM can close the idle ones (on_shutdown).
+        self.connections: dict[Any, int] = {}
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -206,6 +210,38 @@ def _authorized(state: ServerState, given: str | None) -> tuple[bool, str | None
 
 
 @web.middleware
+async def connection_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Count requests in progress per connection (see ServerState.connections)."""
+    conns = request.app[STATE].connections
+    proto = request.protocol
+    if proto not in conns and len(conns) >= 4096:
+        for p in [p for p, n in conns.items() if n == 0 and p.transport is None]:
+            del conns[p]
+    conns[proto] = conns.get(proto, 0) + 1
+    try:
+        return await handler(request)
+    finally:
+        conns[proto] -= 1
+
+
+def close_idle_connections(state: ServerState) -> int:
+    """Close keep-alive connections with no request in progress.  aiohttp's shutdown marks
+    them closing (they ignore what arrives next) but leaves them open until the drain is
+    over, so a balancer's next request on one would wait out the whole drain unanswered;
+    closed, the balancer retries that request on another replica at once."""
+    closed = 0
+    for proto, n in list(state.connections.items()):
+        if n == 0:
+            if proto.transport is not None:
+                proto.force_close()
+                closed += 1
+            del state.connections[proto]
+    return closed
+
+
+@web.middleware
 async def api_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
@@ -287,6 +323,7 @@ async def on_shutdown(app: web.Application) -> None:
     close WebSockets with GOING_AWAY.  (aiohttp has already stopped accepting connections.)"""
     state = app[STATE]
     state.draining = True
+    close_idle_connections(state)
     try:
         await asyncio.wait_for(state.idle.wait(), state.config.shutdown_timeout)
     except TimeoutError:
@@ -423,7 +460,10 @@ async def index(request: web.Request) -> web.FileResponse:
 
 def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.Application:
     """The application; pass `engine` to serve an already-built engine (tests, embedding)."""
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[api_middleware])
+    app = web.Application(
+        client_max_size=config.max_request_bytes,
+        middlewares=[connection_middleware, api_middleware],
+    )
     app[STATE] = ServerState(config)
     if engine is not None:
         app[PRESET_ENGINE] = engine
