@@ -18,7 +18,7 @@ from tests.checkpoints import tiny_checkpoint
 from tests.service.live_server import free_port
 from tests.service.test_auth_and_shutdown import _wait_health
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _request(sock: socket.socket, method: str, path: str, body: bytes = b"") -> None:
