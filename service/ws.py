@@ -20,6 +20,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from scheduler.scheduler import RequestRejected
 from service.openai_api import TENANT_SALT, salted
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
+from service.security import check_origin
 
 if TYPE_CHECKING:
     from service.app import ServerState
@@ -201,7 +202,7 @@ def _frame_id(data: str) -> str | None:
 
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
-    from service.app import STATE, check_origin
+    from service.app import STATE
 
     state = request.app[STATE]
     if not check_origin(request, state.config.allowed_origins, state.trusted_proxies):

@@ -14,8 +14,8 @@ import websockets
 from aiohttp.test_utils import make_mocked_request
 from websockets.exceptions import InvalidStatus
 
-from service.app import AccessLogger, check_origin, key_salt, redacted_target
 from service.cli import build_parser, read_key_file
+from service.security import AccessLogger, check_origin, key_salt, parse_networks, redacted_target
 from tests.checkpoints import tiny_checkpoint
 from tests.redis_server import RedisServer
 from tests.service.live_server import live_server
@@ -77,9 +77,7 @@ def test_origin_allow_list() -> None:
 
 
 def _nets(items: list[str]):
-    from service.app import _parse_networks
-
-    return _parse_networks(items)
+    return parse_networks(items)
 
 
 def test_cli_flags() -> None:
