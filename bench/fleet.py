@@ -46,15 +46,7 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
 
 
-def nginx_version(exe: str) -> tuple[int, ...]:
-    out = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=10).stderr
-    m = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", out)
-    if m is None:
-        raise RuntimeError(f"cannot read nginx's version from {out!r}")
-    return tuple(int(x) for x in m.groups())
-
-
-def render_nginx(dst: Path, servers: list[str], listen: str, exe: str | None = None) -> Path:
+def render_nginx(dst: Path, servers: list[str], listen: str) -> Path:
     """docker/nginx.conf, unchanged but for the listen address and the pid/temp paths,
     in `dst`, beside an upstream include naming `servers` (host:port) with the compose
     include's server parameters.  Returns the path of the config to pass to `nginx -c`."""
@@ -71,10 +63,9 @@ def render_nginx(dst: Path, servers: list[str], listen: str, exe: str | None = N
     m = re.search(r"^server\s+engine1:8000\s+(.*);$", NGINX_UPSTREAMS.read_text(), re.M)
     if m is None:
         raise RuntimeError("docker/nginx-upstreams.conf: no `server engine1:8000 ...;` line")
-    params = m.group(1).split()
-    exe = exe or nginx_binary()
-    if "resolve" in params and (exe is None or nginx_version(exe) < (1, 27, 3)):
-        params.remove("resolve")  # addresses here are literal; older nginx lacks it anyway
+    # `resolve` re-resolves names; these addresses are literal (and nginx < 1.27.3,
+    # Debian's included, lacks the parameter).
+    params = [p for p in m.group(1).split() if p != "resolve"]
     (dst / UPSTREAM_INCLUDE).write_text(
         "".join(f"server {s} {' '.join(params)};\n" for s in servers)
     )
@@ -217,7 +208,7 @@ class Fleet:
         self.lb_port = free_port()
         conf = render_nginx(
             self.workdir, [f"127.0.0.1:{r.port}" for r in self.replicas],
-            f"127.0.0.1:{self.lb_port}", exe,
+            f"127.0.0.1:{self.lb_port}",
         )  # fmt: skip
         with open(self.nginx_log, "ab") as log:
             self.nginx = subprocess.Popen(

@@ -292,7 +292,7 @@ def test_nginx_config_syntax(tmp_path: Path) -> None:
     # compose network) filled in as the loopback fleet does (bench/fleet.py).
     from bench.fleet import render_nginx
 
-    conf = render_nginx(tmp_path, ["127.0.0.1:8010", "127.0.0.1:8020"], "127.0.0.1:8000", exe)
+    conf = render_nginx(tmp_path, ["127.0.0.1:8010", "127.0.0.1:8020"], "127.0.0.1:8000")
     proc = subprocess.run(
         [exe, "-t", "-q", "-p", str(tmp_path), "-c", str(conf), "-e", "stderr"],
         capture_output=True,
