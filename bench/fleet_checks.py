@@ -251,10 +251,11 @@ async def redis_restart(
     killed, restarted = asyncio.Event(), asyncio.Event()
 
     async def one(i: int) -> Reply:
+        # A question long enough to fill new blocks: every request asks Redis for them.
         nonlocal done
         async with sem:
             rep = await chat(http, fleet, session=sids[i % len(sids)], system=hot[i % len(hot)],
-                             user=f"Question {i}", max_tokens=6)  # fmt: skip
+                             user=f"Question {i}: " + QUESTION * 4, max_tokens=6)  # fmt: skip
         done += 1
         if done == total // 4 and not killed.is_set():
             fleet.redis.kill()
