@@ -36,6 +36,26 @@ UPSTREAM_INCLUDE = "pagestream-upstreams.conf"  # the name nginx.conf includes
 SERVED_NAME = "tiny"
 
 
+def _load_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux/glibc
+        return None
+
+
+_PRCTL = _load_prctl()  # looked up here: the child may take no locks before exec
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies, so a
+    killed test run or `make fleet` leaves no replica or nginx behind (Linux).  The
+    signal follows the forking *thread*: start processes from the main thread."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,6 +136,7 @@ class Replica:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), *self.args],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                preexec_fn=_die_with_parent,
             )  # fmt: skip
         self.starts += 1
 
@@ -214,7 +235,7 @@ class Fleet:
             self.nginx = subprocess.Popen(
                 [exe, "-p", str(self.workdir), "-c", str(conf), "-e", "stderr",
                  "-g", "daemon off;"],
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
             )  # fmt: skip
         deadline = time.monotonic() + 20
         while True:
