@@ -28,14 +28,30 @@ class RedisServer:
             raise FileNotFoundError("redis-server is not installed")
         self.port = _free_port()
         self.dir = tempfile.mkdtemp(prefix="pagestream-redis-")
-        args = [
+        self.args = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes",
         ]  # fmt: skip
         if maxmemory:
-            args += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.args += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self._wait_up()
+
+    def kill(self) -> None:
+        """SIGKILL, keeping the port and directory for restart() (a crash, not a stop)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        """A fresh, empty redis-server on the same port."""
+        self.kill()
+        self._spawn()
 
     @property
     def url(self) -> str:

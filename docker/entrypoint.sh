@@ -15,7 +15,7 @@ set -eu
 # Compose passes `PAGESTREAM_MODEL: ${PAGESTREAM_MODEL:-}` and the like, which sets the
 # variable to "" when the operator left it out.  Empty must mean "not set" (embedded
 # default model, no auth, no Redis), not "a model directory named ''".
-for var in PAGESTREAM_MODEL PAGESTREAM_API_KEY PAGESTREAM_REDIS_URL; do
+for var in PAGESTREAM_MODEL PAGESTREAM_API_KEY PAGESTREAM_API_KEY_FILE PAGESTREAM_REDIS_URL; do
     eval "val=\${$var-}"
     if [ -z "$val" ]; then
         unset "$var"
@@ -28,9 +28,13 @@ esac
 
 if [ "$1" = serve ]; then
     shift
-    if [ -z "${PAGESTREAM_API_KEY-}" ]; then
-        echo "pagestream-entrypoint: PAGESTREAM_API_KEY is not set: the API accepts" \
-            "requests without a key" >&2
+    # Keys come from PAGESTREAM_API_KEY, PAGESTREAM_API_KEY_FILE or --api-key[-file].
+    if [ -z "${PAGESTREAM_API_KEY-}" ] && [ -z "${PAGESTREAM_API_KEY_FILE-}" ]; then
+        case " $* " in
+            *" --api-key"*) ;;
+            *) echo "pagestream-entrypoint: PAGESTREAM_API_KEY is not set: the API accepts" \
+                   "requests without a key" >&2 ;;
+        esac
     fi
     # PAGESTREAM_EXTRA_ARGS: options for every replica from one compose variable, e.g.
     # "--dtype bfloat16 --max-num-seqs 64".  Split on whitespace on purpose (no quoting).

@@ -12,10 +12,13 @@ Redis key schema, under a namespace `pagestream:<fingerprint>` that fingerprints
 model weights, dtype, block size and tokenizer (so incompatible caches never mix):
 
     <ns>:meta           HASH   what the namespace holds (model, dtype, block size, ...)
-    <ns>:b:<hash>       HASH   index entry of one block: p = parent hash, n = hit count,
-                               r:<replica> = 1 for each replica holding it; TTL
     <ns>:kv:<hash>      STRING KV payload of a hot block (header + bytes); TTL
     <ns>:kvlru          ZSET   payload keys by last use, to enforce the byte cap
+
+There is no separate index of which replica caches which block: the payload keys are the
+index a look-up needs (EXISTS on the chain), and routing is the balancer's consistent
+hash.  An index written on every block event was ~93% of all Redis commands and nothing
+read it (docs/DEPLOY.md, "Key schema").
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from scheduler.block_pool import BlockEvent, BlockHash, BlockRemoved, BlockStored
+from scheduler.block_pool import BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,6 @@ def decode_payload(blob: bytes | None, expected_len: int) -> bytes | None:
 class TierConfig:
     namespace: str
     payload_bytes: int  # exact size of one block's KV payload
-    replica_id: str = "0"
     lookup_deadline: float = 1.0  # seconds a look-up may take before we give up
     hit_threshold: int = 1  # local hits before a block's KV is published
     max_kv_bytes: int = 1 << 30  # cap on payload bytes this namespace keeps
@@ -90,12 +92,6 @@ class KVStore(Protocol):
 
     async def get_payloads(self, hashes: Sequence[BlockHash]) -> list[bytes | None]: ...
     async def put_payloads(self, items: Sequence[tuple[BlockHash, bytes]]) -> None: ...
-    async def index_update(
-        self,
-        stored: Sequence[tuple[BlockHash, BlockHash | None]],
-        removed: Sequence[BlockHash],
-        hits: Sequence[BlockHash],
-    ) -> None: ...
     async def ping(self) -> None: ...
     async def close(self) -> None: ...
 
@@ -109,7 +105,6 @@ class MemoryStore:
     def __init__(self, cfg: TierConfig) -> None:
         self.cfg = cfg
         self.payloads: OrderedDict[BlockHash, bytes] = OrderedDict()
-        self.index: dict[BlockHash, dict[str, Any]] = {}
         self.bytes = 0
 
     @classmethod
@@ -138,22 +133,6 @@ class MemoryStore:
             _, blob = self.payloads.popitem(last=False)
             self.bytes -= len(blob)
 
-    async def index_update(
-        self,
-        stored: Sequence[tuple[BlockHash, BlockHash | None]],
-        removed: Sequence[BlockHash],
-        hits: Sequence[BlockHash],
-    ) -> None:
-        r = self.cfg.replica_id
-        for h, parent in stored:
-            e = self.index.setdefault(h, {"p": parent, "n": 0, "r": set()})
-            e["r"].add(r)
-        for h in removed:
-            if h in self.index:
-                self.index[h]["r"].discard(r)
-        for h in hits:
-            self.index.setdefault(h, {"p": None, "n": 0, "r": set()})["n"] += 1
-
     async def ping(self) -> None:
         return None
 
@@ -174,9 +153,6 @@ class RedisStore:
         )
         self._meta_written = False
         self._max_entries = max(1, cfg.max_kv_bytes // (cfg.payload_bytes + _HEADER.size))
-
-    def _b(self, h: BlockHash) -> str:
-        return f"{self.ns}:b:{h.hex()}"
 
     def _kv(self, h: BlockHash) -> str:
         return f"{self.ns}:kv:{h.hex()}"
@@ -226,28 +202,6 @@ class RedisStore:
             if oldest:
                 await self.client.delete(*[f"{self.ns}:kv:{m.decode()}" for m, _ in oldest])
 
-    async def index_update(
-        self,
-        stored: Sequence[tuple[BlockHash, BlockHash | None]],
-        removed: Sequence[BlockHash],
-        hits: Sequence[BlockHash],
-    ) -> None:
-        if not (stored or removed or hits):
-            return
-        ttl = self.cfg.ttl_seconds
-        rfield = f"r:{self.cfg.replica_id}"
-        pipe = self.client.pipeline(transaction=False)
-        for h, parent in stored:
-            key = self._b(h)
-            pipe.hset(key, mapping={"p": parent.hex() if parent else "", rfield: 1})
-            pipe.expire(key, ttl)
-        for h in removed:
-            pipe.hdel(self._b(h), rfield)
-        for h in hits:
-            pipe.hincrby(self._b(h), "n", 1)
-            pipe.expire(self._b(h), ttl)
-        await pipe.execute()
-
     async def ping(self) -> None:
         await self.client.ping()
 
@@ -256,17 +210,13 @@ class RedisStore:
 
 
 class PrefixTier:
-    """The prefix-index actor: batches index events and publications, answers look-ups
-    under a deadline, and degrades to doing nothing while its store is unreachable."""
+    """The prefix-tier actor: batches publications, answers look-ups under a deadline, and degrades to doing nothing while its store is unreachable."""
 
     def __init__(self, store: KVStore, cfg: TierConfig, name: str = "redis") -> None:
         self.store = store
         self.cfg = cfg
         self.name = name
         self.stats = TierStats()
-        self._stored: list[tuple[BlockHash, BlockHash | None]] = []
-        self._removed: list[BlockHash] = []
-        self._hits: list[BlockHash] = []
         self._publish: list[tuple[BlockHash, bytes]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -316,17 +266,6 @@ class PrefixTier:
         self._backoff = 0.5
 
     # ---------------------------------------------------------------- engine side
-    def on_block_event(self, ev: BlockEvent) -> None:
-        if isinstance(ev, BlockStored):
-            self._stored.append((ev.block_hash, ev.parent_hash))
-        elif isinstance(ev, BlockRemoved):
-            self._removed.append(ev.block_hash)
-        self._wake.set()
-
-    def on_hits(self, hashes: Sequence[BlockHash]) -> None:
-        self._hits.extend(hashes)
-        self._wake.set()
-
     def should_publish(self, h: BlockHash) -> bool:
         return self.available and h not in self.published
 
@@ -378,22 +317,19 @@ class PrefixTier:
             self._wake.clear()
             # Let a burst of events pile up into one pipeline.
             await asyncio.sleep(0.002)
-            stored, self._stored = self._stored, []
-            removed, self._removed = self._removed, []
-            hits, self._hits = self._hits, []
             publish, self._publish = self._publish, []
             if not self.available:
                 # Unreachable: drop what accumulated (it is only cache metadata) and wait.
                 for h, _ in publish:
                     self.published.pop(h, None)
                 continue
+            if not publish:
+                continue
             try:
-                await self.store.index_update(stored, removed, hits)
-                if publish:
-                    blobs = [(h, encode_payload(d)) for h, d in publish]
-                    await self.store.put_payloads(blobs)
-                    self.stats.blocks_published += len(blobs)
-                    self.stats.bytes_published += sum(len(d) for _, d in publish)
+                blobs = [(h, encode_payload(d)) for h, d in publish]
+                await self.store.put_payloads(blobs)
+                self.stats.blocks_published += len(blobs)
+                self.stats.bytes_published += sum(len(d) for _, d in publish)
                 self._succeeded()
             except asyncio.CancelledError:
                 raise

@@ -89,7 +89,6 @@ class PublishPolicy(Protocol):
     cfg: Any  # .hit_threshold
 
     def should_publish(self, h: BlockHash) -> bool: ...
-    def on_hits(self, hashes: list[BlockHash]) -> None: ...
 
 
 class Scheduler:
@@ -219,14 +218,10 @@ class Scheduler:
         if tier is None:
             return
         threshold = tier.cfg.hit_threshold
-        hashes = []
         for b in hits:
             b.hits += 1
-            hashes.append(b.block_hash)
             if (b.hits >= threshold or req.publish_prefix) and tier.should_publish(b.block_hash):
                 self._to_save[b.block_hash] = None
-        if hashes:
-            tier.on_hits(hashes)
 
     def _note_registration(self, req: Request, end: int) -> None:
         """A registered prefix: publish every prompt block full once this step has run."""

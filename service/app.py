@@ -20,10 +20,17 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, RequestFailed
 from service.metrics import Metrics
-from service.openai_api import OpenAIServing, error_response, json_response
+from service.openai_api import (
+    TENANT_SALT,
+    OpenAIServing,
+    error_response,
+    json_response,
+    salted,
+)
 from service.openapi import openapi_document
 from service.prep import Preprocessor
 from service.protocol import BadRequest, check_messages, decode_prefix
+from service.security import AccessLogger
 from service.state import STATE, ServerConfig, ServerState
 from service.ws import websocket_handler
 
@@ -42,17 +49,61 @@ def _bearer(request: web.Request) -> str | None:
     return None
 
 
+def _authorized(state: ServerState, given: str | None) -> tuple[bool, str | None]:
+    """(key accepted, that key's salt).  Every key is compared, so the time taken does not
+    say which one nearly matched."""
+    ok, salt = False, None
+    raw = (given or "").encode()
+    for key, key_salt_ in state.keys:
+        if hmac.compare_digest(raw, key):
+            ok, salt = True, key_salt_
+    return ok, salt
+
+
+@web.middleware
+async def connection_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Count requests in progress per connection (see ServerState.connections)."""
+    conns = request.app[STATE].connections
+    proto = request.protocol
+    if proto not in conns and len(conns) >= 4096:
+        for p in [p for p, n in conns.items() if n == 0 and p.transport is None]:
+            del conns[p]
+    conns[proto] = conns.get(proto, 0) + 1
+    try:
+        return await handler(request)
+    finally:
+        conns[proto] -= 1
+
+
+def close_idle_connections(state: ServerState) -> int:
+    """Close keep-alive connections with no request in progress.  aiohttp's shutdown marks
+    them closing (they ignore what arrives next) but leaves them open until the drain is
+    over, so a balancer's next request on one would wait out the whole drain unanswered;
+    closed, the balancer retries that request on another replica at once."""
+    closed = 0
+    for proto, n in list(state.connections.items()):
+        if n == 0:
+            if proto.transport is not None:
+                proto.force_close()
+                closed += 1
+            del state.connections[proto]
+    return closed
+
+
 @web.middleware
 async def api_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """API key check for /v1, and OpenAI-shaped errors for everything that goes wrong."""
     state = request.app[STATE]
-    key = state.config.api_key
-    if key and request.path.startswith(("/v1", "/debug")):
-        given = _bearer(request)
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+    if state.keys and request.path.startswith(("/v1", "/debug")):
+        ok, salt = _authorized(state, _bearer(request))
+        if not ok:
             return error_response("invalid or missing API key", 401, code="invalid_api_key")
+        if salt is not None:
+            request[TENANT_SALT] = salt
     try:
         return await handler(request)
     except BadRequest as e:
@@ -122,6 +173,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
                 on_slow_client=metrics.slow_clients.labels(names[0], "sse").inc,
                 socket_send_buffer=state.config.socket_send_buffer,
                 max_buffered_bytes=state.config.max_buffered_bytes,
+                prompt_tokens_details=state.config.enable_prompt_tokens_details,
             )
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
@@ -209,6 +261,7 @@ async def on_shutdown(app: web.Application) -> None:
     close WebSockets with GOING_AWAY.  (aiohttp has already stopped accepting connections.)"""
     state = app[STATE]
     state.draining = True
+    close_idle_connections(state)
     try:
         await asyncio.wait_for(state.idle.wait(), state.config.shutdown_timeout)
     except TimeoutError:
@@ -259,12 +312,14 @@ async def register_prefix(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.inflight_inc()  # it runs a prefill: SIGTERM waits for it like any generation
     try:
-        return await _register_prefix(serving, decode_prefix(body))
+        return await _register_prefix(request, serving, decode_prefix(body))
     finally:
         state.inflight_dec()
 
 
-async def _register_prefix(serving: OpenAIServing, req) -> web.Response:  # req: PrefixRegistration
+async def _register_prefix(
+    request: web.Request, serving: OpenAIServing, req
+) -> web.Response:  # req: PrefixRegistration
     engine = serving.engine
     serving.check_model(req.model)
     if (req.messages is None) == (req.prompt is None):
@@ -280,7 +335,11 @@ async def _register_prefix(serving: OpenAIServing, req) -> web.Response:  # req:
         engine.resolve_max_tokens(len(ids), SamplingParams(max_tokens=1))
     except RequestRejected as e:
         raise BadRequest(str(e), "prompt") from e
-    result = await engine.register_prefix(ids, cache_salt=req.cache_salt)
+    result = await engine.register_prefix(
+        ids, cache_salt=salted(request.get(TENANT_SALT), req.cache_salt)
+    )
+    if not request.app[STATE].config.enable_prompt_tokens_details:
+        del result["cached_tokens"]  # an oracle for what others sent, like usage's
     result["shared_tier"] = engine.tier.name if engine.tier is not None else None
     return json_response(result)
 
@@ -309,6 +368,21 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
+async def live(request: web.Request) -> web.Response:
+    """Liveness for a supervisor (Kubernetes livenessProbe): 200 while the process serves,
+    also while it loads or drains; 503 once the model failed to load or the engine died,
+    which only a restart cures.  /health is the readiness signal."""
+    state = request.app[STATE]
+    dead = state.load_error or (state.engine.dead if state.engine is not None else None)
+    if dead is not None:
+        return web.Response(
+            body=orjson.dumps({"status": f"dead: {dead}"}),
+            status=503,
+            content_type="application/json",
+        )
+    return json_response({"status": "alive"})
+
+
 async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.metrics is None:
@@ -317,6 +391,11 @@ async def metrics_handler(request: web.Request) -> web.Response:
     if engine is not None:
         sched = engine.scheduler
         state.metrics.refresh(sched.stats(), sched.kv.pool.num_used, engine.core.hook_errors)
+        if engine.tier is not None:
+            # The tier's writer publishes between steps; an idle replica has no step to
+            # copy its counters on, so they are brought up to date at scrape time too.
+            tier = engine.tier
+            state.metrics.on_tier(tier.name, tier.stats, tier.healthy)
     return web.Response(
         body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
     )
@@ -374,13 +453,17 @@ async def index(request: web.Request) -> web.FileResponse:
 
 def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.Application:
     """The application; pass `engine` to serve an already-built engine (tests, embedding)."""
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[api_middleware])
+    app = web.Application(
+        client_max_size=config.max_request_bytes,
+        middlewares=[connection_middleware, api_middleware],
+    )
     app[STATE] = ServerState(config)
     if engine is not None:
         app[PRESET_ENGINE] = engine
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
     app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -422,6 +505,7 @@ def run_server(config: ServerConfig) -> int:
         handler_cancellation=True,
         shutdown_timeout=config.shutdown_timeout + 5.0,
         print=announce,
-        access_log=None,
+        access_log=logging.getLogger("pagestream.access") if config.access_log else None,
+        access_log_class=AccessLogger,
     )
     return app[STATE].exit_code

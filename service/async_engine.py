@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import os
-import socket
 import struct
 import time
 import uuid
@@ -166,7 +164,6 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
     cfg = TierConfig(
         namespace=f"pagestream:{fp}",
         payload_bytes=runner.kv_bytes_per_block,  # type: ignore[attr-defined]
-        replica_id=f"{socket.gethostname()}:{os.getpid()}",
         lookup_deadline=args.redis_lookup_deadline,
         hit_threshold=args.redis_hit_threshold,
         max_kv_bytes=args.redis_max_kv_bytes,
@@ -296,7 +293,6 @@ class AsyncEngine:
                 max_model_len=max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
             ),
-            on_block_event=tier.on_block_event if tier else None,
             tier=tier,
         )
         engine = cls(

@@ -193,19 +193,44 @@ def bound_onednn_caches(capacity: int) -> None:
         os.environ.setdefault(var, str(capacity))
 
 
+def _split(values: list[str] | None) -> list[str]:
+    """Repeatable flags that also take comma-separated lists."""
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+
+
+def read_key_file(path: str) -> list[str]:
+    """One API key per line; blank lines and lines starting with # are skipped."""
+    with open(path, encoding="utf-8") as f:
+        keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise SystemExit(f"--api-key-file {path}: no keys in it")
+    return keys
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     bound_onednn_caches(a.onednn_cache_capacity)
     from service.app import ServerConfig, run_server
 
-    origins = [o for o in (a.allowed_origins or "").split(",") if o]
+    keys = list(a.api_key or [])
+    if not keys and _env("PAGESTREAM_API_KEY"):
+        keys = [_env("PAGESTREAM_API_KEY")]
+    if a.api_key_file:
+        keys += read_key_file(a.api_key_file)
+    forwarded = _split(
+        a.forwarded_allow_ips
+        or ([_env("FORWARDED_ALLOW_IPS")] if _env("FORWARDED_ALLOW_IPS") else [])
+    )
     code = run_server(
         ServerConfig(
             engine=engine_args(a),
             host=a.host,
             port=a.port,
-            api_key=a.api_key,
+            api_keys=keys,
             served_model_name=a.served_model_name,
-            allowed_origins=origins,
+            allowed_origins=_split(a.allowed_origins),
+            forwarded_allow_ips=forwarded,
+            enable_prompt_tokens_details=a.enable_prompt_tokens_details,
+            shared_prefix_cache=a.shared_prefix_cache,
             max_request_bytes=a.max_request_bytes,
             shutdown_timeout=a.shutdown_timeout,
             max_buffered_bytes=a.max_buffered_bytes,
@@ -213,6 +238,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             socket_send_buffer=a.socket_send_buffer,
             enable_debug_routes=a.enable_debug_routes,
             limits=limits(a),
+            access_log=not a.disable_access_log,
         )
     )
     if code:
@@ -235,15 +261,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
         "--api-key",
-        default=_env("PAGESTREAM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (and ?api_key= on /v1/ws)",
+        action="append",
+        help="require 'Authorization: Bearer KEY' on /v1 (and ?api_key= on /v1/ws); "
+        "repeat for several keys (default: PAGESTREAM_API_KEY)",
+    )
+    s.add_argument(
+        "--api-key-file",
+        default=_env("PAGESTREAM_API_KEY_FILE"),
+        help="file with one API key per line (# comments), added to --api-key",
+    )
+    s.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="let all API keys share prefix-cache blocks (default: each key's are its own)",
+    )
+    s.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
     )
     s.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     s.add_argument(
         "--allowed-origins",
-        default=None,
-        help="comma-separated extra origins allowed to open /v1/ws ('*' for any)",
+        action="append",
+        help="extra origins allowed to open /v1/ws, e.g. https://chat.example.com "
+        "(repeatable or comma-separated; '*' for any)",
     )
+    s.add_argument(
+        "--forwarded-allow-ips",
+        action="append",
+        help="proxies (IPs or CIDRs, comma-separated; '*' = any) whose X-Forwarded-Host/"
+        "-Proto/-Port and Forwarded headers are trusted (default: FORWARDED_ALLOW_IPS, "
+        "else none)",
+    )
+    s.add_argument("--disable-access-log", action="store_true", help="no per-request log")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip

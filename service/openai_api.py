@@ -81,6 +81,19 @@ SSE_HEADERS = {
 }
 
 
+# Request key under which the auth middleware leaves the caller's API-key salt.
+TENANT_SALT = web.RequestKey("pagestream_tenant_salt", str)
+
+
+def salted(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt a request's prefix blocks are hashed under: its API key's (None when the
+    operator shares the cache or has no keys), then the client's own `cache_salt` inside
+    it, so no client-chosen salt can reach another key's blocks."""
+    if tenant is None:
+        return cache_salt
+    return f"{tenant}/{cache_salt}" if cache_salt else tenant
+
+
 def error_body(
     message: str, status: int, param: str | None = None, code: str | None = None
 ) -> bytes:
@@ -203,8 +216,10 @@ class OpenAIServing:
         on_slow_client: Callable[[], None] | None = None,
         socket_send_buffer: int | None = None,
         max_buffered_bytes: int = 4 << 20,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
+        self.details = prompt_tokens_details
         self.prep = prep
         self.limits: Limits = prep.limits
         self.names = served_model_names
@@ -238,6 +253,17 @@ class OpenAIServing:
             ) from None
 
     # ---------------------------------------------------------------- helpers
+    def _usage(self, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": None,
+        }
+        if self.details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
             raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
@@ -369,7 +395,8 @@ class OpenAIServing:
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        gens, subs = self._start(rid, [ids], [None], params, req.cache_salt, field)
+        salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        gens, subs = self._start(rid, [ids], [None], params, salt, field)
         model = req.model or self.names[0]
         try:
             if req.stream:
@@ -411,7 +438,7 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": _usage(len(ids), completion, last.num_cached_tokens),
+            "usage": self._usage(len(ids), completion, last.num_cached_tokens),
         }
         if req.return_token_ids:
             resp["prompt_token_ids"] = ids
@@ -475,7 +502,9 @@ class OpenAIServing:
                             c["token_ids"] = d.token_ids
                         choices.append(c)
                     if choices:
-                        usage = _usage(len(ids), completion_tokens, cached) if continuous else None
+                        usage = (
+                            self._usage(len(ids), completion_tokens, cached) if continuous else None
+                        )
                         await send(choices, usage)
         except SlowClient:
             return resp  # dropped; the request was aborted as its generator closed
@@ -484,7 +513,7 @@ class OpenAIServing:
         except Exception as e:
             return await self._stream_error(request, resp, e)
         if include_usage:
-            await send([], _usage(len(ids), completion_tokens, cached))
+            await send([], self._usage(len(ids), completion_tokens, cached))
         await self.write(request, resp, b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -518,7 +547,8 @@ class OpenAIServing:
         prompts = await self.prep.prompt_ids(raw)
         texts = [p if isinstance(p, str) else None for p in raw]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gens, subs = self._start(rid, prompts, texts, params, req.cache_salt)
+        salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        gens, subs = self._start(rid, prompts, texts, params, salt)
         model = req.model or self.names[0]
         try:
             if req.stream:
@@ -579,7 +609,7 @@ class OpenAIServing:
                 "created": int(time.time()),
                 "model": model,
                 "choices": choices,
-                "usage": _usage(sum(map(len, prompts)), completion, cached),
+                "usage": self._usage(sum(map(len, prompts)), completion, cached),
             }
         )
 
@@ -632,7 +662,7 @@ class OpenAIServing:
                     if choices:
                         chunk: dict[str, Any] = {**base, "choices": choices}
                         if continuous:
-                            chunk["usage"] = _usage(
+                            chunk["usage"] = self._usage(
                                 prompt_tokens, completion_tokens, sum(cached.values())
                             )
                         await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
@@ -646,18 +676,9 @@ class OpenAIServing:
             chunk = {
                 **base,
                 "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values())),
+                "usage": self._usage(prompt_tokens, completion_tokens, sum(cached.values())),
             }
             await self.write(request, resp, b"data: " + orjson.dumps(chunk) + b"\n\n")
         await self.write(request, resp, b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-
-def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }

@@ -1,4 +1,4 @@
-"""What the server's handlers share: its configuration, its state, and the Origin check.
+"""What the server's handlers share: its configuration and its state.
 
 Both the HTTP routes (app.py) and the WebSocket handler (ws.py) import this module; it
 imports neither, so the service's modules form no loop.
@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from typing import Any
 
 from aiohttp import web
 
@@ -19,6 +19,7 @@ from service.limits import Limits
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
 from service.prep import Preprocessor
+from service.security import key_salt, parse_networks
 
 
 @dataclass
@@ -27,8 +28,20 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # More keys (--api-key repeated, --api-key-file); any one of them (or api_key) passes.
+    api_keys: list[str] = field(default_factory=list)
     served_model_name: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    # Peers whose X-Forwarded-Host/-Proto/-Port and Forwarded headers are believed (IPs or
+    # CIDRs; "*" = any).  Empty: those headers are ignored, as a client could forge them.
+    forwarded_allow_ips: list[str] = field(default_factory=list)
+    # usage.prompt_tokens_details.cached_tokens tells a caller how much of its prompt was
+    # cached: off by default (vLLM's --enable-prompt-tokens-details), since with a shared
+    # cache that is an oracle for what others sent.
+    enable_prompt_tokens_details: bool = False
+    # Off: each API key's prefix blocks are salted with that key, so no key can hit (or
+    # probe) another's.  On: every caller shares one prefix cache.
+    shared_prefix_cache: bool = False
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
     limits: Limits = field(default_factory=Limits)
@@ -43,6 +56,7 @@ class ServerConfig:
     exit_on_engine_failure: bool = False
     # GET /debug/state (engine queues, KV blocks, memory, tasks) for operators and tests.
     enable_debug_routes: bool = False
+    access_log: bool = True
 
 
 class ServerState:
@@ -50,6 +64,13 @@ class ServerState:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        keys = ([config.api_key] if config.api_key else []) + list(config.api_keys)
+        # Each key with the salt its prefix blocks are hashed under (None when shared).
+        self.keys: list[tuple[bytes, str | None]] = [
+            (k.encode(), None if config.shared_prefix_cache else key_salt(k))
+            for k in dict.fromkeys(keys)
+        ]
+        self.trusted_proxies = parse_networks(config.forwarded_allow_ips)
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.prep: Preprocessor | None = None
@@ -58,6 +79,9 @@ class ServerState:
         self.draining = False
         self.websockets: set[web.WebSocketResponse] = set()
         self.ws_opening = 0  # WebSocket handshakes in progress
+        # Every HTTP connection a request came in on -> its requests in progress (0 = an
+        # idle keep-alive connection), so SIGTERM can close the idle ones (on_shutdown).
+        self.connections: dict[Any, int] = {}
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -84,13 +108,3 @@ class ServerState:
 
 
 STATE = web.AppKey("pagestream_state", ServerState)
-
-
-def check_origin(request: web.Request, allowed: list[str]) -> bool:
-    """Refuse cross-site WebSocket hijacking: a browser always sends Origin; it must be this
-    server's own origin or one the operator allowed.  Non-browser clients send none."""
-    origin = request.headers.get("Origin")
-    if origin is None or "*" in allowed or origin in allowed:
-        return True
-    host = urlsplit(origin).netloc
-    return host.lower() == request.host.lower()

@@ -21,9 +21,10 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from scheduler.engine_core import EngineDeadError, EngineOverloaded
 from scheduler.scheduler import RequestRejected
 from service.async_engine import MaxTokensTooLarge, RequestFailed
-from service.openai_api import error_response, limit_send_buffer, wait_drained
+from service.openai_api import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, check_messages, decode_ws
-from service.state import STATE, ServerState, check_origin
+from service.security import check_origin
+from service.state import STATE, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ class WSSession:
         state: ServerState,
         conn_id: str,
         request: web.Request | None = None,
+        tenant_salt: str | None = None,
     ) -> None:
         self.ws = ws
+        self.tenant_salt = tenant_salt  # the API key's prefix-cache salt (see app.py)
         self.state = state
         self.conn_id = conn_id
         self.request = request
@@ -195,8 +198,9 @@ class WSSession:
                 else:
                     (ids,) = await prep.prompt_ids([frame.prompt])  # type: ignore[list-item]
                 rid = f"ws-{self.conn_id}-{gid}"
+                salt = salted(self.tenant_salt, frame.cache_salt)
                 try:
-                    sub = engine.submit(ids, params, rid, frame.cache_salt)
+                    sub = engine.submit(ids, params, rid, salt)
                 except MaxTokensTooLarge as e:
                     raise BadRequest(str(e), "params.max_tokens") from e
                 gen = engine.generate("", submitted=sub)
@@ -277,7 +281,7 @@ def _frame_id(data: str) -> str | None:
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
 
     state = request.app[STATE]
-    if not check_origin(request, state.config.allowed_origins):
+    if not check_origin(request, state.config.allowed_origins, state.trusted_proxies):
         return web.Response(status=403, text="cross-origin WebSocket refused")
     limits = state.config.limits
     # Sockets still in their handshake count too, so concurrent upgrades cannot overshoot.
@@ -299,7 +303,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     finally:
         state.ws_opening -= 1
     state.websockets.add(ws)
-    session = WSSession(ws, state, state.next_conn_id(), request)
+    session = WSSession(ws, state, state.next_conn_id(), request, request.get(TENANT_SALT))
     try:
         await session.run()
     finally:

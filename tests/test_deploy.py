@@ -35,6 +35,7 @@ DOCKER = ROOT / "docker"
 BASE = DOCKER / "docker-compose.yml"
 CUDA = DOCKER / "docker-compose.cuda.yml"
 NGINX_CONF = DOCKER / "nginx.conf"
+NGINX_UPSTREAMS = DOCKER / "nginx-upstreams.conf"
 DOCKERFILE = DOCKER / "Dockerfile"
 ENTRYPOINT = DOCKER / "entrypoint.sh"
 HEALTHCHECK = DOCKER / "healthcheck.py"
@@ -131,9 +132,12 @@ def _nginx_text() -> str:
 
 
 def _nginx_upstream_servers() -> list[str]:
+    """The replicas: the upstream block includes docker/nginx-upstreams.conf."""
     block = re.search(r"upstream\s+pagestream_engines\s*\{(.*?)\}", _nginx_text(), re.S)
     assert block, "upstream pagestream_engines block not found"
-    return re.findall(r"^\s*server\s+([\w.-]+):8000\b", block.group(1), re.M)
+    assert re.search(r"^\s*include\s+pagestream-upstreams\.conf;", block.group(1), re.M)
+    servers = NGINX_UPSTREAMS.read_text()
+    return re.findall(r"^\s*server\s+([\w.-]+):8000\b", servers, re.M)
 
 
 def _location(path_re: str) -> str:
@@ -189,6 +193,11 @@ def test_balancer_fronts_every_engine(base: dict[str, Any]) -> None:
     assert engines <= set(lb["depends_on"])
     assert _published_ports(lb) == ["8000"]
     assert any(str(v).endswith(":/etc/nginx/nginx.conf:ro") for v in lb["volumes"])
+    assert any(
+        str(v).startswith(str(NGINX_UPSTREAMS)) or "nginx-upstreams.conf:" in str(v)
+        for v in lb["volumes"]
+    )
+    assert any(str(v).endswith(":/etc/nginx/pagestream-upstreams.conf:ro") for v in lb["volumes"])
     assert "/lb/health" in _healthcheck_cmd(lb)
     # `resolve` in the upstream block needs nginx >= 1.27.3.
     m = re.fullmatch(r"nginx:(\d+)\.(\d+)(?:\.\d+)?-alpine", lb["image"])
@@ -250,8 +259,16 @@ def test_nginx_affinity_and_streaming_directives() -> None:
         assert var in text, var
     # The key (which may be an API key) never reaches the log.
     log_format = re.search(r"log_format\s+\w+(.*?);", text, re.S)
-    assert log_format and "ps_" not in log_format.group(1)
+    assert log_format and "ps_key" not in log_format.group(1)
+    assert "ps_affinity" not in log_format.group(1)
     assert "authorization" not in log_format.group(1).lower()
+    # Nor does ?api_key= (browsers' WebSocket auth): no $request, $request_uri or raw $args.
+    for var in ("$request ", '$request"', "$request_uri", "$args", "$query_string"):
+        assert var not in log_format.group(1), var
+    # Browsers' WebSocket Origin is compared with the Host the replica sees: nginx must
+    # pass the client's Host with its port ($host drops it).
+    assert not re.search(r"proxy_set_header\s+Host\s+\$host;", text)
+    assert re.search(r"proxy_set_header\s+Host\s+\$ps_host;", text)
     assert re.search(r"^\s*proxy_buffering\s+off;", text, re.M)
     assert re.search(r"^\s*proxy_cache\s+off;", text, re.M)
     assert re.search(r"X-Accel-Buffering\s+no", text)
@@ -267,32 +284,15 @@ def test_nginx_affinity_and_streaming_directives() -> None:
     assert "proxy_pass http://pagestream_engines;" in _location("/")
 
 
-def _nginx_version(exe: str) -> tuple[int, ...]:
-    out = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=10).stderr
-    m = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", out)
-    assert m, out
-    return tuple(int(x) for x in m.groups())
-
-
 def test_nginx_config_syntax(tmp_path: Path) -> None:
     exe = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
     if exe is None:
         pytest.skip("no nginx binary (the directive assertions above still ran)")
-    text = NGINX_CONF.read_text()
-    # The replica names exist only inside the compose network, and `nginx -t` resolves
-    # upstream names, so they become loopback addresses here.
-    text = re.sub(r"server engine(\d+):8000", r"server 127.0.0.1:80\g<1>0", text)
-    if _nginx_version(exe) < (1, 27, 3):
-        text = text.replace(" resolve ", " ")  # not yet in open-source nginx
-    # Keep pid and temp files inside tmp_path.
-    text = re.sub(r"^pid .*;$", f"pid {tmp_path}/nginx.pid;", text, flags=re.M)
-    temp = "".join(
-        f"    {kind}_temp_path {tmp_path}/{kind};\n"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    text = text.replace("\nhttp {\n", "\nhttp {\n" + temp, 1)
-    conf = tmp_path / "nginx.conf"
-    conf.write_text(text)
+    # The same file as compose mounts, the replica addresses (which exist only inside the
+    # compose network) filled in as the loopback fleet does (bench/fleet.py).
+    from bench.fleet import render_nginx
+
+    conf = render_nginx(tmp_path, ["127.0.0.1:8010", "127.0.0.1:8020"], "127.0.0.1:8000")
     proc = subprocess.run(
         [exe, "-t", "-q", "-p", str(tmp_path), "-c", str(conf), "-e", "stderr"],
         capture_output=True,

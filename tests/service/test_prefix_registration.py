@@ -47,7 +47,11 @@ def test_registered_system_prompt_is_loaded_by_another_replica():
         {"role": "user", "content": "Where is my parcel?"},
     ]
     try:
-        kw = {"engine_kwargs": {"redis_url": redis.url}, "served_model_name": "tiny"}
+        kw = {
+            "engine_kwargs": {"redis_url": redis.url},
+            "served_model_name": "tiny",
+            "enable_prompt_tokens_details": True,
+        }
         with live_server(model, **kw) as a:
             code, info = post(a.url + "/v1/cache/prefixes", {"messages": messages[:1]})
             assert code == 200, info
