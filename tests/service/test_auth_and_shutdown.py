@@ -81,7 +81,7 @@ async def test_sigterm_drains_streams_then_going_away(model):
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port),
-         "--num-kv-blocks", "256", "--dtype", "float32", "--shutdown-timeout", "20"],
+         "--num-kv-blocks", "256", "--dtype", "float32", "--shutdown-timeout", "90"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -108,14 +108,16 @@ async def test_sigterm_drains_streams_then_going_away(model):
         t.start()
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-        t.join(60)
+        # Generous bounds: on a loaded 2-core machine 150 tokens can take tens of seconds,
+        # and the drain must outlast them (what is tested is that it completes at all).
+        t.join(100)
         assert result.get("finish") == "length", result
         # The idle WebSocket is closed with 1001 GOING_AWAY.
         with pytest.raises(ConnectionClosed) as e:
             while True:
                 await ws.recv()
         assert e.value.rcvd is not None and e.value.rcvd.code == 1001
-        assert proc.wait(30) == 0
+        assert proc.wait(60) == 0
         # And nothing listens any more.
         with pytest.raises(OSError):
             urllib.request.urlopen(url + "/health", timeout=2)
