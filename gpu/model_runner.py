@@ -22,7 +22,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from gpu.loader import load_model
-from gpu.sampler import RequestSamplingState, Sampler
+from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from scheduler.contract import KVBlockPayload, ModelOutput, ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,8 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if samples.states:
                 logits = self.model.compute_logits(hidden.index_select(0, samples.rows))
+                if so.grammar_bitmasks:
+                    self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 result = self.sampler(logits, samples.states)
                 for state, tok in zip(samples.states, result.token_ids, strict=True):
                     state.append(tok)
@@ -198,6 +200,13 @@ class ModelRunner:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0
         return out
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, ids: list[str], masks: dict[str, bytes]) -> None:
+        """Mask the constrained rows' logits in place; other rows are not touched."""
+        rows = [i for i, rid in enumerate(ids) if rid in masks]
+        if rows:
+            apply_token_bitmask_(logits, rows, [masks[ids[i]] for i in rows])
 
     def _sample_rows(self, reqs: list[ScheduledRequest], last_rows: Sequence[int]) -> SampleRows:
         """Which hidden rows feed the sampler: each sampling request's last fed token, once

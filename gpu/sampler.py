@@ -1,7 +1,7 @@
 """Batched token sampler: one call per step turns the logits of every sampling row into a token.
 
-Per row, in vLLM's order: raw logits -> min_tokens masking -> repetition / frequency / presence
-penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample.
+Per row, in vLLM's order: raw logits -> min_tokens masking -> logit_bias -> repetition /
+frequency / presence penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample.
 
 Sampling uses the exponential race: with q ~ Exp(1) drawn independently per token,
 argmax(probs / q) is a sample from probs.  It needs no normalisation and no cumulative sum, and
@@ -40,6 +40,8 @@ class RequestSamplingState:
 
     __slots__ = (
         "_prompt_ids",
+        "bias_ids",
+        "bias_values",
         "generator",
         "greedy",
         "needs_penalties",
@@ -63,12 +65,16 @@ class RequestSamplingState:
         # Cached once: the per-step loop reads plain attributes instead of re-deriving them.
         self.greedy = params.greedy
         self.needs_penalties = params.needs_penalties
+        bias = params.logit_bias or {}
+        self.bias_ids = list(bias)
+        self.bias_values = list(bias.values())
         # Rows that can take the batch-wide argmax fast path whatever their state.
         self.plain_greedy = (
             self.greedy
             and not self.needs_penalties
             and params.logprobs is None
             and params.min_tokens == 0
+            and not bias
         )
         self._prompt_ids: torch.Tensor | None = None
 
@@ -177,6 +183,33 @@ def _penalize(
     logits[row, tok] = val
 
 
+def apply_token_bitmask_(
+    logits: torch.Tensor,  # [R, >= V], written in place
+    rows: list[int],  # the constrained rows
+    masks: list[bytes],  # their allowed-token bitmasks: packed little-endian int32 words
+) -> None:
+    """Set every token a row's grammar forbids to -inf; only the listed rows are read or
+    written, so unconstrained rows pay nothing.  Columns past the mask are forbidden; a
+    mask that allows nothing is left unapplied (the scheduler ends that request)."""
+    k, width = len(rows), logits.shape[1]
+    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(k, -1)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(k, -1).bool()  # [k, 32 * W]
+    if allowed.shape[1] < width:
+        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))
+    allowed = allowed[:, :width]
+    live = allowed.any(-1)  # [k]
+    if not bool(live.all()):
+        keep = live.nonzero().squeeze(1).tolist()
+        rows, allowed = [rows[i] for i in keep], allowed[keep]
+        if not rows:
+            return
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, idx)
+    sub.masked_fill_(~allowed.to(logits.device), -torch.inf)
+    logits.index_copy_(0, idx, sub)
+
+
 def _on_rows(t: torch.Tensor, pos: list[int], fn: Callable[[torch.Tensor], None]) -> None:
     """Run the in-place `fn` on rows `pos` of `t`, copying them out only for a strict subset."""
     if len(pos) == t.shape[0]:
@@ -279,6 +312,7 @@ class Sampler:
         unseeded: list[int] = []
         seeded: list[int] = []
         min_tok: list[int] = []
+        biased: list[int] = []
         penal: list[int] = []
         want_lp: list[int] = []
         for i, r in enumerate(rows):
@@ -291,6 +325,8 @@ class Sampler:
             p = r.params
             if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
                 min_tok.append(i)
+            if r.bias_ids:
+                biased.append(i)
             if r.needs_penalties:
                 penal.append(i)
             if p.logprobs is not None:
@@ -310,6 +346,18 @@ class Sampler:
                 mask_c += ids
             if mask_c:
                 x[torch.tensor(mask_r, device=dev), torch.tensor(mask_c, device=dev)] = -torch.inf
+        if biased:
+            if x is logits:
+                x = x.clone()
+            b_r = [i for i in biased for _ in rows[i].bias_ids]
+            b_c = [t for i in biased for t in rows[i].bias_ids]
+            b_v = [v for i in biased for v in rows[i].bias_values]
+            keep = [j for j, t in enumerate(b_c) if t < vocab]  # ids past a padded head
+            r_t = torch.tensor([b_r[j] for j in keep], dtype=torch.long, device=dev)
+            c_t = torch.tensor([b_c[j] for j in keep], dtype=torch.long, device=dev)
+            x.index_put_(
+                (r_t, c_t), torch.tensor([b_v[j] for j in keep], device=dev), accumulate=True
+            )
         if penal:
             if x is logits:
                 x = x.clone()

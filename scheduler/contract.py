@@ -58,6 +58,9 @@ class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
     load_kv: list[KVBlockPayload] = msgspec.field(default_factory=list)
     # Blocks to read out after the forward (full blocks published to the Redis tier).
     save_kv_blocks: list[int] = msgspec.field(default_factory=list)
+    # Constrained rows sampled this step: req_id -> allowed-token bitmask (packed
+    # little-endian int32 words, bit t = token t).  Rows not named here are unconstrained.
+    grammar_bitmasks: dict[str, bytes] = msgspec.field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -26,6 +26,7 @@ from scheduler.contract import (
 )
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.structured import GrammarMatcher
 
 
 class RequestRejected(ValueError):
@@ -114,6 +115,7 @@ class Scheduler:
         self.finished_req_ids: list[str] = []  # to tell the runner next step
         self.num_preemptions = 0
         self.step_id = 0
+        self._bitmasks: dict[str, bytes] = {}  # grammar masks of the step being built
         # Shared prefix tier: requests parked while it is asked for their prompt's KV,
         # blocks to read out for publication, and what each step's read-outs were.
         self.tier = tier
@@ -250,6 +252,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         copies: list[tuple[int, int]] = []
         load_kv: list[KVBlockPayload] = []
+        self._bitmasks: dict[str, bytes] = {}
         done: set[str] = set()
         preempted = False
         bs = self.block_size
@@ -330,6 +333,7 @@ class Scheduler:
             copy_blocks=copies,
             load_kv=load_kv,
             save_kv_blocks=list(save),
+            grammar_bitmasks=self._bitmasks,
         )
 
     def _schedule(
@@ -360,6 +364,12 @@ class Scheduler:
             child = self.requests[cid]
             if not child.registered:
                 new_reqs.append(self._new_request_data(child))
+        if sample:
+            for r in (req, *(self.requests[c] for c in forks)):
+                if r.grammar is not None:
+                    mask = r.grammar.bitmask()
+                    if mask is not None:  # an erroring matcher ends the request on update
+                        self._bitmasks[r.req_id] = mask
 
     @staticmethod
     def _new_request_data(req: Request) -> NewRequestData:
@@ -428,10 +438,18 @@ class Scheduler:
         return updates
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
+        grammar = req.grammar
+        if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            return self._update(req, [], error=why)
         req.token_ids.append(tok)
         n_out = req.num_output_tokens
         status = None
-        if tok in req.stop_ids and n_out >= req.params.min_tokens:
+        if grammar is not None and grammar.terminated and tok not in req.stop_ids:
+            # The grammar is complete (e.g. the JSON closed): stop now rather than spend a
+            # step on the end-of-text token, which is all it would allow.
+            status = RequestStatus.FINISHED_STOPPED
+        elif tok in req.stop_ids and n_out >= req.params.min_tokens:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = tok
         elif n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
@@ -439,6 +457,14 @@ class Scheduler:
         if status is not None:
             self._finish(req, status)
         return self._update(req, [tok], [lp] if req.params.logprobs is not None else None)
+
+    @staticmethod
+    def _grammar_refuses(grammar: GrammarMatcher, tok: int) -> str | None:
+        """Why a constrained request cannot take `tok` (a dead end), or None."""
+        err = grammar.error()
+        if err is None and not grammar.accept(tok):
+            err = grammar.error() or f"token {tok} is not allowed here"
+        return None if err is None else f"structured output: the grammar reached a dead end ({err})"
 
     def _update(
         self,

@@ -19,6 +19,7 @@ from aiohttp import WSCloseCode, web
 from scheduler.engine_core import EngineDeadError, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
+from service import utility_api
 from service.async_engine import AsyncEngine, EngineArgs
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
@@ -40,6 +41,7 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # hermes | llama3_json: parses tool_choice "auto"
 
 
 class ServerState:
@@ -154,7 +156,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             engine.request_hooks.append(metrics.on_request_done)
             await engine.start()
             state.metrics = metrics
-            state.serving = OpenAIServing(engine, names)
+            state.serving = OpenAIServing(engine, names, state.config.tool_call_parser)
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
         except Exception as e:
@@ -250,6 +252,14 @@ async def register_prefix(request: web.Request) -> web.StreamResponse:
     return json_response(result)
 
 
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    return await utility_api.tokenize(_serving(request), request)
+
+
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    return await utility_api.detokenize(_serving(request), request)
+
+
 async def models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.serving is None:
@@ -295,7 +305,11 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
         app[PRESET_ENGINE] = engine
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
+    app.on_response_prepare.append(utility_api.echo_request_id)
     app.router.add_get("/health", health)
+    app.router.add_get("/version", utility_api.version_handler)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)

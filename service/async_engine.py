@@ -28,6 +28,7 @@ from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from service.detokenizer import IncrementalDetokenizer, StopChecker
+from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,10 @@ class AsyncEngine:
             dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
         )
         self.max_model_len = scheduler.config.max_model_len
+        self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
+        self.grammars = GrammarCompiler(
+            model_dir / "tokenizer.json", self.vocab_size, self.eos_token_ids
+        )
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -279,6 +284,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         await self.core.stop()
+        self.grammars.shutdown()
         if self.tier is not None:
             await self.tier.close()
         self.executor.shutdown()
@@ -332,6 +338,15 @@ class AsyncEngine:
         publish_prefix: bool = False,
     ) -> list[Request]:
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"logit_bias: token id {bad} is outside the vocabulary")
+        grammars: list = [None] * params.n
+        if params.structured_outputs is not None:
+            try:
+                grammars = self.grammars.matchers(params.structured_outputs, params.n)
+            except GrammarError as e:
+                raise RequestRejected(f"structured_outputs: {e}") from e
         now = time.monotonic()
         return [
             Request(
@@ -345,9 +360,16 @@ class AsyncEngine:
                 group_id=request_id,
                 arrival_time=now,
                 publish_prefix=publish_prefix,
+                grammar=grammars[i],
             )
             for i in range(params.n)
         ]
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's structured-output spec off the event loop (cached by spec);
+        raises GrammarError when the engine cannot enforce it."""
+        if params.structured_outputs is not None:
+            await self.grammars.compile(params.structured_outputs)
 
     async def generate(
         self,
@@ -364,6 +386,10 @@ class AsyncEngine:
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        try:
+            await self.compile_grammar(params)
+        except GrammarError as e:
+            raise RequestRejected(f"structured_outputs: {e}") from e
         group = self.build_group(rid, ids, params, cache_salt, publish_prefix)
         stream = self.core.add(group)
         metrics = RequestMetrics(arrival_time=group[0].arrival_time)
@@ -479,5 +505,7 @@ class AsyncEngine:
                 o.finish_reason = u.finish_reason if u.error is None else "error"
                 if u.stop_token_id is not None:
                     o.stop_reason = u.stop_token_id
+                elif u.error is not None:
+                    o.stop_reason = u.error  # e.g. a grammar's dead end: say why
         o.text += delta
         o.delta_text += delta

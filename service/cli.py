@@ -129,6 +129,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allowed_origins=origins,
             max_request_bytes=a.max_request_bytes,
             shutdown_timeout=a.shutdown_timeout,
+            tool_call_parser=a.tool_call_parser,
         )
     )
     return 0
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated extra origins allowed to open /v1/ws ('*' for any)",
     )
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="parse tool calls out of the text for tool_choice 'auto'")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip
     add_engine_args(s)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 from aiohttp import web
 
@@ -27,6 +28,16 @@ from service.protocol import (
     CompletionRequest,
     decode_chat,
     decode_completion,
+)
+from service.structured import GrammarError
+from service.tool_calls import (
+    Mode,
+    ToolStream,
+    constraint,
+    make_parser,
+    parse_output,
+    template_tools,
+    tool_mode,
 )
 
 SSE_HEADERS = {
@@ -136,12 +147,39 @@ async def merge(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+REQUEST_ID = web.RequestKey("pagestream_request_id", str)
+
+
+def request_id(request: web.Request, body_id: str | None, prefix: str) -> str:
+    """The client's id (X-Request-Id header, else the body's request_id) or a fresh one;
+    remembered on the request so the response echoes it."""
+    given = request.headers.get("X-Request-Id") or body_id
+    if given is not None and not (0 < len(given) <= 256 and given.isprintable()):
+        raise BadRequest("X-Request-Id must be 1-256 printable characters", "X-Request-Id")
+    rid = given or uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    return f"{prefix}-{rid}"
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.engine = engine
         self.names = served_model_names
         self.tokenizer = engine.tokenizer
+        self.tool_call_parser = tool_call_parser
         self._token_text: dict[int, str] = {}
+
+    async def compile(self, params: SamplingParams, field: str | None) -> None:
+        """Compile the request's grammar off the loop; what cannot be compiled is a 400."""
+        try:
+            await self.engine.compile_grammar(params)
+        except GrammarError as e:
+            raise BadRequest(str(e), field) from e
 
     # ---------------------------------------------------------------- helpers
     def check_model(self, model: str | None) -> None:
@@ -257,20 +295,35 @@ class OpenAIServing:
         req: ChatCompletionRequest = decode_chat(body)
         self.check_model(req.model)
         params = req.to_sampling_params()
+        mode = tool_mode(req, self.tool_call_parser)
+        spec = req.structured()
+        if (tc := constraint(req, mode)) is not None:
+            if spec is not None:
+                raise BadRequest(
+                    f"tool_choice {mode!r} constrains the output; it cannot be combined "
+                    f"with {spec[1]}",
+                    "tool_choice",
+                )
+            spec = tc
+            params = msgspec.structs.replace(params, structured_outputs=tc[0])
+        await self.compile(params, spec[1] if spec else None)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = template_tools(req)
         try:
             ids = self.engine.render_chat(
                 [m.as_template_dict() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+                **kwargs,
             )
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = request_id(request, req.request_id, "chatcmpl")
         gens = self._start(rid, [ids], [None], params, req.cache_salt)
         model = req.model or self.names[0]
         if req.stream:
-            return await self._chat_stream(request, req, rid, model, ids, gens[0], params)
-        return await self._chat_full(req, rid, model, ids, gens[0], params)
+            return await self._chat_stream(request, req, rid, model, ids, gens[0], params, mode)
+        return await self._chat_full(req, rid, model, ids, gens[0], params, mode)
 
     async def _chat_full(
         self,
@@ -280,18 +333,28 @@ class OpenAIServing:
         ids: list[int],
         gen: AsyncIterator[RequestOutput],
         params: SamplingParams,
+        mode: Mode | None,
     ) -> web.Response:
         last: RequestOutput | None = None
         async for out in gen:
             last = out
         assert last is not None
+        parser = make_parser(self.tool_call_parser) if mode == "auto" else None
         choices = []
         for o in last.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            finish = o.finish_reason
+            if mode is not None:
+                content, calls = parse_output(mode, o.text, parser, req)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    if mode != "named" and finish == "stop":
+                        finish = "tool_calls"
             choice: dict[str, Any] = {
                 "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
+                "message": message,
                 "logprobs": self.chat_logprobs(o.logprobs),
-                "finish_reason": o.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": o.stop_reason,
             }
             if req.return_token_ids:
@@ -319,10 +382,13 @@ class OpenAIServing:
         ids: list[int],
         gen: AsyncIterator[RequestOutput],
         params: SamplingParams,
+        mode: Mode | None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         created = int(time.time())
+        parser = make_parser(self.tool_call_parser) if mode == "auto" else None
+        tools = {i: ToolStream(mode, parser, req) for i in range(params.n)} if mode else {}
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -352,11 +418,22 @@ class OpenAIServing:
                 choices = []
                 for d in deltas:
                     completion_tokens += len(d.token_ids)
+                    delta: dict[str, Any] = {"content": d.text} if d.text else {}
+                    finish = d.finish_reason
+                    if (ts := tools.get(d.index)) is not None:
+                        delta = ts.feed(d.text)
+                        if finish is not None:
+                            last, called = ts.finish()
+                            delta = _merge_delta(delta, last)
+                            if called and mode != "named" and finish == "stop":
+                                finish = "tool_calls"
+                        if not delta and finish is None and d.logprobs is None:
+                            continue  # text held back until the call can be parsed
                     c: dict[str, Any] = {
                         "index": d.index,
-                        "delta": {"content": d.text} if d.text else {},
+                        "delta": delta,
                         "logprobs": self.chat_logprobs(d.logprobs),
-                        "finish_reason": d.finish_reason,
+                        "finish_reason": finish,
                     }
                     if d.finish_reason is not None:
                         c["stop_reason"] = d.stop_reason
@@ -383,6 +460,8 @@ class OpenAIServing:
         req: CompletionRequest = decode_completion(body)
         self.check_model(req.model)
         params = req.to_sampling_params()
+        spec = req.structured()
+        await self.compile(params, spec[1] if spec else None)
         raw = req.prompts()
         prompts, texts = [], []
         for p in raw:
@@ -394,7 +473,7 @@ class OpenAIServing:
                 raise BadRequest("the prompt encodes to no tokens", "prompt")
             prompts.append(ids)
             texts.append(p if isinstance(p, str) else None)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = request_id(request, req.request_id, "cmpl")
         gens = self._start(rid, prompts, texts, params, req.cache_salt)
         model = req.model or self.names[0]
         if req.stream:
@@ -513,6 +592,15 @@ class OpenAIServing:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _merge_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    if "content" in b:
+        out["content"] = out.get("content", "") + b["content"]
+    if "tool_calls" in b:
+        out["tool_calls"] = out.get("tool_calls", []) + b["tool_calls"]
+    return out
 
 
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

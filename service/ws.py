@@ -19,6 +19,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from scheduler.scheduler import RequestRejected
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
+from service.structured import GrammarError
 
 if TYPE_CHECKING:
     from service.app import ServerState
@@ -115,6 +116,11 @@ class WSSession:
         try:
             try:
                 params = frame.params.to_sampling_params()
+                spec = frame.params.structured()
+                try:
+                    await engine.compile_grammar(params)
+                except GrammarError as e:
+                    raise BadRequest(str(e), spec[1] if spec else None) from e
                 if (frame.messages is None) == (frame.prompt is None):
                     raise BadRequest("give exactly one of messages or prompt", "messages")
                 if frame.messages is not None:
