@@ -114,7 +114,7 @@ def test_preemption_keeps_the_matcher_in_step():
     for _ in range(100):
         if not s.has_unfinished():
             break
-        so, ups = step(s, {"c": script[len(out)] if len(out) < len(script) else 0, "u": 3})
+        _, ups = step(s, {"c": script[len(out)] if len(out) < len(script) else 0, "u": 3})
         out += [t for u in ups if u.req_id == "c" for t in u.new_token_ids]
     assert s.num_preemptions > 0
     assert out == script == m.accepted
