@@ -79,6 +79,8 @@ class Request:
         self.remote_payloads: list[bytes] = []
         # Constrained decoding: this sample's own matcher, advanced with every output token.
         self.grammar = grammar
+        self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked)
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:

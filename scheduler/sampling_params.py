@@ -63,6 +63,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Logprob of every prompt token after the first, with this many alternatives.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling (OpenAI's logit_bias, [-100, 100]).
     logit_bias: dict[int, float] | None = None
@@ -104,6 +106,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             bad("stop", "empty stop strings are not allowed")
         for tok, bias in (self.logit_bias or {}).items():

@@ -70,6 +70,7 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     error: str | None = None
     first_scheduled_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token
 
 
 @dataclass
@@ -188,7 +189,11 @@ class Scheduler:
     def remote_lookup_plan(self, req: Request) -> tuple[int, list[BlockHash]] | None:
         """(first block index, hashes) of the prompt blocks worth asking the shared tier
         for: those past the local hits, leaving the last token to compute."""
-        if not self.config.enable_prefix_caching or req.num_computed_tokens:
+        if (
+            not self.config.enable_prefix_caching
+            or req.num_computed_tokens
+            or req.params.prompt_logprobs is not None
+        ):
             return None
         bs = self.block_size
         req.update_block_hashes(bs)
@@ -283,7 +288,10 @@ class Scheduler:
             req = self.waiting[0]
             if len(self.running) + 1 + len(req.fork_ids) > cfg.max_num_seqs:
                 break
-            hits = self.kv.get_computed_blocks(req)
+            # Prompt logprobs need every prompt position computed: no prefix hits.
+            hits = (
+                [] if req.params.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
+            )
             local, remote = len(hits), 0
             if req.remote_payloads:
                 # Blocks the shared tier holds, contiguous with the local hits.
@@ -409,6 +417,10 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             req.num_computed_tokens += len(sr.input_ids)
+            if (plp := mo.prompt_logprobs.get(req.req_id)) and not req.prompt_logprobs_sent:
+                # A recompute after preemption sends them again: keep the first copy.
+                room = req.prompt_len - 1 - len(req.prompt_logprobs)
+                req.prompt_logprobs += plp[: max(room, 0)]
             if not sr.sample:
                 continue
             if rid_err := mo.errors.get(req.req_id):
@@ -438,6 +450,13 @@ class Scheduler:
         return updates
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
+        update = self._append(req, tok, lp)
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            update.prompt_logprobs = req.prompt_logprobs
+        return update
+
+    def _append(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
         grammar = req.grammar
         if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
             self._finish(req, RequestStatus.FINISHED_ERROR)

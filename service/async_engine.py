@@ -96,6 +96,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # params.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _Sequence:
@@ -419,6 +421,8 @@ class AsyncEngine:
                         metrics.last_token_time = now
                         metrics.token_times.append(now)
                     out.num_cached_tokens = u.num_cached_tokens
+                    if u.prompt_logprobs and out.prompt_logprobs is None:
+                        out.prompt_logprobs = [None, *u.prompt_logprobs]
                     if metrics.first_scheduled_time is None:
                         metrics.first_scheduled_time = u.first_scheduled_time
                     self._apply(seq, u)

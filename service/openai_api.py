@@ -22,6 +22,7 @@ from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, RequestOutput
+from service.completion_extras import best_of, echo_logprobs, join_logprobs, prompt_logprobs_json
 from service.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -371,6 +372,8 @@ class OpenAIServing:
         }
         if req.return_token_ids:
             resp["prompt_token_ids"] = ids
+        if req.prompt_logprobs is not None:
+            resp["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs, self.token_text)
         return json_response(resp)
 
     async def _chat_stream(
@@ -476,9 +479,13 @@ class OpenAIServing:
         rid = request_id(request, req.request_id, "cmpl")
         gens = self._start(rid, prompts, texts, params, req.cache_salt)
         model = req.model or self.names[0]
+        # echo: the prompt as text (token-id prompts decoded), before each choice's output.
+        echo = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, prompts, strict=True)] if req.echo else None  # fmt: skip
         if req.stream:
-            return await self._completion_stream(request, req, rid, model, prompts, gens, params)
-        return await self._completion_full(req, rid, model, prompts, gens, params)
+            return await self._completion_stream(
+                request, req, rid, model, prompts, gens, params, echo
+            )
+        return await self._completion_full(req, rid, model, prompts, gens, echo)
 
     async def _completion_full(
         self,
@@ -487,7 +494,7 @@ class OpenAIServing:
         model: str,
         prompts: list[list[int]],
         gens: list[AsyncIterator[RequestOutput]],
-        params: SamplingParams,
+        echo: list[str] | None,
     ) -> web.Response:
         finals: dict[int, RequestOutput] = {}
 
@@ -502,16 +509,26 @@ class OpenAIServing:
         for i in range(len(prompts)):
             out = finals[i]
             cached += out.num_cached_tokens
-            for o in out.outputs:
-                completion += len(o.token_ids)
-                lp, _ = self.completion_logprobs(o.logprobs, 0)
+            completion += sum(len(o.token_ids) for o in out.outputs)
+            for o in best_of(out.outputs, req.n):
+                head = "" if echo is None else echo[i]
+                if echo is not None and req.logprobs is not None and out.prompt_logprobs:
+                    pre = echo_logprobs(out.prompt_logprobs, self.token_text, prompts[i])
+                    lp, _ = self.completion_logprobs(o.logprobs, len(head))
+                    lp = join_logprobs(pre, lp)
+                else:
+                    lp, _ = self.completion_logprobs(o.logprobs, len(head))
                 choice: dict[str, Any] = {
-                    "index": i * params.n + o.index,
-                    "text": o.text,
-                    "logprobs": lp,
+                    "index": i * req.n + o.index,
+                    "text": head + o.text,
+                    "logprobs": lp if req.logprobs is not None else None,
                     "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason,
                 }
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        out.prompt_logprobs, self.token_text
+                    )
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = prompts[i]
                     choice["token_ids"] = o.token_ids
@@ -536,6 +553,7 @@ class OpenAIServing:
         prompts: list[list[int]],
         gens: list[AsyncIterator[RequestOutput]],
         params: SamplingParams,
+        echo: list[str] | None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
@@ -553,15 +571,25 @@ class OpenAIServing:
                 choices = []
                 for d in deltas:
                     completion_tokens += len(d.token_ids)
+                    first = d.index not in offsets
+                    head = echo[d.index // params.n] if echo is not None and first else ""
+                    pre = None
+                    if head and req.logprobs is not None and out.prompt_logprobs:
+                        ids = prompts[d.index // params.n]
+                        pre = echo_logprobs(out.prompt_logprobs, self.token_text, ids)
                     lp, offsets[d.index] = self.completion_logprobs(
-                        d.logprobs, offsets.get(d.index, 0)
+                        d.logprobs, offsets.get(d.index, 0) + len(head)
                     )
                     c: dict[str, Any] = {
                         "index": d.index,
-                        "text": d.text,
-                        "logprobs": lp,
+                        "text": head + d.text,
+                        "logprobs": lp if pre is None else join_logprobs(pre, lp),
                         "finish_reason": d.finish_reason,
                     }
+                    if first and req.prompt_logprobs is not None:
+                        c["prompt_logprobs"] = prompt_logprobs_json(
+                            out.prompt_logprobs, self.token_text
+                        )
                     if d.finish_reason is not None:
                         c["stop_reason"] = d.stop_reason
                     if req.return_token_ids:

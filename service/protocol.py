@@ -252,7 +252,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     return_tokens_as_token_ids: Any = None
@@ -266,7 +266,6 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
         "truncate_prompt_tokens",
         "use_beam_search",
         "length_penalty",
-        "prompt_logprobs",
         "kv_transfer_params",
         "vllm_xargs",
         "return_tokens_as_token_ids",
@@ -313,12 +312,14 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
                 raise BadRequest(f"logit_bias keys are token ids; got {key!r}", "logit_bias") from e
         return out
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, **extra: Any
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias, spec = self.token_bias(), self.structured()
         try:
             return SamplingParams(
-                n=self.n,
+                n=extra.pop("n", self.n),
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0,
@@ -337,6 +338,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=bias,
                 structured_outputs=spec[0] if spec else None,
+                prompt_logprobs=extra.pop("prompt_logprobs", self.prompt_logprobs),
             )
         except ValueError as e:
             field, _, why = str(e).partition(": ")
@@ -411,6 +413,11 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
                 raise BadRequest(f"{name} is not supported by this server", name)
         if self.service_tier not in (None, "auto", "default"):
             raise BadRequest("service_tier is not supported by this server", "service_tier")
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest(
+                "prompt_logprobs on a streamed chat completion is not supported",
+                "prompt_logprobs",
+            )
         for name in ("continue_final_message", "echo"):
             if getattr(self, name):
                 raise BadRequest(
@@ -447,12 +454,12 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise BadRequest("echo is not supported by this server", "echo")
         if self.suffix:
-            raise BadRequest("suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise BadRequest("best_of other than n is not supported", "best_of")
+            raise BadRequest("suffix (insertion) is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of < self.n:
+            raise BadRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise BadRequest("best_of > n cannot be streamed", "best_of")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -475,8 +482,17 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
         )
 
     def to_sampling_params(self) -> SamplingParams:
+        """best_of > n samples best_of sequences (with their logprobs, to rank them);
+        echo with logprobs also needs the prompt's."""
         self.check_unsupported()
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        extra: dict[str, Any] = {}
+        logprobs = self.logprobs
+        if self.best_of is not None and self.best_of > self.n:
+            extra["n"] = self.best_of
+            logprobs = logprobs or 0
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            extra["prompt_logprobs"] = self.logprobs
+        return self.sampling_params(self.max_tokens, logprobs, **extra)
 
 
 # ----------------------------------------------------------------------------- WebSocket
