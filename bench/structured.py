@@ -1,0 +1,122 @@
+"""`bench/run.py --sections structured`: what constrained decoding costs.
+
+1. The pieces, per constrained row per token: the llguidance mask (scheduler side) and
+   applying it to the logits (runner side), on this model's vocabulary.
+2. End to end, every row decoding exactly L tokens (the constrained rows' grammar, an
+   array of 10^4 short strings, cannot finish first; unconstrained rows ignore EOS):
+   - 2B unconstrained rows                      (baseline)
+   - B unconstrained + B constrained rows       (shared batch)
+   - 2B constrained rows
+   - B unconstrained rows alone
+   The per-token overhead of a constrained row is (T_shared - T_baseline) / (B * L); the
+   unconstrained rows' throughput in the shared batch is compared to the baseline batch of
+   the same size (the rows run in lockstep, so any slowdown would show there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SCHEMA = {
+    "type": "array",
+    "items": {"type": "string", "maxLength": 6},
+    "minItems": 10_000,
+}
+
+
+def _mask_costs(path: Path, vocab: int, eos: tuple[int, ...], steps: int) -> tuple[float, float]:
+    """(mask compute us, mask apply us) per row per token, medians."""
+    import torch
+
+    from gpu.sampler import apply_token_bitmask_
+    from scheduler.sampling_params import StructuredOutputsParams
+    from service.structured import GrammarCompiler
+    from service.tokenizer import Tokenizer
+
+    compiler = GrammarCompiler(path / "tokenizer.json", vocab, eos)
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    compiler._cache[spec] = compiler.compile_sync(spec)
+    (m,) = compiler.matchers(spec, 1)
+    text = "[" + ", ".join(json.dumps(w) for w in ["alpha", "b", "gamma", "de", "e f"] * 40)
+    ids = Tokenizer.from_dir(path).encode(text, add_special_tokens=False)[:steps]
+    compute, masks = [], []
+    for t in ids:
+        a = time.perf_counter()
+        mask = m.bitmask()
+        compute.append(time.perf_counter() - a)
+        assert mask is not None and m.accept(t), "the sample text must follow the schema"
+        masks.append(mask)
+    logits = torch.randn(8, vocab)
+    apply = []
+    for mask in masks:
+        a = time.perf_counter()
+        apply_token_bitmask_(logits, [3], [mask])
+        apply.append(time.perf_counter() - a)
+    compiler.shutdown()
+    return statistics.median(compute) * 1e6, statistics.median(apply) * 1e6
+
+
+def run(
+    args: argparse.Namespace,
+    table: Callable[[str, list[str], list[list[str]]], str],
+    model_dir: Callable[[argparse.Namespace], Path],
+) -> str:
+    from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+    from service.llm import LLM
+
+    path = model_dir(args)
+    b, length = args.structured_batch, args.structured_tokens
+    llm = LLM(str(path), dtype=args.dtype, threads=args.threads, enable_prefix_caching=False)
+    engine = llm.engine
+    compute_us, apply_us = _mask_costs(path, engine.vocab_size, engine.eos_token_ids, 200)
+    free = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=1)
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    bound = SamplingParams(temperature=1.0, max_tokens=length, structured_outputs=spec, seed=1)
+    prompts = [f"Item {i}: list some words" for i in range(2 * b)]
+    llm.generate(prompts[:2], [free, bound])  # warm-up (and the grammar compile)
+
+    def timed(params: list[SamplingParams]) -> float:
+        best = float("inf")
+        for _ in range(args.structured_reps):
+            t = time.perf_counter()
+            outs = llm.generate(prompts[: len(params)], params)
+            best = min(best, time.perf_counter() - t)
+            assert all(len(o.outputs[0].token_ids) == length for o in outs)
+        return best
+
+    base = timed([free] * (2 * b))
+    shared = timed([free] * b + [bound] * b)
+    all_bound = timed([bound] * (2 * b))
+    alone = timed([free] * b)
+    llm.shutdown()
+    per_token_us = (shared - base) / (b * length) * 1e6
+    tok = b * length
+    rows = [
+        [f"{2 * b} unconstrained", f"{base:.2f}", f"{2 * tok / base:.0f}", "1.00x", "-"],
+        [
+            f"{b} unconstrained + {b} constrained",
+            f"{shared:.2f}",
+            f"{2 * tok / shared:.0f}",
+            f"{base / shared:.2f}x",
+            f"{tok / shared:.0f} vs {tok / base:.0f}",
+        ],
+        [f"{2 * b} constrained", f"{all_bound:.2f}", f"{2 * tok / all_bound:.0f}", f"{base / all_bound:.2f}x", "-"],
+        [f"{b} unconstrained alone", f"{alone:.2f}", f"{tok / alone:.0f}", "-", f"{tok / alone:.0f}"],
+    ]  # fmt: skip
+    out = table(
+        f"Structured outputs: {length} tokens per row, temperature 1 (best of "
+        f"{args.structured_reps}); vocabulary {engine.vocab_size}",
+        ["batch", "seconds", "tok/s (all rows)", "vs baseline", "unconstrained rows tok/s"],
+        rows,
+    )
+    out += table(
+        "Constrained-row overhead per token",
+        ["llguidance mask (scheduler)", "mask apply (runner)", "end to end (shared batch)"],
+        [[f"{compute_us:.0f} us", f"{apply_us:.0f} us", f"{per_token_us:.0f} us"]],
+    )
+    return out
