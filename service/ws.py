@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from scheduler.scheduler import RequestRejected
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
+from service.state import STATE, ServerState, check_origin
 from service.structured import GrammarError
-
-if TYPE_CHECKING:
-    from service.app import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +198,6 @@ def _frame_id(data: str) -> str | None:
 
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
-    from service.app import STATE, check_origin
 
     state = request.app[STATE]
     if not check_origin(request, state.config.allowed_origins):
