@@ -61,6 +61,101 @@ def _mask_costs(path: Path, vocab: int, eos: tuple[int, ...], steps: int) -> tup
     return statistics.median(compute) * 1e6, statistics.median(apply) * 1e6
 
 
+ENGINE_SCHEMAS = {
+    "person": (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 20},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+            },
+            "required": ["name", "age", "tags"],
+            "additionalProperties": False,
+        },
+        {"name": "Alice Smith", "age": 33, "tags": ["a", "c"]},
+    ),
+    "nested": (
+        {
+            "type": "object",
+            "properties": {
+                "items": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "id": {"type": "integer"},
+                            "price": {"type": "number", "minimum": 0, "maximum": 1000},
+                            "ok": {"type": "boolean"},
+                        },
+                        "required": ["id", "price", "ok"],
+                        "additionalProperties": False,
+                    },
+                    "maxItems": 4,
+                }
+            },
+            "required": ["items"],
+            "additionalProperties": False,
+        },
+        {"items": [{"id": 12, "price": 3.5, "ok": True}, {"id": 7, "price": 999, "ok": False}]},
+    ),
+}
+
+
+def compare_engines(path: Path, vocab: int, eos: tuple[int, ...]) -> list[list[str]]:
+    """llguidance (what we use) against xgrammar, when xgrammar is installed: compile time
+    and per-token mask time walking a valid instance of each schema."""
+    import llguidance
+    import tokenizers
+
+    tok_json = (path / "tokenizer.json").read_text(encoding="utf-8")
+    tok = tokenizers.Tokenizer.from_str(tok_json)
+    lt = llguidance.LLTokenizer(tok_json, n_vocab=vocab, eos_token=list(eos))
+    try:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+        xcomp = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab), max_threads=1
+        )
+    except ImportError:
+        xgr = None
+    rows = []
+    opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    for name, (schema, inst) in ENGINE_SCHEMAS.items():
+        ids = tok.encode(json.dumps(inst, separators=(", ", ": ")), add_special_tokens=False).ids
+        t = time.perf_counter()
+        m = llguidance.LLMatcher(
+            lt, llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=opts)
+        )
+        compile_ms = (time.perf_counter() - t) * 1e3
+        masks = []
+        for tid in ids:
+            t = time.perf_counter()
+            m.compute_bitmask()
+            masks.append(time.perf_counter() - t)
+            assert m.consume_token(tid)
+        rows.append([f"llguidance {llguidance.__version__}", name, f"{compile_ms:.1f}",
+                     f"{statistics.median(masks) * 1e6:.0f}", f"{max(masks) * 1e6:.0f}"])  # fmt: skip
+        if xgr is None:
+            continue
+        t = time.perf_counter()
+        cg = xcomp.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
+        )
+        compile_ms = (time.perf_counter() - t) * 1e3
+        xm, buf, masks = xgr.GrammarMatcher(cg), xgr.allocate_token_bitmask(1, vocab), []
+        for tid in ids:
+            t = time.perf_counter()
+            xm.fill_next_token_bitmask(buf)
+            masks.append(time.perf_counter() - t)
+            assert xm.accept_token(tid)
+        rows.append([f"xgrammar {xgr.__version__}", name, f"{compile_ms:.1f}",
+                     f"{statistics.median(masks) * 1e6:.0f}", f"{max(masks) * 1e6:.0f}"])  # fmt: skip
+    return rows
+
+
 def run(
     args: argparse.Namespace,
     table: Callable[[str, list[str], list[list[str]]], str],
@@ -74,6 +169,7 @@ def run(
     llm = LLM(str(path), dtype=args.dtype, threads=args.threads, enable_prefix_caching=False)
     engine = llm.engine
     compute_us, apply_us = _mask_costs(path, engine.vocab_size, engine.eos_token_ids, 200)
+    engines = compare_engines(path, engine.vocab_size, engine.eos_token_ids)
     free = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=1)
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
     bound = SamplingParams(temperature=1.0, max_tokens=length, structured_outputs=spec, seed=1)
@@ -118,5 +214,10 @@ def run(
         "Constrained-row overhead per token",
         ["llguidance mask (scheduler)", "mask apply (runner)", "end to end (shared batch)"],
         [[f"{compute_us:.0f} us", f"{apply_us:.0f} us", f"{per_token_us:.0f} us"]],
+    )
+    out += table(
+        "Grammar engines: JSON-schema compile and per-token mask (first mask included)",
+        ["engine", "schema", "compile ms", "median mask us", "max mask us"],
+        engines,
     )
     return out

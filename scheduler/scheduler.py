@@ -257,7 +257,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         copies: list[tuple[int, int]] = []
         load_kv: list[KVBlockPayload] = []
-        self._bitmasks: dict[str, bytes] = {}
+        self._bitmasks = {}
         done: set[str] = set()
         preempted = False
         bs = self.block_size
@@ -464,10 +464,13 @@ class Scheduler:
         req.token_ids.append(tok)
         n_out = req.num_output_tokens
         status = None
-        if grammar is not None and grammar.terminated and tok not in req.stop_ids:
+        if grammar is not None and grammar.terminated:
             # The grammar is complete (e.g. the JSON closed): stop now rather than spend a
-            # step on the end-of-text token, which is all it would allow.
+            # step on the end-of-text token, which is all it would allow (min_tokens and
+            # ignore_eos cannot extend a finished grammar).
             status = RequestStatus.FINISHED_STOPPED
+            if tok in req.stop_ids:
+                req.stop_token_id = tok
         elif tok in req.stop_ids and n_out >= req.params.min_tokens:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = tok

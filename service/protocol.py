@@ -385,11 +385,15 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
     service_tier: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
+    verbosity: Any = None
+    prompt_cache_key: str | None = None  # accepted: prefixes are cached whatever the key
+    safety_identifier: str | None = None
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
+    add_special_tokens: bool = False
     documents: Any = None
     chat_template: Any = None
     mm_processor_kwargs: Any = None
@@ -399,12 +403,18 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise BadRequest(f"{name} is deprecated and not supported; use tools", name)
+        if self.add_special_tokens:
+            raise BadRequest(
+                "add_special_tokens=true is not supported on chat (the template adds them)",
+                "add_special_tokens",
+            )
         for name in (
             "audio",
             "modalities",
             "prediction",
             "web_search_options",
             "reasoning_effort",
+            "verbosity",
             "documents",
             "chat_template",
             "mm_processor_kwargs",
@@ -450,12 +460,21 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: PositiveInt | None = None
+    best_of: Annotated[int, Meta(ge=1, le=64)] | None = None
+    # vLLM extensions
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.suffix:
             raise BadRequest("suffix (insertion) is not supported by this server", "suffix")
+        if self.prompt_embeds is not None:
+            raise BadRequest("prompt_embeds is not supported by this server", "prompt_embeds")
+        if not self.add_special_tokens:
+            raise BadRequest(
+                "add_special_tokens=false is not supported by this server", "add_special_tokens"
+            )
         if self.best_of is not None and self.best_of < self.n:
             raise BadRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         if self.best_of is not None and self.best_of > self.n and self.stream:

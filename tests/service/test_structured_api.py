@@ -360,3 +360,56 @@ def test_websocket_structured_outputs(server):
                 break
         jsonschema.validate(json.loads(text), schema)
         assert errors["g2"]["param"] == "params.response_format.json_schema.schema"
+
+
+REFUSED_CHAT = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {},
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "service_tier": "flex",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "documents": [{"text": "x"}],
+    "chat_template": "{{ messages }}",
+    "mm_processor_kwargs": {},
+    "continue_final_message": True,
+    "echo": True,
+    "add_special_tokens": True,
+    "guided_whitespace_pattern": " ",
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["x"],
+    "logits_processors": ["x"],
+    "truncate_prompt_tokens": 3,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "kv_transfer_params": {},
+    "vllm_xargs": {"a": 1},
+    "return_tokens_as_token_ids": True,
+    "priority": 1,
+    "spaces_between_special_tokens": False,
+}
+REFUSED_COMPLETIONS = {"suffix": "x", "prompt_embeds": "AAAA", "add_special_tokens": False}
+
+
+@pytest.mark.parametrize(("field", "value"), list(REFUSED_CHAT.items()))
+def test_documented_but_refused_chat_fields(server, field, value):
+    code, raw = post(server, "/v1/chat/completions", {"messages": MSGS, field: value})
+    err = json.loads(raw)["error"]
+    assert code == 400 and err["param"] == field and "not supported" in err["message"], err
+
+
+@pytest.mark.parametrize(("field", "value"), list(REFUSED_COMPLETIONS.items()))
+def test_documented_but_refused_completion_fields(server, field, value):
+    code, raw = post(server, "/v1/completions", {"prompt": "x", field: value})
+    err = json.loads(raw)["error"]
+    assert code == 400 and err["param"] == field and "not supported" in err["message"], err
+
+
+def test_accepted_hint_fields(server):
+    body = {"messages": MSGS, "max_tokens": 2, "prompt_cache_key": "k", "safety_identifier": "u",
+            "service_tier": "auto", "parallel_tool_calls": True, "store": False}  # fmt: skip
+    code, raw = post(server, "/v1/chat/completions", body)
+    assert code == 200, raw
