@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 SCHEMA = {
@@ -136,7 +137,7 @@ def compare_engines(path: Path, vocab: int, eos: tuple[int, ...]) -> list[list[s
             m.compute_bitmask()
             masks.append(time.perf_counter() - t)
             assert m.consume_token(tid)
-        rows.append([f"llguidance {llguidance.__version__}", name, f"{compile_ms:.1f}",
+        rows.append([f"llguidance {version('llguidance')}", name, f"{compile_ms:.1f}",
                      f"{statistics.median(masks) * 1e6:.0f}", f"{max(masks) * 1e6:.0f}"])  # fmt: skip
         if xgr is None:
             continue
@@ -151,7 +152,7 @@ def compare_engines(path: Path, vocab: int, eos: tuple[int, ...]) -> list[list[s
             xm.fill_next_token_bitmask(buf)
             masks.append(time.perf_counter() - t)
             assert xm.accept_token(tid)
-        rows.append([f"xgrammar {xgr.__version__}", name, f"{compile_ms:.1f}",
+        rows.append([f"xgrammar {version('xgrammar')}", name, f"{compile_ms:.1f}",
                      f"{statistics.median(masks) * 1e6:.0f}", f"{max(masks) * 1e6:.0f}"])  # fmt: skip
     return rows
 
