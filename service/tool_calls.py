@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Literal
 
 from scheduler.sampling_params import StructuredOutputsParams
-from service.protocol import BadRequest, ChatCompletionRequest, NamedToolChoice
+from service.protocol import BadRequest, ChatCompletionRequest, NamedToolChoice, Tool
 
 Mode = Literal["named", "required", "auto"]
 
@@ -83,10 +83,14 @@ def constraint(
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools as HF chat templates expect them (`tools=`)."""
-    if not req.tools:
+    return tools_for_template(req.tools)
+
+
+def tools_for_template(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
         return None
     out = []
-    for t in req.tools:
+    for t in tools:
         fn: dict[str, Any] = {"name": t.function.name, "parameters": _params_schema(t)}
         if t.function.description is not None:
             fn["description"] = t.function.description

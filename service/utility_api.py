@@ -11,6 +11,7 @@ from msgspec import Meta, Struct
 
 from service.openai_api import REQUEST_ID, json_response
 from service.protocol import BadRequest, ChatMessage, NonNegInt, Tool, decode
+from service.tool_calls import tools_for_template
 
 if TYPE_CHECKING:
     from service.openai_api import OpenAIServing
@@ -59,7 +60,7 @@ async def tokenize(serving: OpenAIServing, request: web.Request) -> web.Response
     if isinstance(req, TokenizeChat):
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
-            kwargs["tools"] = [msgspec.to_builtins(t) for t in req.tools]
+            kwargs["tools"] = tools_for_template(req.tools)
         try:
             text = engine.tokenizer.apply_chat_template(
                 [m.as_template_dict() for m in req.messages],
