@@ -20,6 +20,7 @@ from service.async_engine import AsyncEngine
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing, error_response, json_response
 from service.protocol import BadRequest, decode_prefix
+from service.request_ids import echo_request_id
 from service.state import STATE, ServerConfig, ServerState
 from service.ws import websocket_handler
 
@@ -242,7 +243,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
         app[PRESET_ENGINE] = engine
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
-    app.on_response_prepare.append(utility_api.echo_request_id)
+    app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/version", utility_api.version_handler)
     app.router.add_post("/tokenize", tokenize)

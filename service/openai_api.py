@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +29,14 @@ from service.protocol import (
     decode_chat,
     decode_completion,
 )
+from service.request_ids import request_id
 from service.structured import GrammarError
 from service.tool_calls import (
     Mode,
     ToolStream,
     constraint,
     make_parser,
+    merge_delta,
     parse_output,
     template_tools,
     tool_mode,
@@ -146,20 +147,6 @@ async def merge(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-REQUEST_ID = web.RequestKey("pagestream_request_id", str)
-
-
-def request_id(request: web.Request, body_id: str | None, prefix: str) -> str:
-    """The client's id (X-Request-Id header, else the body's request_id) or a fresh one;
-    remembered on the request so the response echoes it."""
-    given = request.headers.get("X-Request-Id") or body_id
-    if given is not None and not (0 < len(given) <= 256 and given.isprintable()):
-        raise BadRequest("X-Request-Id must be 1-256 printable characters", "X-Request-Id")
-    rid = given or uuid.uuid4().hex
-    request[REQUEST_ID] = rid
-    return f"{prefix}-{rid}"
 
 
 class OpenAIServing:
@@ -427,7 +414,7 @@ class OpenAIServing:
                         delta = ts.feed(d.text)
                         if finish is not None:
                             last, called = ts.finish()
-                            delta = _merge_delta(delta, last)
+                            delta = merge_delta(delta, last)
                             if called and mode != "named" and finish == "stop":
                                 finish = "tool_calls"
                         if not delta and finish is None and d.logprobs is None:
@@ -620,15 +607,6 @@ class OpenAIServing:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-
-def _merge_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    if "content" in b:
-        out["content"] = out.get("content", "") + b["content"]
-    if "tool_calls" in b:
-        out["tool_calls"] = out.get("tool_calls", []) + b["tool_calls"]
-    return out
 
 
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

@@ -241,3 +241,12 @@ class ToolStream:
         if calls:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         return delta, bool(calls)
+
+
+def merge_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    if "content" in b:
+        out["content"] = out.get("content", "") + b["content"]
+    if "tool_calls" in b:
+        out["tool_calls"] = out.get("tool_calls", []) + b["tool_calls"]
+    return out

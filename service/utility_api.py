@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from service.openai_api import REQUEST_ID, json_response
+from service.openai_api import json_response
 from service.protocol import BadRequest, ChatMessage, NonNegInt, Tool, decode
 from service.tool_calls import tools_for_template
 
@@ -90,11 +90,3 @@ async def detokenize(serving: OpenAIServing, request: web.Request) -> web.Respon
 
 async def version_handler(request: web.Request) -> web.Response:
     return json_response({"version": pagestream_version()})
-
-
-async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: every response carries the request's id (the client's
-    X-Request-Id when it sent one), streams included."""
-    rid = request.get(REQUEST_ID) or request.headers.get("X-Request-Id")
-    if rid and rid.isprintable() and len(rid) <= 256:
-        response.headers["X-Request-Id"] = rid
