@@ -26,7 +26,7 @@ from scheduler.contract import (
 )
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
-from scheduler.structured import GrammarMatcher
+from scheduler.structured import GrammarMatcher, bitmasks
 
 
 class RequestRejected(ValueError):
@@ -116,7 +116,7 @@ class Scheduler:
         self.finished_req_ids: list[str] = []  # to tell the runner next step
         self.num_preemptions = 0
         self.step_id = 0
-        self._bitmasks: dict[str, bytes] = {}  # grammar masks of the step being built
+        self._constrained: list[Request] = []  # sampling rows with a grammar, this step
         # Shared prefix tier: requests parked while it is asked for their prompt's KV,
         # blocks to read out for publication, and what each step's read-outs were.
         self.tier = tier
@@ -257,7 +257,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         copies: list[tuple[int, int]] = []
         load_kv: list[KVBlockPayload] = []
-        self._bitmasks = {}
+        self._constrained = []
         done: set[str] = set()
         preempted = False
         bs = self.block_size
@@ -333,6 +333,11 @@ class Scheduler:
                     save[b.block_id] = h
             self._to_save.clear()
             self._saving[self.step_id] = save
+        masks = bitmasks([r.grammar for r in self._constrained])  # type: ignore[misc]
+        # No mask for a matcher in error: its request ends on update with the reason.
+        grammar_bitmasks = {
+            r.req_id: m for r, m in zip(self._constrained, masks, strict=True) if m is not None
+        }
         return SchedulerOutput(
             step=self.step_id,
             new_requests=new_reqs,
@@ -341,7 +346,7 @@ class Scheduler:
             copy_blocks=copies,
             load_kv=load_kv,
             save_kv_blocks=list(save),
-            grammar_bitmasks=self._bitmasks,
+            grammar_bitmasks=grammar_bitmasks,
         )
 
     def _schedule(
@@ -375,9 +380,7 @@ class Scheduler:
         if sample:
             for r in (req, *(self.requests[c] for c in forks)):
                 if r.grammar is not None:
-                    mask = r.grammar.bitmask()
-                    if mask is not None:  # an erroring matcher ends the request on update
-                        self._bitmasks[r.req_id] = mask
+                    self._constrained.append(r)
 
     @staticmethod
     def _new_request_data(req: Request) -> NewRequestData:

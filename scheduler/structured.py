@@ -14,6 +14,7 @@ where it is.  Anything that drops accepted tokens (rejected draft tokens) calls
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -39,3 +40,22 @@ class GrammarMatcher(Protocol):
     def error(self) -> str | None:
         """Why the matcher cannot go on (a dead end, a resource limit), or None."""
         ...
+
+
+def bitmasks(matchers: Sequence[GrammarMatcher]) -> list[bytes | None]:
+    """Every matcher's next mask.  A library that can fill many masks at once (in
+    parallel, off the GIL) offers a `batch_bitmasks` class method; matchers of one class
+    go to it together, the rest are asked one by one."""
+    out: list[bytes | None] = [None] * len(matchers)
+    by_type: dict[type, list[int]] = {}
+    for i, m in enumerate(matchers):
+        by_type.setdefault(type(m), []).append(i)
+    for cls, idx in by_type.items():
+        batch = getattr(cls, "batch_bitmasks", None)
+        if batch is not None and len(idx) > 1:
+            for i, mask in zip(idx, batch([matchers[i] for i in idx]), strict=True):
+                out[i] = mask
+        else:
+            for i in idx:
+                out[i] = matchers[i].bitmask()
+    return out

@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
+import numpy as np
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from scheduler.sampling_params import StructuredOutputsParams
 from scheduler.structured import GrammarMatcher
@@ -37,6 +39,19 @@ CACHE_SIZE = 256
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+_EXECUTOR: llguidance.LLExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> llguidance.LLExecutor:
+    """One llguidance thread pool per process, made on first use."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
+
+
 class GrammarError(ValueError):
     """A spec the engine cannot compile; the message says why (the caller names the field)."""
 
@@ -44,14 +59,22 @@ class GrammarError(ValueError):
 class LLGuidanceMatcher:
     """scheduler.structured.GrammarMatcher over an llguidance LLMatcher."""
 
-    __slots__ = ("m",)
+    __slots__ = ("m", "words")
 
-    def __init__(self, m: llguidance.LLMatcher) -> None:
+    def __init__(self, m: llguidance.LLMatcher, words: int) -> None:
         self.m = m
+        self.words = words  # int32 words in a mask
 
     def bitmask(self) -> bytes | None:
         mask = self.m.compute_bitmask()
         return None if self.m.is_error() else mask
+
+    @classmethod
+    def batch_bitmasks(cls, matchers: list[LLGuidanceMatcher]) -> list[bytes | None]:
+        """Many masks at once on llguidance's thread pool, which runs without the GIL."""
+        out = np.zeros((len(matchers), matchers[0].words), dtype=np.int32)
+        fill_next_token_bitmask_par(_executor(), [(w.m, i) for i, w in enumerate(matchers)], out)
+        return [None if w.m.is_error() else out[i].tobytes() for i, w in enumerate(matchers)]
 
     def accept(self, token_id: int) -> bool:
         return self.m.consume_token(token_id)
@@ -132,7 +155,10 @@ class GrammarCompiler:
         if size > MAX_SOURCE_BYTES:
             raise GrammarError(f"the {spec.kind} is {size} bytes; the limit is {MAX_SOURCE_BYTES}")
         grammar = grammar_source(spec)
-        m = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        # Terse errors: a dead end's reason goes back to the client as stop_reason, and
+        # the verbose form dumps the parser state and the whole grammar.
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        m = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=limits)
         if m.is_error():
             raise GrammarError(f"cannot compile the {spec.kind}: {m.get_error()}")
         return m
@@ -162,7 +188,8 @@ class GrammarCompiler:
         if proto is None:
             proto = self.compile_sync(spec)
             self._cache[spec] = proto
-        return [LLGuidanceMatcher(proto.deep_copy()) for _ in range(n)]
+        words = (self.tokenizer().vocab_size + 31) // 32
+        return [LLGuidanceMatcher(proto.deep_copy(), words) for _ in range(n)]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -143,9 +143,11 @@ def test_json_object_and_nested_required(llm):
 
 
 # ----------------------------------------------------------------------------- regex
+# No \d: the grammar engine's Unicode tables are newer than Python's (a digit added in
+# Unicode 15 matches there and not in `re`), which would fail the oracle, not the engine.
 atoms = st.one_of(
     st.sampled_from(list("abcxyz019 -_")),
-    st.sampled_from([r"[a-f]", r"[0-9]", r"\d", r"[A-Z]", r"[xyz]"]),
+    st.sampled_from([r"[a-f]", r"[0-9]", r"[A-Z]", r"[xyz]"]),
 )
 
 
@@ -191,8 +193,8 @@ def test_constrained_rows_survive_preemption():
     schema = {
         "type": "array",
         "items": {"type": "string", "minLength": 3, "maxLength": 6},
-        "minItems": 6,
-        "maxItems": 8,
+        "minItems": 12,
+        "maxItems": 14,
     }
     engine = LLM(
         str(tiny_checkpoint("llama")),
@@ -208,7 +210,8 @@ def test_constrained_rows_survive_preemption():
             max_tokens=200,
             structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
         )
-        prompts = [f"prompt number {i} " * 4 for i in range(8)]
+        # ~12 requests of ~70 tokens each need ~50 blocks; the pool has 24.
+        prompts = [f"prompt number {i} " * 4 for i in range(12)]
         outs = engine.generate(prompts, params)
         assert engine.engine.scheduler.num_preemptions > 0
         for out in outs:
