@@ -119,3 +119,23 @@ def test_preemption_keeps_the_matcher_in_step():
     assert s.num_preemptions > 0
     assert out == script == m.accepted
     assert s.requests.get("c") is None or s.requests["c"].status == RequestStatus.FINISHED_STOPPED
+
+
+def test_many_matchers_of_one_class_go_to_its_batch_hook():
+    from scheduler.structured import bitmasks
+
+    calls = []
+
+    class Batched(ScriptedMatcher):
+        @classmethod
+        def batch_bitmasks(cls, ms):
+            calls.append(len(ms))
+            return [m.bitmask() for m in ms]
+
+    broken = Batched([1])
+    broken.err = "x"
+    ms = [Batched([3]), ScriptedMatcher([4]), Batched([5]), broken]
+    out = bitmasks(ms)
+    assert calls == [3]
+    assert out[3] is None and out[1] == ScriptedMatcher([4]).bitmask()
+    assert out[0] == Batched([3]).bitmask() and out[2] == Batched([5]).bitmask()
