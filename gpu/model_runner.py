@@ -22,7 +22,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from gpu.loader import load_model
-from gpu.sampler import RequestSamplingState, Sampler
+from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from scheduler.contract import (
     KVBlockPayload,
     ModelOutput,
@@ -48,6 +48,16 @@ class SampleRows:
 
 
 @dataclass
+class PromptRows:
+    """Hidden rows whose next token is a known prompt token (prompt_logprobs)."""
+
+    req_id: str
+    rows: list[int]  # index into the step's hidden states
+    targets: list[int]  # the prompt token each row predicts
+    top_n: int
+
+
+@dataclass
 class StepInputs:
     """Device tensors of one step."""
 
@@ -55,6 +65,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     samples: SampleRows
+    prompt_rows: list[PromptRows]
 
 
 class ModelRunner:
@@ -201,6 +212,9 @@ class ModelRunner:
             if (
                 graphs is not None
                 and all(len(r.input_ids) == 1 for r in scheduled)
+                and not any(
+                    self.requests[r.req_id].params.prompt_logprobs is not None for r in scheduled
+                )
                 and graphs.bucket(len(scheduled)) is not None
             ):
                 # The graph's hidden row i is scheduled request i.
@@ -210,8 +224,12 @@ class ModelRunner:
                 inputs = self._prepare(scheduled, errors)
                 samples = inputs.samples
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                for pr in inputs.prompt_rows:
+                    out.prompt_logprobs[pr.req_id] = self._prompt_logprobs(hidden, pr)
             if samples.states:
                 logits = self.model.compute_logits(hidden.index_select(0, samples.rows))
+                if so.grammar_bitmasks:
+                    self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)
         if so.save_kv_blocks:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
@@ -283,6 +301,13 @@ class ModelRunner:
         out.sampled_token_ids = list(toks)
         out.logprobs = lps
 
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, ids: list[str], masks: dict[str, bytes]) -> None:
+        """Mask the constrained rows' logits in place; other rows are not touched."""
+        rows = [i for i, rid in enumerate(ids) if rid in masks]
+        if rows:
+            apply_token_bitmask_(logits, rows, [masks[ids[i]] for i in rows])
+
     def _sample_rows(
         self,
         reqs: list[ScheduledRequest],
@@ -336,6 +361,17 @@ class ModelRunner:
             last_rows.append(qsl[-1] - 1)
         dev = self.device
         query_lens = [qsl[i + 1] - qsl[i] for i in range(len(ordered))]
+        prompt_rows = []
+        for i, r in enumerate(ordered):
+            state = self.requests.get(r.req_id)
+            if state is None or (top_n := state.params.prompt_logprobs) is None:
+                continue
+            end = min(r.start_pos + len(r.input_ids), state.prompt_len - 1)
+            if r.start_pos < end:
+                span = range(r.start_pos, end)
+                rows = [qsl[i] + p - r.start_pos for p in span]
+                targets = [state.token_ids[p + 1] for p in span]
+                prompt_rows.append(PromptRows(r.req_id, rows, targets, top_n))
 
         def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dt, device=dev)
@@ -359,7 +395,30 @@ class ModelRunner:
             positions=t(positions, torch.int64),
             meta=meta,
             samples=self._sample_rows(ordered, last_rows, errors),
+            prompt_rows=prompt_rows,
         )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, pr: PromptRows) -> list[TokenLogprobs]:
+        """Logprob of each prompt token given the ones before it (raw model distribution),
+        in slices so a long chunk never holds [chunk, vocab] logits at once."""
+        out: list[TokenLogprobs] = []
+        vocab = self.sampler.vocab_size
+        for a in range(0, len(pr.rows), 128):
+            rows = torch.tensor(pr.rows[a : a + 128], dtype=torch.int64, device=self.device)
+            tgt = torch.tensor(pr.targets[a : a + 128], dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))[:, :vocab]
+            lp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+            tok_lp = lp.gather(1, tgt.unsqueeze(1)).squeeze(1).tolist()
+            if pr.top_n:
+                top_v, top_i = lp.topk(pr.top_n, dim=-1)
+                vals, ids = top_v.tolist(), top_i.tolist()
+            else:
+                vals = ids = [[] for _ in tok_lp]
+            out += [
+                TokenLogprobs(t, v, i, tv)
+                for t, v, i, tv in zip(pr.targets[a : a + 128], tok_lp, ids, vals, strict=True)
+            ]
+        return out
 
     # ------------------------------------------------------------------ KV blocks
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

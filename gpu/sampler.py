@@ -1,7 +1,7 @@
 """Batched token sampler: one call per step turns the logits of every sampling row into a token.
 
-Per row, in vLLM's order: raw logits -> min_tokens masking -> repetition / frequency / presence
-penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample.
+Per row, in vLLM's order: raw logits -> min_tokens masking -> logit_bias -> repetition /
+frequency / presence penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample.
 
 Sampling is an inverse-CDF draw: one uniform u per row, and the first token whose cumulative
 (unnormalised, filtered) probability reaches u times the row's total.  Filtered tokens are
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from scheduler.contract import NewRequestData, TokenLogprobs
@@ -41,6 +42,8 @@ class RequestSamplingState:
 
     __slots__ = (
         "_prompt_ids",
+        "bias_ids",
+        "bias_values",
         "generator",
         "greedy",
         "needs_penalties",
@@ -64,12 +67,16 @@ class RequestSamplingState:
         # Cached once: the per-step loop reads plain attributes instead of re-deriving them.
         self.greedy = params.greedy
         self.needs_penalties = params.needs_penalties
+        bias = params.logit_bias or {}
+        self.bias_ids = list(bias)
+        self.bias_values = list(bias.values())
         # Rows that can take the batch-wide argmax fast path whatever their state.
         self.plain_greedy = (
             self.greedy
             and not self.needs_penalties
             and params.logprobs is None
             and params.min_tokens == 0
+            and not bias
         )
         self._prompt_ids: torch.Tensor | None = None
 
@@ -178,6 +185,43 @@ def _penalize(
     logits[row, tok] = val
 
 
+# Per byte value, the 8 tokens it covers as logit offsets: 0 where its bit is set, else -inf.
+_BYTE_PENALTY = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+    np.float32(0.0),
+    np.float32(-np.inf),
+)  # [256, 8]
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor,  # [R, >= V], written in place
+    rows: list[int],  # the constrained rows
+    masks: list[bytes],  # their allowed-token bitmasks: packed little-endian int32 words
+) -> None:
+    """Set every token a row's grammar forbids to -inf; only the listed rows are read or
+    written, so unconstrained rows pay nothing.  Columns past the mask are forbidden; a
+    mask that allows nothing is left unapplied (the scheduler ends that request).
+
+    Little-endian words put tokens 32w + 8j .. 32w + 8j + 7 in byte j of word w, lowest
+    bit first, so a byte-indexed table turns the mask into additive offsets in one gather
+    (a boolean masked_fill over the vocabulary is several times slower on CPU)."""
+    width = logits.shape[1]
+    raw = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(rows), -1)
+    live = raw.any(axis=1)
+    if not live.all():
+        rows = [r for r, ok in zip(rows, live, strict=True) if ok]
+        raw = raw[live]
+        if not rows:
+            return
+    pen = _BYTE_PENALTY[raw].reshape(len(rows), -1)  # [k, 32 * W]
+    if pen.shape[1] < width:
+        pen = np.pad(pen, ((0, 0), (0, width - pen.shape[1])), constant_values=-np.inf)
+    offsets = torch.from_numpy(np.ascontiguousarray(pen[:, :width]))
+    offsets = offsets.to(device=logits.device, dtype=logits.dtype)
+    idx = torch.tensor(rows, device=logits.device)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).add_(offsets))
+
+
 def _on_rows(t: torch.Tensor, pos: list[int], fn: Callable[[torch.Tensor], None]) -> None:
     """Run the in-place `fn` on rows `pos` of `t`, copying them out only for a strict subset."""
     if len(pos) == t.shape[0]:
@@ -280,6 +324,7 @@ class Sampler:
         unseeded: list[int] = []
         seeded: list[int] = []
         min_tok: list[int] = []
+        biased: list[int] = []
         penal: list[int] = []
         want_lp: list[int] = []
         for i, r in enumerate(rows):
@@ -292,6 +337,8 @@ class Sampler:
             p = r.params
             if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
                 min_tok.append(i)
+            if r.bias_ids:
+                biased.append(i)
             if r.needs_penalties:
                 penal.append(i)
             if p.logprobs is not None:
@@ -311,6 +358,18 @@ class Sampler:
                 mask_c += ids
             if mask_c:
                 x[torch.tensor(mask_r, device=dev), torch.tensor(mask_c, device=dev)] = -torch.inf
+        if biased:
+            if x is logits:
+                x = x.clone()
+            b_r = [i for i in biased for _ in rows[i].bias_ids]
+            b_c = [t for i in biased for t in rows[i].bias_ids]
+            b_v = [v for i in biased for v in rows[i].bias_values]
+            keep = [j for j, t in enumerate(b_c) if t < vocab]  # ids past a padded head
+            r_t = torch.tensor([b_r[j] for j in keep], dtype=torch.long, device=dev)
+            c_t = torch.tensor([b_c[j] for j in keep], dtype=torch.long, device=dev)
+            x.index_put_(
+                (r_t, c_t), torch.tensor([b_v[j] for j in keep], device=dev), accumulate=True
+            )
         if penal:
             if x is logits:
                 x = x.clone()

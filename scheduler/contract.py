@@ -58,6 +58,9 @@ class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
     load_kv: list[KVBlockPayload] = msgspec.field(default_factory=list)
     # Blocks to read out after the forward (full blocks published to the Redis tier).
     save_kv_blocks: list[int] = msgspec.field(default_factory=list)
+    # Constrained rows sampled this step: req_id -> allowed-token bitmask (packed
+    # little-endian int32 words, bit t = token t).  Rows not named here are unconstrained.
+    grammar_bitmasks: dict[str, bytes] = msgspec.field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -92,6 +95,9 @@ class ModelOutput(msgspec.Struct, gc=False, kw_only=True):
     saved_kv: list[KVBlockPayload] = msgspec.field(default_factory=list)
     # Set when a request failed inside the runner (e.g. a bad payload): req_id -> reason.
     errors: dict[str, str] = msgspec.field(default_factory=dict)
+    # Requests that asked for prompt_logprobs: the logprob of each prompt token this
+    # step's chunk predicted (the token after each fed position), in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
 
 
 def child_request_id(parent_id: str, index: int) -> str:

@@ -7,6 +7,7 @@ import time
 
 from scheduler.block_pool import BlockHash, hash_block
 from scheduler.sampling_params import SamplingParams
+from scheduler.structured import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,6 +47,7 @@ class Request:
         group_id: str | None = None,
         arrival_time: float | None = None,
         publish_prefix: bool = False,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.req_id = req_id
         self.group_id = group_id or req_id
@@ -75,6 +77,10 @@ class Request:
         # KV payloads found in the shared tier: blocks [remote_start, remote_start + len).
         self.remote_start = 0
         self.remote_payloads: list[bytes] = []
+        # Constrained decoding: this sample's own matcher, advanced with every output token.
+        self.grammar = grammar
+        self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked)
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,42 @@ from __future__ import annotations
 import msgspec
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """A constraint on what may be generated (vLLM's StructuredOutputsParams); exactly one
+    of json, regex, choice, grammar, json_object."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
+    json_object: bool = False  # any JSON object
+    # True: a schema keyword the engine cannot enforce is an error; False: it is ignored
+    # (OpenAI's `strict`).
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: give exactly one of json, regex, choice, grammar, "
+                f"json_object (got {', '.join(given) or 'none'})"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice: must not be empty")
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        )
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request.  Field names and defaults follow vLLM's SamplingParams.
 
@@ -27,7 +63,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Logprob of every prompt token after the first, with this many alternatives.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias, [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise the aliases so the hot path tests one value.
@@ -65,8 +106,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             bad("stop", "empty stop strings are not allowed")
+        for tok, bias in (self.logit_bias or {}).items():
+            if tok < 0:
+                bad("logit_bias", f"token id {tok} is negative")
+            if not -100.0 <= bias <= 100.0:
+                bad("logit_bias", f"bias {bias} for token {tok} is outside [-100, 100]")
 
     @property
     def greedy(self) -> bool:

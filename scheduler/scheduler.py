@@ -26,6 +26,7 @@ from scheduler.contract import (
 )
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.structured import GrammarMatcher, bitmasks
 
 
 class RequestRejected(ValueError):
@@ -69,6 +70,7 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     error: str | None = None
     first_scheduled_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Scheduler:
         self.finished_req_ids: list[str] = []  # to tell the runner next step
         self.num_preemptions = 0
         self.step_id = 0
+        self._constrained: list[Request] = []  # sampling rows with a grammar, this step
         # Shared prefix tier: requests parked while it is asked for their prompt's KV,
         # blocks to read out for publication, and what each step's read-outs were.
         self.tier = tier
@@ -185,7 +188,11 @@ class Scheduler:
     def remote_lookup_plan(self, req: Request) -> tuple[int, list[BlockHash]] | None:
         """(first block index, hashes) of the prompt blocks worth asking the shared tier
         for: those past the local hits, leaving the last token to compute."""
-        if not self.config.enable_prefix_caching or req.num_computed_tokens:
+        if (
+            not self.config.enable_prefix_caching
+            or req.num_computed_tokens
+            or req.params.prompt_logprobs is not None
+        ):
             return None
         bs = self.block_size
         req.update_block_hashes(bs)
@@ -245,6 +252,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         copies: list[tuple[int, int]] = []
         load_kv: list[KVBlockPayload] = []
+        self._constrained = []
         done: set[str] = set()
         preempted = False
         bs = self.block_size
@@ -275,7 +283,10 @@ class Scheduler:
             req = self.waiting[0]
             if len(self.running) + 1 + len(req.fork_ids) > cfg.max_num_seqs:
                 break
-            hits = self.kv.get_computed_blocks(req)
+            # Prompt logprobs need every prompt position computed: no prefix hits.
+            hits = (
+                [] if req.params.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
+            )
             local, remote = len(hits), 0
             if req.remote_payloads:
                 # Blocks the shared tier holds, contiguous with the local hits.
@@ -317,6 +328,11 @@ class Scheduler:
                     save[b.block_id] = h
             self._to_save.clear()
             self._saving[self.step_id] = save
+        masks = bitmasks([r.grammar for r in self._constrained])  # type: ignore[misc]
+        # No mask for a matcher in error: its request ends on update with the reason.
+        grammar_bitmasks = {
+            r.req_id: m for r, m in zip(self._constrained, masks, strict=True) if m is not None
+        }
         return SchedulerOutput(
             step=self.step_id,
             new_requests=new_reqs,
@@ -325,6 +341,7 @@ class Scheduler:
             copy_blocks=copies,
             load_kv=load_kv,
             save_kv_blocks=list(save),
+            grammar_bitmasks=grammar_bitmasks,
         )
 
     def _schedule(
@@ -355,6 +372,10 @@ class Scheduler:
             child = self.requests[cid]
             if not child.registered:
                 new_reqs.append(self._new_request_data(child))
+        if sample:
+            for r in (req, *(self.requests[c] for c in forks)):
+                if r.grammar is not None:
+                    self._constrained.append(r)
 
     @staticmethod
     def _new_request_data(req: Request) -> NewRequestData:
@@ -399,6 +420,10 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             req.num_computed_tokens += len(sr.input_ids)
+            if (plp := mo.prompt_logprobs.get(req.req_id)) and not req.prompt_logprobs_sent:
+                # A recompute after preemption sends them again: keep the first copy.
+                room = req.prompt_len - 1 - len(req.prompt_logprobs)
+                req.prompt_logprobs += plp[: max(room, 0)]
             if not sr.sample:
                 continue
             # Fork before the parent can finish and free the shared prompt blocks.
@@ -424,10 +449,28 @@ class Scheduler:
         return updates
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
+        update = self._append(req, tok, lp)
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            update.prompt_logprobs = req.prompt_logprobs
+        return update
+
+    def _append(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
+        grammar = req.grammar
+        if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            return self._update(req, [], error=why)
         req.token_ids.append(tok)
         n_out = req.num_output_tokens
         status = None
-        if tok in req.stop_ids and n_out >= req.params.min_tokens:
+        if grammar is not None and grammar.terminated:
+            # The grammar is complete (e.g. the JSON closed): stop now rather than spend a
+            # step on the end-of-text token, which is all it would allow (min_tokens and
+            # ignore_eos cannot extend a finished grammar).
+            status = RequestStatus.FINISHED_STOPPED
+            if tok in req.stop_ids:
+                req.stop_token_id = tok
+        elif tok in req.stop_ids and n_out >= req.params.min_tokens:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = tok
         elif n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
@@ -435,6 +478,14 @@ class Scheduler:
         if status is not None:
             self._finish(req, status)
         return self._update(req, [tok], [lp] if req.params.logprobs is not None else None)
+
+    @staticmethod
+    def _grammar_refuses(grammar: GrammarMatcher, tok: int) -> str | None:
+        """Why a constrained request cannot take `tok` (a dead end), or None."""
+        err = grammar.error()
+        if err is None and not grammar.accept(tok):
+            err = grammar.error() or f"token {tok} is not allowed here"
+        return None if err is None else f"structured output: the grammar reached a dead end ({err})"
 
     def _update(
         self,

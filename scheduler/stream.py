@@ -29,6 +29,7 @@ def merge_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
                 num_cached_tokens=u.num_cached_tokens,
                 error=u.error,
                 first_scheduled_time=u.first_scheduled_time,
+                prompt_logprobs=u.prompt_logprobs,
             )
             continue
         m.new_token_ids += u.new_token_ids
@@ -37,6 +38,7 @@ def merge_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
         m.finish_reason = u.finish_reason or m.finish_reason
         m.stop_token_id = u.stop_token_id if u.stop_token_id is not None else m.stop_token_id
         m.error = u.error or m.error
+        m.prompt_logprobs = m.prompt_logprobs or u.prompt_logprobs
     return list(merged.values())
 
 

@@ -18,6 +18,7 @@ from aiohttp import WSCloseCode, web
 from scheduler.engine_core import EngineDeadError, EngineOverloaded, StepInfo
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
+from service import utility_api
 from service.async_engine import AsyncEngine, RequestFailed
 from service.metrics import Metrics
 from service.openai_api import (
@@ -30,6 +31,7 @@ from service.openai_api import (
 from service.openapi import openapi_document
 from service.prep import Preprocessor
 from service.protocol import BadRequest, check_messages, decode_prefix
+from service.request_ids import echo_request_id
 from service.security import AccessLogger
 from service.state import STATE, ServerConfig, ServerState
 from service.ws import websocket_handler
@@ -174,6 +176,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
                 socket_send_buffer=state.config.socket_send_buffer,
                 max_buffered_bytes=state.config.max_buffered_bytes,
                 prompt_tokens_details=state.config.enable_prompt_tokens_details,
+                tool_call_parser=state.config.tool_call_parser,
             )
             state.engine = engine
             log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
@@ -344,6 +347,14 @@ async def _register_prefix(
     return json_response(result)
 
 
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    return await utility_api.tokenize(_serving(request), request)
+
+
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    return await utility_api.detokenize(_serving(request), request)
+
+
 async def models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.serving is None:
@@ -462,8 +473,12 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
         app[PRESET_ENGINE] = engine
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
+    app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/live", live)
+    app.router.add_get("/version", utility_api.version_handler)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)

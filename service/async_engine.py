@@ -28,6 +28,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.stream import RequestStream
 from service.detokenizer import IncrementalDetokenizer, StopChecker
+from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # params.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _Sequence:
@@ -236,6 +239,9 @@ class AsyncEngine:
         self.faults: FaultPlan | None = None
         # Ids the model has embeddings for (a tokenizer may know more added tokens).
         self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
+        self.grammars = GrammarCompiler(
+            model_dir / "tokenizer.json", self.vocab_size, self.eos_token_ids
+        )
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -321,6 +327,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         await self.core.stop()
+        self.grammars.shutdown()
         if self.tier is not None:
             await self.tier.close()
         self.executor.shutdown(wait=self.dead is None)
@@ -379,6 +386,15 @@ class AsyncEngine:
         publish_prefix: bool = False,
     ) -> list[Request]:
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"logit_bias: token id {bad} is outside the vocabulary")
+        grammars: list = [None] * params.n
+        if params.structured_outputs is not None:
+            try:
+                grammars = self.grammars.matchers(params.structured_outputs, params.n)
+            except GrammarError as e:
+                raise RequestRejected(f"structured_outputs: {e}") from e
         now = time.monotonic()
         return [
             Request(
@@ -392,6 +408,7 @@ class AsyncEngine:
                 group_id=request_id,
                 arrival_time=now,
                 publish_prefix=publish_prefix,
+                grammar=grammars[i],
             )
             for i in range(params.n)
         ]
@@ -434,6 +451,12 @@ class AsyncEngine:
             sub.consumed = True
             self.core.abort(sub.request_id)
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's structured-output spec off the event loop (cached by spec);
+        raises GrammarError when the engine cannot enforce it."""
+        if params.structured_outputs is not None:
+            await self.grammars.compile(params.structured_outputs)
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -447,11 +470,16 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs.  Raises RequestRejected (bad input) or
         EngineOverloaded before the first yield; closing the iterator early aborts the
-        request.  With `submitted`, stream that already-queued request."""
+        request.  With `submitted`, stream that already-queued request (its grammar, if
+        any, already compiled by the caller)."""
         if submitted is None:
             params = params or SamplingParams()
             ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+            try:
+                await self.compile_grammar(params)
+            except GrammarError as e:
+                raise RequestRejected(f"structured_outputs: {e}") from e
             submitted = self.submit(ids, params, rid, cache_salt, publish_prefix)
         submitted.consumed = True
         stream, ids, params, rid = (
@@ -484,6 +512,8 @@ class AsyncEngine:
                         metrics.last_token_time = now
                         metrics.token_times.append(now)
                     out.num_cached_tokens = u.num_cached_tokens
+                    if u.prompt_logprobs and out.prompt_logprobs is None:
+                        out.prompt_logprobs = [None, *u.prompt_logprobs]
                     if metrics.first_scheduled_time is None:
                         metrics.first_scheduled_time = u.first_scheduled_time
                     self._apply_guarded(seq, u)
@@ -586,5 +616,7 @@ class AsyncEngine:
                 o.finish_reason = u.finish_reason if u.error is None else "error"
                 if u.stop_token_id is not None:
                     o.stop_reason = u.stop_token_id
+                elif u.error is not None:
+                    o.stop_reason = u.error  # e.g. a grammar's dead end: say why
         o.text += delta
         o.delta_text += delta

@@ -239,6 +239,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             enable_debug_routes=a.enable_debug_routes,
             limits=limits(a),
             access_log=not a.disable_access_log,
+            tool_call_parser=a.tool_call_parser,
         )
     )
     if code:
@@ -296,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--disable-access-log", action="store_true", help="no per-request log")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="parse tool calls out of the text for tool_choice 'auto'")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip
     s.add_argument(

@@ -12,11 +12,11 @@ import contextlib
 import logging
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 from aiohttp import web
 
@@ -31,6 +31,7 @@ from service.async_engine import (
     RequestOutput,
     Submitted,
 )
+from service.completion_extras import best_of, echo_logprobs, join_logprobs, prompt_logprobs_json
 from service.limits import Limits
 from service.prep import Preprocessor
 from service.protocol import (
@@ -40,6 +41,18 @@ from service.protocol import (
     check_messages,
     decode_chat,
     decode_completion,
+)
+from service.request_ids import request_id
+from service.structured import GrammarError
+from service.tool_calls import (
+    Mode,
+    ToolStream,
+    constraint,
+    make_parser,
+    merge_delta,
+    parse_output,
+    template_tools,
+    tool_mode,
 )
 
 
@@ -217,6 +230,7 @@ class OpenAIServing:
         socket_send_buffer: int | None = None,
         max_buffered_bytes: int = 4 << 20,
         prompt_tokens_details: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.details = prompt_tokens_details
@@ -224,6 +238,7 @@ class OpenAIServing:
         self.limits: Limits = prep.limits
         self.names = served_model_names
         self.tokenizer = engine.tokenizer
+        self.tool_call_parser = tool_call_parser
         self._token_text: dict[int, str] = {}
         self.send_timeout = send_timeout
         self.on_slow_client = on_slow_client
@@ -251,6 +266,13 @@ class OpenAIServing:
             raise SlowClient(
                 f"the client did not read the stream for {self.send_timeout:g} s"
             ) from None
+
+    async def compile(self, params: SamplingParams, field: str | None) -> None:
+        """Compile the request's grammar off the loop; what cannot be compiled is a 400."""
+        try:
+            await self.engine.compile_grammar(params)
+        except GrammarError as e:
+            raise BadRequest(str(e), field) from e
 
     # ---------------------------------------------------------------- helpers
     def _usage(self, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
@@ -385,7 +407,21 @@ class OpenAIServing:
         check_messages(req.messages)
         params = req.to_sampling_params()
         self.limits.check_sampling(params, logprobs_field="top_logprobs")
+        mode = tool_mode(req, self.tool_call_parser)
+        spec = req.structured()
+        if (tc := constraint(req, mode)) is not None:
+            if spec is not None:
+                raise BadRequest(
+                    f"tool_choice {mode!r} constrains the output; it cannot be combined "
+                    f"with {spec[1]}",
+                    "tool_choice",
+                )
+            spec = tc
+            params = msgspec.structs.replace(params, structured_outputs=tc[0])
+        await self.compile(params, spec[1] if spec else None)
         template, template_field, kwargs = req.template_request()
+        if req.tools:
+            kwargs["tools"] = template_tools(req)
         ids = await self.prep.chat_ids(
             [m.as_template_dict() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
@@ -393,15 +429,15 @@ class OpenAIServing:
             template_param=template_field,
             kwargs=kwargs,
         )
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = request_id(request, req.request_id, "chatcmpl")
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
         gens, subs = self._start(rid, [ids], [None], params, salt, field)
         model = req.model or self.names[0]
         try:
             if req.stream:
-                return await self._chat_stream(request, req, rid, model, ids, gens[0], params)
-            return await self._chat_full(req, rid, model, ids, gens[0], params)
+                return await self._chat_stream(request, req, rid, model, ids, gens[0], params, mode)
+            return await self._chat_full(req, rid, model, ids, gens[0], params, mode)
         finally:
             self._release(subs)
 
@@ -413,19 +449,29 @@ class OpenAIServing:
         ids: list[int],
         gen: AsyncIterator[RequestOutput],
         params: SamplingParams,
+        mode: Mode | None,
     ) -> web.Response:
         last: RequestOutput | None = None
         async with contextlib.aclosing(gen):  # type: ignore[type-var]
             async for out in gen:
                 last = out
         assert last is not None
+        parser = make_parser(self.tool_call_parser) if mode == "auto" else None
         choices = []
         for o in last.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            finish = o.finish_reason
+            if mode is not None:
+                content, calls = parse_output(mode, o.text, parser, req)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    if mode != "named" and finish == "stop":
+                        finish = "tool_calls"
             choice: dict[str, Any] = {
                 "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
+                "message": message,
                 "logprobs": self.chat_logprobs(o.logprobs),
-                "finish_reason": o.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": o.stop_reason,
             }
             if req.return_token_ids:
@@ -442,6 +488,8 @@ class OpenAIServing:
         }
         if req.return_token_ids:
             resp["prompt_token_ids"] = ids
+        if req.prompt_logprobs is not None:
+            resp["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs, self.token_text)
         return json_response(resp)
 
     async def _chat_stream(
@@ -453,11 +501,14 @@ class OpenAIServing:
         ids: list[int],
         gen: AsyncIterator[RequestOutput],
         params: SamplingParams,
+        mode: Mode | None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         self.limit_send_buffer(request)
         await resp.prepare(request)
         created = int(time.time())
+        parser = make_parser(self.tool_call_parser) if mode == "auto" else None
+        tools = {i: ToolStream(mode, parser, req) for i in range(params.n)} if mode else {}
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -490,11 +541,22 @@ class OpenAIServing:
                     choices = []
                     for d in deltas:
                         completion_tokens += len(d.token_ids)
+                        delta: dict[str, Any] = {"content": d.text} if d.text else {}
+                        finish = d.finish_reason
+                        if (ts := tools.get(d.index)) is not None:
+                            delta = ts.feed(d.text)
+                            if finish is not None:
+                                last, called = ts.finish()
+                                delta = merge_delta(delta, last)
+                                if called and mode != "named" and finish == "stop":
+                                    finish = "tool_calls"
+                            if not delta and finish is None and d.logprobs is None:
+                                continue  # text held back until the call can be parsed
                         c: dict[str, Any] = {
                             "index": d.index,
-                            "delta": {"content": d.text} if d.text else {},
+                            "delta": delta,
                             "logprobs": self.chat_logprobs(d.logprobs),
-                            "finish_reason": d.finish_reason,
+                            "finish_reason": finish,
                         }
                         if d.finish_reason is not None:
                             c["stop_reason"] = d.stop_reason
@@ -541,21 +603,25 @@ class OpenAIServing:
         req: CompletionRequest = decode_completion(body)
         self.check_model(req.model)
         params = req.to_sampling_params()
+        spec = req.structured()
+        await self.compile(params, spec[1] if spec else None)
         raw = req.prompts()
         self.limits.check_prompt_count(len(raw))
         self.limits.check_sampling(params, prompts=len(raw))
         prompts = await self.prep.prompt_ids(raw)
         texts = [p if isinstance(p, str) else None for p in raw]
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = request_id(request, req.request_id, "cmpl")
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
         gens, subs = self._start(rid, prompts, texts, params, salt)
         model = req.model or self.names[0]
+        # echo: the prompt as text (token-id prompts decoded), before each choice's output.
+        echo = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, prompts, strict=True)] if req.echo else None  # fmt: skip
         try:
             if req.stream:
                 return await self._completion_stream(
-                    request, req, rid, model, prompts, gens, params
+                    request, req, rid, model, prompts, gens, params, echo
                 )
-            return await self._completion_full(req, rid, model, prompts, gens, params)
+            return await self._completion_full(req, rid, model, prompts, gens, echo)
         finally:
             self._release(subs)
 
@@ -566,7 +632,7 @@ class OpenAIServing:
         model: str,
         prompts: list[list[int]],
         gens: list[AsyncIterator[RequestOutput]],
-        params: SamplingParams,
+        echo: list[str] | None,
     ) -> web.Response:
         finals: dict[int, RequestOutput] = {}
 
@@ -588,16 +654,26 @@ class OpenAIServing:
         for i in range(len(prompts)):
             out = finals[i]
             cached += out.num_cached_tokens
-            for o in out.outputs:
-                completion += len(o.token_ids)
-                lp, _ = self.completion_logprobs(o.logprobs, 0)
+            completion += sum(len(o.token_ids) for o in out.outputs)
+            for o in best_of(out.outputs, req.n):
+                head = "" if echo is None else echo[i]
+                if echo is not None and req.logprobs is not None and out.prompt_logprobs:
+                    pre = echo_logprobs(out.prompt_logprobs, self.token_text, prompts[i])
+                    lp, _ = self.completion_logprobs(o.logprobs, len(head))
+                    lp = join_logprobs(pre, lp)
+                else:
+                    lp, _ = self.completion_logprobs(o.logprobs, len(head))
                 choice: dict[str, Any] = {
-                    "index": i * params.n + o.index,
-                    "text": o.text,
-                    "logprobs": lp,
+                    "index": i * req.n + o.index,
+                    "text": head + o.text,
+                    "logprobs": lp if req.logprobs is not None else None,
                     "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason,
                 }
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        out.prompt_logprobs, self.token_text
+                    )
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = prompts[i]
                     choice["token_ids"] = o.token_ids
@@ -622,6 +698,7 @@ class OpenAIServing:
         prompts: list[list[int]],
         gens: list[AsyncIterator[RequestOutput]],
         params: SamplingParams,
+        echo: list[str] | None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         self.limit_send_buffer(request)
@@ -641,15 +718,25 @@ class OpenAIServing:
                     choices = []
                     for d in deltas:
                         completion_tokens += len(d.token_ids)
+                        first = d.index not in offsets
+                        head = echo[d.index // params.n] if echo is not None and first else ""
+                        pre = None
+                        if head and req.logprobs is not None and out.prompt_logprobs:
+                            ids = prompts[d.index // params.n]
+                            pre = echo_logprobs(out.prompt_logprobs, self.token_text, ids)
                         lp, offsets[d.index] = self.completion_logprobs(
-                            d.logprobs, offsets.get(d.index, 0)
+                            d.logprobs, offsets.get(d.index, 0) + len(head)
                         )
                         c: dict[str, Any] = {
                             "index": d.index,
-                            "text": d.text,
-                            "logprobs": lp,
+                            "text": head + d.text,
+                            "logprobs": lp if pre is None else join_logprobs(pre, lp),
                             "finish_reason": d.finish_reason,
                         }
+                        if first and req.prompt_logprobs is not None:
+                            c["prompt_logprobs"] = prompt_logprobs_json(
+                                out.prompt_logprobs, self.token_text
+                            )
                         if d.finish_reason is not None:
                             c["stop_reason"] = d.stop_reason
                         if req.return_token_ids:

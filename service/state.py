@@ -57,6 +57,7 @@ class ServerConfig:
     # GET /debug/state (engine queues, KV blocks, memory, tasks) for operators and tests.
     enable_debug_routes: bool = False
     access_log: bool = True
+    tool_call_parser: str | None = None  # hermes | llama3_json: parses tool_choice "auto"
 
 
 class ServerState:

@@ -25,6 +25,7 @@ from service.openai_api import TENANT_SALT, error_response, limit_send_buffer, s
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, check_messages, decode_ws
 from service.security import check_origin
 from service.state import STATE, ServerState
+from service.structured import GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,11 @@ class WSSession:
             try:
                 params = frame.params.to_sampling_params()
                 prep.limits.check_sampling(params, prefix="params.")
+                spec = frame.params.structured()
+                try:
+                    await engine.compile_grammar(params)
+                except GrammarError as e:
+                    raise BadRequest(str(e), spec[1] if spec else None) from e
                 if (frame.messages is None) == (frame.prompt is None):
                     raise BadRequest("give exactly one of messages or prompt", "messages")
                 if frame.messages is not None:

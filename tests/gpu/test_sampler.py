@@ -526,3 +526,55 @@ def test_state_create_and_append() -> None:
     assert state.num_output_tokens == 2
     assert state.generator is not None
     assert make_state().generator is None
+
+
+# ----------------------------------------------------------------------------- grammar masks
+def _mask(allowed: list[int], vocab: int) -> bytes:
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little", signed=False) for w in words)
+
+
+def test_token_bitmask_touches_only_constrained_rows():
+    from gpu.sampler import apply_token_bitmask_
+
+    vocab = 100
+    logits = torch.randn(4, vocab + 28)  # a padded head: columns past the mask are forbidden
+    before = logits.clone()
+    apply_token_bitmask_(logits, [1, 3], [_mask([0, 33, 99], vocab), _mask([64], vocab)])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    finite1 = torch.isfinite(logits[1]).nonzero().squeeze(1).tolist()
+    assert finite1 == [0, 33, 99]
+    assert torch.equal(logits[1, [0, 33, 99]], before[1, [0, 33, 99]])
+    assert torch.isfinite(logits[3]).nonzero().squeeze(1).tolist() == [64]
+    # A mask that allows nothing is left unapplied (the scheduler ends that request).
+    apply_token_bitmask_(logits, [0], [_mask([], vocab)])
+    assert torch.equal(logits[0], before[0])
+
+
+def test_masked_rows_sample_only_allowed_tokens():
+    from gpu.sampler import apply_token_bitmask_
+
+    vocab = 64
+    allowed = [3, 17, 40]
+    rows = [make_state(temperature=1.0) for _ in range(512)]
+    logits = torch.randn(512, vocab)
+    apply_token_bitmask_(logits, list(range(512)), [_mask(allowed, vocab)] * 512)
+    out = Sampler(vocab, [EOS], CPU, seed=1)(logits, rows)
+    assert set(out.token_ids) == set(allowed)
+
+
+def test_logit_bias_shifts_only_its_rows():
+    vocab = 32
+    logits = torch.zeros(3, vocab)
+    logits[:, 5] = 1.0
+    rows = [
+        make_state(temperature=0.0, logit_bias={9: 5.0}),
+        make_state(temperature=0.0),
+        make_state(temperature=1.0, logit_bias={5: -100.0, 12: 50.0}, seed=3),
+    ]
+    out = Sampler(vocab, [EOS], CPU)(logits, rows)
+    assert out.token_ids == [9, 5, 12]
+    assert not rows[0].plain_greedy and rows[1].plain_greedy
+    assert torch.all(logits[:, 5] == 1.0)  # the caller's logits are not written

@@ -1,0 +1,74 @@
+"""Completions' extras: best_of ranking, echo, and vLLM-shaped prompt_logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from scheduler.contract import TokenLogprobs
+from service.async_engine import CompletionOutput
+
+
+def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The n samples with the highest cumulative logprob (OpenAI's best_of), reindexed."""
+    if len(outputs) <= n:
+        return outputs
+
+    def score(o: CompletionOutput) -> float:
+        return sum(lp.logprob for lp in o.logprobs or [])
+
+    best = sorted(outputs, key=score, reverse=True)[:n]
+    for i, o in enumerate(best):
+        o.index = i
+    return best
+
+
+def prompt_logprobs_json(
+    plp: list[TokenLogprobs | None] | None, text: Callable[[int], str]
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's shape: per prompt token, {token id: {logprob, rank?, decoded_token}} holding
+    the prompt token and the top alternatives; None for the first token."""
+    if plp is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for lp in plp:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(i): {"logprob": v, "rank": r, "decoded_token": text(i)}
+            for r, (i, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1)
+        }
+        entry.setdefault(
+            str(lp.token_id), {"logprob": lp.logprob, "decoded_token": text(lp.token_id)}
+        )
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(
+    plp: list[TokenLogprobs | None], text: Callable[[int], str], prompt_ids: list[int]
+) -> dict[str, Any]:
+    """The prompt's part of a completion's logprobs object when echo is on (the first
+    token has none, as in OpenAI's legacy API)."""
+    tokens, lps, tops, offsets, pos = [], [], [], [], 0
+    for tid, lp in zip(prompt_ids, plp, strict=True):
+        t = text(tid)
+        tokens.append(t)
+        offsets.append(pos)
+        pos += len(t)
+        if lp is None:
+            lps.append(None)
+            tops.append(None)
+        else:
+            lps.append(lp.logprob)
+            tops.append(
+                {text(i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            )
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    if tail is None:
+        return head
+    return {k: head[k] + tail[k] for k in head}

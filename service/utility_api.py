@@ -1,0 +1,92 @@
+"""vLLM's utility routes: /tokenize, /detokenize, /version; and X-Request-Id echoing."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta, Struct
+
+from service.openai_api import json_response
+from service.protocol import BadRequest, ChatMessage, NonNegInt, Tool, decode
+from service.tool_calls import tools_for_template
+
+if TYPE_CHECKING:
+    from service.openai_api import OpenAIServing
+
+
+class TokenizeCompletion(Struct, forbid_unknown_fields=True, kw_only=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(Struct, forbid_unknown_fields=True, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class Detokenize(Struct, forbid_unknown_fields=True, kw_only=True):
+    tokens: list[NonNegInt]
+    model: str | None = None
+
+
+_tokenize_completion = msgspec.json.Decoder(TokenizeCompletion)
+_tokenize_chat = msgspec.json.Decoder(TokenizeChat)
+_detokenize = msgspec.json.Decoder(Detokenize)
+
+
+def pagestream_version() -> str:
+    try:
+        return version("pagestream")
+    except PackageNotFoundError:  # running from a source tree
+        return "0.1.0+src"
+
+
+async def tokenize(serving: OpenAIServing, request: web.Request) -> web.Response:
+    body = await request.read()
+    chat = b'"messages"' in body
+    req = decode(_tokenize_chat if chat else _tokenize_completion, body)
+    serving.check_model(req.model)
+    engine = serving.engine
+    if isinstance(req, TokenizeChat):
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = tools_for_template(req.tools)
+        try:
+            text = engine.tokenizer.apply_chat_template(
+                [m.as_template_dict() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                **kwargs,
+            )
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+        ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    else:
+        ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = [serving.token_text(t) for t in ids]
+    return json_response(out)
+
+
+async def detokenize(serving: OpenAIServing, request: web.Request) -> web.Response:
+    req: Detokenize = decode(_detokenize, await request.read())
+    serving.check_model(req.model)
+    vocab = serving.engine.vocab_size
+    bad = next((t for t in req.tokens if t >= vocab), None)
+    if bad is not None:
+        raise BadRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return json_response({"prompt": serving.engine.tokenizer.decode(req.tokens)})
+
+
+async def version_handler(request: web.Request) -> web.Response:
+    return json_response({"version": pagestream_version()})
