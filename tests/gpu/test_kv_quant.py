@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from gpu import cpu_kernels
 from gpu.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
+from gpu.kernels._common import fp8e4m3_decode, fp8e4m3_encode
 from gpu.kv_quant import bytes_per_token, dequantize, quantize
 from tests.gpu.test_cpu_kernels import decode_case, prefill_case
 
@@ -148,3 +151,90 @@ def test_backend_quantized_step_kernel_vs_torch_path(kind, dtype, monkeypatch):
     plain = TorchAttentionBackend(hq, hkv, d, scale).forward(q, k, v, kc2, vc2, meta)
     err = (outs[-1].float() - plain.float()).abs().max().item()
     assert err < (0.05 if kind == "int8" else 0.25), err
+
+
+# ---- Triton (CPU: the interpreter, as tests/conftest.py sets TRITON_INTERPRET=1) -------
+
+TRITON_CASES = [
+    # (id, query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype, splits)
+    ("mixed-f32", (1, 1, 24, 9), (40, 7, 0, 50), 4, 2, 64, 16, torch.float32, None),
+    ("decode-bf16", (1, 1, 1), (15, 33, 70), 8, 2, 128, 32, torch.bfloat16, None),
+    ("decode-split-f32", (1, 1), (130, 90), 4, 1, 64, 16, torch.float32, 3),
+]
+
+
+def _triton_or_skip():
+    from gpu.kernels._common import is_interpreted
+    from gpu.kernels.attention import _paged_attention_kernel
+
+    if not torch.cuda.is_available() and not is_interpreted(_paged_attention_kernel):
+        pytest.skip("no CUDA and the Triton kernels are compiled")
+    from gpu.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c[0])
+def test_triton_quantized_matches_torch_path(kind, case):
+    # The Triton write kernel quantizes as the torch path does (values within one step,
+    # same scales) and the attention kernel dequantizes as it loads.
+    from gpu.kernels.testing import make_paged_batch
+
+    cls = _triton_or_skip()
+    cid, qlens, ctxs, hq, hkv, d, bs, dtype, splits = case
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    b = make_paged_batch(
+        qlens, ctxs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype,
+        device=dev, seed=len(cid), poison=3.0,
+    )  # fmt: skip
+    kq, ks = quantize_cache(b.k_cache, kind)
+    vq, vs = quantize_cache(b.v_cache, kind)
+    scale = d**-0.5
+    torch_c = [t.clone() for t in (kq, vq, ks, vs)]
+    ref = TorchAttentionBackend(hq, hkv, d, scale).forward(
+        b.q, b.k, b.v, torch_c[0], torch_c[1], b.meta, torch_c[2], torch_c[3]
+    )
+    tri_c = [t.clone() for t in (kq, vq, ks, vs)]
+    out = cls(hq, hkv, d, scale, num_splits=splits).forward(
+        b.q, b.k, b.v, tri_c[0], tri_c[1], b.meta, tri_c[2], tri_c[3]
+    )
+    torch.testing.assert_close(tri_c[2], torch_c[2], atol=0, rtol=1e-6)  # identical scales
+    torch.testing.assert_close(tri_c[3], torch_c[3], atol=0, rtol=1e-6)
+    for qv, tv, s in ((tri_c[0], torch_c[0], tri_c[2]), (tri_c[1], torch_c[1], tri_c[3])):
+        diff = (dequantize(qv, s, torch.float32) - dequantize(tv, s, torch.float32)).abs()
+        # int8 bf16 inputs may land on a rounding tie either side: at most one step.
+        assert (diff <= s[..., None] * (1.0 if kind == "int8" else 0.0) + 1e-7).all(), cid
+    # Outputs over (nearly) the same cache; bf16 rounding of the dequantized operands.
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    ref2 = TorchAttentionBackend(hq, hkv, d, scale).forward(
+        b.q, b.k, b.v, *[t.clone() for t in tri_c[:2]], b.meta, *[t.clone() for t in tri_c[2:]]
+    )
+    torch.testing.assert_close(out.float(), ref2.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), ref.float(), atol=max(tol, 2e-2), rtol=tol)
+
+
+@triton.jit
+def _fp8_roundtrip(x_ptr, b_ptr, y_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    b = fp8e4m3_encode(tl.load(x_ptr + o))
+    tl.store(b_ptr + o, b)
+    tl.store(y_ptr + o, fp8e4m3_decode(b))
+
+
+def test_triton_fp8_codec_matches_torch():
+    _triton_or_skip()
+    n = 4096
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat(
+        [torch.linspace(-448, 448, n // 2), torch.randn(n // 4, generator=g) * 0.02,
+         torch.randn(n // 4, generator=g) * 30]
+    ).clamp(-448, 448)  # fmt: skip
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = x.to(dev)
+    b = torch.zeros(n, dtype=torch.uint8, device=dev)
+    y = torch.zeros(n, device=dev)
+    _fp8_roundtrip[(1,)](x, b, y, N=n)
+    want = x.to(torch.float8_e4m3fn)
+    assert torch.equal(b, want.view(torch.uint8))  # round to nearest even, subnormals too
+    assert torch.equal(y, want.float())
