@@ -82,7 +82,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q.to(dev))  # [N, K] int8
         self.register_buffer("scale", s.to(dev, dtype))  # [N]
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.packed_op = _probed("int8", dev, dtype, _int8_probe)
+        # (torch 2.13's 16-bit CPU kernel crashes when in_features is not a multiple of 16.)
+        k_ok = dtype == torch.float32 or self.in_features % 16 == 0
+        self.packed_op = k_ok and _probed("int8", dev, dtype, _int8_probe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
