@@ -77,3 +77,50 @@ def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> GreedyAgreem
         prefix += (len(a) if first is None else first) / max(1, len(a))
     same = sum(f is None for f in firsts)
     return GreedyAgreement(same / len(ref), firsts, prefix / len(ref))
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the decoder layers' projection weights as the kernels read them, bytes of
+    the rest: embedding, lm_head (a packed copy counts once more), norms)."""
+    from gpu.cpu_linear import PackedLinear
+    from gpu.quant_linear import AWQLinear, Int8Linear
+
+    def elem(dt: torch.dtype) -> int:
+        return torch.empty((), dtype=dt).element_size()
+
+    proj = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            proj += m.qweight.nbytes + m.scale.nbytes
+        elif isinstance(m, AWQLinear):
+            if m.packed is not None:  # 4-bit values + a (scale, zero) pair per group
+                proj += m.in_features * m.out_features // 2 + m.sz.nbytes
+            else:
+                proj += m.weight.nbytes
+        elif isinstance(m, PackedLinear):
+            proj += m.in_features * m.out_features * elem(m.packed.dtype)
+        elif isinstance(m, torch.nn.Linear):
+            proj += m.weight.nbytes
+    other = sum(p.nbytes for n, p in model.named_parameters() if "proj" not in n)
+    packed_head = getattr(model, "lm_head_packed", None)
+    if packed_head is not None:
+        cfg = model.config  # type: ignore[attr-defined]
+        other += cfg.vocab_size * cfg.hidden_size * elem(packed_head.dtype)
+    return proj, other
+
+
+@torch.inference_mode()
+def decode_tokens_per_second(runner: ModelRunner, context: int = 64, steps: int = 64) -> float:
+    """Batch-1 decode speed: one request's forward + logits per token, after a prefill of
+    `context` tokens (sampling excluded: the same for every configuration)."""
+    import time
+
+    toks = [(7 * i + 3) % runner.config.vocab_size for i in range(context + steps)]
+    teacher_forced_logits(runner, toks[: context + 4], context)  # warm-up
+    t = time.perf_counter()
+    teacher_forced_logits(runner, toks, context)
+    total = time.perf_counter() - t
+    t = time.perf_counter()
+    teacher_forced_logits(runner, toks[: context + 1], context)  # the prefill alone
+    prefill = time.perf_counter() - t
+    return steps / max(1e-9, total - prefill)

@@ -54,10 +54,9 @@ def quantize_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 def pack(intweight: torch.Tensor) -> torch.Tensor:
     """[rows, cols] ints 0..15 -> [rows, cols / 8] int32, AutoAWQ's interleaved order."""
     rows, cols = intweight.shape
-    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for c in range(cols // 8):
-        for i in range(8):
-            packed[:, c] |= intweight[:, c * 8 + ORDER_MAP[i]].to(torch.int64) << (4 * i)
+    # nibble i of packed column c = intweight[:, 8 c + ORDER_MAP[i]]
+    v = intweight.to(torch.int64).reshape(rows, cols // 8, 8)[:, :, list(ORDER_MAP)]
+    packed = (v << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
