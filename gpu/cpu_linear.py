@@ -10,6 +10,7 @@ also reaches oneDNN's faster kernels.  The ops are the ones torch's own CPU comp
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -50,6 +51,7 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
 
+@functools.cache
 def _probe(dtype: torch.dtype) -> bool:
     """Packed and plain linear agree on a random problem of this dtype."""
     g = torch.Generator().manual_seed(0)
@@ -68,11 +70,16 @@ def _probe(dtype: torch.dtype) -> bool:
     )
 
 
-def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many."""
+def packing_available(dtype: torch.dtype) -> bool:
     if os.environ.get("PAGESTREAM_PACK_LINEAR", "1") == "0":
-        return 0
-    if dtype not in (torch.float32, torch.bfloat16) or not _ops_available() or not _probe(dtype):
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and _ops_available() and _probe(dtype)
+
+
+def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
+    (Quantized layers are not nn.Linear and keep their own kernels.)"""
+    if not packing_available(dtype):
         return 0
     swaps = [
         (parent, name, child)

@@ -12,9 +12,19 @@ from safetensors import safe_open
 from gpu.attention.base import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.model import CausalLM, Rotary
+from gpu.quant_linear import AWQLinear, quantize_model_int8, unpack_awq
 
 # Keys some checkpoints carry that hold no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Our fused projections and the checkpoint projections they concatenate (output dim).
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+_PROJECTIONS = tuple(p for parts in _FUSED.values() for p in parts)
+QUANTIZATION_METHODS = ("int8", "awq")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -75,7 +85,25 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    if cfg.awq_group_size:
+        _awq_shapes(shapes, cfg.awq_group_size)
     return shapes
+
+
+def _awq_shapes(shapes: dict[str, tuple[int, ...]], g: int) -> None:
+    """Projection weights [N, K] become AWQ's qweight [K, N/8], qzeros [K/g, N/8] and
+    scales [K/g, N]."""
+    for name in [n for n in shapes if n.removesuffix(".weight").endswith(_PROJECTIONS)]:
+        n_out, k_in = shapes.pop(name)
+        base = name.removesuffix(".weight")
+        if n_out % 8 or k_in % g:
+            raise ModelLoadError(
+                f"{base}: shape [{n_out}, {k_in}] does not fit AWQ packing (out % 8, in % "
+                f"group_size {g})"
+            )
+        shapes[base + ".qweight"] = (k_in, n_out // 8)
+        shapes[base + ".qzeros"] = (k_in // g, n_out // 8)
+        shapes[base + ".scales"] = (k_in // g, n_out)
 
 
 def _fmt(names: list[str]) -> str:
@@ -114,7 +142,12 @@ def read_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
 
 
 def _to_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> ours, fusing q/k/v and gate/up so each layer runs two fewer matmuls."""
+    """HF names -> ours, fusing q/k/v and gate/up so each layer runs two fewer matmuls.
+    (AWQ checkpoints: everything but the projection weights; see _awq_layers.)"""
+    if cfg.awq_group_size:
+        for i in range(cfg.num_layers):
+            for part in _PROJECTIONS:
+                hf[f"model.layers.{i}.{part}.weight"] = torch.empty(0)  # placeholders
     sd = {
         "embed_tokens.weight": hf["model.embed_tokens.weight"],
         "norm.weight": hf["model.norm.weight"],
@@ -141,7 +174,34 @@ def _to_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
         sd[q + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
         sd[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         sd[q + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    if cfg.awq_group_size:
+        sd = {k: v for k, v in sd.items() if v.numel() or not k.endswith("proj.weight")}
     return sd
+
+
+def _awq_layers(
+    cfg: ModelConfig,
+    hf: dict[str, torch.Tensor],
+    model: CausalLM,
+    sd: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Replace each fused projection with an AWQLinear built from its parts' AWQ tensors
+    (unpacked, concatenated along the output dim, repacked for torch's int4 kernel)."""
+    g = cfg.awq_group_size
+    assert g is not None
+    for i in range(cfg.num_layers):
+        layer = model.layers[i]
+        for fused, parts in _FUSED.items():
+            names = [f"model.layers.{i}.{p}." for p in parts]
+            q = torch.cat([unpack_awq(hf[n + "qweight"]) for n in names], dim=1)
+            z = torch.cat([unpack_awq(hf[n + "qzeros"]) for n in names], dim=1)
+            s = torch.cat([hf[n + "scales"] for n in names], dim=1)
+            bias = sd.get(f"layers.{i}.{fused}.bias")
+            parent_name, attr = fused.split(".")
+            parent = getattr(layer, parent_name)
+            setattr(parent, attr, AWQLinear(q, z, s, bias, g, dtype, device))
 
 
 def load_model(
@@ -151,14 +211,34 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    quantization: str | None = None,
 ) -> CausalLM:
-    """Build the model on the meta device and assign the checkpoint's tensors into it."""
+    """Build the model on the meta device and assign the checkpoint's tensors into it.
+    quantization: None, "int8" (weight-only, quantized here from a 16/32-bit checkpoint)
+    or "awq" (asserts the checkpoint is AWQ, which is detected from config.json anyway)."""
+    if quantization not in (None, *QUANTIZATION_METHODS):
+        raise ModelLoadError(
+            f"quantization {quantization!r} is not supported; use {' or '.join(QUANTIZATION_METHODS)}"
+        )
+    if quantization == "awq" and not cfg.awq_group_size:
+        raise ModelLoadError(
+            f"{path}: --quantization awq, but config.json has no AWQ quantization_config"
+        )
+    if quantization == "int8" and cfg.awq_group_size:
+        raise ModelLoadError(
+            f"{path}: an AWQ checkpoint is already quantized; drop --quantization int8"
+        )
     hf = read_checkpoint(path, cfg)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in _to_state_dict(cfg, hf).items()}
-    del hf
     with torch.device("meta"):
         model = CausalLM(cfg, backend, max_positions)
+    if cfg.awq_group_size:
+        _awq_layers(cfg, hf, model, sd, dtype, device)
+        sd = {k: v for k, v in sd.items() if not k.endswith("proj.bias")}
+    del hf
     model.load_state_dict(sd, strict=True, assign=True)
     # Non-persistent buffers were built on meta; rebuild them for real.
     model.rotary = Rotary(cfg, max_positions).to(device)
+    if quantization == "int8":
+        quantize_model_int8(model, dtype)
     return model.eval().requires_grad_(False)

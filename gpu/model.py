@@ -13,7 +13,7 @@ from torch import nn
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
-from gpu.cpu_linear import pack_model_linears, pack_weight, packed_linear
+from gpu.cpu_linear import pack_model_linears, pack_weight, packed_linear, packing_available
 
 
 class RMSNorm(nn.Module):
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -97,7 +97,8 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         cos, sin = rope
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq, D]
+        # kv_cache: (k, v), or (k, v, k_scale, v_scale) for a quantized cache.
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:])
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -125,7 +126,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -151,7 +152,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
@@ -169,10 +170,11 @@ class CausalLM(nn.Module):
     def pack_for_cpu(self) -> int:
         """Reorder every projection's weights for oneDNN once (CPU)."""
         dtype = self.embed_tokens.weight.dtype
+        if not packing_available(dtype):
+            return 0
         n = pack_model_linears(self, dtype)
-        if n:
-            w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-            self.lm_head_packed = pack_weight(w)
-            if self.lm_head_weight is not None:
-                self.lm_head_weight = None  # only the packed copy is used from now on
+        w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+        self.lm_head_packed = pack_weight(w)
+        if self.lm_head_weight is not None:
+            self.lm_head_weight = None  # only the packed copy is used from now on
         return n

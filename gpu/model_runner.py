@@ -21,6 +21,7 @@ from gpu.attention import create_attention_backend
 from gpu.attention.base import AttentionMetadata
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
+from gpu.kv_quant import bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from scheduler.contract import (
@@ -85,9 +86,12 @@ class ModelRunner:
         graph_batch_sizes: Sequence[int] | None = None,
         max_num_seqs: int = 256,
         faults: FaultPlan | None = None,
+        kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         self.faults = faults  # fault injection (tests and drills); None in normal serving
         self.model_dir = Path(model_dir)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.config = ModelConfig.from_dir(self.model_dir)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.config)
@@ -113,23 +117,23 @@ class ModelRunner:
             block_size,
         )
         self.model = load_model(
-            self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len
-        )
+            self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len,
+            quantization,
+        )  # fmt: skip
+        # Weight quantization in effect: int8 (at load), awq (the checkpoint's), or None.
+        self.quantization = "awq" if cfg.awq_group_size else quantization
         if self.device.type == "cpu":
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
             packed = self.model.pack_for_cpu()
             log.info("CPU: %d projections use pre-packed oneDNN weights", packed)
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
-        shape = (self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed, not empty: the torch decode path reads padded slots (masked to weight 0),
-        # and 0 * NaN garbage would still poison the sum.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = self._allocate_kv()
+        log.info(
+            "KV cache: %d blocks of %d tokens, %s (%d bytes per token over all layers), %.2f GiB",
+            self.num_kv_blocks, block_size, self.kv_cache_dtype,
+            self.kv_bytes_per_block // block_size,
+            self.num_kv_blocks * self.kv_bytes_per_block / (1 << 30),
+        )  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
         self.requests: dict[str, RequestSamplingState] = {}
         self.last_step_seconds = 0.0
@@ -162,9 +166,29 @@ class ModelRunner:
     # ------------------------------------------------------------------ sizing
     @property
     def kv_bytes_per_block(self) -> int:
+        """K/V bytes of one block over all layers, scales included (= a payload's size)."""
         c = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+        per_token = bytes_per_token(self.kv_cache_dtype, self.dtype, c.num_kv_heads, c.head_dim)
+        return c.num_layers * self.block_size * per_token
+
+    def _allocate_kv(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (k, v), or (k, v, k_scale, v_scale) for a quantized cache."""
+        c = self.config
+        shape = (self.num_kv_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        vdt = storage_dtype(self.kv_cache_dtype, self.dtype)
+
+        # Zeroed, not empty: the torch decode path reads padded slots (masked to weight 0),
+        # and 0 * NaN garbage would still poison the sum.
+        def zeros(shp: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shp, dtype=dt, device=self.device)
+
+        if self.kv_cache_dtype == "auto":
+            return [(zeros(shape, vdt), zeros(shape, vdt)) for _ in range(c.num_layers)]
+        return [
+            (zeros(shape, vdt), zeros(shape, vdt), zeros(shape[:3], torch.float32),
+             zeros(shape[:3], torch.float32))
+            for _ in range(c.num_layers)
+        ]  # fmt: skip
 
     def _auto_num_blocks(self, kv_cache_bytes: int | None) -> int:
         if kv_cache_bytes is None:
@@ -424,37 +448,35 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for layer in self.kv_caches:  # values, and scales beside them when quantized
+            for t in layer:
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[KVBlockPayload]:
-        """Each block's K and V of every layer: [layers, 2, block_size, kv_heads, head_dim]."""
+        """Each block's bytes: per layer K then V values ([block_size, kv_heads, head_dim]),
+        then, for a quantized cache, K then V scales ([block_size, kv_heads] float32)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        stacked = torch.stack(
-            [
-                torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
-                for k, v in self.kv_caches
-            ]
-        )  # [layers, 2, n, block_size, kv_heads, head_dim]
-        per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        n = len(block_ids)
+        parts = [
+            t.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+            for layer in self.kv_caches
+            for t in layer
+        ]
+        per_block = torch.cat(parts, dim=1).cpu()  # [n, kv_bytes_per_block]
         return [
-            KVBlockPayload(block_id=b, data=per_block[i].view(torch.uint8).numpy().tobytes())
+            KVBlockPayload(block_id=b, data=per_block[i].numpy().tobytes())
             for i, b in enumerate(block_ids)
         ]
 
     def _load_kv(self, payloads: list[KVBlockPayload]) -> None:
-        c = self.config
-        shape = (c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
         for p in payloads:
             # The prefix-index actor checks checksums and sizes before a payload gets here.
             assert len(p.data) == self.kv_bytes_per_block, "KV payload of the wrong size"
-            block = (
-                torch.frombuffer(bytearray(p.data), dtype=torch.uint8)
-                .view(self.dtype)
-                .view(shape)
-                .to(self.device)
-            )
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k[p.block_id].copy_(block[layer, 0])
-                v[p.block_id].copy_(block[layer, 1])
+            raw = torch.frombuffer(bytearray(p.data), dtype=torch.uint8).to(self.device)
+            at = 0
+            for layer in self.kv_caches:
+                for t in layer:
+                    dst = t[p.block_id]
+                    nbytes = dst.numel() * dst.element_size()
+                    dst.copy_(raw[at : at + nbytes].view(t.dtype).view(dst.shape))
+                    at += nbytes

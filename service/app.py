@@ -149,6 +149,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             if str(engine.model_dir) not in names:
                 names.append(str(engine.model_dir))
             metrics = Metrics(names[0])
+            metrics.set_kv_cache_info(engine.runner)
 
             def on_step(info: StepInfo) -> None:
                 metrics.on_step(info, engine.scheduler.stats())

@@ -67,6 +67,9 @@ class EngineArgs:
     # (the offline LLM API queues everything it is given).
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), int8 or fp8 (e4m3)
+    # weights: None (as stored, or AWQ when the checkpoint says), int8
+    quantization: str | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -139,12 +142,21 @@ class _Sequence:
         self.done = False
 
 
-def namespace_fingerprint(model_dir: Path, dtype: str, block_size: int) -> str:
-    """What must match for two replicas to share KV: the weights, dtype, block size and
+def namespace_fingerprint(
+    model_dir: Path,
+    dtype: str,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+) -> str:
+    """What must match for two replicas to share KV: the weights (and how they are
+    quantized at load), dtype, KV cache dtype (the payload layout), block size and
     tokenizer.  Weights are identified by their safetensors headers (names, shapes,
     offsets) plus sampled bytes, which is cheap even for large checkpoints."""
     h = hashlib.blake2b(digest_size=12)
     h.update(f"v1|{dtype}|{block_size}|".encode())
+    if kv_cache_dtype != "auto" or quantization:
+        h.update(f"kv={kv_cache_dtype}|w={quantization}|".encode())
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         f = model_dir / name
         if f.is_file():
@@ -163,7 +175,8 @@ def namespace_fingerprint(model_dir: Path, dtype: str, block_size: int) -> str:
 
 def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> PrefixTier:
     dtype = str(runner.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
-    fp = namespace_fingerprint(model_dir, dtype, args.block_size)
+    quant = runner.quantization  # type: ignore[attr-defined]
+    fp = namespace_fingerprint(model_dir, dtype, args.block_size, args.kv_cache_dtype, quant)
     cfg = TierConfig(
         namespace=f"pagestream:{fp}",
         payload_bytes=runner.kv_bytes_per_block,  # type: ignore[attr-defined]
@@ -173,6 +186,8 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
         meta={
             "model": str(model_dir),
             "dtype": dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": str(quant),
             "block_size": str(args.block_size),
             "payload_bytes": str(runner.kv_bytes_per_block),  # type: ignore[attr-defined]
         },
@@ -273,6 +288,8 @@ class AsyncEngine:
                 cuda_graphs=args.cuda_graphs,
                 max_num_seqs=args.max_num_seqs,
                 faults=faults,
+                kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).

@@ -29,6 +29,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8"],
+        help="KV cache storage: auto = the model dtype; int8 / fp8 (e4m3) with a scale per "
+        "token and KV head hold ~2x the tokens of a 16-bit cache in the same memory",
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "awq"],
+        help="weights: int8 = weight-only INT8 quantized at load (per-output-channel scales); "
+        "awq = expect an AutoAWQ INT4 checkpoint (detected from config.json anyway)",
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
         "--num-kv-blocks",
@@ -110,6 +124,8 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=a.model,
         dtype=a.dtype,
+        kv_cache_dtype=a.kv_cache_dtype,
+        quantization=a.quantization,
         block_size=a.block_size,
         num_kv_blocks=a.num_kv_blocks,
         kv_cache_bytes=int(a.kv_cache_memory * (1 << 30)) if a.kv_cache_memory else None,

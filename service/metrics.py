@@ -188,6 +188,27 @@ class Metrics:
             )
         self._tier_up.labels(self.model_name, tier_name).set(1 if up else 0)
 
+    def set_kv_cache_info(self, runner: object) -> None:
+        """KV cache capacity as allocated at start-up: blocks, and bytes per token (which
+        the KV cache dtype sets), labelled with the KV dtype and weight quantization."""
+        labels = ["model_name", "kv_cache_dtype", "quantization"]
+        values = (
+            self.model_name,
+            str(getattr(runner, "kv_cache_dtype", "auto")),
+            str(getattr(runner, "quantization", None) or "none"),
+        )
+        blocks = Gauge(
+            "pagestream_kv_cache_num_blocks", "KV blocks allocated.", labels, registry=self.registry
+        )
+        per_token = Gauge(
+            "pagestream_kv_cache_bytes_per_token",
+            "KV cache bytes one token takes over all layers (values and scales).",
+            labels, registry=self.registry,
+        )  # fmt: skip
+        bs = int(getattr(runner, "block_size", 1))
+        blocks.labels(*values).set(int(getattr(runner, "num_kv_blocks", 0)))
+        per_token.labels(*values).set(int(getattr(runner, "kv_bytes_per_block", 0)) // bs)
+
     def on_step(self, info: StepInfo, stats: SchedulerStats) -> None:
         c = self._c
         c["running"].set(stats.num_running)

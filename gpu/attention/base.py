@@ -58,8 +58,12 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, kv_heads]
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store k/v at meta.slot_mapping, then attend q over each request's context."""
+        """Store k/v at meta.slot_mapping, then attend q over each request's context.
+        With scales, the cache holds int8/fp8 values (see gpu.kv_quant): k/v are
+        quantized as they are written and dequantized as the attention loads them."""
 
     @classmethod
     def check_supported(cls, head_dim: int, dtype: torch.dtype, block_size: int) -> None:

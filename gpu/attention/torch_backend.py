@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
+from gpu.kv_quant import dequantize, write_quantized
 
 
 def write_kv_reference(
@@ -15,8 +16,15 @@ def write_kv_reference(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] (quantized)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each new token's K/V at its flat slot (block * block_size + offset)."""
+    """Store each new token's K/V at its flat slot (block * block_size + offset);
+    quantized caches store values and per-(token, head) scales."""
+    if k_scale is not None and v_scale is not None:
+        write_quantized(k, k_cache, k_scale, slot_mapping)
+        write_quantized(v, v_cache, v_scale, slot_mapping)
+        return
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -25,9 +33,17 @@ def write_kv_reference(
 def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     block_tables: torch.Tensor,  # [B, nb] int
+    scales: torch.Tensor | None = None,  # [num_blocks, block_size, kv_heads] (quantized)
+    dtype: torch.dtype | None = None,  # what quantized values are dequantized to
 ) -> torch.Tensor:  # [B, nb * block_size, kv_heads, head_dim]
+    """The blocks of each table row, dense; quantized blocks are dequantized as they are
+    gathered (only the blocks a step reads, never the whole cache)."""
     b, nb = block_tables.shape
-    gathered = cache.index_select(0, block_tables.reshape(-1).long())
+    idx = block_tables.reshape(-1).long()
+    gathered = cache.index_select(0, idx)
+    if scales is not None:
+        assert dtype is not None
+        gathered = dequantize(gathered, scales.index_select(0, idx), dtype)
     return gathered.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
@@ -37,8 +53,13 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, kv_heads]
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """One sequence at a time, straight from the definition; slow, for tests."""
+    if k_scale is not None and v_scale is not None:
+        k_cache = dequantize(k_cache, k_scale, torch.float32)
+        v_cache = dequantize(v_cache, v_scale, torch.float32)
     out = torch.empty_like(q)
     bs = meta.block_size
     qsl = meta.query_start_loc.tolist()
@@ -89,14 +110,17 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
+        sc = (k_scale, v_scale)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, sc)
         if meta.num_seqs > nd:
-            self._prefill_all(q, k, v, k_cache, v_cache, meta, out)
+            self._prefill_all(q, k, v, k_cache, v_cache, meta, out, sc)
         return out
 
     def _prefill_all(
@@ -108,6 +132,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> None:
         """Every prefill chunk of the step (the requests after the decodes), into `out`.
         The compiled kernel does them all in one call straight from the paged cache (the
@@ -116,14 +141,14 @@ class TorchAttentionBackend(AttentionBackend):
         if self._use_cpu_kernel(q):
             cpu_kernels.prefill_attention(
                 q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
-                meta.seq_lens[nd:], self.scale, out,
+                meta.seq_lens[nd:], self.scale, out, *sc,
             )  # fmt: skip
             return
         start = nd  # decodes are one token each
         for i in range(nd, meta.num_seqs):
             end = start + meta.query_lens_cpu[i]
             out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i
+                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc
             )
             start = end
 
@@ -133,20 +158,22 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> torch.Tensor:
         b = q.shape[0]
         if self._use_cpu_kernel(q):
             return cpu_kernels.decode_attention(
-                q, k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], self.scale
-            )
+                q, k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], self.scale,
+                k_scale=sc[0], v_scale=sc[1],
+            )  # fmt: skip
         bs = meta.block_size
         max_len = max(meta.seq_lens_cpu[:b])
         nb = (max_len + bs - 1) // bs
         tables = meta.block_tables[:b, :nb]
         kv_heads, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
-        kc = _gather_context(k_cache, tables).transpose(1, 2)  # [B, Hkv, S, D]
-        vc = _gather_context(v_cache, tables).transpose(1, 2)
+        kc = _gather_context(k_cache, tables, sc[0], q.dtype).transpose(1, 2)  # [B, Hkv, S, D]
+        vc = _gather_context(v_cache, tables, sc[1], q.dtype).transpose(1, 2)
         qg = q.view(b, kv_heads, group, d)  # [B, Hkv, G, D]
         scores = torch.matmul(qg, kc.transpose(2, 3)).float() * self.scale  # [B, Hkv, G, S]
         s = scores.shape[-1]
@@ -164,14 +191,17 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         i: int,
+        sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> torch.Tensor:
         qlen = q.shape[0]
         seq_len = meta.seq_lens_cpu[i]
         ctx = seq_len - qlen
         group = self.num_heads // self.num_kv_heads
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-        if ctx == 0:
-            # Nothing cached before this chunk: attend over the fresh K/V directly.
+        if ctx == 0 and sc[0] is None:
+            # Nothing cached before this chunk: attend over the fresh K/V directly.  (A
+            # quantized cache reads the stored values, as every later step and the
+            # kernels do.)
             kt = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vt = v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
@@ -181,8 +211,8 @@ class TorchAttentionBackend(AttentionBackend):
             bs = meta.block_size
             nb = (seq_len + bs - 1) // bs
             table = meta.block_tables[i : i + 1, :nb]
-            kt = _gather_context(k_cache, table)[:, :seq_len].transpose(1, 2)  # [1, Hkv, S, D]
-            vt = _gather_context(v_cache, table)[:, :seq_len].transpose(1, 2)
+            kt = _gather_context(k_cache, table, sc[0], q.dtype)[:, :seq_len].transpose(1, 2)
+            vt = _gather_context(v_cache, table, sc[1], q.dtype)[:, :seq_len].transpose(1, 2)
             # Query j sits at position ctx + j and sees keys 0..ctx + j (bottom-right causal).
             q_pos = torch.arange(ctx, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]

@@ -54,8 +54,10 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return paged_attention(
             q,
             k_cache,
@@ -69,6 +71,8 @@ class TritonAttentionBackend(AttentionBackend):
             scale=self.scale,
             num_splits=meta.num_splits if meta.num_splits is not None else self.num_splits,
             config=self.config,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     @classmethod

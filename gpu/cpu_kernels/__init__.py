@@ -103,6 +103,12 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         fn.restype = None
+    lib.ps_decode_quant.argtypes = [i32, i32, p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32,
+                                    i32, f32, i32]  # fmt: skip
+    lib.ps_decode_quant.restype = None
+    lib.ps_prefill_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, p, i64, i32,
+                                     i32, i32, i32, i32, f32, i32]  # fmt: skip
+    lib.ps_prefill_quant.restype = None
     _lib = lib
     return lib
 
@@ -129,13 +135,16 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     num_threads: int | None = None,  # default: torch.get_num_threads()
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] fp32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence against its whole paged context (zeros where the
-    context is empty)."""
+    context is empty).  With scales, the cache holds int8 / fp8 values (gpu.kv_quant),
+    dequantized as each row is loaded."""
     lib = load()
     assert lib is not None
     assert q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -144,6 +153,14 @@ def decode_attention(
     tables = block_tables.contiguous()
     lens = seq_lens.contiguous()
     out = torch.empty_like(q)
+    if k_scale is not None and v_scale is not None:
+        lib.ps_decode_quant(
+            _quant_kind(k_cache), int(q.dtype == torch.bfloat16), q.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
+            k_cache.shape[1], scale, num_threads or torch.get_num_threads(),
+        )  # fmt: skip
+        return out
     fn = lib.ps_decode_bf16 if q.dtype == torch.bfloat16 else lib.ps_decode_f32
     fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
@@ -162,6 +179,8 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [B] int32, context after the chunk
     scale: float,
     out: torch.Tensor | None = None,  # written in place at the requests' rows
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] fp32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's chunk over its paged context, in one call:
     query j of a chunk of length L sits at position seq_len - L + j and sees keys up to it.
@@ -169,7 +188,7 @@ def prefill_attention(
     lib = load()
     assert lib is not None
     assert q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
     assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
     b = seq_lens.shape[0]
     assert query_start_loc.shape[0] == b + 1 and block_tables.shape[0] >= b
@@ -184,16 +203,47 @@ def prefill_attention(
     qsl = query_start_loc.contiguous()
     lens = seq_lens.contiguous()
     _, hq, d = q.shape
-    fn = lib.ps_prefill_bf16 if q.dtype == torch.bfloat16 else lib.ps_prefill_f32
-    fn(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.stride(0), qsl.data_ptr(), lens.data_ptr(), dst.data_ptr(), dst.stride(0), b,
-        hq, k_cache.shape[2], d, k_cache.shape[1], scale, torch.get_num_threads(),
-    )  # fmt: skip
+    if k_scale is not None and v_scale is not None:
+        lib.ps_prefill_quant(
+            _quant_kind(k_cache), int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+            tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
+            dst.data_ptr(), dst.stride(0), b, hq, k_cache.shape[2], d, k_cache.shape[1], scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    else:
+        fn = lib.ps_prefill_bf16 if q.dtype == torch.bfloat16 else lib.ps_prefill_f32
+        fn(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
+            dst.data_ptr(), dst.stride(0), b, hq, k_cache.shape[2], d, k_cache.shape[1], scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
     if dst is not out:
         lo, hi = int(qsl[0]), int(qsl[-1])
         out[lo:hi] = dst[lo:hi]
     return out
+
+
+def _quant_kind(values: torch.Tensor) -> int:
+    return 0 if values.dtype == torch.int8 else 1  # int8, else fp8 e4m3 bytes (uint8)
+
+
+def _check_cache_dtypes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    assert q.dtype in (torch.float32, torch.bfloat16)
+    if k_scale is None:
+        assert q.dtype == k_cache.dtype == v_cache.dtype
+        return
+    assert v_scale is not None and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype in (torch.int8, torch.uint8)
+    for t in (k_scale, v_scale):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == k_cache.shape[:3]
 
 
 def _rows_dense(t: torch.Tensor) -> bool:

@@ -119,6 +119,27 @@ inline vf loadv_part(const uint16_t* p, int n) {
   return v;
 #endif
 }
+// int8 / fp8 cache rows (their scale is applied to the scores and probabilities).
+inline vf loadv(const int8_t* p) {
+  vs8 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vf);
+}
+inline vf loadv(const fp8* p) {
+  vu8 b;
+  std::memcpy(&b, p, sizeof b);
+  return fp8_decode(__builtin_convertvector(b, vi));
+}
+inline vf loadv_part(const int8_t* p, int n) {
+  vs8 b = {};
+  std::memcpy(&b, p, n);
+  return __builtin_convertvector(b, vf);
+}
+inline vf loadv_part(const fp8* p, int n) {
+  vu8 b = {};
+  std::memcpy(&b, p, n);
+  return fp8_decode(__builtin_convertvector(b, vi));
+}
 inline bool any_gt(vf v, float x) {
 #if defined(__AVX512F__)
   return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(x), _CMP_GT_OQ) != 0;
@@ -288,7 +309,8 @@ struct Prefetcher {
 // masked (kNeg) for j >= nvalid.  q: [G][qs] fp32, zero padded to nc whole vectors; kp: the
 // keys' cache slots, read koff elements in; the last vector of a row holds rem values.
 // NC > 0: nc == NC, and the query's vectors stay in registers while the rows stream by (one
-// pointer load per row); NC == 0: any nc, a chunk of all the rows at a time.
+// pointer load per row); NC == 0: any nc, a chunk of all the rows at a time.  ksc (quantized
+// caches, else null): the keys' scales, applied to the finished dot products.
 template <typename T, int NC>
 struct QkFma {
   // part[j] = lanes of the dot product of the query (nc vectors, qv: the first NC) with
@@ -325,7 +347,8 @@ struct QkFma {
   }
   template <bool Tail>
   static void heads(const float* q, int qs, int G, const T* const* kp, int koff, int nc,
-                    int rem, float c, int nvalid, float* s, Prefetcher& pf, int step) {
+                    int rem, float c, int nvalid, float* s, Prefetcher& pf, int step,
+                    const float* ksc) {
     vi iota;
     for (int i = 0; i < kW; ++i) iota[i] = i;
     for (int g = 0; g < G; ++g) {
@@ -341,17 +364,18 @@ struct QkFma {
         vf part[kW];
         rows<Tail>(qv, qg, k, nc, rem, part);
         vf r = reduce_add(part) * c;
+        if (ksc) r *= loadv(ksc + j0);
         if (nvalid < j0 + kW) r = iota < nvalid - j0 ? r : bcast(kNeg);
         std::memcpy(s + g * kTile + j0, &r, sizeof r);
       }
     }
   }
   static void run(const float* q, int qs, int G, const T* const* kp, int koff, int nc, int rem,
-                  float c, int nvalid, float* s, Prefetcher& pf, int step) {
+                  float c, int nvalid, float* s, Prefetcher& pf, int step, const float* ksc) {
     if (rem == kW)
-      heads<false>(q, qs, G, kp, koff, nc, rem, c, nvalid, s, pf, step);
+      heads<false>(q, qs, G, kp, koff, nc, rem, c, nvalid, s, pf, step, ksc);
     else
-      heads<true>(q, qs, G, kp, koff, nc, rem, c, nvalid, s, pf, step);
+      heads<true>(q, qs, G, kp, koff, nc, rem, c, nvalid, s, pf, step, ksc);
   }
 };
 // Query vectors per row that QkFma holds in registers, next to kW accumulators.
@@ -534,17 +558,20 @@ struct PvFmaOf {
 
 // ---- driver -------------------------------------------------------------------------
 
-template <typename T>
+// T: q and out (float or bf16 bits); C: cache values (T, or int8_t / fp8 with scales).
+template <typename T, typename C = T>
 struct Args {
   const T* q;
-  const T* kc;
-  const T* vc;
+  const C* kc;
+  const C* vc;
   const int32_t* tables;
   int64_t tstride;
   const int32_t* lens;
   T* out;
   int nseq, nheads, nkv, dim, bs;
   float scale;
+  const float* ks = nullptr;  // quantized: [num_blocks, bs, nkv] scales of kc / vc
+  const float* vs = nullptr;
 };
 
 // Keys [k0, k1) of sequence seq for kv heads [h0, h1).
@@ -570,6 +597,9 @@ struct Work {
   const Item* pre = nullptr;
   const T* pre_kp[kTile];
   const T* pre_vp[kTile];
+  alignas(64) float ksc[kTile];  // quantized: the tile's key / value scales of one kv head
+  alignas(64) float vsc[kTile];
+  int64_t sidx[kTile];  // and the tile's slots x nkv (scale index of head 0)
   void reserve(int rows, int group, int dim) {
     const size_t dp = (dim + 31) / 32 * 32;  // whole vectors, whole bf16 chunks of 32
     auto grow = [](auto& v, size_t n) {
@@ -600,7 +630,8 @@ struct SlotCursor {
   int64_t slot;  // elements per cache slot
   int bs, key, end, in;
   const T *kr, *vr;
-  SlotCursor(const Args<T>& a, int seq, int k0, int k1)
+  template <typename A>
+  SlotCursor(const A& a, int seq, int k0, int k1)
       : kc(a.kc), vc(a.vc), table(a.tables + static_cast<int64_t>(seq) * a.tstride),
         slot(static_cast<int64_t>(a.nkv) * a.dim), bs(a.bs), key(k0), end(k1), in(k0 % a.bs) {
     if (k0 < k1) seek(k0 / bs);
@@ -638,26 +669,26 @@ struct SlotCursor {
 // [rows][dp]), m (running max of base-2 scores) and the lane-wise sums lsum per query head.
 // While the last tile is computed, the first one of `next` (the item this thread does next,
 // if any) is prefetched, so that a new item does not start by waiting on memory.
-template <typename T, bool kDot>
-void run_item(const Args<T>& a, const Item& it, const Item* next, Work<T>& w) {
+template <typename T, typename C, bool kDot>
+void run_item(const Args<T, C>& a, const Item& it, const Item* next, Work<C>& w) {
   const int G = a.nheads / a.nkv, dim = a.dim, hg = it.h1 - it.h0, rows = hg * G;
   const int dp = (dim + 31) / 32 * 32;
   const int n = it.k1 - it.k0, ntiles = (n + kTile - 1) / kTile;
-  const T** kp = w.kp;
-  const T** vp = w.vp;
+  const C** kp = w.kp;
+  const C** vp = w.vp;
   Prefetcher& pf = w.pf;
   // Slot pointers of a tile into kt/vt, and its rows (the item's heads) queued for prefetch.
-  auto queue = [&](const Item& x, SlotCursor<T>& cur, const T** kt, const T** vt) {
+  auto queue = [&](const Item& x, SlotCursor<C>& cur, const C** kt, const C** vt) {
     const int nk = std::min(kTile, cur.end - cur.key);
     cur.tile(kt, vt);
-    const int bytes = (x.h1 - x.h0) * dim * static_cast<int>(sizeof(T));
+    const int bytes = (x.h1 - x.h0) * dim * static_cast<int>(sizeof(C));
     const int64_t hoff = static_cast<int64_t>(x.h0) * dim;
     pf.reset();
     for (int j = 0; j < nk; ++j) pf.add(kt[j] + hoff, bytes);
     for (int j = 0; j < nk; ++j) pf.add(vt[j] + hoff, bytes);
   };
   const bool warm = w.pre == &it;
-  SlotCursor<T> cur(a, it.seq, warm ? std::min(it.k1, it.k0 + kTile) : it.k0, it.k1);
+  SlotCursor<C> cur(a, it.seq, warm ? std::min(it.k1, it.k0 + kTile) : it.k0, it.k1);
   if (warm) {
     std::copy(w.pre_kp, w.pre_kp + kTile, kp);
     std::copy(w.pre_vp, w.pre_vp + kTile, vp);
@@ -670,7 +701,7 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, Work<T>& w) {
     if (t + 1 < ntiles) {
       queue(it, cur, kp + ((t + 1) % kRing) * kTile, vp + ((t + 1) % kRing) * kTile);
     } else if (next) {
-      SlotCursor<T> nc(a, next->seq, next->k0, next->k1);
+      SlotCursor<C> nc(a, next->seq, next->k0, next->k1);
       queue(*next, nc, w.pre_kp, w.pre_vp);
       w.pre = next;
     }
@@ -781,29 +812,42 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, Work<T>& w) {
       for (int d = 0; d < dim; ++d) q[r * dp + d] = to_f(qsrc[r * dim + d]);
       std::fill(q + r * dp + dim, q + (r + 1) * dp, 0.0f);
     }
-    using Fn = void (*)(float*, int, const float*, const float*, const T* const*, int, int, int,
+    using Fn = void (*)(float*, int, const float*, const float*, const C* const*, int, int, int,
                         Prefetcher&, int);
-    static const auto tab = make_table<PvFmaOf<T>::template K, kPvHeads, kPvCols, Fn>();
-    using QkFn = void (*)(const float*, int, int, const T* const*, int, int, int, float, int,
-                          float*, Prefetcher&, int);
-    static const auto qk_tab = make_table1<QkFmaOf<T>::template K, kQkFmaMaxNc, QkFn>();
-    const QkFn qk = nc <= kQkFmaMaxNc ? qk_tab[nc - 1] : &QkFma<T, 0>::run;
+    static const auto tab = make_table<PvFmaOf<C>::template K, kPvHeads, kPvCols, Fn>();
+    using QkFn = void (*)(const float*, int, int, const C* const*, int, int, int, float, int,
+                          float*, Prefetcher&, int, const float*);
+    static const auto qk_tab = make_table1<QkFmaOf<C>::template K, kQkFmaMaxNc, QkFn>();
+    const QkFn qk = nc <= kQkFmaMaxNc ? qk_tab[nc - 1] : &QkFma<C, 0>::run;
+    constexpr bool kQuant = !std::is_same_v<C, T>;
     const int npv_calls = (G + kPvHeads - 1) / kPvHeads * ((nc + kPvCols - 1) / kPvCols);
     for (int t = 0; t < ntiles; ++t) {
       fetch(t);
       const int steps = hg * (G + kTile / 4 * npv_calls);
       const int step = (pf.lines + steps - 1) / steps;
-      const T* const* kt = kp + (t % kRing) * kTile;
-      const T* const* vt = vp + (t % kRing) * kTile;
+      const C* const* kt = kp + (t % kRing) * kTile;
+      const C* const* vt = vp + (t % kRing) * kTile;
       const int nvalid = std::min(kTile, n - kTile * t);
+      if constexpr (kQuant)  // K and V share slots, so one index serves both scales
+        for (int j = 0; j < kTile; ++j) w.sidx[j] = (kt[j] - a.kc) / dim;
       for (int hi = 0; hi < hg; ++hi) {
         const int h = it.h0 + hi;
-        qk(q + hi * G * dp, dp, G, kt, h * dim, nc, rem, c, nvalid, s, pf, step);
+        const float* ksc = nullptr;
+        if constexpr (kQuant) {
+          for (int j = 0; j < kTile; ++j) {
+            w.ksc[j] = a.ks[w.sidx[j] + h];
+            w.vsc[j] = a.vs[w.sidx[j] + h];
+          }
+          ksc = w.ksc;
+        }
+        qk(q + hi * G * dp, dp, G, kt, h * dim, nc, rem, c, nvalid, s, pf, step, ksc);
         for (int g = 0; g < G; ++g) {
           float* sg = s + g * kTile;
           moved[g] = softmax(hi * G + g, sg, w.alpha[g], [&](vf x, int i) {
             const vf p = exp2v(x);
-            std::memcpy(sg + kW * i, &p, sizeof p);
+            // Quantized: P.V reads p * v_scale (the sum keeps p itself).
+            const vf pv = kQuant ? p * loadv(w.vsc + kW * i) : p;
+            std::memcpy(sg + kW * i, &pv, sizeof pv);
             return p;
           });
         }
@@ -823,8 +867,8 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, Work<T>& w) {
   }
 }
 
-template <typename T>
-void decode(const Args<T>& a, int nthreads) {
+template <typename T, typename C = T>
+void decode(const Args<T, C>& a, int nthreads) {
   const int G = a.nheads / a.nkv, dim = a.dim;
   const int dp = (dim + 31) / 32 * 32;
   nthreads = std::max(1, nthreads);
@@ -881,7 +925,8 @@ void decode(const Args<T>& a, int nthreads) {
   const int64_t pstride = static_cast<int64_t>(rows) * (dp + 2);
   std::vector<float> parts(static_cast<size_t>(nparts_total) * pstride);
   const int ni = static_cast<int>(items.size()), ns = static_cast<int>(splits.size());
-  const bool dot = PS_DPBF16 && std::is_same_v<T, uint16_t>;
+  constexpr bool kDotOk = PS_DPBF16 && std::is_same_v<T, uint16_t> && std::is_same_v<C, T>;
+  const bool dot = kDotOk;
 
   // Dynamic scheduling by hand: a thread claims its next item before it finishes the current
   // one, so that it can prefetch the next item's first tile.
@@ -891,7 +936,7 @@ void decode(const Args<T>& a, int nthreads) {
       std::clamp<int64_t>(total / kMinKeysPerThread, 1, std::min(nthreads, ni)));
 #pragma omp parallel num_threads(team)
   {
-    Work<T>& w = thread_work<T>();  // (one TLS lookup, not one per use)
+    Work<C>& w = thread_work<C>();  // (one TLS lookup, not one per use)
     w.reserve(rows, G, dim);
     int i = claim.fetch_add(1, std::memory_order_relaxed);
     while (i < ni) {
@@ -899,9 +944,9 @@ void decode(const Args<T>& a, int nthreads) {
       const Item& it = items[i];
       const Item* next = i_next < ni ? &items[i_next] : nullptr;
       if (dot) {
-        if constexpr (PS_DPBF16 && std::is_same_v<T, uint16_t>) run_item<T, true>(a, it, next, w);
+        if constexpr (kDotOk) run_item<T, C, true>(a, it, next, w);
       } else {
-        run_item<T, false>(a, it, next, w);
+        run_item<T, C, false>(a, it, next, w);
       }
       const int nr = (it.h1 - it.h0) * G;
       const float* o = reinterpret_cast<const float*>(w.o.data());
@@ -969,6 +1014,26 @@ void ps_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                     int nseq, int nheads, int nkv, int dim, int bs, float scale, int nthreads) {
   decode<uint16_t>({q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale},
                    nthreads);
+}
+
+// Quantized cache (kind 0: int8, 1: fp8 e4m3) with per-(slot, kv head) scales ks / vs;
+// q and out are bf16 when bf16 != 0, else fp32.
+void ps_decode_quant(int kind, int bf16, const void* q, const void* kc, const void* vc,
+                     const float* ks, const float* vs, const int32_t* tables, int64_t tstride,
+                     const int32_t* lens, void* out, int nseq, int nheads, int nkv, int dim, int bs,
+                     float scale, int nthreads) {
+  auto run = [&](auto tq, auto tc) {
+    using T = decltype(tq);
+    using C = decltype(tc);
+    Args<T, C> a{static_cast<const T*>(q), static_cast<const C*>(kc), static_cast<const C*>(vc),
+                 tables, tstride, lens, static_cast<T*>(out), nseq, nheads, nkv, dim, bs, scale,
+                 ks, vs};
+    decode<T, C>(a, nthreads);
+  };
+  if (bf16)
+    kind == 0 ? run(uint16_t{}, int8_t{}) : run(uint16_t{}, fp8{});
+  else
+    kind == 0 ? run(float{}, int8_t{}) : run(float{}, fp8{});
 }
 
 }  // extern "C"

@@ -254,12 +254,13 @@ inline __m512i pack_p_pair(vf a, vf b) {
 #endif  // PS_DPBF16
 
 
-template <typename T>
+// T: q and out (float or bf16 bits); C: cache values (T, or int8_t / fp8 with scales).
+template <typename T, typename C = T>
 struct Args {
   const T* q;
   int64_t q_stride;  // elements between consecutive tokens of q
-  const T* kc;
-  const T* vc;
+  const C* kc;
+  const C* vc;
   const int32_t* tables;
   int64_t tstride;
   const int32_t* qsl;
@@ -268,6 +269,8 @@ struct Args {
   int64_t out_stride;
   int nseq, nheads, nkv, dim, bs;
   float scale;
+  const float* ks = nullptr;  // quantized: [num_blocks, bs, nkv] scales of kc / vc
+  const float* vs = nullptr;
 };
 
 struct Item {
@@ -294,8 +297,11 @@ struct Work {
   }
 };
 
-template <typename T, bool kDot>
-void run_item(const Args<T>& a, const Item& it, Work& w) {
+template <typename T, typename C, bool kDot>
+void run_item(const Args<T, C>& a, const Item& it, Work& w) {
+  // Quantized caches are dequantized (value x its row's scale) as each tile's rows are
+  // converted into the fp32 K and V panels below.
+  constexpr bool kQuant = !std::is_same_v<C, T>;
   const int group = a.nheads / a.nkv, dim = a.dim, dp = (dim + kW - 1) / kW * kW, chunks = dp / kW;
   const int qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
   const int ctx = a.seq_lens[it.seq] - qlen;
@@ -354,9 +360,10 @@ void run_item(const Args<T>& a, const Item& it, Work& w) {
   const float c = a.scale * 1.4426950408889634f;  // softmax in base 2
   float* s = reinterpret_cast<float*>(w.s.data());
   float* alpha = reinterpret_cast<float*>(w.alpha.data());
-  const T* zero_row = reinterpret_cast<const T*>(w.zero.data());
-  const T* kptr[kTileKeys];
-  const T* vptr[kTileKeys];
+  const C* zero_row = reinterpret_cast<const C*>(w.zero.data());
+  const C* kptr[kTileKeys];
+  const C* vptr[kTileKeys];
+  float ksc[kTileKeys], vsc[kTileKeys];  // quantized: the tile's rows' scales
   const float* kf[kTileKeys];
   const float* vfp[kTileKeys];
   // Largest position among the rows of vector v (rows are position-major).
@@ -371,15 +378,21 @@ void run_item(const Args<T>& a, const Item& it, Work& w) {
       int blk = k0 / a.bs, in = k0 % a.bs;
       for (int j = 0; j < nkc; ++j) {
         if (k0 + j < kend) {
-          const int64_t off = (static_cast<int64_t>(table[blk]) * a.bs + in) * slot + head_off;
+          const int64_t sl = static_cast<int64_t>(table[blk]) * a.bs + in;
+          const int64_t off = sl * slot + head_off;
           kptr[j] = a.kc + off;
           vptr[j] = a.vc + off;
+          if constexpr (kQuant) {
+            ksc[j] = a.ks[sl * a.nkv + it.head];
+            vsc[j] = a.vs[sl * a.nkv + it.head];
+          }
           if (++in == a.bs) {
             in = 0;
             ++blk;
           }
         } else {
           kptr[j] = vptr[j] = zero_row;
+          ksc[j] = vsc[j] = 0.0f;
         }
       }
     }
@@ -399,10 +412,15 @@ void run_item(const Args<T>& a, const Item& it, Work& w) {
 #endif
     } else {
       const float* const* kr;
-      if constexpr (!std::is_same_v<T, float>) {
+      if constexpr (!std::is_same_v<C, float>) {
         float* kb = reinterpret_cast<float*>(w.k.data());
         for (int j = 0; j < nkc; ++j) {
-          for (int d = 0; d < dim; ++d) kb[j * dp + d] = to_f(kptr[j][d]);
+          if constexpr (kQuant) {
+            const float sc = ksc[j];
+            for (int d = 0; d < dim; ++d) kb[j * dp + d] = to_f(kptr[j][d]) * sc;
+          } else {
+            for (int d = 0; d < dim; ++d) kb[j * dp + d] = to_f(kptr[j][d]);
+          }
           kf[j] = kb + j * dp;
         }
         kr = kf;
@@ -490,7 +508,7 @@ void run_item(const Args<T>& a, const Item& it, Work& w) {
 #endif
     } else {
       const float* const* vr;
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<C, float>) {
         if (dim == dp) {
           vr = reinterpret_cast<const float* const*>(vptr);
         } else {
@@ -505,7 +523,12 @@ void run_item(const Args<T>& a, const Item& it, Work& w) {
       } else {
         float* vb = reinterpret_cast<float*>(w.v.data());
         for (int j = 0; j < nk; ++j) {
-          for (int d = 0; d < dim; ++d) vb[j * dp + d] = to_f(vptr[j][d]);
+          if constexpr (kQuant) {
+            const float sc = vsc[j];
+            for (int d = 0; d < dim; ++d) vb[j * dp + d] = to_f(vptr[j][d]) * sc;
+          } else {
+            for (int d = 0; d < dim; ++d) vb[j * dp + d] = to_f(vptr[j][d]);
+          }
           std::fill(vb + j * dp + dim, vb + (j + 1) * dp, 0.0f);
           vfp[j] = vb + j * dp;
         }
@@ -548,8 +571,8 @@ void run_item(const Args<T>& a, const Item& it, Work& w) {
   }
 }
 
-template <typename T>
-void prefill(const Args<T>& a, int nthreads) {
+template <typename T, typename C = T>
+void prefill(const Args<T, C>& a, int nthreads) {
   const int group = a.nheads / a.nkv;
   const int qb = std::max(1, kTargetRows / group);  // chunk positions per item
   std::vector<Item> items;
@@ -570,16 +593,17 @@ void prefill(const Args<T>& a, int nthreads) {
   const int nv = (qb * group + kW - 1) / kW;
   const int n = static_cast<int>(items.size());
   if (n == 0) return;
-  const bool dot = PS_DPBF16 && std::is_same_v<T, uint16_t> && a.dim % 2 == 0;
+  constexpr bool kDotOk = PS_DPBF16 && std::is_same_v<T, uint16_t> && std::is_same_v<C, T>;
+  const bool dot = kDotOk && a.dim % 2 == 0;
 #pragma omp parallel num_threads(std::max(1, std::min(nthreads, n)))
   {
     Work w(nv, a.dim, dp);
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n; ++i) {
       if (dot) {
-        if constexpr (PS_DPBF16 && std::is_same_v<T, uint16_t>) run_item<T, true>(a, items[i], w);
+        if constexpr (kDotOk) run_item<T, C, true>(a, items[i], w);
       } else {
-        run_item<T, false>(a, items[i], w);
+        run_item<T, C, false>(a, items[i], w);
       }
     }
   }
@@ -608,6 +632,27 @@ void ps_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kc, co
   prefill<uint16_t>({q, q_stride, kc, vc, tables, tstride, qsl, seq_lens, out, out_stride, nseq,
                      nheads, nkv, dim, bs, scale},
                     nthreads);
+}
+
+// Quantized cache (kind 0: int8, 1: fp8 e4m3) with per-(slot, kv head) scales ks / vs;
+// q and out are bf16 when bf16 != 0, else fp32.
+void ps_prefill_quant(int kind, int bf16, const void* q, int64_t q_stride, const void* kc,
+                      const void* vc, const float* ks, const float* vs, const int32_t* tables,
+                      int64_t tstride, const int32_t* qsl, const int32_t* seq_lens, void* out,
+                      int64_t out_stride, int nseq, int nheads, int nkv, int dim, int bs,
+                      float scale, int nthreads) {
+  auto run = [&](auto tq, auto tc) {
+    using T = decltype(tq);
+    using C = decltype(tc);
+    Args<T, C> a{static_cast<const T*>(q), q_stride, static_cast<const C*>(kc),
+                 static_cast<const C*>(vc), tables, tstride, qsl, seq_lens,
+                 static_cast<T*>(out), out_stride, nseq, nheads, nkv, dim, bs, scale, ks, vs};
+    prefill<T, C>(a, nthreads);
+  };
+  if (bf16)
+    kind == 0 ? run(uint16_t{}, int8_t{}) : run(uint16_t{}, fp8{});
+  else
+    kind == 0 ? run(float{}, int8_t{}) : run(float{}, fp8{});
 }
 
 }  // extern "C"

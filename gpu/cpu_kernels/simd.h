@@ -33,6 +33,9 @@ typedef int32_t vi __attribute__((vector_size(4 * kW)));
 typedef uint32_t vu __attribute__((vector_size(4 * kW)));
 typedef uint16_t vh __attribute__((vector_size(2 * kW)));
 
+typedef int8_t vs8 __attribute__((vector_size(kW)));
+typedef uint8_t vu8 __attribute__((vector_size(kW)));
+
 // Finite "minus infinity": -ffast-math assumes no infinities, and exp2 of anything this
 // negative underflows to exactly 0.
 constexpr float kNeg = -1e30f;
@@ -45,12 +48,48 @@ inline float to_f(uint16_t x) {  // bfloat16 -> float: the high half of an fp32
   return f;
 }
 
+// Quantized KV caches (gpu/kv_quant.py): int8 values, or float8 e4m3 ("fn": no infinities;
+// NaN is never stored) bytes, each row times a per-(token, head) float scale.
+struct fp8 {
+  uint8_t b;
+};
+inline float to_f(int8_t x) { return static_cast<float>(x); }
+inline float to_f(fp8 x) {
+  // Normal numbers: exponent and mantissa shifted into fp32's fields, bias 7 -> 127.
+  // Subnormals (exponent 0): mantissa * 2^-9.
+  const uint32_t em = x.b & 0x7fu;
+  float mag;
+  if (em < 8) {
+    mag = static_cast<float>(em) * (1.0f / 512.0f);
+  } else {
+    const uint32_t bits = (em << 20) + (120u << 23);
+    std::memcpy(&mag, &bits, 4);
+  }
+  return (x.b & 0x80u) ? -mag : mag;
+}
+
 inline vf bcast(float x) { return vf{} + x; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf loadv(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// kW fp8 bytes (one per lane, 0..255) -> floats, as to_f(fp8).
+inline vf fp8_decode(vi b) {
+  const vi em = b & 0x7f;
+  const vi nbits = (em << 20) + (120 << 23);
+  vf norm;
+  std::memcpy(&norm, &nbits, sizeof norm);
+  const vf sub = __builtin_convertvector(em, vf) * (1.0f / 512.0f);
+  const vf mag = em < 8 ? sub : norm;
+  vi bits;
+  std::memcpy(&bits, &mag, sizeof bits);
+  bits |= (b & 0x80) << 24;
+  vf r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
 }
 
 // 2^x for x <= ~0 (all the softmax needs).  x = n + f with f in [-0.5, 0.5]; 2^f by a

@@ -131,3 +131,35 @@ def check_block_size(name: str, block_size: int) -> None:
             f"{name}: block_size {block_size} is not supported by the Triton kernels "
             f"(supported: {', '.join(map(str, SUPPORTED_BLOCK_SIZES))})"
         )
+
+
+# float8 e4m3 ("fn": bias 7, no infinities, 448 the largest finite value) in integer ops.
+# The interpreter's fp32 -> float8e4nv cast gets the exponent wrong where rounding carries
+# into it (124.5 becomes 64, not 128), so the quantized-KV kernels encode and decode the
+# bytes themselves, one way on every target.
+
+
+@triton.jit
+def fp8e4m3_encode(x):
+    """fp32 `x` with |x| <= 448 -> e4m3 bytes (uint8), rounded to nearest even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    a_bits = bits & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
+    # Normal: round the fp32 mantissa to 3 bits (ties to even), rebias the exponent 127 -> 7.
+    r = (a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) & 0xFFF00000
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # Subnormal (|x| < 2^-6): multiples of 2^-9; 2^23 + y - 2^23 rounds y to even.
+    m = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+    byte = tl.where(a < 0.015625, m, normal) | sign
+    return byte.to(tl.uint8)
+
+
+@triton.jit
+def fp8e4m3_decode(b):
+    """e4m3 bytes (any integer type) -> fp32."""
+    u = b.to(tl.uint32) & 0xFF
+    em = u & 0x7F
+    normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    mag = tl.where(em < 8, em.to(tl.float32) * 0.001953125, normal)
+    return tl.where((u & 0x80) != 0, -mag, mag)

@@ -59,12 +59,20 @@ def _variants(quick: bool) -> list[Variant]:
     def ptrs(dt: str, *names: str) -> dict[str, str]:
         return {n: f"*{dt}" for n in names}
 
-    for dt, heads, dim in (("bf16", 8, 128), ("fp32", 2, 64)):
+    scales = ptrs("fp32", "k_scale_ptr", "v_scale_ptr")  # quantized KV (QUANT 1: int8, 2: fp8)
+    cache_ptr = {0: None, 1: "i8", 2: "u8"}
+    for dt, heads, dim, quant in (("bf16", 8, 128, 0), ("fp32", 2, 64, 0), ("bf16", 8, 128, 1),
+                                  ("bf16", 8, 128, 2)):  # fmt: skip
         out.append(
             Variant(
-                f"write_kv/{dt}/h{heads}/d{dim}",
+                f"write_kv/{dt}/h{heads}/d{dim}" + (f"/q{quant}" if quant else ""),
                 kv_cache._write_kv_kernel,
-                {**ptrs(dt, "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"), "slot_ptr": "*i64"},
+                {
+                    **ptrs(dt, "k_ptr", "v_ptr"),
+                    **ptrs(cache_ptr[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
+                    **scales,
+                    "slot_ptr": "*i64",
+                },
                 dict(
                     NUM_KV_HEADS=heads,
                     HEAD_DIM=dim,
@@ -72,6 +80,7 @@ def _variants(quick: bool) -> list[Variant]:
                     DIM_PAD=dim,
                     BLOCK_SIZE=16,
                     CACHE_DTYPE=tl_of[dt],
+                    QUANT=quant,
                 ),
                 num_warps=4 if heads * dim >= 1024 else 1,
             )
@@ -91,7 +100,12 @@ def _variants(quick: bool) -> list[Variant]:
     ]
     if quick:
         attn_cases = attn_cases[:2] + attn_cases[-1:]
-    for label, dt, group, dim, bs, max_q, bm in attn_cases:
+    attn_cases = [(*c, 0) for c in attn_cases]
+    attn_cases += [
+        ("decode/bf16/g4/d128/bs16/int8", "bf16", 4, 128, 16, 1, None, 1),
+        ("prefill/bf16/g4/d128/bs16/fp8", "bf16", 4, 128, 16, 512, None, 2),
+    ]
+    for label, dt, group, dim, bs, max_q, bm, quant in attn_cases:
         gp = group  # the cases use power-of-two groups
         bq, block_m, tile_n, warps, stages = pa.default_config(max_q == 1, gp, max_q, torch_of[dt])
         if bm is not None:
@@ -101,11 +115,14 @@ def _variants(quick: bool) -> list[Variant]:
                 f"attn/{label}",
                 pa._paged_attention_kernel,
                 {
-                    **ptrs(dt, "out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"),
+                    **ptrs(dt, "out_ptr", "q_ptr"),
+                    **ptrs(cache_ptr[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
                     **ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
+                    **scales,
                     "scale_log2": "fp32",
                 },
                 dict(
+                    QUANT=quant,
                     GROUP=group,
                     GROUP_PAD=gp,
                     HEAD_DIM=dim,
@@ -131,9 +148,11 @@ def _variants(quick: bool) -> list[Variant]:
                     **ptrs("fp32", "m_part_ptr", "l_part_ptr", "acc_part_ptr"),
                     **ptrs(dt, "q_ptr", "k_cache_ptr", "v_cache_ptr"),
                     **ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
+                    **scales,
                     "scale_log2": "fp32",
                 },
                 dict(
+                    QUANT=0,
                     GROUP=group,
                     HEAD_DIM=dim,
                     BLOCK_SIZE=16,

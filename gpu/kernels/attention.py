@@ -47,6 +47,7 @@ from gpu.kernels._common import (
     check_last_dim_contiguous,
     check_shape,
     dot_dtype,
+    fp8e4m3_decode,
     is_interpreted,
     next_pow2,
     round_to,
@@ -108,6 +109,11 @@ def _attend_tiles(
     IN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    k_scale_ptr,  # quantized cache: [num_blocks, block_size, num_kv_heads] fp32 (else None)
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
+    QUANT: tl.constexpr,  # 0: K/V in IN_DTYPE; 1: int8; 2: fp8 e4m3 bytes
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(kv_start, kv_end, TILE_N):
@@ -123,8 +129,8 @@ def _attend_tiles(
             + kv_head * stride_kh
             + offs_d[None, :],
             mask=n_ok[:, None],
-            other=0.0,
-        ).to(DOT_DTYPE)  # [TILE_N, HEAD_DIM]
+            other=0,
+        )  # [TILE_N, HEAD_DIM]
         v = tl.load(
             v_cache_ptr
             + blk[:, None] * stride_vb
@@ -132,8 +138,18 @@ def _attend_tiles(
             + kv_head * stride_vh
             + offs_d[None, :],
             mask=n_ok[:, None],
-            other=0.0,
-        ).to(DOT_DTYPE)  # [TILE_N, HEAD_DIM]
+            other=0,
+        )  # [TILE_N, HEAD_DIM]
+        if QUANT == 0:
+            k = k.to(DOT_DTYPE)
+            v = v.to(DOT_DTYPE)
+        else:
+            # Dequantized as loaded: each (key, kv head) row times its scale, in fp32.
+            s_off = blk * stride_sb + row * stride_ss + kv_head
+            ks = tl.load(k_scale_ptr + s_off, mask=n_ok, other=0.0)
+            vs = tl.load(v_scale_ptr + s_off, mask=n_ok, other=0.0)
+            k = _dequant(k, ks, QUANT, IN_DTYPE, DOT_DTYPE, SOFT_BF16)
+            v = _dequant(v, vs, QUANT, IN_DTYPE, DOT_DTYPE, SOFT_BF16)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N]
         # Key must exist and not lie after the query (causal within the chunk).
@@ -152,6 +168,29 @@ def _attend_tiles(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _dequant(
+    x,
+    scale,
+    QUANT: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    """int8 / fp8 rows [N, D] times scale [N] -> the dot operand dtype.  Under the
+    interpreter (fp32 dots) the value is rounded to the activations' 16-bit dtype first,
+    as a GPU's cast to its tensor-core operand would."""
+    if QUANT == 1:
+        f = x.to(tl.float32)
+    else:
+        f = fp8e4m3_decode(x)
+    f = f * scale[:, None]
+    if DOT_DTYPE == tl.float32:  # noqa: SIM300
+        return round_to(f, IN_DTYPE, SOFT_BF16)
+    else:
+        return f.to(DOT_DTYPE)
 
 
 # Arguments that change step to step are not specialised on (== 1, % 16), so a serving run
@@ -189,6 +228,11 @@ def _paged_attention_kernel(
     IN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SOFT_BF16: tl.constexpr,  # interpreted: bf16 rounding in software (see round_to)
+    k_scale_ptr,  # quantized cache: scales [num_blocks, block_size, num_kv_heads] (else None)
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
+    QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -265,6 +309,11 @@ def _paged_attention_kernel(
         IN_DTYPE,
         DOT_DTYPE,
         SOFT_BF16,
+        k_scale_ptr,
+        v_scale_ptr,
+        stride_sb,
+        stride_ss,
+        QUANT,
     )
     # A sequence with no keys (seq_len 0: a padding slot in a CUDA-graph batch) gets zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -306,6 +355,11 @@ def _paged_attention_split_kernel(
     IN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -358,6 +412,11 @@ def _paged_attention_split_kernel(
         IN_DTYPE,
         DOT_DTYPE,
         SOFT_BF16,
+        k_scale_ptr,
+        v_scale_ptr,
+        stride_sb,
+        stride_ss,
+        QUANT,
     )
     # An empty split leaves (NEG_BIG, 0, 0), which the merge weighs as nothing.
     part = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
@@ -443,6 +502,8 @@ def _check_inputs(
     out: torch.Tensor | None,
     num_decodes: int,
     max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     name = "paged_attention"
     tensors = [q, k_cache, v_cache, query_start_loc, seq_lens, block_tables]
@@ -464,9 +525,12 @@ def _check_inputs(
     if cache_head_dim != head_dim:
         raise ValueError(f"{name}: q head_dim {head_dim} != cache head_dim {cache_head_dim}")
     check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
-    for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: {what} dtype {t.dtype} differs from q dtype {q.dtype}")
+    if k_scale is not None or v_scale is not None:
+        _check_scales(name, k_cache, v_cache, k_scale, v_scale)
+    else:
+        for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise ValueError(f"{name}: {what} dtype {t.dtype} differs from q dtype {q.dtype}")
     if num_heads % num_kv_heads:
         raise ValueError(
             f"{name}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
@@ -497,6 +561,29 @@ def _check_inputs(
         raise ValueError(
             f"{name}: max_query_len is 1 but there are {num_tokens} tokens for {num_seqs} seqs"
         )
+
+
+def _check_scales(
+    name: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{name}: a quantized cache needs both k_scale and v_scale")
+    if k_cache.dtype not in (torch.int8, torch.uint8) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"{name}: quantized caches hold int8 or uint8 (fp8 bytes), got {k_cache.dtype} "
+            f"and {v_cache.dtype}"
+        )
+    for what, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_shape(name, what, s, tuple(k_cache.shape[:3]))
+        check_dtype(name, what, s, (torch.float32,))
+        if s.stride() != k_scale.stride() or s.stride(2) != 1:
+            raise ValueError(f"{name}: {what} must be contiguous like k_scale")
+        if s.device != k_cache.device:
+            raise ValueError(f"{name}: {what} is on {s.device}, the cache on {k_cache.device}")
 
 
 def default_config(
@@ -539,6 +626,8 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
     config: AttentionKernelConfig | None = None,
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, kv_heads]
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attend each query over its sequence's paged context (cached tokens + this chunk).
 
@@ -556,7 +645,17 @@ def paged_attention(
         out,
         num_decodes,
         max_query_len,
+        k_scale,
+        v_scale,
     )
+    quant = 0 if k_scale is None else (1 if k_cache.dtype == torch.int8 else 2)
+    qargs = {
+        "k_scale_ptr": k_scale,
+        "v_scale_ptr": v_scale,
+        "stride_sb": k_scale.stride(0) if k_scale is not None else 0,
+        "stride_ss": k_scale.stride(1) if k_scale is not None else 0,
+        "QUANT": quant,
+    }
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_heads, head_dim = q.shape
@@ -619,6 +718,7 @@ def paged_attention(
             IN_DTYPE=in_dt,
             DOT_DTYPE=dot_dt,
             SOFT_BF16=interpreted,
+            **qargs,
             num_warps=cfg.num_warps or num_warps,
             num_stages=cfg.num_stages or num_stages,
         )
@@ -690,6 +790,7 @@ def paged_attention(
         IN_DTYPE=in_dt,
         DOT_DTYPE=dot_dt,
         SOFT_BF16=interpreted,
+        **qargs,
         num_warps=cfg.num_warps or num_warps,
         num_stages=cfg.num_stages or num_stages,
     )

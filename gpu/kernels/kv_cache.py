@@ -1,4 +1,6 @@
-"""KV-cache write: scatter the step's new K/V rows into their paged-cache slots."""
+"""KV-cache write: scatter the step's new K/V rows into their paged-cache slots; for a
+quantized cache (gpu/kv_quant.py) each (token, kv head) row is quantized on the way, its
+scale stored beside it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from gpu.kernels._common import (
     check_dtype,
     check_last_dim_contiguous,
     check_shape,
+    fp8e4m3_encode,
     is_interpreted,
     next_pow2,
     tl_dtype,
@@ -44,6 +47,9 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     CACHE_DTYPE: tl.constexpr,
     SOFT_BF16: tl.constexpr,  # interpreted: round to bf16 in software (see round_to)
+    k_scale_ptr=None,  # quantized: [num_blocks, block_size, num_kv_heads] fp32, contiguous
+    v_scale_ptr=None,
+    QUANT: tl.constexpr = 0,  # 0: store as CACHE_DTYPE; 1: int8; 2: fp8 e4m3 bytes
 ):
     # One program per token moves all of its kv heads: [HEADS_PAD, DIM_PAD] per tensor.
     t = tl.program_id(0).to(tl.int64)
@@ -57,15 +63,38 @@ def _write_kv_kernel(
     slots = tl.zeros([HEADS_PAD, DIM_PAD], dtype=tl.int64) + slot
     mask = (slots >= 0) & (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
 
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
     kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs
     vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs
-    # Via fp32: exact when the dtypes match, rounded to nearest when the cache is narrower.
-    k = cast_to(k.to(tl.float32), CACHE_DTYPE, SOFT_BF16)
-    v = cast_to(v.to(tl.float32), CACHE_DTYPE, SOFT_BF16)
+    if QUANT == 0:
+        # Via fp32: exact when the dtypes match, rounded to nearest when the cache is narrower.
+        k = cast_to(k.to(tl.float32), CACHE_DTYPE, SOFT_BF16)
+        v = cast_to(v.to(tl.float32), CACHE_DTYPE, SOFT_BF16)
+    else:
+        # Scales sit at the same (block, slot) as the values: [.., block_size, heads].
+        s_off = (block * BLOCK_SIZE + offset) * NUM_KV_HEADS + h
+        s_mask = ((tl.zeros([HEADS_PAD], dtype=tl.int64) + slot) >= 0) & (h < NUM_KV_HEADS)
+        k = _quantize_rows(k.to(tl.float32), k_scale_ptr + s_off, s_mask, QUANT)
+        v = _quantize_rows(v.to(tl.float32), v_scale_ptr + s_off, s_mask, QUANT)
     tl.store(kc + h[:, None] * stride_kch + d[None, :], k, mask=mask)
     tl.store(vc + h[:, None] * stride_vch + d[None, :], v, mask=mask)
+
+
+@triton.jit
+def _quantize_rows(x, scale_ptrs, s_mask, QUANT: tl.constexpr):
+    """[HEADS, DIM] fp32 rows -> int8 / fp8 bytes, storing each row's scale (as
+    gpu.kv_quant.quantize: absmax per row, int8 rounds half up)."""
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-12)  # [HEADS]
+    if QUANT == 1:
+        y = tl.floor(x * (127.0 / amax)[:, None] + 0.5)
+        q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+        tl.store(scale_ptrs, amax / 127.0, mask=s_mask)
+    else:
+        y = tl.minimum(tl.maximum(x * (448.0 / amax)[:, None], -448.0), 448.0)
+        q = fp8e4m3_encode(y)
+        tl.store(scale_ptrs, amax / 448.0, mask=s_mask)
+    return q
 
 
 def write_kv(
@@ -74,9 +103,13 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = skip this token
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, heads]
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each new token's K/V at its flat slot (block * block_size + offset)."""
+    """Store each new token's K/V at its flat slot (block * block_size + offset);
+    quantized caches (int8 / uint8 fp8 values + fp32 scales) quantize on the way."""
     name = "write_kv"
+    quant = _quant_mode(name, k_cache, v_cache, k_scale, v_scale)
     check_device(_write_kv_kernel, name, k, v, k_cache, v_cache, slot_mapping)
     if k_cache.dim() != 4:
         raise ValueError(
@@ -90,7 +123,8 @@ def write_kv(
     check_shape(name, "v", v, (num_tokens, kv_heads, head_dim))
     check_shape(name, "slot_mapping", slot_mapping, (num_tokens,))
     check_dtype(name, "slot_mapping", slot_mapping, (torch.int64,))
-    for what, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    caches = () if quant else (("k_cache", k_cache), ("v_cache", v_cache))
+    for what, t in (("k", k), ("v", v), *caches):
         check_dtype(name, what, t, SUPPORTED_DTYPES)
         check_last_dim_contiguous(name, what, t)
     if v_cache.dtype != k_cache.dtype:
@@ -120,10 +154,40 @@ def write_kv(
         HEADS_PAD=next_pow2(kv_heads),
         DIM_PAD=next_pow2(head_dim),
         BLOCK_SIZE=block_size,
-        CACHE_DTYPE=tl_dtype(k_cache.dtype),
+        CACHE_DTYPE=tl_dtype(k.dtype if quant else k_cache.dtype),
         SOFT_BF16=is_interpreted(_write_kv_kernel),
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        QUANT=quant,
         num_warps=4 if kv_heads * head_dim >= 1024 else 1,
     )
+
+
+def _quant_mode(
+    name: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> int:
+    """0 for a plain cache, 1 for int8, 2 for fp8 (uint8 bytes); checks the scales."""
+    if k_scale is None and v_scale is None:
+        return 0
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{name}: a quantized cache needs both k_scale and v_scale")
+    if k_cache.dtype not in (torch.int8, torch.uint8) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"{name}: quantized caches hold int8 or uint8 (fp8 bytes), got {k_cache.dtype} "
+            f"and {v_cache.dtype}"
+        )
+    for what, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_shape(name, what, s, tuple(k_cache.shape[:3]))
+        check_dtype(name, what, s, (torch.float32,))
+        if not s.is_contiguous():
+            raise ValueError(f"{name}: {what} must be contiguous")
+        if s.device != k_cache.device:
+            raise ValueError(f"{name}: {what} is on {s.device}, the cache on {k_cache.device}")
+    return 1 if k_cache.dtype == torch.int8 else 2
 
 
 def write_kv_skip_reference(
@@ -132,7 +196,9 @@ def write_kv_skip_reference(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = skip
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """write_kv_reference, honouring negative (padding) slots as the kernel does."""
     keep = slot_mapping >= 0
-    write_kv_reference(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep])
+    write_kv_reference(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep], k_scale, v_scale)

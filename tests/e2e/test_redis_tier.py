@@ -59,8 +59,8 @@ async def generate(e: AsyncEngine, prompts: list[list[int]], max_tokens: int = 1
     return await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 300)
 
 
-async def cold_outputs(model: str, prompts: list[list[int]]) -> list[list[int]]:
-    e = engine(model, None)
+async def cold_outputs(model: str, prompts: list[list[int]], **kw) -> list[list[int]]:
+    e = engine(model, None, **kw)
     await e.start()
     try:
         return await generate(e, prompts)
@@ -81,12 +81,14 @@ async def wait_published(e: AsyncEngine, n: int) -> None:
     raise AssertionError(f"only {e.tier.stats.blocks_published} blocks published")
 
 
-async def test_second_engine_loads_system_prompt_from_redis(model, redis_server):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+async def test_second_engine_loads_system_prompt_from_redis(model, redis_server, kv):
+    # int8 KV: payloads carry the values and their scales.
     prompts = [SYSTEM + q for q in questions(6)]
-    cold = await cold_outputs(model, prompts)
+    cold = await cold_outputs(model, prompts, kv_cache_dtype=kv)
     cold_engine_tokens = sum(len(p) for p in prompts) + 11 * len(prompts)
 
-    a = engine(model, redis_server.url)
+    a = engine(model, redis_server.url, kv_cache_dtype=kv)
     await a.start()
     try:
         info = await a.register_prefix(SYSTEM)
@@ -95,7 +97,7 @@ async def test_second_engine_loads_system_prompt_from_redis(model, redis_server)
     finally:
         await a.shutdown()
 
-    b = engine(model, redis_server.url)
+    b = engine(model, redis_server.url, kv_cache_dtype=kv)
     await b.start()
     try:
         got = await generate(b, prompts)
@@ -204,3 +206,25 @@ async def test_redis_down_from_the_start(model):
         assert e.tier.stats.errors >= 1
     finally:
         await e.shutdown()
+
+
+async def test_kv_cache_dtypes_never_share_a_namespace(model, redis_server):
+    # An int8 replica must not load a float32 replica's blocks (other bytes, other layout).
+    prompts = [SYSTEM + q for q in questions(2, seed=11)]
+    a = engine(model, redis_server.url)
+    await a.start()
+    try:
+        await a.register_prefix(SYSTEM)
+        await wait_published(a, 18)
+    finally:
+        await a.shutdown()
+    b = engine(model, redis_server.url, kv_cache_dtype="int8")
+    await b.start()
+    try:
+        assert await generate(b, prompts) == await cold_outputs(
+            model, prompts, kv_cache_dtype="int8"
+        )
+        assert b.scheduler.prefix_hits_remote == 0 and b.tier.stats.bad_payloads == 0
+        assert b.tier.cfg.namespace != a.tier.cfg.namespace
+    finally:
+        await b.shutdown()

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_triton_backend_token_identical_to_torch(arch):
+@pytest.mark.parametrize(
+    ("arch", "kv_cache_dtype"),
+    [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8")],
+)
+def test_triton_backend_token_identical_to_torch(arch, kv_cache_dtype):
     model = str(tiny_checkpoint(arch))
     prompts = [[5, 6, 7], list(range(40, 77)), [9] * 18, list(range(100, 116))]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -33,6 +36,7 @@ def test_triton_backend_token_identical_to_torch(arch):
             num_kv_blocks=7,
             max_num_batched_tokens=16,
             max_model_len=96,
+            kv_cache_dtype=kv_cache_dtype,
         )
         try:
             assert llm.engine.runner.attn_backend.name == backend
@@ -50,7 +54,8 @@ def test_unknown_backend_is_refused():
 
 
 @pytest.mark.slow
-def test_decode_graph_path_with_padding_matches_torch():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_decode_graph_path_with_padding_matches_torch(kv_cache_dtype):
     """The CUDA-graph decode path (static buffers, batch padded to a bucket with slot -1
     and length 0), run eagerly on CPU: same tokens as the torch backend."""
     model = str(tiny_checkpoint("llama"))
@@ -60,7 +65,7 @@ def test_decode_graph_path_with_padding_matches_torch():
     for backend, graphs in (("torch", False), ("triton", True)):
         llm = LLM(
             model, dtype="float32", attention_backend=backend, cuda_graphs=graphs,
-            num_kv_blocks=32, max_model_len=256,
+            num_kv_blocks=32, max_model_len=256, kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         try:
             outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -1,0 +1,104 @@
+"""Section `quant`: what quantization buys and costs, in one run on one model.
+
+Rows: the model dtype (baseline), int8 KV, fp8 KV, int8 weights, AWQ INT4 weights (a
+checkpoint written from the same model by modelkit.awq, group 64), and int8 KV + int8
+weights.  Columns: KV bytes per token and KV blocks (= concurrent tokens) at the same KV
+memory, projection weight bytes, batch-1 decode tokens/s (model forward + logits per
+token), offline throughput (LLM.generate on a small mixed workload), and drift from the
+baseline (teacher-forced logits: KL and top-1 agreement; greedy: share of identical
+sequences and mean first divergence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CONFIGS = [  # label, kv_cache_dtype, quantization, use the AWQ checkpoint
+    ("baseline", "auto", None, False),
+    ("int8 KV", "int8", None, False),
+    ("fp8 KV", "fp8", None, False),
+    ("int8 weights", "auto", "int8", False),
+    ("AWQ int4 weights", "auto", None, True),
+    ("int8 KV + int8 weights", "int8", "int8", False),
+]
+KV_MEMORY = 1 << 30  # the same KV budget for every row
+
+
+def _awq_dir(path: Path) -> Path:
+    from modelkit.awq import write_awq_checkpoint
+
+    out = path.parent / (path.name + "-awq64")
+    if not (out / "config.json").is_file():
+        print(f"writing an AWQ copy of {path} to {out} ...", flush=True)
+        write_awq_checkpoint(path, out, 64)
+    return out
+
+
+def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
+    import torch
+
+    from bench.workloads import mixed
+    from gpu.config import ModelConfig
+    from gpu.model_runner import ModelRunner
+    from gpu.quant_eval import (
+        decode_tokens_per_second,
+        greedy_agreement,
+        logit_drift,
+        teacher_forced_logits,
+        weight_bytes,
+    )
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+
+    path = model_dir(args)
+    awq = _awq_dir(path)
+    cfg = ModelConfig.from_dir(path)
+    work = mixed(args.quant_n, (32, 256), (16, 64), cfg.vocab_size, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True) for w in work]
+    probe = [(11 * i + 5) % cfg.vocab_size for i in range(160)]
+    rows, ref_logits, ref_seqs = [], None, None
+    base_decode = base_tput = None
+    for label, kv, wq, use_awq in CONFIGS:
+        ckpt = awq if use_awq else path
+        r = ModelRunner(ckpt, dtype=args.dtype, device="cpu", kv_cache_bytes=KV_MEMORY,
+                        kv_cache_dtype=kv, quantization=wq)  # fmt: skip
+        per_token = r.kv_bytes_per_block // r.block_size
+        blocks = r.num_kv_blocks
+        proj, other = weight_bytes(r.model)  # projections; embedding + lm_head + norms
+        decode = statistics.median(decode_tokens_per_second(r) for _ in range(3))
+        logits = teacher_forced_logits(r, probe, 32)
+        del r
+        llm = LLM(str(ckpt), dtype=args.dtype, threads=args.threads, kv_cache_dtype=kv,
+                  quantization=wq, max_num_batched_tokens=args.budget)  # fmt: skip
+        llm.generate([w.prompt for w in work[:2]], SamplingParams(temperature=0, max_tokens=2))
+        t = time.perf_counter()
+        outs = llm.generate([w.prompt for w in work], params)
+        secs = time.perf_counter() - t
+        llm.shutdown()
+        seqs = [o.outputs[0].token_ids for o in outs]
+        tput = sum(len(s) for s in seqs) / secs
+        if ref_logits is None:
+            ref_logits, ref_seqs, base_decode, base_tput = logits, seqs, decode, tput
+        d = logit_drift(ref_logits, logits)
+        g = greedy_agreement(ref_seqs, seqs)
+        firsts = [f for f in g.first_divergence if f is not None]
+        rows.append([
+            label, str(per_token), str(blocks), f"{proj / 2**20:.1f} + {other / 2**20:.1f}",
+            f"{decode:.1f} ({decode / base_decode:.2f}x)", f"{tput:.0f} ({tput / base_tput:.2f}x)",
+            f"{d.mean_kl:.1e}", f"{d.argmax_agree:.1%}", f"{g.identical:.0%}",
+            f"{statistics.mean(firsts):.0f}" if firsts else "-",
+        ])  # fmt: skip
+        print(rows[-1], flush=True)
+    title = (
+        f"quantization ({path.name}, {args.dtype}, {torch.get_num_threads()} threads, "
+        f"KV memory {KV_MEMORY >> 20} MiB, {len(work)} offline requests)"
+    )
+    header = [
+        "config", "KV B/token", "KV blocks", "weights MiB (proj. + rest)", "batch-1 decode tok/s",
+        "offline tok/s", "KL vs base", "top-1 agree", "greedy identical", "mean 1st diverg.",
+    ]  # fmt: skip
+    return table(title, header, rows)

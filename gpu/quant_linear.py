@@ -1,0 +1,211 @@
+"""Quantized linear layers: weight-only INT8 (quantized at load) and AWQ INT4 (AutoAWQ GEMM
+checkpoints), each run through torch's packed low-bit matmuls where they exist.
+
+INT8: symmetric, one scale per output channel, w ~= q * scale[n].  On CPU
+`aten._weight_int8pack_mm` (int8 weights, activations in fp32/bf16) reads a quarter of the
+bytes of fp32 weights per decode step; elsewhere (a build or device without it) the layer
+dequantizes its weight inside the call.
+
+AWQ (https://github.com/casper-hansen/AutoAWQ, "gemm" version): per projection
+  qweight [in, out / 8] int32   8 4-bit values per int32 along the output dim, nibble i
+                                holding output column 8 c + AWQ_ORDER[i]
+  qzeros  [in / g, out / 8] int32  the zero points, packed the same way
+  scales  [in / g, out] fp16
+and w[out, in] = (q - zero) * scale per group of g input channels.  At load the nibbles
+are unpacked and repacked for torch's int4 kernels (`_weight_int4pack_mm_for_cpu` on CPU,
+`_weight_int4pack_mm` on CUDA), which compute (q - 8) * s + z: so z = (8 - zero) * s.
+When a kernel is missing or disagrees with the dequantized reference on a probe, the
+layer keeps a dequantized weight instead (and says so in the log).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+INT8_MAX = 127.0
+# Nibble i of a packed AWQ int32 holds column AWQ_ORDER[i] of its group of 8.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_INT4_INNER_K_TILES = 2  # torch's int4 packing parameter (2, 4 or 8)
+
+
+# ---------------------------------------------------------------------- INT8
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> int8 [N, K] and float32 scales [N], symmetric per output channel."""
+    wf = w.float()
+    scale = wf.abs().amax(1).clamp_min(1e-12) / INT8_MAX
+    q = torch.round(wf / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def _int8_probe(device: torch.device, dtype: torch.dtype) -> bool:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g)
+    x = torch.randn(3, 64, generator=g).to(device, dtype)
+    q, s = quantize_int8(w)
+    try:
+        got = torch.ops.aten._weight_int8pack_mm(x, q.to(device), s.to(device, dtype))
+    except Exception as e:  # not built for this device / dtype
+        log.info("int8 weight matmul unavailable on %s/%s: %s", device, dtype, e)
+        return False
+    ref = F.linear(x.float(), (q.float() * s[:, None]).to(device))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(got.float(), ref, atol=tol, rtol=tol))
+
+
+_probes: dict[tuple[str, str, torch.dtype], bool] = {}
+
+
+def _probed(kind: str, device: torch.device, dtype: torch.dtype, fn) -> bool:
+    key = (kind, device.type, dtype)
+    if key not in _probes:
+        _probes[key] = fn(device, dtype)
+    return _probes[key]
+
+
+class Int8Linear(nn.Module):
+    """Weight-only INT8 linear layer; activations stay in the model dtype."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        q, s = quantize_int8(linear.weight.detach())
+        dev = linear.weight.device
+        self.register_buffer("qweight", q.to(dev))  # [N, K] int8
+        self.register_buffer("scale", s.to(dev, dtype))  # [N]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        # (torch 2.13's 16-bit CPU kernel crashes when in_features is not a multiple of 16.)
+        k_ok = dtype == torch.float32 or self.in_features % 16 == 0
+        self.packed_op = k_ok and _probed("int8", dev, dtype, _int8_probe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.packed_op:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+        else:
+            y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_model_int8(model: nn.Module, dtype: torch.dtype) -> int:
+    """Swap every nn.Linear inside the decoder layers for an Int8Linear (the embedding and
+    lm_head stay in the model dtype, as vLLM and AWQ keep them); returns how many."""
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, Int8Linear(child, dtype))
+    return len(swaps)
+
+
+# ---------------------------------------------------------------------- AWQ INT4
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C] int32 -> [R, 8 C] uint8 values 0..15, in column order."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nib = (packed[:, :, None] >> shifts) & 0xF  # [R, C, 8], nibble i = column AWQ_ORDER[i]
+    cols = torch.empty_like(nib)
+    cols[:, :, list(AWQ_ORDER)] = nib
+    return cols.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of unpack_awq: [R, 8 C] values 0..15 -> [R, C] int32 (AutoAWQ's layout)."""
+    r, n = values.shape
+    v = values.to(torch.int64).reshape(r, n // 8, 8)[:, :, list(AWQ_ORDER)]  # nibble order
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    word = (v << shifts).sum(-1)  # < 2^32
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def awq_dequantize(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int
+) -> torch.Tensor:
+    """Unpacked q [K, N], zeros [K/g, N], scales [K/g, N] -> float32 weight [N, K]."""
+    z = zeros.float().repeat_interleave(group, 0)
+    s = scales.float().repeat_interleave(group, 0)
+    return ((q.float() - z) * s).t().contiguous()
+
+
+def _int4_pack(q_nk: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[N, K] values 0..15 -> torch's packed int4 layout for `device`."""
+    if device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q_nk.to(torch.int32), _INT4_INNER_K_TILES
+        )
+    pairs = (q_nk[:, ::2].to(torch.uint8) << 4) | q_nk[:, 1::2].to(torch.uint8)  # [N, K/2]
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), _INT4_INNER_K_TILES)
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group, sz)
+
+
+class AWQLinear(nn.Module):
+    """A linear layer from AWQ tensors (already unpacked), run by torch's int4 kernel."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,  # [K, N] uint8 values 0..15
+        zeros: torch.Tensor,  # [K/g, N] 0..15
+        scales: torch.Tensor,  # [K/g, N]
+        bias: torch.Tensor | None,
+        group: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape
+        self.group = group
+        self.bias = None if bias is None else bias.to(device, dtype)
+        s = scales.float()
+        sz = torch.stack([s, (8.0 - zeros.float()) * s], dim=-1)  # [K/g, N, 2]
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        try:
+            packed = _int4_pack(q.t().contiguous(), device)
+            sz = sz.to(device, dtype).contiguous()
+            if self._agrees(packed, sz, q, zeros, scales, dtype, device):
+                self.packed, self.sz = packed, sz
+        except Exception as e:  # kernel missing for this device / dtype / shape
+            log.info("AWQ int4 kernel unavailable (%s); using a dequantized weight", e)
+        if self.packed is None:
+            w = awq_dequantize(q, zeros, scales, group)
+            self.weight = w.to(device, dtype)
+
+    def _agrees(self, packed, sz, q, zeros, scales, dtype, device) -> bool:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, self.in_features, generator=g).to(device, dtype)
+        got = _int4_mm(x, packed, self.group, sz).float()
+        ref = F.linear(x.float(), awq_dequantize(q, zeros, scales, self.group).to(device))
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        ok = bool(torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=tol))
+        if not ok:
+            log.warning("AWQ int4 kernel disagrees with the dequantized weight; not used")
+        return ok
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.packed is not None:
+            y = _int4_mm(x2, self.packed, self.group, self.sz)
+        else:
+            y = F.linear(x2, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)

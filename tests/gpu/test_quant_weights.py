@@ -1,0 +1,164 @@
+"""Weight quantization.  INT8: per-output-channel layers against their dequantized
+reference, and the model's projections swapped at load.  AWQ INT4 checkpoints (AutoAWQ "gemm" format) written here from a random tiny model with
+the format's documented packing: the loader unpacks them, repacks for torch's int4 kernel,
+and every layer (and the whole model) matches a plain checkpoint of the dequantized
+weights to float tolerance.  Unsupported quantization configs fail clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu.config import ModelLoadError
+from gpu.model_runner import ModelRunner
+from gpu.quant_eval import teacher_forced_logits
+from gpu.quant_linear import (
+    AWQLinear,
+    Int8Linear,
+    awq_dequantize,
+    pack_awq,
+    quantize_int8,
+    unpack_awq,
+)
+from modelkit.awq import ORDER_MAP, dequantized, pack, quantize_groups, write_awq_checkpoint
+from tests.checkpoints import tiny_checkpoint
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bias", "k"), [(False, 256), (True, 200)])
+def test_int8_layer_matches_dequantized_reference(dtype, bias, k):
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(k, 72, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(72, k, generator=g) * torch.rand(72, 1, generator=g))
+    lin = lin.to(dtype)
+    layer = Int8Linear(lin, dtype)
+    # torch's 16-bit kernel needs in_features % 16 == 0 (else the layer dequantizes).
+    assert layer.packed_op == (dtype == torch.float32 or k % 16 == 0)
+    q, s = quantize_int8(lin.weight.detach())
+    assert q.dtype == torch.int8 and q.abs().max() == 127  # every row uses its full range
+    w_ref = q.float() * s[:, None]
+    # Per output channel: each weight within half a step of its row's scale.
+    assert ((w_ref - lin.weight.float()).abs() <= s[:, None] * 0.5 + 1e-6).all()
+    x = torch.randn(3, 4, k, generator=g).to(dtype)  # leading dims are kept
+    got = layer(x).float()
+    ref = F.linear(x.float(), w_ref, None if lin.bias is None else lin.bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert got.shape == (3, 4, 72)
+    torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_int8_runner_quantizes_projections_only():
+    r = ModelRunner(tiny_checkpoint("qwen2"), dtype="float32", device="cpu", num_kv_blocks=8,
+                    quantization="int8")  # fmt: skip
+    assert r.quantization == "int8"
+    kinds = {type(m).__name__ for layer in r.model.layers for m in layer.modules()}
+    assert "Int8Linear" in kinds and "Linear" not in kinds and "PackedLinear" not in kinds
+    assert r.model.embed_tokens.weight.dtype == torch.float32  # embedding and lm_head stay
+    assert r.model.lm_head_packed is not None or r.model.lm_head_weight is not None
+
+
+@pytest.fixture(scope="module")
+def awq_dirs(tmp_path_factory):
+    """(awq checkpoint, plain checkpoint of its dequantized weights), two archs."""
+    out = {}
+    for arch in ("llama", "qwen2"):  # qwen2: the fused qkv projection has a bias
+        root = tmp_path_factory.mktemp(f"awq-{arch}")
+        src = tiny_checkpoint(arch)
+        out[arch] = (
+            write_awq_checkpoint(src, root / "awq", 64, dequantized_copy=root / "ref"),
+            root / "ref",
+        )
+    return out
+
+
+def test_packing_follows_the_documented_order():
+    # Column order_map[i] of each group of 8 sits in nibble i.
+    vals = torch.arange(16, dtype=torch.int32).remainder(16).view(1, 16)
+    word = int(pack(vals)[0, 0]) & 0xFFFFFFFF
+    nibbles = [(word >> (4 * i)) & 0xF for i in range(8)]
+    assert nibbles == [ORDER_MAP[i] for i in range(8)]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (6, 32), generator=g, dtype=torch.int32)
+    assert torch.equal(unpack_awq(pack(q)).to(torch.int32), q)
+    assert torch.equal(pack_awq(q), pack(q))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_awq_layer_matches_dequantized_reference(group, dtype):
+    g = torch.Generator().manual_seed(group)
+    w = torch.randn(384, 256, generator=g) * 0.05
+    q, z, s = quantize_groups(w, group)
+    layer = AWQLinear(
+        unpack_awq(pack(q)), unpack_awq(pack(z)), s, None, group, dtype, torch.device("cpu")
+    )
+    assert layer.packed is not None, "torch's int4 CPU kernel should be in use"
+    ref_w = dequantized(q, z, s)
+    assert torch.equal(awq_dequantize(unpack_awq(pack(q)), unpack_awq(pack(z)), s, group), ref_w)
+    # 4-bit round-to-nearest with a rounded zero point: each weight within a step of the
+    # original (half a step, plus up to half where the range end clamps at 15).
+    step = s.float().repeat_interleave(group, 0).t()
+    assert ((ref_w - w).abs() <= step + 1e-6).all()
+    x = torch.randn(5, 256, generator=g).to(dtype)
+    got = layer(x).float()
+    ref = F.linear(x.float(), ref_w)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_awq_model_matches_dequantized_checkpoint(awq_dirs, arch):
+    awq, ref = awq_dirs[arch]
+    r_awq = ModelRunner(awq, dtype="float32", device="cpu", num_kv_blocks=16)
+    r_ref = ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=16)
+    assert r_awq.quantization == "awq"
+    layer = r_awq.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, AWQLinear)
+    assert isinstance(layer.mlp.down_proj, AWQLinear) and layer.mlp.down_proj.packed is not None
+    toks = list(range(7, 7 + 48))
+    a = teacher_forced_logits(r_awq, toks, 32)
+    b = teacher_forced_logits(r_ref, toks, 32)
+    torch.testing.assert_close(a, b, atol=1e-3 * b.abs().max().item(), rtol=1e-3)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _with_qc(awq, tmp_path, **changes):
+    d = tmp_path / "ckpt"
+    shutil.copytree(awq, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {**cfg["quantization_config"], **changes}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"quant_method": "gptq"}, "quantization method 'gptq' is not supported"),
+        ({"bits": 8}, "bits=8"),
+        ({"version": "gemv"}, "version 'gemv'"),
+        ({"zero_point": False}, "without zero points"),
+        ({"desc_act": True}, "act-order"),
+        ({"group_size": -1}, "group_size -1"),
+        ({"group_size": 48}, "group_size 48"),
+    ],
+)
+def test_unsupported_quantization_configs_fail_clearly(awq_dirs, tmp_path, changes, message):
+    d = _with_qc(awq_dirs["llama"][0], tmp_path, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        ModelRunner(d, dtype="float32", device="cpu", num_kv_blocks=8)
+
+
+def test_quantization_flag_must_fit_the_checkpoint(awq_dirs):
+    awq, ref = awq_dirs["llama"]
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        ModelRunner(awq, dtype="float32", device="cpu", num_kv_blocks=8, quantization="int8")
+    with pytest.raises(ModelLoadError, match="no AWQ quantization_config"):
+        ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="awq")
+    with pytest.raises(ModelLoadError, match="not supported"):
+        ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="gptq")
