@@ -142,9 +142,10 @@ class LiveServer:
 def live_server(
     model: str, *, engine_kwargs: dict[str, Any] | None = None, **config: Any
 ) -> Iterator[LiveServer]:
-    args = EngineArgs(
-        model=model, **({"dtype": "float32", "num_kv_blocks": 256} | (engine_kwargs or {}))
-    )
+    # One torch thread: the server shares two cores with the test's clients, and torch's
+    # default (every core) oversubscribes them (several times slower here).
+    defaults = {"dtype": "float32", "num_kv_blocks": 256, "threads": 1}
+    args = EngineArgs(model=model, **(defaults | (engine_kwargs or {})))
     server = LiveServer(ServerConfig(engine=args, **config)).start()
     try:
         yield server
