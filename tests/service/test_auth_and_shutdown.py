@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -110,7 +111,9 @@ async def test_sigterm_drains_streams_then_going_away(model):
         proc.send_signal(signal.SIGTERM)
         # Generous bounds: on a loaded 2-core machine 150 tokens can take tens of seconds,
         # and the drain must outlast them (what is tested is that it completes at all).
-        t.join(100)
+        # Joined off the loop: a blocked loop could not answer the server's WebSocket
+        # heartbeat, and the idle socket would die before its GOING_AWAY.
+        await asyncio.to_thread(t.join, 100)
         assert result.get("finish") == "length", result
         # The idle WebSocket is closed with 1001 GOING_AWAY.
         with pytest.raises(ConnectionClosed) as e:
