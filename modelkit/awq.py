@@ -94,6 +94,7 @@ def write_awq_checkpoint(
             out[name] = t.contiguous()
             plain[name] = t
     save_file(out, str(dst / "model.safetensors"), {"format": "pt"})
+    (dst / "model.safetensors").chmod(0o644)  # safetensors writes 0600
     cfg = json.loads((src / "config.json").read_text())
     for f in src.iterdir():
         if f.is_file() and f.name not in ("model.safetensors", "config.json"):
