@@ -285,7 +285,7 @@ class EngineCore:
                 self.tokens_computed += so.num_scheduled_tokens
                 self._dispatch(updates)
                 if self.on_step is not None:
-                    self._guarded(
+                    self.run_guarded(
                         "on_step hook", self.on_step, StepInfo(so, mo, time.perf_counter() - t0)
                     )
         except Exception as e:
@@ -313,12 +313,12 @@ class EngineCore:
             def publish() -> None:
                 tier.publish(self.scheduler.take_saved(so, mo))
 
-            self._guarded("prefix tier publish", publish)
+            self.run_guarded("prefix tier publish", publish)
         if so.load_kv:
             tier.stats.blocks_loaded += len(so.load_kv)
             tier.stats.bytes_loaded += sum(len(p.data) for p in so.load_kv)
 
-    def _guarded(self, what: str, fn: Callable[..., object], *args: object) -> None:
+    def run_guarded(self, what: str, fn: Callable[..., object], *args: object) -> None:
         """Hooks beside the step (metrics, the shared tier) can fail; the step loop must
         not.  The first failure of each is logged with its traceback, later ones counted."""
         try:

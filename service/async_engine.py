@@ -335,7 +335,7 @@ class AsyncEngine:
 
     def _on_step(self, info: StepInfo) -> None:
         for hook in self._step_hooks:
-            self.core._guarded(f"step hook {getattr(hook, '__qualname__', hook)}", hook, info)
+            self.core.run_guarded(f"step hook {getattr(hook, '__qualname__', hook)}", hook, info)
 
     async def start(self) -> None:
         if self.tier is not None:
@@ -551,7 +551,9 @@ class AsyncEngine:
                     if s.out.finish_reason is None:
                         s.out.finish_reason = "abort"
             for hook in self.request_hooks:
-                self.core._guarded(f"request hook {getattr(hook, '__qualname__', hook)}", hook, out)
+                self.core.run_guarded(
+                    f"request hook {getattr(hook, '__qualname__', hook)}", hook, out
+                )
 
     async def register_prefix(
         self, prompt_token_ids: list[int], cache_salt: str | None = None
