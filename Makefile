@@ -54,7 +54,7 @@ gpu-check: setup
 # The compose topology on loopback: redis-server, 3 replicas, nginx with docker/nginx.conf.
 # Prints per-replica request counts, Redis-hit TTFT vs cold, and the failover timeline.
 fleet: setup
-	PYTHONPATH=$(CURDIR) $(PY) -m bench.fleet $(ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) -m bench.fleet_checks $(ARGS)
 
 compose-check:
 	docker-compose -f docker/docker-compose.yml config -q

@@ -1,7 +1,7 @@
 """The compose topology, run natively on loopback: one redis-server, N `pagestream serve`
 replicas and Debian's nginx with the project's own docker/nginx.conf in front.
 
-`make fleet` (python -m bench.fleet) starts it, runs the scenarios in bench/fleet_checks.py
+`make fleet` (python -m bench.fleet_checks) starts it, runs the scenarios in bench/fleet_checks.py
 (affinity, the shared prefix tier, Redis restarted under load, failover, drain) and prints
 the per-replica request counts, Redis-hit TTFT against a cold one, and the failover
 timeline.  tests/fleet/test_fleet.py runs the same scenarios and asserts on them.
@@ -285,35 +285,3 @@ def default_model() -> str:
         with contextlib.suppress(OSError):
             os.replace(tmp, path)
     return str(path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import asyncio
-
-    from bench import fleet_checks as fc
-
-    ap = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny preset)")
-    ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--keep", action="store_true", help="keep the scratch dir (logs)")
-    a = ap.parse_args(argv)
-    model = a.model or default_model()
-    t0 = time.monotonic()
-    fleet = Fleet(model, replicas_n=a.replicas)
-    print(f"fleet: {a.replicas} replicas + redis-server + nginx in {fleet.workdir}", flush=True)
-    try:
-        fleet.start()
-        print(f"up in {time.monotonic() - t0:.1f} s; balancer at {fleet.url}", flush=True)
-        report = asyncio.run(fc.run_all(fleet))
-    finally:
-        fleet.stop()
-        if not a.keep:
-            shutil.rmtree(fleet.workdir, ignore_errors=True)
-    print(fc.format_report(report))
-    print(f"total {time.monotonic() - t0:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

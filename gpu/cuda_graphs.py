@@ -14,30 +14,43 @@ it through the Triton interpreter.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
 from gpu.attention.base import AttentionMetadata
 from scheduler.contract import ScheduledRequest
 
-if TYPE_CHECKING:
-    from gpu.model_runner import ModelRunner
-
 log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+# (input_ids [n], positions [n], meta) -> hidden [n, hidden]: the model's forward over
+# the runner's KV caches, handed in so the graphs know nothing of the runner.
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, sizes: Sequence[int], capture: bool = True) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        forward: Forward,
+        *,
+        device: torch.device,
+        max_model_len: int,
+        block_size: int,
+        sizes: Sequence[int],
+        capture: bool = True,
+    ) -> None:
+        self.forward = forward
+        self.device = device
+        self.max_model_len = max_model_len
+        self.block_size = block_size
         self.sizes = sorted(set(sizes))
         self.capture = capture
-        dev = runner.device
+        dev = device
         maxb = self.sizes[-1]
-        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(maxb, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(maxb, dtype=torch.int64, device=dev)
         self.slots = torch.full((maxb,), -1, dtype=torch.int64, device=dev)
@@ -61,10 +74,11 @@ class DecodeGraphs:
             block_tables=self.tables[:b],
             slot_mapping=self.slots[:b],
             max_query_len=1,
-            max_seq_len=self.runner.max_model_len,
+            max_seq_len=self.max_model_len,
             query_lens_cpu=[1] * b,
-            seq_lens_cpu=[self.runner.max_model_len] * b,
-            block_size=self.runner.block_size,
+            seq_lens_cpu=[self.max_model_len] * b,
+            block_size=self.block_size,
+            num_splits=1,
         )
 
     def bucket(self, n: int) -> int | None:
@@ -74,8 +88,7 @@ class DecodeGraphs:
         return None
 
     def _forward(self, b: int) -> torch.Tensor:
-        r = self.runner
-        return r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, self.metas[b])
+        return self.forward(self.input_ids[:b], self.positions[:b], self.metas[b])
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -83,7 +96,7 @@ class DecodeGraphs:
         if not self.capture:
             return
         pool = None
-        stream = torch.cuda.Stream(self.runner.device)
+        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in reversed(self.sizes):
@@ -94,7 +107,7 @@ class DecodeGraphs:
                 pool = g.pool()
                 self.graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def run(self, decodes: list[ScheduledRequest]) -> torch.Tensor:  # [n, hidden]
@@ -102,7 +115,7 @@ class DecodeGraphs:
         n = len(decodes)
         b = self.bucket(n)
         assert b is not None
-        bs = self.runner.block_size
+        bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
         table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
         for i, r in enumerate(decodes):
@@ -117,7 +130,7 @@ class DecodeGraphs:
         pos += [0] * pad
         slots += [-1] * pad  # padded rows write nothing to the cache...
         lens += [0] * pad  # ...and attend to nothing
-        dev = self.runner.device
+        dev = self.device
         self.input_ids[:b].copy_(torch.tensor(ids), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(pos), non_blocking=True)
         self.slots[:b].copy_(torch.tensor(slots), non_blocking=True)

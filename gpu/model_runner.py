@@ -128,13 +128,15 @@ class ModelRunner:
         if not graph_safe:
             raise ModelLoadError("CUDA graphs need the triton attention backend")
         sizes = [b for b in (sizes or DEFAULT_SIZES) if b <= max_num_seqs] or [1]
-        capture = self.device.type == "cuda"
-        # Pin the split-context choice: the heuristic reads max_seq_len on the host, and a
-        # captured launch must not depend on it.
-        self.attn_backend.num_splits = 1  # type: ignore[attr-defined]
-        graphs = DecodeGraphs(self, sizes, capture=capture)
+        graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            device=self.device,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            sizes=sizes,
+            capture=self.device.type == "cuda",
+        )
         graphs.capture_all()
-        self.attn_backend.num_splits = None  # type: ignore[attr-defined]
         return graphs
 
     # ------------------------------------------------------------------ sizing

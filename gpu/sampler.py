@@ -3,10 +3,11 @@
 Per row, in vLLM's order: raw logits -> min_tokens masking -> repetition / frequency / presence
 penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample.
 
-Sampling uses the exponential race: with q ~ Exp(1) drawn independently per token,
-argmax(probs / q) is a sample from probs.  It needs no normalisation and no cumulative sum, and
-filtered tokens are simply probability 0.  A seeded row draws its whole [V] vector of q from its
-own generator, so its tokens depend only on its own logits and seed, never on its batchmates.
+Sampling is an inverse-CDF draw: one uniform u per row, and the first token whose cumulative
+(unnormalised, filtered) probability reaches u times the row's total.  Filtered tokens are
+simply probability 0 (zero width in the CDF), so no renormalisation is needed.  A seeded row
+draws its u from its own generator, exactly one per step, so its tokens depend only on its own
+logits and seed, never on its batchmates.
 
 Every stage only touches the rows that need it: an all-greedy batch with no penalties and no
 logprobs is a single argmax.  The caller's logits tensor is never written to.
@@ -367,7 +368,7 @@ class Sampler:
             if p.min_p > 0.0:
                 m_pos.append(j)
                 min_p.append(p.min_p)
-        # Filters zero probabilities in place; the race needs no renormalisation afterwards.
+        # Filters zero probabilities in place; the CDF draw below needs no renormalisation.
         if k_pos:
             _on_rows(probs, k_pos, lambda sub: _top_k_(sub, top_k))
         if p_pos:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -21,9 +21,7 @@ from scheduler.scheduler import RequestRejected
 from service.openai_api import TENANT_SALT, salted
 from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, decode_ws
 from service.security import check_origin
-
-if TYPE_CHECKING:
-    from service.app import ServerState
+from service.state import STATE, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +200,6 @@ def _frame_id(data: str) -> str | None:
 
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
-    from service.app import STATE
 
     state = request.app[STATE]
     if not check_origin(request, state.config.allowed_origins, state.trusted_proxies):

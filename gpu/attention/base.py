@@ -32,6 +32,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Split-context (flash-decoding) choice for this step: None lets the backend decide
+    # from max_seq_len on the host; a captured CUDA graph pins 1, since its launch must
+    # not depend on a host value that changes between replays.
+    num_splits: int | None = None
 
 
 class AttentionBackend(ABC):

@@ -18,9 +18,9 @@ class TritonAttentionBackend(AttentionBackend):
     """KV write kernel, then one paged-attention launch for the whole step.
 
     Decode-only steps with few sequences and long contexts take the split-context
-    (flash-decoding) path when `choose_num_splits` says so.  `num_splits` pins that choice:
-    1 never splits, > 1 always splits decodes that many ways; a runner capturing CUDA
-    graphs should pin it, since the heuristic reads the step's max_seq_len on the host.
+    (flash-decoding) path when `choose_num_splits` says so.  `num_splits` pins that choice
+    for every step (1 never splits, > 1 always splits decodes that many ways); a step's
+    `meta.num_splits` pins it for that step alone (CUDA graphs do).
     """
 
     name = "triton"
@@ -67,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=meta.max_seq_len,
             num_decodes=meta.num_decodes,
             scale=self.scale,
-            num_splits=self.num_splits,
+            num_splits=meta.num_splits if meta.num_splits is not None else self.num_splits,
             config=self.config,
         )
 

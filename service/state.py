@@ -1,0 +1,95 @@
+"""What the server's handlers share: its configuration and its state.
+
+Both the HTTP routes (app.py) and the WebSocket handler (ws.py) import this module; it
+imports neither, so the service's modules form no loop.  The Origin check and the API-key
+salts are in service/security.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from service.async_engine import AsyncEngine, EngineArgs
+from service.metrics import Metrics
+from service.openai_api import OpenAIServing
+from service.security import check_origin, key_salt, parse_networks
+
+__all__ = ["STATE", "ServerConfig", "ServerState", "check_origin"]
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    # More keys (--api-key repeated, --api-key-file); any one of them (or api_key) passes.
+    api_keys: list[str] = field(default_factory=list)
+    served_model_name: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    # Peers whose X-Forwarded-Host/-Proto/-Port and Forwarded headers are believed (IPs or
+    # CIDRs; "*" = any).  Empty: those headers are ignored, as a client could forge them.
+    forwarded_allow_ips: list[str] = field(default_factory=list)
+    # usage.prompt_tokens_details.cached_tokens tells a caller how much of its prompt was
+    # cached: off by default (vLLM's --enable-prompt-tokens-details), since with a shared
+    # cache that is an oracle for what others sent.
+    enable_prompt_tokens_details: bool = False
+    # Off: each API key's prefix blocks are salted with that key, so no key can hit (or
+    # probe) another's.  On: every caller shares one prefix cache.
+    shared_prefix_cache: bool = False
+    max_request_bytes: int = 4 << 20
+    shutdown_timeout: float = 30.0
+    access_log: bool = True
+
+
+class ServerState:
+    """What handlers share; owned by the event loop thread."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        keys = ([config.api_key] if config.api_key else []) + list(config.api_keys)
+        # Each key with the salt its prefix blocks are hashed under (None when shared).
+        self.keys: list[tuple[bytes, str | None]] = [
+            (k.encode(), None if config.shared_prefix_cache else key_salt(k))
+            for k in dict.fromkeys(keys)
+        ]
+        self.trusted_proxies = parse_networks(config.forwarded_allow_ips)
+        self.engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.metrics: Metrics | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.websockets: set[web.WebSocketResponse] = set()
+        # Every HTTP connection a request came in on -> its requests in progress (0 = an
+        # idle keep-alive connection), so SIGTERM can close the idle ones (on_shutdown).
+        self.connections: dict[Any, int] = {}
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._conn_ids = itertools.count(1)
+        self.started = time.time()
+
+    def next_conn_id(self) -> str:
+        return str(next(self._conn_ids))
+
+    def inflight_inc(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
+
+    def inflight_dec(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.dead is None and not self.draining
+
+
+STATE = web.AppKey("pagestream_state", ServerState)

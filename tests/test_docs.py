@@ -1,0 +1,182 @@
+"""docs/ARCHITECTURE.md cannot go stale silently.
+
+Every repository path it puts in backticks must exist, every `Class.member` it names must
+still be defined, every snake_case name must still occur in the code, every file of a request's path must be named, and the diagram it embeds
+must be there beside its source.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "ARCHITECTURE.md"
+
+# The files a request passes through, WebSocket or SSE frame in to frame out.
+REQUEST_PATH = [
+    "service/app.py",
+    "service/state.py",
+    "service/ws.py",
+    "service/protocol.py",
+    "service/openai_api.py",
+    "service/tokenizer.py",
+    "service/async_engine.py",
+    "service/detokenizer.py",
+    "scheduler/engine_core.py",
+    "scheduler/scheduler.py",
+    "scheduler/kv_cache_manager.py",
+    "scheduler/block_pool.py",
+    "scheduler/contract.py",
+    "scheduler/executor.py",
+    "scheduler/stream.py",
+    "scheduler/prefix_tier.py",
+    "gpu/model_runner.py",
+    "gpu/cuda_graphs.py",
+    "gpu/model.py",
+    "gpu/attention/base.py",
+    "gpu/attention/torch_backend.py",
+    "gpu/attention/triton_backend.py",
+    "gpu/cpu_kernels/__init__.py",
+    "gpu/cpu_kernels/paged_decode.cpp",
+    "gpu/cpu_kernels/paged_prefill.cpp",
+    "gpu/kernels/kv_cache.py",
+    "gpu/kernels/attention.py",
+    "gpu/sampler.py",
+]
+
+# A relative path inside a code span: `dir/`, `dir/file.py`, or one inside a command.
+_PATH = re.compile(r"(?<![\w/.:-])((?:[A-Za-z_][\w.-]*/)+[\w.-]*)")
+# `Name.member`: a class (or module) and something defined on it.
+_MEMBER = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)$")
+# A name with an underscore in it, or a private one: surely an identifier, not a word.
+_SNAKE = re.compile(r"[a-z_][a-z0-9_]*_[a-z0-9_]*|_\w+")
+_FILE_EXTENSIONS = {"py", "md", "json", "png", "dot", "cpp", "h", "txt", "yml", "toml"}
+_PACKAGES = ("service", "scheduler", "gpu", "modelkit", "bench", "tests")
+
+
+def _spans(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def doc_paths(text: str) -> set[str]:
+    return {m for span in _spans(text) for m in _PATH.findall(span)}
+
+
+def _sources() -> dict[Path, str]:
+    return {p: p.read_text() for pkg in _PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _defines(src: str, member: str) -> bool:
+    m = re.escape(member)
+    return bool(
+        re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{m}\b", src, re.M)
+        or re.search(rf"^\s*(?:self\.)?{m}\s*[:=]", src, re.M)
+    )
+
+
+def unknown_names(text: str, sources: dict[Path, str]) -> list[str]:
+    """Bare snake_case names (`_sample_rows`, `hash_block`) that no source file mentions:
+    a function, field or library call the code no longer has."""
+    names = {s for s in _spans(text) if _SNAKE.fullmatch(s)}
+    corpus = "\n".join(sources.values())
+    return sorted(n for n in names if not re.search(rf"\b{re.escape(n)}\b", corpus))
+
+
+def undefined_members(text: str, sources: dict[Path, str]) -> list[str]:
+    bad = []
+    for span in dict.fromkeys(_spans(text)):
+        m = _MEMBER.match(span)
+        if m is None:
+            continue
+        owner, member = m.groups()
+        if member in _FILE_EXTENSIONS:
+            continue  # a file name (`config.json`)
+        is_class = owner[0].isupper() and not owner.isupper()
+        # Files that define `owner` as a class, or that are the module / package `owner`.
+        homes = [
+            src
+            for path, src in sources.items()
+            if re.search(rf"^class\s+{re.escape(owner)}\b", src, re.M)
+            or (not is_class and path.stem == owner)
+            or (not is_class and path.name == "__init__.py" and path.parent.name == owner)
+        ]
+        if not homes:
+            if is_class:
+                bad.append(f"{span}: nothing named {owner!r} is defined")
+            continue  # a variable or a third-party module (`meta.slot_mapping`, `asyncio.x`)
+        submodule = any(
+            (p.parent / f"{member}.py").is_file()
+            for p, src in sources.items()
+            if src in homes and p.name == "__init__.py"
+        )
+        if not submodule and not any(_defines(src, member) for src in homes):
+            bad.append(f"{span}: {owner} defines no {member!r}")
+    return bad
+
+
+def test_every_path_in_the_architecture_doc_exists() -> None:
+    text = DOC.read_text()
+    paths = doc_paths(text)
+    assert len(paths) > 30, "the path pattern stopped matching the doc"
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {missing}"
+
+
+def test_every_class_member_in_the_architecture_doc_is_defined() -> None:
+    bad = undefined_members(DOC.read_text(), _sources())
+    assert not bad, "docs/ARCHITECTURE.md names things that are not defined:\n" + "\n".join(bad)
+
+
+def test_every_function_name_in_the_architecture_doc_is_in_the_code() -> None:
+    unknown = unknown_names(DOC.read_text(), _sources())
+    assert not unknown, f"docs/ARCHITECTURE.md names what the code no longer has: {unknown}"
+
+
+def test_the_doc_names_every_file_of_the_request_path() -> None:
+    paths = doc_paths(DOC.read_text())
+    for p in REQUEST_PATH:
+        assert (ROOT / p).is_file(), f"{p} is gone: update REQUEST_PATH and the doc"
+    unnamed = [p for p in REQUEST_PATH if p not in paths]
+    assert not unnamed, f"docs/ARCHITECTURE.md does not name {unnamed}"
+
+
+def test_the_diagram_is_embedded_and_committed_with_its_source() -> None:
+    text = DOC.read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text)
+    assert "architecture.png" in images
+    png = DOC.parent / "architecture.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "digraph" in (DOC.parent / "architecture.dot").read_text()
+
+
+def test_readme_links_the_architecture_doc() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "(docs/ARCHITECTURE.md)" in readme
+    assert "../shared/" not in readme, "README links outside the repository"
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("`scheduler/` and `gpu/model.py`", {"scheduler/", "gpu/model.py"}),
+        ("`dot -Tpng docs/a.dot -o docs/a.png`", {"docs/a.dot", "docs/a.png"}),
+        ("`GET /v1/ws` and `?api_key=` and `a.b`", set()),
+    ],
+)
+def test_the_path_finder(text: str, expect: set[str]) -> None:
+    assert doc_paths(text) == expect
+
+
+def test_the_member_checker_sees_a_rename() -> None:
+    srcs = {ROOT / "x" / "m.py": "class Foo:\n    def bar(self):\n        self.baz = 1\n"}
+    assert undefined_members("`Foo.bar` `Foo.baz`", srcs) == []
+    assert undefined_members("`Foo.qux`", srcs) == ["Foo.qux: Foo defines no 'qux'"]
+    assert undefined_members("`Nope.bar`", srcs) == ["Nope.bar: nothing named 'Nope' is defined"]
+    assert unknown_names("`_gone_fn` `do_it` `word`", srcs) == ["_gone_fn", "do_it"]
+    # Modules are checked too; variables, file names and other libraries are not.
+    assert undefined_members("`m.bar` `m.nope` `meta.x` `m.json`", srcs) == [
+        "m.nope: m defines no 'nope'"
+    ]
