@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import signal
 import statistics
 import sys
@@ -23,7 +22,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.fleet import SERVED_NAME, Fleet, Replica, default_model, metric
+from bench.fleet import SERVED_NAME, Fleet, Replica, metric
+
+# `make fleet` runs this module: python -m bench.fleet_checks
 
 QUESTION = "Which berth should the ferry use at low tide?"
 
@@ -436,13 +437,42 @@ def balancer_counts(fleet: Fleet) -> dict[str, int]:
     return dict(out)
 
 
+def format_report(rep: dict[str, Any]) -> str:
+    lines = ["", "requests answered per replica (nginx access log):"]
+    for name, n in rep["requests"].items():
+        lines.append(f"  {name}: {n}")
+    aff = rep["affinity"]
+    lines.append(
+        f"affinity: {len(aff['sessions'])} sessions, each on one replica; spread "
+        + ", ".join(f"{k}={v}" for k, v in sorted(aff["spread"].items()))
+        + "; API keys -> "
+        + ", ".join(sorted(set(aff["keys"].values())))
+    )
+    p = rep["prefix"]
+    ratio = p["cold_ttft_ms"] / p["hit_ttft_ms"] if p["hit_ttft_ms"] else float("nan")
+    lines += [
+        f"shared prefix tier: system prompts of ~{p['prompt_tokens_each']} tokens registered on "
+        f"{p['computed_on']}, asked on {p['served_on']}",
+        f"  TTFT cold {p['cold_ttft_ms']:.1f} ms, Redis hit {p['hit_ttft_ms']:.1f} ms "
+        f"({ratio:.2f}x); redis-tier hit tokens {p['redis_hit_tokens']:.0f}; "
+        f"cached_tokens {p['cached_tokens']}; greedy output identical",
+    ]
+    for title, key in (("redis killed/restarted under load", "redis"),
+                       ("failover timeline", "failover"), ("drain timeline", "drain")):  # fmt: skip
+        lines.append(f"{title}:")
+        lines += [f"  +{t:6.2f} s  {what}" for t, what in rep[key]["timeline"]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`make fleet`: start the fleet, run every scenario, print the report."""
     import argparse
-    import asyncio
+    import shutil
+
+    from bench.fleet import default_model
 
     ap = argparse.ArgumentParser(
-        prog="python -m bench.fleet_checks",
-        description="Run the loopback fleet and its scenarios (make fleet).",
+        prog="python -m bench.fleet_checks", description="the compose topology on loopback"
     )
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny preset)")
     ap.add_argument("--replicas", type=int, default=3)

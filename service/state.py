@@ -1,7 +1,8 @@
 """What the server's handlers share: its configuration and its state.
 
 Both the HTTP routes (app.py) and the WebSocket handler (ws.py) import this module; it
-imports neither, so the service's modules form no loop.
+imports neither, so the service's modules form no loop.  The Origin check and the API-key
+salts are in service/security.py.
 """
 
 from __future__ import annotations

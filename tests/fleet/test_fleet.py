@@ -116,18 +116,32 @@ def test_redis_killed_and_restarted_under_load(fleet: Fleet) -> None:
     if "prefix" not in RESULTS:
         pytest.skip("needs the prefix test's system prompts")
     res = run(fleet, fc.redis_restart, sessions(), RESULTS["prefix"]["hot"])
+    RESULTS["redis"] = res
     assert res["failed"] == 0 and res["tier_errors"] > 0
 
 
 def test_failover_and_rejoin(fleet: Fleet) -> None:
     res = run(fleet, fc.failover, sessions())
+    RESULTS["failover"] = res
     events = [what for _, what in res["timeline"]]
     assert any("back on" in e for e in events), events
 
 
 def test_sigterm_drains(fleet: Fleet) -> None:
     res = run(fleet, fc.drain, sessions())
+    RESULTS["drain"] = res
     assert any("exited 0" in e for _, e in res["timeline"])
     # Everything the balancer answered is in its log, per replica.
     counts = fc.balancer_counts(fleet)
     assert all(n > 0 for n in counts.values()), counts
+
+
+def test_report(fleet: Fleet) -> None:
+    """What `make fleet` prints, from the results above."""
+    if not {"affinity", "prefix", "redis", "failover", "drain"} <= set(RESULTS):
+        pytest.skip("needs every scenario's results")
+    text = fc.format_report({**RESULTS, "requests": fc.balancer_counts(fleet)})
+    for r in fleet.replicas:
+        assert re.search(rf"^  {r.name}: [1-9]\d*$", text, re.M), text
+    assert "TTFT cold" in text and "Redis hit" in text
+    assert "failover timeline:" in text and "back on" in text
