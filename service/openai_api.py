@@ -420,14 +420,13 @@ class OpenAIServing:
             params = msgspec.structs.replace(params, structured_outputs=tc[0])
         await self.compile(params, spec[1] if spec else None)
         template, template_field, kwargs = req.template_request()
-        if req.tools:
-            kwargs["tools"] = template_tools(req)
         ids = await self.prep.chat_ids(
             [m.as_template_dict() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
             chat_template=template,
             template_param=template_field,
             kwargs=kwargs,
+            tools=template_tools(req) if req.tools else None,
         )
         rid = request_id(request, req.request_id, "chatcmpl")
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"

@@ -57,6 +57,7 @@ class Preprocessor:
         template_param: str = "chat_template",
         kwargs: dict[str, Any] | None = None,
         param: str = "messages",
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render the conversation and tokenize it."""
         if chat_template is not None and not self.limits.trust_request_chat_template:
@@ -65,7 +66,7 @@ class Preprocessor:
                 "can allow it with --trust-request-chat-template)",
                 template_param,
             )
-        job = RenderJob(messages, add_generation_prompt, chat_template, dict(kwargs or {}))
+        job = RenderJob(messages, add_generation_prompt, chat_template, dict(kwargs or {}), tools)
         try:
             text = await self.pool.render(job)
         except TemplateError as e:

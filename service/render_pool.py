@@ -36,6 +36,7 @@ class RenderJob:
     add_generation_prompt: bool = True
     chat_template: str | None = None  # a request-supplied template (trusted by the caller)
     kwargs: dict[str, Any] = field(default_factory=dict)  # client chat_template_kwargs
+    tools: list[dict[str, Any]] | None = None  # the request's tools, as HF templates read them
 
 
 class RenderBusy(RuntimeError):
@@ -66,6 +67,7 @@ def render_job(templates: ChatTemplates, job: RenderJob) -> str:
         job.messages,
         job.add_generation_prompt,
         chat_template=job.chat_template,
+        tools=job.tools,
         **kwargs,
     )
 

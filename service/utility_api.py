@@ -58,20 +58,27 @@ async def tokenize(serving: OpenAIServing, request: web.Request) -> web.Response
     serving.check_model(req.model)
     engine = serving.engine
     if isinstance(req, TokenizeChat):
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            kwargs["tools"] = tools_for_template(req.tools)
-        try:
-            text = engine.tokenizer.apply_chat_template(
-                [m.as_template_dict() for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-                **kwargs,
+        if req.add_special_tokens:
+            raise BadRequest(
+                "add_special_tokens=true is not supported with messages (the template adds them)",
+                "add_special_tokens",
             )
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from e
-        ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        # The same path as chat completions: sandboxed render in the worker pool (never on
+        # the event loop), request templates only when the operator trusts them.
+        kwargs = dict(req.chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None)
+        ids = await serving.prep.chat_ids(
+            [m.as_template_dict() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=template,
+            template_param="chat_template_kwargs.chat_template",
+            kwargs=kwargs,
+            tools=tools_for_template(req.tools) if req.tools else None,
+        )
     else:
-        ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        (ids,) = await serving.prep.encode(
+            [req.prompt], add_special_tokens=req.add_special_tokens, param="prompt"
+        )
     out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = [serving.token_text(t) for t in ids]

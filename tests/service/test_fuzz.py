@@ -6,6 +6,7 @@ OpenAI's shape, and no KV block held afterwards."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -68,10 +69,15 @@ def from_schema(schema: dict[str, Any], comps: dict[str, Any]) -> st.SearchStrat
         hi = schema.get("maximum", lo + 2**40)
         return st.integers(lo, min(hi, lo + 64)) | st.integers(lo, hi)
     if kind == "number":
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -1e9))
+        exclusive = "exclusiveMinimum" in schema
+        if exclusive and lo == 0:
+            # Without subnormals the float just above 0 is the smallest normal one.
+            lo, exclusive = sys.float_info.min, False
         return st.floats(
-            schema.get("minimum", schema.get("exclusiveMinimum", -1e9)),
+            lo,
             schema.get("maximum", 1e9),
-            exclude_min="exclusiveMinimum" in schema,
+            exclude_min=exclusive,
             allow_nan=False,
             # torch/oneDNN set flush-to-zero in this process; hypothesis refuses subnormals.
             allow_subnormal=False,

@@ -123,6 +123,21 @@ def test_request_templates_refused_by_default(strict, body, param):
     error_of(*post(strict, "/v1/chat/completions", body), 400, param)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"chat_template": "X"}, "chat_template_kwargs.chat_template"),
+        ({"messages": []}, "chat_template_kwargs.messages"),
+    ],
+)
+def test_tokenize_route_follows_the_same_template_rules(strict, kwargs, param):
+    """/tokenize renders through the same sandboxed pool as chat completions."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    error_of(*post(strict, "/tokenize", body), 400, param)
+    code, raw = post(strict, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert code == 200 and json.loads(raw)["count"] > 0, raw
+
+
 def test_unknown_template_kwargs_are_dropped(strict):
     code, raw = post(strict, "/v1/chat/completions", chat(chat_template_kwargs={"zzz": 1}))
     assert code == 200, raw

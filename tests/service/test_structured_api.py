@@ -373,7 +373,7 @@ REFUSED_CHAT = {
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "documents": [{"text": "x"}],
-    "chat_template": "{{ messages }}",
+    # chat_template: refused unless the operator trusts request templates (test_request_limits)
     "mm_processor_kwargs": {},
     "continue_final_message": True,
     "echo": True,
