@@ -23,6 +23,7 @@ from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler
+from gpu.spec_decode import SpecRunner
 from scheduler.contract import KVBlockPayload, ModelOutput, ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,67 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     samples: SampleRows
+    # Verify chunks: each request with draft tokens, and the row of its last known token.
+    verify: list[tuple[ScheduledRequest, int]]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    query_start: list[int]  # first row of each sequence
+
+
+def layout_batch(
+    seqs: Sequence[tuple[list[int], int, list[int]]],  # (token ids, start position, blocks)
+    block_size: int,
+    device: torch.device,
+) -> Batch:
+    """Flatten sequences (decodes, i.e. one-token queries, must come first) into one step's
+    tensors and attention metadata.  The target and the draft model share it."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    max_blocks = max(len(bt) for _, _, bt in seqs)
+    tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    num_decodes = 0
+    for i, (ids, s, bt) in enumerate(seqs):
+        n = len(ids)
+        input_ids += ids
+        if n == 1:
+            num_decodes += 1
+            positions.append(s)
+            slots.append(bt[s // bs] * bs + s % bs)
+        else:
+            positions += range(s, s + n)
+            slots += [bt[p // bs] * bs + p % bs for p in range(s, s + n)]
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(s + n)
+        tables[i, : len(bt)] = bt
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seqs))]
+
+    def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dt, device=device)
+
+    meta = AttentionMetadata(
+        num_tokens=len(input_ids),
+        num_seqs=len(seqs),
+        num_decodes=num_decodes,
+        query_start_loc=t(qsl, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        block_tables=torch.from_numpy(tables).to(device),
+        slot_mapping=t(slots, torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=bs,
+    )
+    return Batch(t(input_ids, torch.int64), t(positions, torch.int64), meta, qsl[:-1])
 
 
 class ModelRunner:
@@ -66,6 +128,8 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
         max_num_seqs: int = 256,
+        speculative_model: str | Path | None = None,
+        speculation: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -114,6 +178,10 @@ class ModelRunner:
         self.requests: dict[str, RequestSamplingState] = {}
         self.last_step_seconds = 0.0
         self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
+        # Speculative decoding: verification, and the draft model when there is one.
+        self.spec: SpecRunner | None = None
+        if speculation or speculative_model is not None:
+            self.spec = SpecRunner(self, speculative_model, attention_backend)
 
     def _setup_graphs(
         self, enabled: bool | None, sizes: Sequence[int] | None, max_num_seqs: int
@@ -165,6 +233,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.spec is not None:
+                self.spec.drop(rid)
         for new in so.new_requests:
             self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
         if so.copy_blocks:
@@ -174,9 +244,12 @@ class ModelRunner:
         out = ModelOutput(req_ids=[], sampled_token_ids=[])
         if so.scheduled:
             graphs = self.graphs
+            verify: list[tuple[ScheduledRequest, int]] = []
+            if self.spec is not None:
+                self.spec.before_step(self, so)
             if (
                 graphs is not None
-                and all(len(r.input_ids) == 1 for r in so.scheduled)
+                and all(len(r.input_ids) == 1 and not r.num_draft for r in so.scheduled)
                 and graphs.bucket(len(so.scheduled)) is not None
             ):
                 # The graph's hidden row i is scheduled request i.
@@ -184,7 +257,7 @@ class ModelRunner:
                 hidden = graphs.run(so.scheduled)
             else:
                 inputs = self._prepare(so.scheduled)
-                samples = inputs.samples
+                samples, verify = inputs.samples, inputs.verify
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if samples.states:
                 logits = self.model.compute_logits(hidden.index_select(0, samples.rows))
@@ -194,6 +267,9 @@ class ModelRunner:
                 out.req_ids = samples.ids
                 out.sampled_token_ids = result.token_ids
                 out.logprobs = result.logprobs
+            if verify:
+                assert self.spec is not None, "draft tokens sent to a runner without speculation"
+                self.spec.verify(self, hidden, verify, out)
         if so.save_kv_blocks:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0
@@ -206,7 +282,7 @@ class ModelRunner:
         states: list[RequestSamplingState] = []
         ids: list[str] = []
         for r, row in zip(reqs, last_rows, strict=True):
-            if r.sample:
+            if r.sample and not r.num_draft:  # verify chunks sample in spec_decode
                 for rid in (r.req_id, *r.fork_ids):
                     rows.append(row)
                     states.append(self.requests[rid])
@@ -214,57 +290,24 @@ class ModelRunner:
         return SampleRows(torch.tensor(rows, dtype=torch.int64, device=self.device), states, ids)
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        # Decodes first: backends batch the one-token queries together.
-        ordered = [r for r in scheduled if len(r.input_ids) == 1]
-        num_decodes = len(ordered)
-        ordered += [r for r in scheduled if len(r.input_ids) != 1]
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        last_rows: list[int] = []  # hidden row of each request's last fed token
-        max_blocks = max(len(r.block_table) for r in ordered)
-        tables = np.zeros((len(ordered), max_blocks), dtype=np.int32)
-        for i, r in enumerate(ordered):
-            n, s, bt = len(r.input_ids), r.start_pos, r.block_table
-            input_ids += r.input_ids
-            if n == 1:
-                positions.append(s)
-                slots.append(bt[s // bs] * bs + s % bs)
-            else:
-                positions += range(s, s + n)
-                slots += [bt[p // bs] * bs + p % bs for p in range(s, s + n)]
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(s + n)
-            tables[i, : len(bt)] = bt
-            last_rows.append(qsl[-1] - 1)
-        dev = self.device
-        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(ordered))]
-
-        def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dt, device=dev)
-
-        meta = AttentionMetadata(
-            num_tokens=len(input_ids),
-            num_seqs=len(ordered),
-            num_decodes=num_decodes,
-            query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=t(slots, torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
+        # Decodes first: backends batch the one-token queries together.  A verify chunk
+        # (a decode plus its draft tokens) is a short prefill chunk.
+        ordered = [r for r in scheduled if len(r.input_ids) + r.num_draft == 1]
+        ordered += [r for r in scheduled if len(r.input_ids) + r.num_draft != 1]
+        batch = layout_batch(
+            [(r.input_ids + r.draft_ids, r.start_pos, r.block_table) for r in ordered],
+            self.block_size,
+            self.device,
         )
+        # Each request samples from its last known token's row; a verify chunk's draft
+        # rows follow it.
+        last_rows = [batch.query_start[i] + len(r.input_ids) - 1 for i, r in enumerate(ordered)]
         return StepInputs(
-            input_ids=t(input_ids, torch.int64),
-            positions=t(positions, torch.int64),
-            meta=meta,
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            meta=batch.meta,
             samples=self._sample_rows(ordered, last_rows),
+            verify=[(r, row) for r, row in zip(ordered, last_rows, strict=True) if r.num_draft],
         )
 
     # ------------------------------------------------------------------ KV blocks

@@ -273,13 +273,11 @@ class Sampler:
         return self._sample(logits, rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[RequestSamplingState]) -> SamplerOutput:
-        num_rows, vocab = logits.shape
+        num_rows = logits.shape[0]
         dev = logits.device
         greedy: list[int] = []
         unseeded: list[int] = []
         seeded: list[int] = []
-        min_tok: list[int] = []
-        penal: list[int] = []
         want_lp: list[int] = []
         for i, r in enumerate(rows):
             if r.greedy:
@@ -288,32 +286,9 @@ class Sampler:
                 unseeded.append(i)
             else:
                 seeded.append(i)
-            p = r.params
-            if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
-                min_tok.append(i)
-            if r.needs_penalties:
-                penal.append(i)
-            if p.logprobs is not None:
+            if r.params.logprobs is not None:
                 want_lp.append(i)
-
-        x = logits  # [R, V]; copied before the first in-place write so logprobs see raw logits
-        if min_tok:
-            x = x.clone()
-            # vLLM masks the model's eos even under ignore_eos (its all_stop_token_ids always
-            # holds it), plus the request's stop_token_ids.
-            mask_r: list[int] = []
-            mask_c: list[int] = []
-            for i in min_tok:
-                stop = [t for t in rows[i].params.stop_token_ids if 0 <= t < vocab]
-                ids = [*self.eos_token_ids, *stop]
-                mask_r += [i] * len(ids)
-                mask_c += ids
-            if mask_c:
-                x[torch.tensor(mask_r, device=dev), torch.tensor(mask_c, device=dev)] = -torch.inf
-        if penal:
-            if x is logits:
-                x = x.clone()
-            _penalize(x, penal, [rows[i] for i in penal])
+        x = self.processed_logits(logits, rows)
 
         tokens = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
         if len(greedy) == num_rows:
@@ -336,6 +311,41 @@ class Sampler:
         logprobs = self._logprobs(logits, tokens, rows, want_lp)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
 
+    def processed_logits(
+        self, logits: torch.Tensor, rows: Sequence[RequestSamplingState]
+    ) -> torch.Tensor:
+        """min_tokens masking and penalties: the logits greedy rows take the argmax of.
+        logits: [R, V] float32; returned as is when no row needs either (never written)."""
+        vocab = logits.shape[1]
+        dev = logits.device
+        min_tok: list[int] = []
+        penal: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
+                min_tok.append(i)
+            if r.needs_penalties:
+                penal.append(i)
+        x = logits  # [R, V]; copied before the first in-place write so logprobs see raw logits
+        if min_tok:
+            x = x.clone()
+            # vLLM masks the model's eos even under ignore_eos (its all_stop_token_ids always
+            # holds it), plus the request's stop_token_ids.
+            mask_r: list[int] = []
+            mask_c: list[int] = []
+            for i in min_tok:
+                stop = [t for t in rows[i].params.stop_token_ids if 0 <= t < vocab]
+                ids = [*self.eos_token_ids, *stop]
+                mask_r += [i] * len(ids)
+                mask_c += ids
+            if mask_c:
+                x[torch.tensor(mask_r, device=dev), torch.tensor(mask_c, device=dev)] = -torch.inf
+        if penal:
+            if x is logits:
+                x = x.clone()
+            _penalize(x, penal, [rows[i] for i in penal])
+        return x
+
     def _sample_rows(
         self,
         x: torch.Tensor,  # [Rr, V] penalised logits of the random rows, unseeded rows first
@@ -343,6 +353,31 @@ class Sampler:
         num_unseeded: int,
         shared: bool,  # x is the caller's tensor: no in-place writes
     ) -> torch.Tensor:  # [Rr] token ids
+        vocab = x.shape[1]
+        probs = self.filtered_probs(x, rows, shared)
+        # Inverse-CDF sampling: one uniform per row, u in (0, 1], and the first token
+        # whose cumulative (unnormalised, filtered) probability reaches u * total.  A
+        # filtered token has zero width in the CDF, so it is never the first to reach a
+        # positive target.  One draw per row (rather than an exponential race with a full
+        # vocabulary of noise per row) is ~10x cheaper on CPU, and a seeded request still
+        # consumes exactly one draw per step whatever its batch.
+        cdf = probs.cumsum_(-1)  # [Rr, V]
+        u = torch.empty(len(rows), 1, dtype=cdf.dtype, device=cdf.device)  # [Rr, 1]
+        if num_unseeded:
+            u[:num_unseeded].uniform_(generator=self.generator)
+        for j in range(num_unseeded, len(rows)):
+            u[j].uniform_(generator=rows[j].generator)
+        target = (1.0 - u).mul_(cdf[:, -1:])  # [Rr, 1]
+        tok = torch.searchsorted(cdf, target).squeeze(1)
+        return tok.clamp_(max=vocab - 1)
+
+    @staticmethod
+    def filtered_probs(
+        x: torch.Tensor,  # [Rr, V] processed logits of random rows
+        rows: Sequence[RequestSamplingState],
+        shared: bool = True,  # x must not be written
+    ) -> torch.Tensor:  # [Rr, V] unnormalised: filtered tokens are 0, the rest sum to <= 1
+        """Temperature, softmax, then top-k, top-p and min-p: what a random row draws from."""
         vocab = x.shape[1]
         temps = [max(r.params.temperature, _MIN_TEMPERATURE) for r in rows]
         if any(t != 1.0 for t in temps):
@@ -374,22 +409,7 @@ class Sampler:
             _on_rows(probs, p_pos, lambda sub: _top_p_(sub, top_p))
         if m_pos:
             _on_rows(probs, m_pos, lambda sub: _min_p_(sub, min_p))
-
-        # Inverse-CDF sampling: one uniform per row, u in (0, 1], and the first token
-        # whose cumulative (unnormalised, filtered) probability reaches u * total.  A
-        # filtered token has zero width in the CDF, so it is never the first to reach a
-        # positive target.  One draw per row (rather than an exponential race with a full
-        # vocabulary of noise per row) is ~10x cheaper on CPU, and a seeded request still
-        # consumes exactly one draw per step whatever its batch.
-        cdf = probs.cumsum_(-1)  # [Rr, V]
-        u = torch.empty(len(rows), 1, dtype=cdf.dtype, device=cdf.device)  # [Rr, 1]
-        if num_unseeded:
-            u[:num_unseeded].uniform_(generator=self.generator)
-        for j in range(num_unseeded, len(rows)):
-            u[j].uniform_(generator=rows[j].generator)
-        target = (1.0 - u).mul_(cdf[:, -1:])  # [Rr, 1]
-        tok = torch.searchsorted(cdf, target).squeeze(1)
-        return tok.clamp_(max=vocab - 1)
+        return probs
 
     @staticmethod
     def _logprobs(

@@ -75,6 +75,8 @@ class Request:
         # KV payloads found in the shared tier: blocks [remote_start, remote_start + len).
         self.remote_start = 0
         self.remote_payloads: list[bytes] = []
+        # Speculative decoding: recent acceptance rate of this request's drafts.
+        self.spec_rate = 1.0
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from scheduler.contract import TokenLogprobs
 from scheduler.engine_core import EngineCore, StepInfo
@@ -27,6 +28,7 @@ from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from scheduler.spec import SpecConfig, SpecDecoder
 from service.detokenizer import IncrementalDetokenizer, StopChecker
 from service.tokenizer import Tokenizer
 
@@ -55,6 +57,9 @@ class EngineArgs:
     redis_max_kv_bytes: int = 1 << 30  # cap on KV bytes this model keeps in Redis
     redis_lookup_deadline: float = 1.0  # seconds a Redis look-up may take
     device: str | None = None
+    # Speculative decoding, in vLLM's speculative_config shape (see scheduler.spec):
+    # {"method": "ngram"|"draft", "num_speculative_tokens": k, "model": DIR, ...}.
+    speculative_config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -210,6 +215,7 @@ class AsyncEngine:
 
         model_dir = Path(args.model) if args.model else ensure_default_model()
         threads = args.threads
+        spec = SpecConfig.from_dict(args.speculative_config) if args.speculative_config else None
 
         def build() -> ModelRunner:
             if threads:
@@ -226,6 +232,8 @@ class AsyncEngine:
                 seed=args.seed,
                 cuda_graphs=args.cuda_graphs,
                 max_num_seqs=args.max_num_seqs,
+                speculation=spec is not None,
+                speculative_model=spec.model if spec and spec.method == "draft" else None,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).
@@ -254,6 +262,7 @@ class AsyncEngine:
             ),
             on_block_event=tier.on_block_event if tier else None,
             tier=tier,
+            spec=SpecDecoder(spec) if spec is not None else None,
         )
         return cls(
             args,

@@ -87,6 +87,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="longest a request waits for a Redis look-up",
     )
+    g.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding: n-gram prompt lookup or a draft model (default: off)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step"
+    )
+    g.add_argument(
+        "--speculative-model", default=None, help="draft checkpoint (same tokenizer as --model)"
+    )
+    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram prompt lookup")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram prompt lookup")
+    g.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=8,
+        help="no speculation in steps with more decoding requests than this",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
@@ -112,7 +132,22 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         redis_max_kv_bytes=int(a.redis_max_kv_memory * (1 << 30)),
         redis_lookup_deadline=a.redis_lookup_deadline,
         device=a.device,
+        speculative_config=speculative_config(a),
     )
+
+
+def speculative_config(a: argparse.Namespace) -> dict[str, object] | None:
+    method = a.speculative_method or ("draft" if a.speculative_model else None)
+    if method is None:
+        return None
+    return {
+        "method": method,
+        "num_speculative_tokens": a.num_speculative_tokens,
+        "model": a.speculative_model,
+        "prompt_lookup_min": a.ngram_min,
+        "prompt_lookup_max": a.ngram_max,
+        "disable_by_batch_size": a.speculative_disable_by_batch_size,
+    }
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

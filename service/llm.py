@@ -42,6 +42,7 @@ class LLM:
         threads: int | None = None,
         enforce_eager: bool = False,
         cuda_graphs: bool | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         if max_num_batched_tokens is None:
             # Offline batches favour throughput over inter-token latency: a larger step
@@ -66,6 +67,7 @@ class LLM:
             device=device,
             threads=threads,
             cuda_graphs=False if enforce_eager else cuda_graphs,
+            speculative_config=speculative_config,
         )
         self.engine = AsyncEngine.from_args(self.args)
         # The engine lives on its own loop thread, so LLM works from plain scripts and from
