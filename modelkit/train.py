@@ -42,7 +42,7 @@ from modelkit.make_model import (
 VOCAB_SIZE = 4096
 CORPUS_BYTES = 6 << 20  # the licences, then the stdlib in path order, up to 6 MB
 HELD_OUT_EVERY = 20  # every 20th file is held out for perplexity
-SEQ_LEN = 256
+SEQ_LEN = 128
 
 # One tokenizer for both; the shapes are what separates them.
 TARGET = Preset(
@@ -81,8 +81,8 @@ class TrainPlan:
     seed: int
 
 
-TARGET_PLAN = TrainPlan(steps=300, batch_size=16, lr=3e-3, seed=0)
-DRAFT_PLAN = TrainPlan(steps=200, batch_size=16, lr=5e-3, seed=1)
+TARGET_PLAN = TrainPlan(steps=400, batch_size=8, lr=3e-3, seed=0)
+DRAFT_PLAN = TrainPlan(steps=300, batch_size=8, lr=5e-3, seed=1)
 
 
 def _tokenizer(vocab_size: int) -> Any:
