@@ -38,9 +38,9 @@ def model_dir(args: argparse.Namespace) -> Path:
     from modelkit.make_model import cache_root, make_model
 
     if args.preset == "small":
-        from service.async_engine import ensure_default_model
+        from service.async_engine import ensure_small_model
 
-        return ensure_default_model()  # the embedded default model is the small preset
+        return ensure_small_model()
     path = cache_root() / "models" / f"bench-{args.preset}"
     if not (path / "config.json").is_file():
         print(f"writing the {args.preset} preset to {path} ...", flush=True)

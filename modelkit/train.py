@@ -39,6 +39,9 @@ from modelkit.make_model import (
     trained_tokenizer_json,
 )
 
+# Where the trained pair ships (committed: ~10 MB in bfloat16).
+PAIR_DIR = Path(__file__).parent / "pair"
+
 VOCAB_SIZE = 4096
 CORPUS_BYTES = 6 << 20  # the licences, then the stdlib in path order, up to 6 MB
 HELD_OUT_EVERY = 20  # every 20th file is held out for perplexity
@@ -188,6 +191,7 @@ def train_pair(
     *,
     scale: float = 1.0,
     threads: int = 2,
+    eval_windows: int = 64,
 ) -> dict[str, Any]:
     """Train and write `out_dir/target` and `out_dir/draft`; return their report."""
     torch.set_num_threads(threads)
@@ -207,7 +211,7 @@ def train_pair(
         ts = time.perf_counter()
         model = train_one(cfg, train, p, name)
         bf16 = model.to(torch.bfloat16).float()  # perplexity of the weights as saved
-        ppl = perplexity(bf16, held)
+        ppl = perplexity(bf16, held, eval_windows)
         save_checkpoint(model, cfg, tok_json, out_dir / name)
         report[name] = {
             "params": param_count(cfg),

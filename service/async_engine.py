@@ -158,18 +158,43 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
 
 
 def default_model_dir() -> Path:
-    from modelkit.make_model import cache_root
+    """The embedded default model: the target of the trained pair shipped in modelkit/pair
+    (`pagestream train-pair` made it), which writes plausible Python-flavoured text."""
+    from modelkit.train import PAIR_DIR
 
-    return cache_root() / "models" / "default-small"
+    return PAIR_DIR / "target"
+
+
+def default_draft_dir() -> Path:
+    """Its draft model (same tokenizer), for `--speculative-method draft`."""
+    from modelkit.train import PAIR_DIR
+
+    return PAIR_DIR / "draft"
 
 
 def ensure_default_model() -> Path:
-    """The embedded default model (the `small` preset), written on first use."""
+    """The embedded default model; if the shipped pair is missing (a trimmed install),
+    it is trained once into the cache (a few CPU minutes)."""
     path = default_model_dir()
-    if not (path / "config.json").is_file():
-        from modelkit.make_model import make_model
+    if (path / "config.json").is_file():
+        return path
+    from modelkit.make_model import cache_root
+    from modelkit.train import train_pair
 
-        log.info("writing the embedded default model to %s (first use)", path)
+    cached = cache_root() / "models" / "pair"
+    if not (cached / "target" / "config.json").is_file():
+        log.info("training the embedded default model pair into %s (first use)", cached)
+        train_pair(cached)
+    return cached / "target"
+
+
+def ensure_small_model() -> Path:
+    """The random-weight `small` preset (SmolLM-135M's shape), for benchmarks."""
+    from modelkit.make_model import cache_root, make_model
+
+    path = cache_root() / "models" / "default-small"
+    if not (path / "config.json").is_file():
+        log.info("writing the small preset to %s (first use)", path)
         make_model(path, preset="small")
     return path
 

@@ -1,4 +1,4 @@
-"""`pagestream` command line: serve, make-model, bench serve."""
+"""`pagestream` command line: serve, make-model, train-pair, bench serve."""
 
 from __future__ import annotations
 
@@ -197,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-model", help="write a random-weight HF checkpoint", add_help=False)
     m.set_defaults(func=None)
 
+    t = sub.add_parser(
+        "train-pair", help="train the small target + draft model pair", add_help=False
+    )
+    t.set_defaults(func=None)
+
     b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
     b.set_defaults(func=None)
     return ap
@@ -209,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from modelkit.make_model import main as make_model_main
 
         return make_model_main(argv[1:])
+    if argv[:1] == ["train-pair"]:
+        from modelkit.train import main as train_main
+
+        return train_main(argv[1:])
     if argv[:2] == ["bench", "serve"]:
         from bench.serve import main as bench_main
 
