@@ -23,8 +23,8 @@ K = 4
 
 
 def prompts(tok: Any, n: int) -> dict[str, list[list[int]]]:
-    from modelkit.train import CORPUS_BYTES, HELD_OUT_EVERY
     from modelkit.make_model import load_corpus
+    from modelkit.train import CORPUS_BYTES, HELD_OUT_EVERY
 
     texts = [
         t
