@@ -20,6 +20,25 @@ from typing import Any
 
 OUT_TOKENS = 64
 K = 4
+REPEATS = 2
+BATCH1_PROMPTS = 4  # batch 1: this many prompts one after another
+
+
+def _measure(llm: Any, groups: list[list[list[int]]], params: Any) -> tuple[float, float]:
+    """(output tok/s, mean acceptance length: tokens per verify step) of running the
+    groups one after another."""
+    spec = llm.engine.scheduler.spec
+    before = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
+    t = time.perf_counter()
+    toks = 0
+    for g in groups:
+        toks += sum(len(o.outputs[0].token_ids) for o in llm.generate(g, params))
+    secs = time.perf_counter() - t
+    mal = 1.0
+    if spec is not None:
+        d = spec.stats.num_drafts - before[0]
+        mal = 1 + (spec.stats.num_accepted_tokens - before[1]) / d if d else 1.0
+    return toks / secs, mal
 
 
 def prompts(tok: Any, n: int) -> dict[str, list[list[int]]]:
@@ -67,9 +86,8 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
         "draft": {"method": "draft", "model": str(draft), "num_speculative_tokens": K},
     }
     params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
-    results: dict[tuple[str, str, int], tuple[float, float]] = {}
-    for mode, cfg in modes.items():
-        llm = LLM(
+    llms = {
+        mode: LLM(
             str(target),
             dtype=args.dtype,
             threads=args.threads,
@@ -77,27 +95,29 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
             max_num_batched_tokens=512,
             speculative_config=cfg,
         )
+        for mode, cfg in modes.items()
+    }
+    for llm in llms.values():
         llm.generate(work["free"][:2], params)  # warm-up
+    results: dict[tuple[str, str, int], tuple[float, float]] = {}
+    try:
+        # The modes take turns on each case, best of REPEATS: load from other processes
+        # on a shared machine then hits all three alike.
         for wl, ps in work.items():
             for batch in (1, 4, 32):
-                spec = llm.engine.scheduler.spec
-                before = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else None
-                groups = [ps[:1], ps[1:2], ps[2:3]] if batch == 1 else [ps[:batch]]
-                t = time.perf_counter()
-                toks = 0
-                for g in groups:
-                    outs = llm.generate(g, params)
-                    toks += sum(len(o.outputs[0].token_ids) for o in outs)
-                secs = time.perf_counter() - t
-                mal = 1.0
-                if spec and before is not None:
-                    d = spec.stats.num_drafts - before[0]
-                    a = spec.stats.num_accepted_tokens - before[1]
-                    mal = 1 + a / d if d else 1.0
-                results[(mode, wl, batch)] = (toks / secs, mal)
-                print(f"  spec {mode} {wl} batch {batch}: {toks / secs:.0f} tok/s", flush=True)
-        llm.shutdown()
-        del llm
+                groups = [[p] for p in ps[:BATCH1_PROMPTS]] if batch == 1 else [ps[:batch]]
+                for _ in range(REPEATS):
+                    for mode, llm in llms.items():
+                        tps, mal = _measure(llm, groups, params)
+                        best = results.get((mode, wl, batch))
+                        if best is None or tps > best[0]:
+                            results[(mode, wl, batch)] = (tps, mal)
+                for mode in llms:
+                    tps, mal = results[(mode, wl, batch)]
+                    print(f"  spec {wl} batch {batch} {mode}: {tps:.0f} tok/s, {mal:.2f}")
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
     rows = []
     for wl in work:
         for batch in (1, 4, 32):

@@ -123,8 +123,28 @@ def _loss(model: Any, batch: torch.Tensor) -> torch.Tensor:
     )
 
 
-def train_one(cfg: dict[str, Any], data: torch.Tensor, plan: TrainPlan, name: str) -> Any:
-    """AdamW with warm-up and cosine decay over random windows of the training stream."""
+def _distill_loss(model: Any, teacher: Any, batch: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) over every next-token distribution: a draft that imitates
+    the target (rather than the data) is what speculative decoding accepts."""
+    x = batch[:, :-1]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        t_logits = teacher(input_ids=x).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s_logits = model(input_ids=x).logits
+    v = s_logits.shape[-1]
+    return torch.nn.functional.kl_div(
+        torch.log_softmax(s_logits.float().reshape(-1, v), -1),
+        torch.log_softmax(t_logits.float().reshape(-1, v), -1),
+        log_target=True,
+        reduction="batchmean",
+    )
+
+
+def train_one(
+    cfg: dict[str, Any], data: torch.Tensor, plan: TrainPlan, name: str, teacher: Any = None
+) -> Any:
+    """AdamW with warm-up and cosine decay over random windows of the training stream;
+    with a teacher, distillation instead of the data's next tokens."""
     model = _hf_model(cfg, plan.seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -138,7 +158,7 @@ def train_one(cfg: dict[str, Any], data: torch.Tensor, plan: TrainPlan, name: st
             g["lr"] = lr
         starts = [rng.randrange(len(data) - SEQ_LEN - 1) for _ in range(plan.batch_size)]
         batch = torch.stack([data[s : s + SEQ_LEN + 1] for s in starts])
-        loss = _loss(model, batch)
+        loss = _loss(model, batch) if teacher is None else _distill_loss(model, teacher, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -151,6 +171,21 @@ def train_one(cfg: dict[str, Any], data: torch.Tensor, plan: TrainPlan, name: st
             )
     model.eval()
     return model
+
+
+@torch.inference_mode()
+def agreement(draft: Any, target: Any, data: torch.Tensor, max_windows: int = 64) -> float:
+    """How often the draft's greedy next token is the target's (held-out windows): the
+    acceptance rate of one greedy draft token."""
+    n = min(max_windows, (len(data) - 1) // SEQ_LEN)
+    same = total = 0
+    for i in range(n):
+        w = data[i * SEQ_LEN : (i + 1) * SEQ_LEN].unsqueeze(0)
+        a = draft(input_ids=w).logits.argmax(-1)
+        b = target(input_ids=w).logits.argmax(-1)
+        same += int((a == b).sum())
+        total += a.numel()
+    return same / total
 
 
 @torch.inference_mode()
@@ -192,6 +227,7 @@ def train_pair(
     scale: float = 1.0,
     threads: int = 1,
     eval_windows: int = 64,
+    reuse_target: bool = False,
 ) -> dict[str, Any]:
     """Train and write `out_dir/target` and `out_dir/draft`; return their report."""
     torch.set_num_threads(threads)
@@ -204,14 +240,22 @@ def train_pair(
         file=sys.stderr,
     )
     report: dict[str, Any] = {"vocab_size": VOCAB_SIZE, "train_tokens": len(train)}
+    teacher = None
     for name, preset, plan in (("target", TARGET, TARGET_PLAN), ("draft", DRAFT, DRAFT_PLAN)):
         cfg = build_config(preset, "llama")
         steps = max(1, int(plan.steps * scale))
         p = TrainPlan(steps, plan.batch_size, plan.lr, plan.seed)
         ts = time.perf_counter()
-        model = train_one(cfg, train, p, name)
-        bf16 = model.to(torch.bfloat16).float()  # perplexity of the weights as saved
-        ppl = perplexity(bf16, held, eval_windows)
+        if name == "target" and reuse_target:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(out_dir / "target", dtype=torch.float32)
+            report["target"] = json.loads((out_dir / "report.json").read_text())["target"]
+            teacher = model.eval()
+            continue
+        model = train_one(cfg, train, p, name, teacher=teacher)
+        model.to(torch.bfloat16).float()  # in place: evaluate the weights as saved
+        ppl = perplexity(model, held, eval_windows)
         save_checkpoint(model, cfg, tok_json, out_dir / name)
         report[name] = {
             "params": param_count(cfg),
@@ -220,6 +264,11 @@ def train_pair(
             "held_out_perplexity": round(ppl, 2),
             "seconds": round(time.perf_counter() - ts, 1),
         }
+        if teacher is not None:
+            report[name]["greedy_agreement_with_target"] = round(
+                agreement(model, teacher, held, eval_windows), 3
+            )
+        teacher = model.eval()
         print(f"{name}: {report[name]}", file=sys.stderr)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     _write_json(out_dir / "report.json", report)
@@ -238,8 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # One thread: the shipped pair was trained so, and float sums depend on the split.
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--draft-only",
+        action="store_true",
+        help="keep DIR/target (and its report) and retrain only the draft against it",
+    )
     args = ap.parse_args(argv)
-    report = train_pair(args.dir, scale=args.scale, threads=args.threads)
+    report = train_pair(
+        args.dir, scale=args.scale, threads=args.threads, reuse_target=args.draft_only
+    )
     print(json.dumps(report, indent=2))
     return 0
 
