@@ -261,7 +261,11 @@ class Scheduler:
         # Decodes first, then partly computed prompts: a long prompt never delays a decode.
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         spec = self.spec
-        speculate = spec is not None and spec.enabled_for_step(len(order))
+        # vLLM's rule: no speculation while more requests than disable_by_batch_size are
+        # running or queued (a batch ramping up through its prefills counts already).
+        speculate = spec is not None and spec.enabled_for_step(
+            len(self.running) + len(self.waiting)
+        )
         order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in order:
             if budget <= 0:

@@ -33,8 +33,8 @@ class SpecConfig:
     model: str | None = None  # draft checkpoint (method "draft")
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    # Speculation pauses in steps with more decoding requests than this (a busy batch is
-    # already compute-bound, and verifying k+1 tokens per request would only slow it).
+    # Speculation pauses in steps with more requests running or queued than this (a busy
+    # batch is already compute-bound, and verifying k+1 tokens per request would slow it).
     disable_by_batch_size: int = 8
     # A request whose recent acceptance rate is below this stops speculating, except for
     # an occasional probe, so a hopeless proposer costs little.
@@ -153,8 +153,8 @@ class SpecDecoder:
         )
         self.stats = SpecStats(accepted_by_position=[0] * self.k)
 
-    def enabled_for_step(self, num_decodes: int) -> bool:
-        return num_decodes <= self.config.disable_by_batch_size
+    def enabled_for_step(self, num_requests: int) -> bool:
+        return num_requests <= self.config.disable_by_batch_size
 
     def plan(self, req: Request, room: int) -> tuple[list[int], int]:
         """(draft tokens, slots) for one decoding request: n-gram drafts come as tokens;

@@ -105,7 +105,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-disable-by-batch-size",
         type=int,
         default=8,
-        help="no speculation in steps with more decoding requests than this",
+        help="no speculation in steps with more requests running or queued than this",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
