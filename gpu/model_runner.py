@@ -24,6 +24,7 @@ from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from gpu.kv_quant import bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
+from gpu.spec_decode import SpecRunner
 from scheduler.contract import (
     KVBlockPayload,
     ModelOutput,
@@ -67,6 +68,67 @@ class StepInputs:
     meta: AttentionMetadata
     samples: SampleRows
     prompt_rows: list[PromptRows]
+    # Verify chunks: each request with draft tokens, and the row of its last known token.
+    verify: list[tuple[ScheduledRequest, int]]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    query_start: list[int]  # first row of each sequence
+
+
+def layout_batch(
+    seqs: Sequence[tuple[list[int], int, list[int]]],  # (token ids, start position, blocks)
+    block_size: int,
+    device: torch.device,
+) -> Batch:
+    """Flatten sequences (decodes, i.e. one-token queries, must come first) into one step's
+    tensors and attention metadata.  The target and the draft model share it."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    max_blocks = max(len(bt) for _, _, bt in seqs)
+    tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    num_decodes = 0
+    for i, (ids, s, bt) in enumerate(seqs):
+        n = len(ids)
+        input_ids += ids
+        if n == 1:
+            num_decodes += 1
+            positions.append(s)
+            slots.append(bt[s // bs] * bs + s % bs)
+        else:
+            positions += range(s, s + n)
+            slots += [bt[p // bs] * bs + p % bs for p in range(s, s + n)]
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(s + n)
+        tables[i, : len(bt)] = bt
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seqs))]
+
+    def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dt, device=device)
+
+    meta = AttentionMetadata(
+        num_tokens=len(input_ids),
+        num_seqs=len(seqs),
+        num_decodes=num_decodes,
+        query_start_loc=t(qsl, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        block_tables=torch.from_numpy(tables).to(device),
+        slot_mapping=t(slots, torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=bs,
+    )
+    return Batch(t(input_ids, torch.int64), t(positions, torch.int64), meta, qsl[:-1])
 
 
 class ModelRunner:
@@ -88,6 +150,8 @@ class ModelRunner:
         faults: FaultPlan | None = None,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        speculative_model: str | Path | None = None,
+        speculation: bool = False,
     ) -> None:
         self.faults = faults  # fault injection (tests and drills); None in normal serving
         self.model_dir = Path(model_dir)
@@ -138,6 +202,10 @@ class ModelRunner:
         self.requests: dict[str, RequestSamplingState] = {}
         self.last_step_seconds = 0.0
         self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
+        # Speculative decoding: verification, and the draft model when there is one.
+        self.spec: SpecRunner | None = None
+        if speculation or speculative_model is not None:
+            self.spec = SpecRunner(self, speculative_model, attention_backend)
 
     def _setup_graphs(
         self, enabled: bool | None, sizes: Sequence[int] | None, max_num_seqs: int
@@ -215,6 +283,8 @@ class ModelRunner:
         errors: dict[str, str] = {}
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.spec is not None:
+                self.spec.drop(rid)
         for new in so.new_requests:
             try:
                 if self.faults is not None:
@@ -233,9 +303,12 @@ class ModelRunner:
             self.faults.check_forward(so.step, [self._prompt_of(r.req_id) for r in scheduled])
         if scheduled:
             graphs = self.graphs
+            verify: list[tuple[ScheduledRequest, int]] = []
+            if self.spec is not None:
+                self.spec.before_step(self, so)
             if (
                 graphs is not None
-                and all(len(r.input_ids) == 1 for r in scheduled)
+                and all(len(r.input_ids) == 1 and not r.num_draft for r in scheduled)
                 and not any(
                     self.requests[r.req_id].params.prompt_logprobs is not None for r in scheduled
                 )
@@ -246,7 +319,7 @@ class ModelRunner:
                 hidden = graphs.run(scheduled)
             else:
                 inputs = self._prepare(scheduled, errors)
-                samples = inputs.samples
+                samples, verify = inputs.samples, inputs.verify
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 for pr in inputs.prompt_rows:
                     out.prompt_logprobs[pr.req_id] = self._prompt_logprobs(hidden, pr)
@@ -255,6 +328,9 @@ class ModelRunner:
                 if so.grammar_bitmasks:
                     self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)
+            if verify:
+                assert self.spec is not None, "draft tokens sent to a runner without speculation"
+                self.spec.verify(self, hidden, verify, out)
         if so.save_kv_blocks:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0
@@ -345,7 +421,7 @@ class ModelRunner:
         states: list[RequestSamplingState] = []
         ids: list[str] = []
         for r, row in zip(reqs, last_rows, strict=True):
-            if r.sample:
+            if r.sample and not r.num_draft:  # verify chunks sample in spec_decode
                 for rid in (r.req_id, *r.fork_ids):
                     if errors and rid in errors:
                         continue
@@ -357,34 +433,32 @@ class ModelRunner:
     def _prepare(
         self, scheduled: list[ScheduledRequest], errors: dict[str, str] | None = None
     ) -> StepInputs:
-        # Decodes first: backends batch the one-token queries together.
-        ordered = [r for r in scheduled if len(r.input_ids) == 1]
-        num_decodes = len(ordered)
-        ordered += [r for r in scheduled if len(r.input_ids) != 1]
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        last_rows: list[int] = []  # hidden row of each request's last fed token
-        max_blocks = max(len(r.block_table) for r in ordered)
-        tables = np.zeros((len(ordered), max_blocks), dtype=np.int32)
-        for i, r in enumerate(ordered):
-            n, s, bt = len(r.input_ids), r.start_pos, r.block_table
-            input_ids += r.input_ids
-            if n == 1:
-                positions.append(s)
-                slots.append(bt[s // bs] * bs + s % bs)
-            else:
-                positions += range(s, s + n)
-                slots += [bt[p // bs] * bs + p % bs for p in range(s, s + n)]
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(s + n)
-            tables[i, : len(bt)] = bt
-            last_rows.append(qsl[-1] - 1)
-        dev = self.device
-        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(ordered))]
+        # Decodes first: backends batch the one-token queries together.  A verify chunk
+        # (a decode plus its draft tokens) is a short prefill chunk.
+        ordered = [r for r in scheduled if len(r.input_ids) + r.num_draft == 1]
+        ordered += [r for r in scheduled if len(r.input_ids) + r.num_draft != 1]
+        batch = layout_batch(
+            [(r.input_ids + r.draft_ids, r.start_pos, r.block_table) for r in ordered],
+            self.block_size,
+            self.device,
+        )
+        # Each request samples from its last known token's row; a verify chunk's draft
+        # rows follow it.
+        last_rows = [batch.query_start[i] + len(r.input_ids) - 1 for i, r in enumerate(ordered)]
+        return StepInputs(
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            meta=batch.meta,
+            samples=self._sample_rows(ordered, last_rows, errors),
+            prompt_rows=self._prompt_rows(ordered, batch.query_start),
+            verify=[(r, row) for r, row in zip(ordered, last_rows, strict=True) if r.num_draft],
+        )
+
+    def _prompt_rows(
+        self, ordered: list[ScheduledRequest], query_start: list[int]
+    ) -> list[PromptRows]:
+        """Hidden rows whose logits score the next prompt token, for requests that asked
+        for prompt logprobs."""
         prompt_rows = []
         for i, r in enumerate(ordered):
             state = self.requests.get(r.req_id)
@@ -393,34 +467,10 @@ class ModelRunner:
             end = min(r.start_pos + len(r.input_ids), state.prompt_len - 1)
             if r.start_pos < end:
                 span = range(r.start_pos, end)
-                rows = [qsl[i] + p - r.start_pos for p in span]
+                rows = [query_start[i] + p - r.start_pos for p in span]
                 targets = [state.token_ids[p + 1] for p in span]
                 prompt_rows.append(PromptRows(r.req_id, rows, targets, top_n))
-
-        def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dt, device=dev)
-
-        meta = AttentionMetadata(
-            num_tokens=len(input_ids),
-            num_seqs=len(ordered),
-            num_decodes=num_decodes,
-            query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=t(slots, torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
-        return StepInputs(
-            input_ids=t(input_ids, torch.int64),
-            positions=t(positions, torch.int64),
-            meta=meta,
-            samples=self._sample_rows(ordered, last_rows, errors),
-            prompt_rows=prompt_rows,
-        )
+        return prompt_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, pr: PromptRows) -> list[TokenLogprobs]:
         """Logprob of each prompt token given the ones before it (raw model distribution),

@@ -318,14 +318,11 @@ class Sampler:
         return self._sample(logits, rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[RequestSamplingState]) -> SamplerOutput:
-        num_rows, vocab = logits.shape
+        num_rows = logits.shape[0]
         dev = logits.device
         greedy: list[int] = []
         unseeded: list[int] = []
         seeded: list[int] = []
-        min_tok: list[int] = []
-        biased: list[int] = []
-        penal: list[int] = []
         want_lp: list[int] = []
         for i, r in enumerate(rows):
             if r.greedy:
@@ -334,6 +331,43 @@ class Sampler:
                 unseeded.append(i)
             else:
                 seeded.append(i)
+            if r.params.logprobs is not None:
+                want_lp.append(i)
+        x = self.processed_logits(logits, rows)
+
+        tokens = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
+        if len(greedy) == num_rows:
+            tokens = x.argmax(-1)
+        elif greedy:
+            g = torch.tensor(greedy, device=dev)
+            tokens.index_copy_(0, g, x.index_select(0, g).argmax(-1))
+
+        # Random rows, unseeded first: their noise is then one contiguous batched draw.
+        rand = unseeded + seeded
+        if rand:
+            if len(rand) == num_rows and (not seeded or not unseeded or unseeded[-1] < seeded[0]):
+                tokens = self._sample_rows(x, [rows[i] for i in rand], len(unseeded), x is logits)
+            else:
+                r_idx = torch.tensor(rand, device=dev)
+                sub = x.index_select(0, r_idx)  # [Rr, V]
+                sampled = self._sample_rows(sub, [rows[i] for i in rand], len(unseeded), False)
+                tokens.index_copy_(0, r_idx, sampled)
+
+        logprobs = self._logprobs(logits, tokens, rows, want_lp)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def processed_logits(
+        self, logits: torch.Tensor, rows: Sequence[RequestSamplingState]
+    ) -> torch.Tensor:
+        """min_tokens masking, logit_bias and penalties: the logits greedy rows take the
+        argmax of.  logits: [R, V] float32; returned as is when no row needs any of them
+        (never written)."""
+        vocab = logits.shape[1]
+        dev = logits.device
+        min_tok: list[int] = []
+        biased: list[int] = []
+        penal: list[int] = []
+        for i, r in enumerate(rows):
             p = r.params
             if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
                 min_tok.append(i)
@@ -341,9 +375,6 @@ class Sampler:
                 biased.append(i)
             if r.needs_penalties:
                 penal.append(i)
-            if p.logprobs is not None:
-                want_lp.append(i)
-
         x = logits  # [R, V]; copied before the first in-place write so logprobs see raw logits
         if min_tok:
             x = x.clone()
@@ -374,27 +405,7 @@ class Sampler:
             if x is logits:
                 x = x.clone()
             _penalize(x, penal, [rows[i] for i in penal])
-
-        tokens = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
-        if len(greedy) == num_rows:
-            tokens = x.argmax(-1)
-        elif greedy:
-            g = torch.tensor(greedy, device=dev)
-            tokens.index_copy_(0, g, x.index_select(0, g).argmax(-1))
-
-        # Random rows, unseeded first: their noise is then one contiguous batched draw.
-        rand = unseeded + seeded
-        if rand:
-            if len(rand) == num_rows and (not seeded or not unseeded or unseeded[-1] < seeded[0]):
-                tokens = self._sample_rows(x, [rows[i] for i in rand], len(unseeded), x is logits)
-            else:
-                r_idx = torch.tensor(rand, device=dev)
-                sub = x.index_select(0, r_idx)  # [Rr, V]
-                sampled = self._sample_rows(sub, [rows[i] for i in rand], len(unseeded), False)
-                tokens.index_copy_(0, r_idx, sampled)
-
-        logprobs = self._logprobs(logits, tokens, rows, want_lp)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+        return x
 
     def _sample_rows(
         self,
@@ -403,6 +414,31 @@ class Sampler:
         num_unseeded: int,
         shared: bool,  # x is the caller's tensor: no in-place writes
     ) -> torch.Tensor:  # [Rr] token ids
+        vocab = x.shape[1]
+        probs = self.filtered_probs(x, rows, shared)
+        # Inverse-CDF sampling: one uniform per row, u in (0, 1], and the first token
+        # whose cumulative (unnormalised, filtered) probability reaches u * total.  A
+        # filtered token has zero width in the CDF, so it is never the first to reach a
+        # positive target.  One draw per row (rather than an exponential race with a full
+        # vocabulary of noise per row) is ~10x cheaper on CPU, and a seeded request still
+        # consumes exactly one draw per step whatever its batch.
+        cdf = probs.cumsum_(-1)  # [Rr, V]
+        u = torch.empty(len(rows), 1, dtype=cdf.dtype, device=cdf.device)  # [Rr, 1]
+        if num_unseeded:
+            u[:num_unseeded].uniform_(generator=self.generator)
+        for j in range(num_unseeded, len(rows)):
+            u[j].uniform_(generator=rows[j].generator)
+        target = (1.0 - u).mul_(cdf[:, -1:])  # [Rr, 1]
+        tok = torch.searchsorted(cdf, target).squeeze(1)
+        return tok.clamp_(max=vocab - 1)
+
+    @staticmethod
+    def filtered_probs(
+        x: torch.Tensor,  # [Rr, V] processed logits of random rows
+        rows: Sequence[RequestSamplingState],
+        shared: bool = True,  # x must not be written
+    ) -> torch.Tensor:  # [Rr, V] unnormalised: filtered tokens are 0, the rest sum to <= 1
+        """Temperature, softmax, then top-k, top-p and min-p: what a random row draws from."""
         vocab = x.shape[1]
         temps = [max(r.params.temperature, _MIN_TEMPERATURE) for r in rows]
         if any(t != 1.0 for t in temps):
@@ -434,22 +470,7 @@ class Sampler:
             _on_rows(probs, p_pos, lambda sub: _top_p_(sub, top_p))
         if m_pos:
             _on_rows(probs, m_pos, lambda sub: _min_p_(sub, min_p))
-
-        # Inverse-CDF sampling: one uniform per row, u in (0, 1], and the first token
-        # whose cumulative (unnormalised, filtered) probability reaches u * total.  A
-        # filtered token has zero width in the CDF, so it is never the first to reach a
-        # positive target.  One draw per row (rather than an exponential race with a full
-        # vocabulary of noise per row) is ~10x cheaper on CPU, and a seeded request still
-        # consumes exactly one draw per step whatever its batch.
-        cdf = probs.cumsum_(-1)  # [Rr, V]
-        u = torch.empty(len(rows), 1, dtype=cdf.dtype, device=cdf.device)  # [Rr, 1]
-        if num_unseeded:
-            u[:num_unseeded].uniform_(generator=self.generator)
-        for j in range(num_unseeded, len(rows)):
-            u[j].uniform_(generator=rows[j].generator)
-        target = (1.0 - u).mul_(cdf[:, -1:])  # [Rr, 1]
-        tok = torch.searchsorted(cdf, target).squeeze(1)
-        return tok.clamp_(max=vocab - 1)
+        return probs
 
     @staticmethod
     def _logprobs(

@@ -38,6 +38,13 @@ class ScheduledRequest(msgspec.Struct, gc=False, kw_only=True):
     # n > 1: requests forked from this one at its first sample; each draws its own token
     # from this request's logits row (the prompt's KV was computed once, here).
     fork_ids: list[str] = msgspec.field(default_factory=list)
+    # Speculative decoding: `num_draft` guessed tokens follow input_ids in this step's
+    # query (a verify chunk).  `draft_ids` holds them when the scheduler proposed them
+    # (n-gram); when it is empty the executor's draft model fills the slots.  The
+    # tokens after start_pos + len(input_ids) are only guesses: the scheduler rolls back
+    # the KV of the ones the runner rejects.
+    draft_ids: list[int] = msgspec.field(default_factory=list)
+    num_draft: int = 0
 
 
 class KVBlockPayload(msgspec.Struct, gc=False, kw_only=True):
@@ -64,7 +71,7 @@ class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(r.input_ids) for r in self.scheduled)
+        return sum(len(r.input_ids) + r.num_draft for r in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -93,6 +100,10 @@ class ModelOutput(msgspec.Struct, gc=False, kw_only=True):
     logprobs: list[TokenLogprobs | None] | None = None
     # Payloads of save_kv_blocks, in the same order.
     saved_kv: list[KVBlockPayload] = msgspec.field(default_factory=list)
+    # Speculative decoding, per verifying request: the draft tokens accepted, in order
+    # (sampled_token_ids then holds the token drawn after them), and their logprobs.
+    spec_accepted: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs | None]] = msgspec.field(default_factory=dict)
     # Set when a request failed inside the runner (e.g. a bad payload): req_id -> reason.
     errors: dict[str, str] = msgspec.field(default_factory=dict)
     # Requests that asked for prompt_logprobs: the logprob of each prompt token this

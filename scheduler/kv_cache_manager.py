@@ -129,6 +129,21 @@ class KVCacheManager:
         self.num_cached_blocks[req.req_id] = full
 
     # ---------------------------------------------------------------- release
+    def trim(self, req: Request, num_computed: int) -> None:
+        """Free the tail blocks past the ones holding computed tokens (rejected drafts'
+        slots).  They were never hashed: only blocks full of known tokens are."""
+        blocks = self.req_blocks.get(req.req_id)
+        if not blocks:
+            return
+        keep = -(-num_computed // self.block_size)
+        if len(blocks) <= keep:
+            return
+        assert self.num_cached_blocks.get(req.req_id, 0) <= keep
+        surplus = blocks[keep:]
+        del blocks[keep:]
+        del self.req_block_ids[req.req_id][keep:]
+        self.pool.free(reversed(surplus))
+
     def free(self, req: Request, *, drop_private: bool = False) -> None:
         """Release a request's blocks, tail first (its tail is evicted before its prefix).
 

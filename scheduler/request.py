@@ -81,6 +81,8 @@ class Request:
         self.grammar = grammar
         self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked)
         self.prompt_logprobs_sent = False
+        # Speculative decoding: recent acceptance rate of this request's drafts.
+        self.spec_rate = 1.0
 
     @property
     def num_tokens(self) -> int:

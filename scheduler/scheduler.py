@@ -26,6 +26,7 @@ from scheduler.contract import (
 )
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.spec import SpecDecoder, SpecStats
 from scheduler.structured import GrammarMatcher, bitmasks
 
 
@@ -83,6 +84,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_hits_remote: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    spec: SpecStats | None = None  # speculative decoding counters (cumulative)
 
 
 class PublishPolicy(Protocol):
@@ -99,8 +101,10 @@ class Scheduler:
         config: SchedulerConfig,
         on_block_event: Callable[[BlockEvent], None] | None = None,
         tier: PublishPolicy | None = None,
+        spec: SpecDecoder | None = None,
     ) -> None:
         self.config = config
+        self.spec = spec
         self.block_size = config.block_size
         self.kv = KVCacheManager(
             config.num_kv_blocks,
@@ -259,6 +263,12 @@ class Scheduler:
 
         # Decodes first, then partly computed prompts: a long prompt never delays a decode.
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        spec = self.spec
+        # vLLM's rule: no speculation while more requests than disable_by_batch_size are
+        # running or queued (a batch ramping up through its prefills counts already).
+        speculate = spec is not None and spec.enabled_for_step(
+            len(self.running) + len(self.waiting)
+        )
         order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in order:
             if budget <= 0:
@@ -266,7 +276,19 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, n, copies) is None:
+            drafts: list[int] = []
+            num_draft = 0
+            if (
+                speculate
+                and n == 1 == req.num_tokens - req.num_computed_tokens
+                and not req.fork_ids
+                # A constrained request's mask is for one position; its drafts would need
+                # a matcher walked ahead and rolled back, which is not built.
+                and req.grammar is None
+            ):
+                assert spec is not None
+                drafts, num_draft = spec.plan(req, self._spec_room(req, budget))
+            while self.kv.allocate_slots(req, n + num_draft, copies) is None:
                 victim = self._newest_unscheduled(done)
                 self._preempt(victim)
                 preempted = True
@@ -274,9 +296,9 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            self._schedule(req, n, scheduled, new_reqs)
+            self._schedule(req, n, scheduled, new_reqs, drafts, num_draft)
             done.add(req.req_id)
-            budget -= n
+            budget -= n + num_draft
 
         # No admissions in a step that preempted: the pool is already short.
         while self.waiting and budget > 0 and not preempted:
@@ -344,12 +366,24 @@ class Scheduler:
             grammar_bitmasks=grammar_bitmasks,
         )
 
+    def _spec_room(self, req: Request, budget: int) -> int:
+        """Most draft tokens a decoding request can verify this step: the token budget
+        after its one sure token, and room for every draft plus the bonus token within
+        max_tokens and max_model_len."""
+        return min(
+            budget - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+
     def _schedule(
         self,
         req: Request,
         n: int,
         scheduled: list[ScheduledRequest],
         new_reqs: list[NewRequestData],
+        drafts: list[int] | None = None,
+        num_draft: int = 0,
     ) -> None:
         s = req.num_computed_tokens
         sample = s + n == req.num_tokens
@@ -362,6 +396,8 @@ class Scheduler:
                 block_table=list(self.kv.block_ids(req.req_id)),
                 sample=sample,
                 fork_ids=list(forks),
+                draft_ids=drafts or [],
+                num_draft=num_draft,
             )
         )
         if req.publish_prefix and s < req.prompt_len:
@@ -426,6 +462,11 @@ class Scheduler:
                 req.prompt_logprobs += plp[: max(room, 0)]
             if not sr.sample:
                 continue
+            if sr.num_draft:
+                i = sampled[req.req_id]
+                lp = logprobs[i] if logprobs else None
+                updates.append(self._apply_verified(req, sr, mo, mo.sampled_token_ids[i], lp))
+                continue
             # Fork before the parent can finish and free the shared prompt blocks.
             for cid in sr.fork_ids:
                 child = self.requests.get(cid)
@@ -460,6 +501,40 @@ class Scheduler:
         if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
             self._finish(req, RequestStatus.FINISHED_ERROR)
             return self._update(req, [], error=why)
+        self._push_token(req, tok)
+        return self._update(req, [tok], [lp] if req.params.logprobs is not None else None)
+
+    def _apply_verified(
+        self,
+        req: Request,
+        sr: ScheduledRequest,
+        mo: ModelOutput,
+        bonus: int,
+        bonus_lp: TokenLogprobs | None,
+    ) -> RequestUpdate:
+        """A verify chunk came back: keep the accepted drafts and the bonus token, roll
+        the rest back (their KV slots are reused; blocks holding only them are freed)."""
+        accepted = mo.spec_accepted.get(req.req_id, [])
+        assert len(accepted) <= sr.num_draft
+        assert self.spec is not None
+        self.spec.observe(req, sr.num_draft, len(accepted))
+        # The accepted drafts' KV was computed in this step; the bonus token's is not.
+        req.num_computed_tokens += len(accepted)
+        lps = [*mo.spec_logprobs.get(req.req_id, [None] * len(accepted)), bonus_lp]
+        toks: list[int] = []
+        out_lps: list[TokenLogprobs | None] = []
+        for tok, lp in zip([*accepted, bonus], lps, strict=True):
+            toks.append(tok)
+            out_lps.append(lp)
+            if self._push_token(req, tok) is not None:
+                break  # a stop token or the length limit: the rest is discarded
+        if not req.status.finished:
+            self.kv.trim(req, req.num_computed_tokens)
+        return self._update(req, toks, out_lps if req.params.logprobs is not None else None)
+
+    def _push_token(self, req: Request, tok: int) -> RequestStatus | None:
+        """Append one generated token; finish the request if it ends here."""
+        grammar = req.grammar
         req.token_ids.append(tok)
         n_out = req.num_output_tokens
         status = None
@@ -477,7 +552,7 @@ class Scheduler:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self._finish(req, status)
-        return self._update(req, [tok], [lp] if req.params.logprobs is not None else None)
+        return status
 
     @staticmethod
     def _grammar_refuses(grammar: GrammarMatcher, tok: int) -> str | None:
@@ -553,4 +628,5 @@ class Scheduler:
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
             prefix_hits_remote=self.prefix_hits_remote,
+            spec=self.spec.stats if self.spec is not None else None,
         )

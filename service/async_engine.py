@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from scheduler.contract import TokenLogprobs
 from scheduler.engine_core import EngineCore, StepInfo
@@ -26,6 +27,7 @@ from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from scheduler.spec import SpecConfig, SpecDecoder
 from scheduler.stream import RequestStream
 from service.detokenizer import IncrementalDetokenizer, StopChecker
 from service.structured import GrammarCompiler, GrammarError
@@ -70,6 +72,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto (the model dtype), int8 or fp8 (e4m3)
     # weights: None (as stored, or AWQ when the checkpoint says), int8
     quantization: str | None = None
+    # Speculative decoding, in vLLM's speculative_config shape (see scheduler.spec):
+    # {"method": "ngram"|"draft", "num_speculative_tokens": k, "model": DIR, ...}.
+    speculative_config: dict[str, Any] | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -198,18 +203,43 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
 
 
 def default_model_dir() -> Path:
-    from modelkit.make_model import cache_root
+    """The embedded default model: the target of the trained pair shipped in modelkit/pair
+    (`pagestream train-pair` made it), which writes plausible Python-flavoured text."""
+    from modelkit.train import PAIR_DIR
 
-    return cache_root() / "models" / "default-small"
+    return PAIR_DIR / "target"
+
+
+def default_draft_dir() -> Path:
+    """Its draft model (same tokenizer), for `--speculative-method draft`."""
+    from modelkit.train import PAIR_DIR
+
+    return PAIR_DIR / "draft"
 
 
 def ensure_default_model() -> Path:
-    """The embedded default model (the `small` preset), written on first use."""
+    """The embedded default model; if the shipped pair is missing (a trimmed install),
+    it is trained once into the cache (a few CPU minutes)."""
     path = default_model_dir()
-    if not (path / "config.json").is_file():
-        from modelkit.make_model import make_model
+    if (path / "config.json").is_file():
+        return path
+    from modelkit.make_model import cache_root
+    from modelkit.train import train_pair
 
-        log.info("writing the embedded default model to %s (first use)", path)
+    cached = cache_root() / "models" / "pair"
+    if not (cached / "target" / "config.json").is_file():
+        log.info("training the embedded default model pair into %s (first use)", cached)
+        train_pair(cached)
+    return cached / "target"
+
+
+def ensure_small_model() -> Path:
+    """The random-weight `small` preset (SmolLM-135M's shape), for benchmarks."""
+    from modelkit.make_model import cache_root, make_model
+
+    path = cache_root() / "models" / "default-small"
+    if not (path / "config.json").is_file():
+        log.info("writing the small preset to %s (first use)", path)
         make_model(path, preset="small")
     return path
 
@@ -271,6 +301,7 @@ class AsyncEngine:
         faults = FaultPlan.from_env(args.fault_injection)
         if faults is not None:
             log.warning("FAULT INJECTION is on: %s", faults)
+        spec = SpecConfig.from_dict(args.speculative_config) if args.speculative_config else None
 
         def build() -> ModelRunner:
             if threads:
@@ -290,6 +321,8 @@ class AsyncEngine:
                 faults=faults,
                 kv_cache_dtype=args.kv_cache_dtype,
                 quantization=args.quantization,
+                speculation=spec is not None,
+                speculative_model=spec.model if spec and spec.method == "draft" else None,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).
@@ -317,6 +350,7 @@ class AsyncEngine:
                 enable_prefix_caching=args.enable_prefix_caching,
             ),
             tier=tier,
+            spec=SpecDecoder(spec) if spec is not None else None,
         )
         engine = cls(
             args,

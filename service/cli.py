@@ -1,4 +1,4 @@
-"""`pagestream` command line: serve, make-model, bench serve."""
+"""`pagestream` command line: serve, make-model, train-pair, bench serve."""
 
 from __future__ import annotations
 
@@ -115,6 +115,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="prompt tokens that may wait for their first step; past it 429 (0: unbounded)",
     )
+    g.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding: n-gram prompt lookup or a draft model (default: off)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step"
+    )
+    g.add_argument(
+        "--speculative-model", default=None, help="draft checkpoint (same tokenizer as --model)"
+    )
+    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram prompt lookup")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram prompt lookup")
+    g.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=8,
+        help="no speculation in steps with more requests running or queued than this",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
@@ -144,6 +164,7 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         device=a.device,
         max_waiting_requests=a.max_waiting_requests or None,
         max_waiting_tokens=a.max_waiting_tokens or None,
+        speculative_config=speculative_config(a),
     )
 
 
@@ -221,6 +242,20 @@ def read_key_file(path: str) -> list[str]:
     if not keys:
         raise SystemExit(f"--api-key-file {path}: no keys in it")
     return keys
+
+
+def speculative_config(a: argparse.Namespace) -> dict[str, object] | None:
+    method = a.speculative_method or ("draft" if a.speculative_model else None)
+    if method is None:
+        return None
+    return {
+        "method": method,
+        "num_speculative_tokens": a.num_speculative_tokens,
+        "model": a.speculative_model,
+        "prompt_lookup_min": a.ngram_min,
+        "prompt_lookup_max": a.ngram_max,
+        "disable_by_batch_size": a.speculative_disable_by_batch_size,
+    }
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -349,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-model", help="write a random-weight HF checkpoint", add_help=False)
     m.set_defaults(func=None)
 
+    t = sub.add_parser(
+        "train-pair", help="train the small target + draft model pair", add_help=False
+    )
+    t.set_defaults(func=None)
+
     b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
     b.set_defaults(func=None)
     return ap
@@ -361,6 +401,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from modelkit.make_model import main as make_model_main
 
         return make_model_main(argv[1:])
+    if argv[:1] == ["train-pair"]:
+        from modelkit.train import main as train_main
+
+        return train_main(argv[1:])
     if argv[:2] == ["bench", "serve"]:
         from bench.serve import main as bench_main
 

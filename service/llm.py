@@ -44,6 +44,7 @@ class LLM:
         cuda_graphs: bool | None = None,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         if max_num_batched_tokens is None:
             # Offline batches favour throughput over inter-token latency: a larger step
@@ -70,6 +71,7 @@ class LLM:
             cuda_graphs=False if enforce_eager else cuda_graphs,
             kv_cache_dtype=kv_cache_dtype,
             quantization=quantization,
+            speculative_config=speculative_config,
         )
         self.engine = AsyncEngine.from_args(self.args)
         # The engine lives on its own loop thread, so LLM works from plain scripts and from

@@ -16,6 +16,7 @@ from prometheus_client import (
 from scheduler.engine_core import StepInfo
 from scheduler.prefix_tier import TierStats
 from scheduler.scheduler import SchedulerStats
+from scheduler.spec import SpecStats
 from service.async_engine import RequestOutput
 
 # The *_created series only add noise to every scrape.
@@ -215,7 +216,10 @@ class Metrics:
         c["waiting"].set(stats.num_waiting)
         c["kv_usage"].set(stats.kv_usage)
         c["step_time"].observe(info.seconds)
-        c["generation_tokens"].inc(len(info.mo.req_ids))
+        mo = info.mo
+        c["generation_tokens"].inc(len(mo.req_ids) + sum(len(a) for a in mo.spec_accepted.values()))
+        if stats.spec is not None:
+            self._on_spec(stats.spec)
         last = self._last
         if stats.prefix_queries > last.prefix_queries:
             c["prefix_queries"].inc(stats.prefix_queries - last.prefix_queries)
@@ -229,6 +233,35 @@ class Metrics:
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
+
+    def _on_spec(self, st: SpecStats) -> None:
+        """Speculative decoding counters, with vLLM's names under our prefix."""
+        fields = {
+            "num_drafts": ("pagestream_spec_decode_drafts", "Verify steps (per request)."),
+            "num_draft_tokens": (
+                "pagestream_spec_decode_draft_tokens", "Draft tokens proposed and verified."
+            ),
+            "num_accepted_tokens": (
+                "pagestream_spec_decode_accepted_tokens", "Draft tokens accepted."
+            ),
+        }  # fmt: skip
+        for attr, (name, doc) in fields.items():
+            value = getattr(st, attr)
+            last = self._last_extra.get(name, 0)
+            if value > last:
+                self.counter(name, doc).labels(self.model_name).inc(value - last)
+                self._last_extra[name] = value
+        per_pos = self.counter(
+            "pagestream_spec_decode_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first).",
+            ("position",),
+        )
+        for i, value in enumerate(st.accepted_by_position):
+            key = f"spec_pos:{i}"
+            last = self._last_extra.get(key, 0)
+            if value > last:
+                per_pos.labels(self.model_name, str(i)).inc(value - last)
+                self._last_extra[key] = value
 
     def on_request_done(self, out: RequestOutput) -> None:
         m = out.metrics

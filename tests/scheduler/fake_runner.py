@@ -56,10 +56,11 @@ class FakeRunner:
         # Write every request's tokens first (as a real backend writes K/V before attention).
         for r in so.scheduled:
             assert r.req_id in self.known, f"{r.req_id} scheduled before registration"
-            for j, tok in enumerate(r.input_ids):
+            assert len(r.draft_ids) == r.num_draft  # the scheduler proposes (n-gram)
+            for j, tok in enumerate(r.input_ids + r.draft_ids):
                 p = r.start_pos + j
                 self.slots[r.block_table[p // bs] * bs + p % bs] = tok
-            self.tokens_computed += len(r.input_ids)
+            self.tokens_computed += len(r.input_ids) + r.num_draft
         out = ModelOutput(req_ids=[], sampled_token_ids=[])
         for r in so.scheduled:
             if not r.sample:
@@ -67,6 +68,20 @@ class FakeRunner:
             end = r.start_pos + len(r.input_ids)
             ctx = [self.slots[r.block_table[p // bs] * bs + p % bs] for p in range(end)]
             assert None not in ctx, f"{r.req_id} read an unwritten slot"
+            if r.num_draft:
+                # Verify: accept drafts while they equal the "model's" next token.
+                accepted: list[int] = []
+                nxt = next_token(ctx, self.known[r.req_id], self.vocab)
+                for d in r.draft_ids:
+                    if d != nxt:
+                        break
+                    accepted.append(d)
+                    ctx.append(d)
+                    nxt = next_token(ctx, self.known[r.req_id], self.vocab)
+                out.spec_accepted[r.req_id] = accepted
+                out.req_ids.append(r.req_id)
+                out.sampled_token_ids.append(nxt)
+                continue
             for rid in (r.req_id, *r.fork_ids):
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append(next_token(ctx, self.known[rid], self.vocab))  # type: ignore[arg-type]

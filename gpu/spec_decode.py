@@ -1,0 +1,320 @@
+"""Speculative decoding, executor side: the draft model and the lossless verification rule.
+
+Verification (Leviathan et al. / Chen et al.): the target's distribution p_j at each of the
+k + 1 rows of a verify chunk is computed exactly as the sampler would have computed it had
+the drafts before it been sampled (same min_tokens masking, penalties over the tokens so
+far, temperature, top-k/top-p/min-p).  Draft j is accepted with probability
+min(1, p_j(d) / q_j(d)); at the first rejection a token is drawn from the normalised
+residual max(0, p_j - q_j); when all k pass, a bonus token is drawn from p_{k+1}.  The
+emitted tokens then follow p exactly.  n-gram drafts are deterministic, so their q is
+one-hot.  Greedy rows accept while the draft equals the argmax, which is the token
+non-speculative decoding would have produced.
+
+The draft model is a second, much smaller checkpoint with the target's vocabulary.  Its
+KV lives in its own tensors indexed by the target's block ids, so it follows the
+target's block tables (prefix hits, copy-on-write, preemption) without any bookkeeping
+of its own beyond how far each request's draft KV is valid.  It catches up lazily: a
+request that did not speculate for a while, or a prompt the target prefilled in chunks,
+is fed to the draft in one chunk the next time it proposes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gpu.attention import create_attention_backend
+from gpu.config import ModelConfig, ModelLoadError
+from gpu.loader import load_model
+from gpu.sampler import _MIN_TEMPERATURE, RequestSamplingState, Sampler
+from scheduler.contract import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    from gpu.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def _view(state: RequestSamplingState, extra: list[int]) -> RequestSamplingState:
+    """The state a request would have after sampling `extra` (penalties, min_tokens)."""
+    if not extra:
+        return state
+    return RequestSamplingState(
+        state.params, state.prompt_len, state.token_ids + extra, state.generator
+    )
+
+
+def _draw(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from an unnormalised [V] distribution with uniform u in [0, 1)."""
+    cdf = probs.cumsum(0)
+    target = (1.0 - u) * cdf[-1]
+    return int(torch.searchsorted(cdf, target.unsqueeze(0)).clamp_(max=probs.shape[0] - 1))
+
+
+@dataclass
+class Verified:
+    accepted: list[int]
+    bonus: int
+    logprobs: list[TokenLogprobs | None] | None  # one per emitted token (accepted + bonus)
+
+
+def verify_drafts(
+    sampler: Sampler,
+    logits: torch.Tensor,  # [sum(k_i + 1), V] float32: each request's k_i + 1 verify rows
+    states: list[RequestSamplingState],
+    drafts: list[list[int]],
+    draft_probs: list[torch.Tensor | None],  # [k_i, V] q of each draft row; None = one-hot
+) -> list[Verified]:
+    """Accept or reject each request's drafts and draw the next token (module docstring)."""
+    logits = logits[:, : sampler.vocab_size]
+    views: list[RequestSamplingState] = []
+    for st, d in zip(states, drafts, strict=True):
+        views += [_view(st, d[:j]) for j in range(len(d) + 1)]
+    x = sampler.processed_logits(logits, views)  # [rows, V]
+    argmax = x.argmax(-1).tolist()
+    rand_rows = [i for i, v in enumerate(views) if not v.greedy]
+    probs: dict[int, torch.Tensor] = {}
+    if rand_rows:
+        idx = torch.tensor(rand_rows, device=x.device)
+        p = sampler.filtered_probs(x.index_select(0, idx), [views[i] for i in rand_rows])
+        p = p / p.sum(-1, keepdim=True)
+        probs = {r: p[j] for j, r in enumerate(rand_rows)}
+    out: list[Verified] = []
+    row = 0
+    for st, d, q in zip(states, drafts, draft_probs, strict=True):
+        k = len(d)
+        if st.greedy:
+            a = 0
+            while a < k and d[a] == argmax[row + a]:
+                a += 1
+            bonus = argmax[row + a]
+        else:
+            a, bonus = _rejection_sample(
+                [probs[row + j] for j in range(k + 1)], d, q, st.generator or sampler.generator
+            )
+        lps = None
+        if st.params.logprobs is not None:
+            toks = torch.tensor([*d[:a], bonus], device=logits.device)
+            lps = Sampler._logprobs(
+                logits[row : row + a + 1], toks, views[row : row + a + 1], list(range(a + 1))
+            )
+        out.append(Verified(d[:a], bonus, lps))
+        row += k + 1
+    return out
+
+
+def _rejection_sample(
+    p: list[torch.Tensor],  # k + 1 normalised target distributions [V]
+    d: list[int],  # k drafts
+    q: torch.Tensor | None,  # [k, V] draft distributions, None: one-hot on d
+    gen: torch.Generator,
+) -> tuple[int, int]:
+    """(number accepted, next token).  Draws k + 1 uniforms from the request's generator
+    whatever happens, so a seeded request's stream does not depend on where it stopped."""
+    k = len(d)
+    u = torch.rand(k + 1, generator=gen, device=p[0].device).tolist()
+    for j in range(k):
+        pj = float(p[j][d[j]])
+        qj = 1.0 if q is None else float(q[j, d[j]])
+        if u[j] * qj < pj:
+            continue
+        if q is None:
+            residual = p[j].clone()
+            residual[d[j]] = 0.0
+        else:
+            residual = (p[j] - q[j]).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
+            residual = p[j]
+        return j, _draw(residual, u[k])
+    return k, _draw(p[k], u[k])
+
+
+class DraftModel:
+    """A small checkpoint with the target's vocabulary, over KV that follows the target's
+    block tables."""
+
+    def __init__(self, model_dir: str | Path, target: ModelRunner, attention_backend: str):
+        self.dir = Path(model_dir)
+        cfg = ModelConfig.from_dir(self.dir)
+        if cfg.vocab_size != target.config.vocab_size:
+            raise ModelLoadError(
+                f"the draft model's vocabulary ({cfg.vocab_size}) differs from the target's "
+                f"({target.config.vocab_size}); they must share a tokenizer"
+            )
+        self.config = cfg
+        self.device = target.device
+        self.block_size = target.block_size
+        backend = create_attention_backend(
+            attention_backend,
+            target.device,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.head_dim**-0.5,
+            target.dtype,
+            target.block_size,
+        )
+        self.model = load_model(
+            self.dir, cfg, backend, target.dtype, target.device, target.max_model_len
+        )
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()
+        shape = (target.num_kv_blocks, target.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=target.dtype, device=self.device),
+                torch.zeros(shape, dtype=target.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        # Per request: positions [0, n) hold draft KV computed from its real tokens.
+        self.valid: dict[str, int] = {}
+
+    def propose(
+        self,
+        reqs: list[tuple[ScheduledRequest, RequestSamplingState]],
+        sampler: Sampler,
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """k drafts per request (k = its num_draft), with their q rows for random ones.
+
+        Round 0 feeds what the draft has not seen, up to the last known token; each later
+        round feeds the previous draft.  Draft KV lands at the positions this step's
+        verify chunk covers, inside the blocks the scheduler allocated for it."""
+        from gpu.model_runner import layout_batch
+
+        drafts: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        feeds: list[tuple[int, list[int], int]] = []  # (request index, tokens, start)
+        for i, (sr, st) in enumerate(reqs):
+            n = sr.start_pos + len(sr.input_ids)  # known tokens
+            s = min(self.valid.get(sr.req_id, 0), n - 1)
+            feeds.append((i, st.token_ids[s:n], s))
+        for rnd in range(max(sr.num_draft for sr, _ in reqs)):
+            feeds.sort(key=lambda f: len(f[1]) != 1)  # one-token queries first
+            batch = layout_batch(
+                [(toks, s, reqs[i][0].block_table) for i, toks, s in feeds],
+                self.block_size,
+                self.device,
+            )
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            last = [batch.query_start[j] + len(toks) - 1 for j, (_, toks, _) in enumerate(feeds)]
+            logits = self.model.compute_logits(
+                hidden.index_select(0, torch.tensor(last, device=self.device))
+            )[:, : sampler.vocab_size]
+            nxt: list[tuple[int, list[int], int]] = []
+            for j, (i, toks, s) in enumerate(feeds):
+                sr, st = reqs[i]
+                tok, q = self._pick(logits[j], st, sampler)
+                drafts[i].append(tok)
+                if q is not None:
+                    qs[i].append(q)
+                if rnd == 0:
+                    self.valid[sr.req_id] = s + len(toks)
+                if len(drafts[i]) < sr.num_draft:
+                    nxt.append((i, [tok], s + len(toks)))
+            feeds = nxt
+            if not feeds:
+                break
+        return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs, strict=True)]
+
+    @staticmethod
+    def _pick(
+        logits: torch.Tensor, st: RequestSamplingState, sampler: Sampler
+    ) -> tuple[int, torch.Tensor | None]:
+        """Greedy rows take the argmax; random rows sample from softmax(logits / T), which
+        is the q the acceptance test divides by."""
+        if st.greedy:
+            return int(logits.argmax()), None
+        t = max(st.params.temperature, _MIN_TEMPERATURE)
+        q = torch.softmax(logits / t, dim=-1)
+        u = float(torch.rand(1, generator=st.generator or sampler.generator, device=q.device))
+        return _draw(q, u), q
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared blocks, as the target's cache does."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def verified(self, req_id: str, known: int, num_accepted: int, num_draft: int) -> None:
+        """Drafts d_1..d_{k-1} were fed at positions known..known+k-2: the accepted ones'
+        KV stays valid."""
+        if req_id in self.valid:
+            self.valid[req_id] = known + min(num_accepted, num_draft - 1)
+
+
+class SpecRunner:
+    """What the model runner does for speculative decoding."""
+
+    def __init__(
+        self, runner: ModelRunner, draft_dir: str | Path | None, attention_backend: str
+    ) -> None:
+        self.draft = (
+            DraftModel(draft_dir, runner, attention_backend) if draft_dir is not None else None
+        )
+        # q rows of this step's model drafts, between proposing and verifying.
+        self._q: dict[str, torch.Tensor | None] = {}
+
+    def drop(self, req_id: str) -> None:
+        if self.draft is not None:
+            self.draft.valid.pop(req_id, None)
+
+    def before_step(self, runner: ModelRunner, so: SchedulerOutput) -> None:
+        """Fill the draft slots of this step's verify chunks with the draft model."""
+        draft = self.draft
+        if draft is None:
+            return
+        if so.copy_blocks:
+            draft.copy_blocks(so.copy_blocks)
+        todo = []
+        for sr in so.scheduled:
+            # A request recomputing after preemption lands in other blocks.
+            if sr.start_pos < draft.valid.get(sr.req_id, 0):
+                draft.valid[sr.req_id] = 0
+            if sr.num_draft and not sr.draft_ids:
+                todo.append((sr, runner.requests[sr.req_id]))
+        if todo:
+            for (sr, _), (d, q) in zip(todo, draft.propose(todo, runner.sampler), strict=True):
+                sr.draft_ids = d
+                self._q[sr.req_id] = q
+
+    def verify(
+        self,
+        runner: ModelRunner,
+        hidden: torch.Tensor,  # [T, hidden]
+        verify: list[tuple[ScheduledRequest, int]],
+        out: ModelOutput,
+    ) -> None:
+        rows: list[int] = []
+        for sr, row in verify:
+            rows += range(row, row + sr.num_draft + 1)
+        logits = runner.model.compute_logits(
+            hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        )
+        states = [runner.requests[sr.req_id] for sr, _ in verify]
+        qs = [self._q.pop(sr.req_id, None) for sr, _ in verify]
+        results = verify_drafts(
+            runner.sampler, logits, states, [sr.draft_ids for sr, _ in verify], qs
+        )
+        any_lp = out.logprobs is not None or any(r.logprobs for r in results)
+        if any_lp and out.logprobs is None:
+            out.logprobs = [None] * len(out.req_ids)
+        for (sr, _), st, res in zip(verify, states, results, strict=True):
+            known = len(st.token_ids)
+            for tok in (*res.accepted, res.bonus):
+                st.append(tok)
+            out.req_ids.append(sr.req_id)
+            out.sampled_token_ids.append(res.bonus)
+            out.spec_accepted[sr.req_id] = res.accepted
+            if out.logprobs is not None:
+                out.logprobs.append(res.logprobs[-1] if res.logprobs else None)
+            if res.logprobs:
+                out.spec_logprobs[sr.req_id] = res.logprobs[:-1]
+            if self.draft is not None:
+                self.draft.verified(sr.req_id, known, len(res.accepted), sr.num_draft)

@@ -1,0 +1,177 @@
+"""Speculative decoding, scheduler side: configuration, proposers and the per-step policy.
+
+A cheap proposer guesses the next k tokens of a decoding request; the target model
+verifies them in the same step as one short multi-token query (a verify chunk rides
+through the paged-attention path like a prefill chunk) and keeps the longest prefix the
+rejection rule accepts plus one token of its own.  The output distribution stays exactly
+the target's (gpu/spec_decode.py holds the rule); only the number of forward passes drops.
+
+Two proposers sit behind one interface:
+- n-gram prompt lookup (here, pure Python): the tokens that followed the most recent
+  earlier occurrence of the request's last n tokens;
+- a draft model (gpu/spec_decode.DraftModel): the scheduler only reserves k slots and the
+  executor fills them, running the draft over its own paged KV that follows the target's
+  block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from scheduler.request import Request
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpecConfig:
+    """vLLM's speculative_config, with its key names."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    model: str | None = None  # draft checkpoint (method "draft")
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # Speculation pauses in steps with more requests running or queued than this (a busy
+    # batch is already compute-bound, and verifying k+1 tokens per request would slow it).
+    disable_by_batch_size: int = 8
+    # A request whose recent acceptance rate is below this stops speculating, except for
+    # an occasional probe, so a hopeless proposer costs little.
+    min_acceptance_rate: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative method 'draft' needs a draft model directory")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
+        """From vLLM's dict shape; a draft model given without a method means 'draft'."""
+        d = dict(d)
+        if "method" not in d:
+            d["method"] = "draft" if d.get("model") else "ngram"
+        if d.get("method") == "draft_model":
+            d["method"] = "draft"
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+class Proposer(Protocol):
+    def propose(self, req: Request, k: int) -> list[int]:
+        """Up to k guesses for the tokens after req.token_ids (fewer or none allowed)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: match the last n tokens (n from max down to min) earlier in the
+    request's own context and propose what followed the most recent match."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min = n_min
+        self.n_max = n_max
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        toks = req.token_ids
+        size = len(toks)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            tail = toks[size - n :]
+            # The most recent earlier occurrence that still has k tokens after it, else
+            # the most recent one (a run that reaches the end, as in "a a a a").
+            i = _find_back(toks, tail, size - n - k)
+            if i < 0:
+                i = _find_back(toks, tail, size - n - 1, stop=max(size - n - k, -1))
+            if i >= 0:
+                return toks[i + n : i + n + k]
+        return []
+
+
+def _find_back(seq: list[int], pat: list[int], start: int, stop: int = -1) -> int:
+    """Largest i in (stop, start] with seq[i : i + len(pat)] == pat, or -1."""
+    first, n = pat[0], len(pat)
+    for i in range(start, stop, -1):
+        if seq[i] == first and seq[i : i + n] == pat:
+            return i
+    return -1
+
+
+class DraftSlots:
+    """The draft model proposes inside the executor: the scheduler reserves k slots."""
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return []
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # verify steps (one per request per step with >= 1 draft token)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        pos = self.accepted_by_position
+        if len(pos) < num_draft:
+            pos.extend([0] * (num_draft - len(pos)))
+        for i in range(num_accepted):
+            pos[i] += 1
+
+
+class SpecDecoder:
+    """Decides, per step and per request, how many tokens to speculate, and counts."""
+
+    # Acceptance rate is an exponential moving average over verify steps.
+    EMA = 0.7
+    PROBE_EVERY = 16  # output tokens between probes of a request that stopped speculating
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.in_executor = config.method == "draft"
+        self.proposer: Proposer = (
+            DraftSlots()
+            if self.in_executor
+            else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        )
+        self.stats = SpecStats(accepted_by_position=[0] * self.k)
+
+    def enabled_for_step(self, num_requests: int) -> bool:
+        return num_requests <= self.config.disable_by_batch_size
+
+    def plan(self, req: Request, room: int) -> tuple[list[int], int]:
+        """(draft tokens, slots) for one decoding request: n-gram drafts come as tokens;
+        the draft model gets slots to fill.  `room` is the most drafts that fit (token
+        budget, max_tokens, max_model_len)."""
+        k = min(self.k, room)
+        if k <= 0:
+            return [], 0
+        low = req.spec_rate < self.config.min_acceptance_rate
+        if low and req.num_output_tokens % self.PROBE_EVERY:
+            return [], 0
+        if self.in_executor:
+            return [], k
+        drafts = self.proposer.propose(req, k)
+        return drafts, len(drafts)
+
+    def observe(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        self.stats.record(num_draft, num_accepted)
+        rate = num_accepted / num_draft
+        req.spec_rate = self.EMA * req.spec_rate + (1 - self.EMA) * rate

@@ -1,0 +1,183 @@
+"""Speculative decoding is lossless under greedy decoding: the whole engine with n-gram or
+draft-model speculation produces exactly the tokens of HF transformers' float32
+`generate()` (and so of speculation off), across architectures and attention layouts,
+with chunked prefill, forced preemption, prefix-cache hits and n > 1.
+
+The models are random but tied and low-variance, so they fall into loops as small models
+do; n-gram lookup then has something to find, and a different random draft model is
+right part of the time, so both acceptance and rejection (KV rollback) are exercised.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.checkpoints import tiny_checkpoint
+from tests.e2e.test_engine_parity import make_engine, run_engine
+
+transformers = pytest.importorskip("transformers")
+
+# (arch, config overrides): GQA, MQA, tied embeddings, Qwen2's biases, Qwen3's q/k norms.
+CONFIGS = {
+    "llama-gqa": ("llama", {}),
+    "mistral-mqa": ("mistral", {"num_key_value_heads": 1}),
+    "qwen2-gqa": ("qwen2", {}),
+    "qwen3-mqa": ("qwen3", {"num_key_value_heads": 1}),
+}
+
+
+def target_dir(name: str) -> str:
+    arch, over = CONFIGS[name]
+    return str(tiny_checkpoint(arch, init_std=0.05, tie_word_embeddings=True, **over))
+
+
+def draft_dir(name: str) -> str:
+    arch, over = CONFIGS[name]
+    return str(
+        tiny_checkpoint(
+            arch, seed=7, init_std=0.05, tie_word_embeddings=True, num_hidden_layers=1, **over
+        )
+    )
+
+
+_hf: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a loaded 2-core machine two spinning OpenMP threads per
+    process make HF's generate() an order of magnitude slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def hf_model(path: str):
+    if path not in _hf:
+        _hf[path] = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32
+        ).eval()
+    return _hf[path]
+
+
+_oracle: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+
+@torch.inference_mode()
+def check(model: str, work, results, n: int = 1) -> None:
+    """Every sample equals HF's greedy generate() on the same weights."""
+    hf = hf_model(model)
+    for (prompt, max_tokens), outs in zip(work, results, strict=True):
+        key = (model, tuple(prompt), max_tokens)
+        if key not in _oracle:
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            _oracle[key] = out[0, len(prompt) :].tolist()
+        assert len(outs) == n
+        for o in outs:
+            assert o == _oracle[key]
+
+
+def workload(seed: int, n_req: int, shared_prefix: int = 0) -> list[tuple[list[int], int]]:
+    """Prompts that repeat part of themselves (what prompt lookup feeds on)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 2000) for _ in range(shared_prefix)]
+    work = []
+    for _ in range(n_req):
+        body = [rng.randrange(3, 2000) for _ in range(rng.randint(2, 12))]
+        work.append((prefix + body * rng.randint(1, 3), rng.randint(8, 48)))
+    return work
+
+
+def spec_config(method: str, name: str, k: int = 3) -> dict:
+    cfg = {
+        "method": method,
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        # Speculate in every step, however many requests decode, to exercise batches.
+        "disable_by_batch_size": 256,
+        # Never stop speculating for low acceptance: every step verifies something.
+        "min_acceptance_rate": 0.0,
+    }
+    if method == "draft":
+        cfg["model"] = draft_dir(name)
+    return cfg
+
+
+def assert_speculated(engine) -> None:
+    st = engine.scheduler.spec.stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0, st
+    assert st.num_accepted_tokens < st.num_draft_tokens, f"nothing was rejected: {st}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+async def test_greedy_identity_chunked_prefill_and_prefix_hits(name, method):
+    model = target_dir(name)
+    work = workload(11, 14, shared_prefix=20)
+    engine = make_engine(
+        model,
+        num_kv_blocks=256,
+        max_num_batched_tokens=24,
+        block_size=8,
+        max_model_len=256,
+        speculative_config=spec_config(method, name),
+        threads=1,
+    )
+    results = await run_engine(engine, work, stagger_steps=2)
+    check(model, work, results)
+    assert_speculated(engine)
+    assert engine.scheduler.kv.prefix_hits > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_greedy_identity_forced_preemption(method):
+    name = "llama-gqa"
+    model = target_dir(name)
+    work = workload(12, 16)
+    engine = make_engine(
+        model,
+        num_kv_blocks=14,
+        max_num_batched_tokens=32,
+        block_size=16,
+        max_model_len=224,
+        speculative_config=spec_config(method, name, k=4),
+        threads=1,
+    )
+    results = await run_engine(engine, work, stagger_steps=1)
+    check(model, work, results)
+    assert engine.scheduler.num_preemptions > 0
+    assert_speculated(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_greedy_identity_parallel_samples(method):
+    name = "qwen2-gqa"
+    model = target_dir(name)
+    work = workload(13, 8)
+    engine = make_engine(
+        model,
+        num_kv_blocks=128,
+        max_num_batched_tokens=40,
+        block_size=16,
+        max_model_len=256,
+        speculative_config=spec_config(method, name),
+        threads=1,
+    )
+    results = await run_engine(engine, work, n=3, stagger_steps=1)
+    check(model, work, results, n=3)
+    assert_speculated(engine)

@@ -1,0 +1,134 @@
+"""Speculative decoding in the scheduler, with the fake runner (whose "KV" holds token ids
+read back through the block tables): n-gram drafts ride as extra query tokens, rejected
+ones are rolled back and their blocks freed, only accepted tokens are ever hashed (a
+later prefix hit reading a rejected draft would change its output), the token budget
+holds the k + 1 tokens, and the output equals decoding without speculation."""
+
+from __future__ import annotations
+
+import random
+
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.spec import NgramProposer, SpecConfig, SpecDecoder
+from tests.scheduler.fake_runner import FakeRunner, reference_generate
+from tests.scheduler.helpers import EOS, assert_all_free, drive, make_group
+
+VOCAB = 3  # a "model" that is often predictable from its own context
+
+
+def spec_scheduler(num_blocks: int, block_size: int = 4, budget: int = 24, k: int = 3):
+    cfg = SchedulerConfig(
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=64,
+        max_model_len=min(256, num_blocks * block_size),
+    )
+    spec = SpecDecoder(
+        SpecConfig(
+            method="ngram",
+            num_speculative_tokens=k,
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+            disable_by_batch_size=64,
+            min_acceptance_rate=0.0,
+        )
+    )
+    return Scheduler(cfg, spec=spec), FakeRunner(num_blocks, block_size, vocab=VOCAB)
+
+
+def workload(seed: int, n: int, shared: int = 8):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared)]
+    return [
+        (prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))], rng.randint(4, 30))
+        for _ in range(n)
+    ]
+
+
+def check_outputs(run, work, sample_n: int = 1) -> None:
+    for i, (prompt, max_tokens) in enumerate(work):
+        for s in range(sample_n):
+            rid = f"r{i}" if s == 0 else f"r{i}#{s}"
+            ref = reference_generate(prompt, max_tokens, VOCAB, None, sample_index=s)
+            assert run.outputs[rid] == ref, rid
+
+
+def test_ngram_matches_plain_decoding_with_prefix_hits_and_preemption():
+    work = workload(1, 24)
+    sched, runner = spec_scheduler(num_blocks=24)
+    arrivals = {i: [make_group(f"r{i}", p, m)] for i, (p, m) in enumerate(work)}
+    run = drive(sched, runner, arrivals)
+    check_outputs(run, work)
+    st = sched.spec.stats
+    assert st.num_accepted_tokens > 0 and st.num_accepted_tokens < st.num_draft_tokens
+    assert sched.num_preemptions > 0
+    assert sched.kv.prefix_hits > 0
+    assert_all_free(sched, runner)
+    # Verify chunks carry k + 1 tokens inside the one budget.
+    assert any(r.num_draft for so in run.steps for r in so.scheduled)
+    assert all(so.num_scheduled_tokens <= 24 for so in run.steps)
+
+
+def test_ngram_with_parallel_samples():
+    work = workload(2, 8)
+    sched, runner = spec_scheduler(num_blocks=200, budget=32)
+    arrivals = {i: [make_group(f"r{i}", p, m, n=3)] for i, (p, m) in enumerate(work)}
+    run = drive(sched, runner, arrivals)
+    check_outputs(run, work, sample_n=3)
+    assert sched.spec.stats.num_accepted_tokens > 0
+    assert_all_free(sched, runner)
+
+
+def test_drafts_respect_max_tokens_and_stop_tokens():
+    """No draft past max_tokens; a stop token among accepted drafts ends the request
+    there, and what followed it is dropped."""
+    sched, runner = spec_scheduler(num_blocks=64, k=4)
+    prompt = [0, 1, 2, 0, 1, 2, 0, 1]
+    params = SamplingParams(max_tokens=5, temperature=0)
+    req = Request("a", prompt, params, eos_token_ids=(EOS,), max_tokens=5)
+    run = drive(sched, runner, {0: [[req]]})
+    assert len(run.outputs["a"]) == 5
+    assert all(
+        len(r.input_ids) == 1 and r.start_pos + 1 + r.num_draft <= len(prompt) + 5 - 1 + 1
+        for so in run.steps
+        for r in so.scheduled
+        if r.num_draft
+    )
+    # Stop token: the fake model's vocab is {0, 1, 2}; make 2 a stop token.
+    sched, runner = spec_scheduler(num_blocks=64, k=4)
+    params = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[2])
+    req = Request("b", prompt, params, eos_token_ids=(), max_tokens=40)
+    run = drive(sched, runner, {0: [[req]]})
+    ref = reference_generate(prompt, 40, VOCAB, 2)
+    assert run.outputs["b"] == ref and run.finish["b"] == "stop"
+    assert_all_free(sched, runner)
+
+
+def test_batch_size_turns_speculation_off():
+    sched, runner = spec_scheduler(num_blocks=256, budget=64)
+    sched.spec.config.disable_by_batch_size = 2
+    work = workload(3, 6, shared=0)
+    arrivals = {0: [make_group(f"r{i}", p, 30) for i, (p, _) in enumerate(work)]}
+    run = drive(sched, runner, arrivals)
+    for so in run.steps:
+        decodes = sum(1 for r in so.scheduled if len(r.input_ids) == 1)
+        if decodes > 2:
+            assert not any(r.num_draft for r in so.scheduled)
+    assert_all_free(sched, runner)
+
+
+def test_ngram_proposer():
+    p = NgramProposer(1, 3)
+
+    def req(toks):
+        return Request("x", toks, SamplingParams(), max_tokens=10)
+
+    # The longest suffix that occurred before, and what followed its latest occurrence
+    # with room for k tokens.
+    assert p.propose(req([5, 6, 7, 8, 1, 5, 6, 7]), 2) == [8, 1]
+    assert p.propose(req([1, 2, 3, 4]), 2) == []
+    assert p.propose(req([9] * 8), 3) == [9, 9, 9]
+    assert p.propose(req([9] * 4), 3) == [9]  # the longest n wins, even if cut short
