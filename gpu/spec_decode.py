@@ -23,20 +23,33 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from gpu.attention import create_attention_backend
+from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.loader import load_model
 from gpu.sampler import _MIN_TEMPERATURE, RequestSamplingState, Sampler
 from scheduler.contract import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 
-if TYPE_CHECKING:
-    from gpu.model_runner import ModelRunner
-
 log = logging.getLogger(__name__)
+
+
+class TargetRunner(Protocol):
+    """What speculation reads from the target's model runner (gpu/model_runner.py), named
+    here so this module need not import it (the runner imports this one)."""
+
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    requests: dict[str, RequestSamplingState]
+    sampler: Sampler
+    model: torch.nn.Module
 
 
 def _view(state: RequestSamplingState, extra: list[int]) -> RequestSamplingState:
@@ -137,7 +150,7 @@ class DraftModel:
     """A small checkpoint with the target's vocabulary, over KV that follows the target's
     block tables."""
 
-    def __init__(self, model_dir: str | Path, target: ModelRunner, attention_backend: str):
+    def __init__(self, model_dir: str | Path, target: TargetRunner, attention_backend: str):
         self.dir = Path(model_dir)
         cfg = ModelConfig.from_dir(self.dir)
         if cfg.vocab_size != target.config.vocab_size:
@@ -184,8 +197,6 @@ class DraftModel:
         Round 0 feeds what the draft has not seen, up to the last known token; each later
         round feeds the previous draft.  Draft KV lands at the positions this step's
         verify chunk covers, inside the blocks the scheduler allocated for it."""
-        from gpu.model_runner import layout_batch
-
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         feeds: list[tuple[int, list[int], int]] = []  # (request index, tokens, start)
@@ -253,7 +264,7 @@ class SpecRunner:
     """What the model runner does for speculative decoding."""
 
     def __init__(
-        self, runner: ModelRunner, draft_dir: str | Path | None, attention_backend: str
+        self, runner: TargetRunner, draft_dir: str | Path | None, attention_backend: str
     ) -> None:
         self.draft = (
             DraftModel(draft_dir, runner, attention_backend) if draft_dir is not None else None
@@ -265,7 +276,7 @@ class SpecRunner:
         if self.draft is not None:
             self.draft.valid.pop(req_id, None)
 
-    def before_step(self, runner: ModelRunner, so: SchedulerOutput) -> None:
+    def before_step(self, runner: TargetRunner, so: SchedulerOutput) -> None:
         """Fill the draft slots of this step's verify chunks with the draft model."""
         draft = self.draft
         if draft is None:
@@ -286,7 +297,7 @@ class SpecRunner:
 
     def verify(
         self,
-        runner: ModelRunner,
+        runner: TargetRunner,
         hidden: torch.Tensor,  # [T, hidden]
         verify: list[tuple[ScheduledRequest, int]],
         out: ModelOutput,

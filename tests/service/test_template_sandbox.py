@@ -124,10 +124,12 @@ async def test_render_pool_memory_limit() -> None:
 async def test_cancelled_render_returns_its_worker() -> None:
     pool = RenderPool(ChatTemplates(BASE), workers=1, timeout=30.0)
     await pool.start()
-    slow = "{% for i in range(2000) %}{% for j in range(500) %}{% endfor %}{% endfor %}ok"
+    # ~10M loop steps: about a second on an idle machine, so the cancel surely lands
+    # mid-render (1M steps once finished inside the 50 ms before the cancel).
+    slow = "{% for i in range(20000) %}{% for j in range(500) %}{% endfor %}{% endfor %}ok"
     try:
         task = asyncio.create_task(pool.render(RenderJob(MSGS, chat_template=slow)))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
