@@ -67,11 +67,17 @@ async def connection_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Count requests in progress per connection (see ServerState.connections)."""
-    conns = request.app[STATE].connections
+    state = request.app[STATE]
+    conns = state.connections
     proto = request.protocol
-    if proto not in conns and len(conns) >= 4096:
+    if proto not in conns and len(conns) >= state.connections_prune_at:
+        # Closed connections stay here until pruned (a protocol takes no weak reference,
+        # and aiohttp offers no close hook), each holding its parser and buffers: prune
+        # whenever the table doubles past what was live last time, so what it holds stays
+        # proportional to the connections really open (a soak test measures it).
         for p in [p for p, n in conns.items() if n == 0 and p.transport is None]:
             del conns[p]
+        state.connections_prune_at = 2 * len(conns) + 64
     conns[proto] = conns.get(proto, 0) + 1
     try:
         return await handler(request)

@@ -84,6 +84,7 @@ class ServerState:
         # Every HTTP connection a request came in on -> its requests in progress (0 = an
         # idle keep-alive connection), so SIGTERM can close the idle ones (on_shutdown).
         self.connections: dict[Any, int] = {}
+        self.connections_prune_at = 64  # see app.connection_middleware
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
