@@ -95,6 +95,19 @@ class PublishPolicy(Protocol):
     def should_publish(self, h: BlockHash) -> bool: ...
 
 
+@dataclass
+class _StepPlan:
+    """What one call of Scheduler.schedule builds up, passed between its phases."""
+
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    load_kv: list[KVBlockPayload] = field(default_factory=list)
+    done: set[str] = field(default_factory=set)
+    preempted: bool = False
+
+
 class Scheduler:
     def __init__(
         self,
@@ -250,32 +263,32 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        new_reqs: list[NewRequestData] = []
-        copies: list[tuple[int, int]] = []
-        load_kv: list[KVBlockPayload] = []
+        """One step: running requests first (decodes, then partly computed prompts), then
+        admissions from the waiting queue, all inside one token budget."""
         self._constrained = []
-        done: set[str] = set()
-        preempted = False
-        bs = self.block_size
+        step = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # No admissions in a step that preempted: the pool is already short.
+        if not step.preempted:
+            self._admit_waiting(step)
+        return self._step_output(step)
 
+    def _schedule_running(self, step: _StepPlan) -> None:
         # Decodes first, then partly computed prompts: a long prompt never delays a decode.
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         spec = self.spec
         # vLLM's rule: no speculation while more requests than disable_by_batch_size are
         # running or queued (a batch ramping up through its prefills counts already).
         speculate = spec is not None and spec.enabled_for_step(
             len(self.running) + len(self.waiting)
         )
-        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in order:
-            if budget <= 0:
+            if step.budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
             drafts: list[int] = []
             num_draft = 0
             if (
@@ -287,23 +300,24 @@ class Scheduler:
                 and req.grammar is None
             ):
                 assert spec is not None
-                drafts, num_draft = spec.plan(req, self._spec_room(req, budget))
-            while self.kv.allocate_slots(req, n + num_draft, copies) is None:
-                victim = self._newest_unscheduled(done)
+                drafts, num_draft = spec.plan(req, self._spec_room(req, step.budget))
+            while self.kv.allocate_slots(req, n + num_draft, step.copies) is None:
+                victim = self._newest_unscheduled(step.done)
                 self._preempt(victim)
-                preempted = True
+                step.preempted = True
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            self._schedule(req, n, scheduled, new_reqs, drafts, num_draft)
-            done.add(req.req_id)
-            budget -= n + num_draft
+            self._schedule(req, n, step.scheduled, step.new_reqs, drafts, num_draft)
+            step.done.add(req.req_id)
+            step.budget -= n + num_draft
 
-        # No admissions in a step that preempted: the pool is already short.
-        while self.waiting and budget > 0 and not preempted:
+    def _admit_waiting(self, step: _StepPlan) -> None:
+        bs = self.block_size
+        while self.waiting and step.budget > 0:
             req = self.waiting[0]
-            if len(self.running) + 1 + len(req.fork_ids) > cfg.max_num_seqs:
+            if len(self.running) + 1 + len(req.fork_ids) > self.config.max_num_seqs:
                 break
             # Prompt logprobs need every prompt position computed: no prefix hits.
             hits = (
@@ -316,14 +330,16 @@ class Scheduler:
                 if req.remote_start <= local < end:
                     remote = end - local
             num_hit = (local + remote) * bs
-            n = min(req.num_tokens - num_hit, budget)
-            fresh = self.kv.allocate_slots(req, n, copies, hits, num_external_tokens=remote * bs)
+            n = min(req.num_tokens - num_hit, step.budget)
+            fresh = self.kv.allocate_slots(
+                req, n, step.copies, hits, num_external_tokens=remote * bs
+            )
             if fresh is None:
                 break
             self.waiting.popleft()
             for i in range(remote):
                 payload = req.remote_payloads[local - req.remote_start + i]
-                load_kv.append(KVBlockPayload(block_id=fresh[i].block_id, data=payload))
+                step.load_kv.append(KVBlockPayload(block_id=fresh[i].block_id, data=payload))
             req.remote_payloads = []
             self.kv.record_prefix_lookup(req.num_tokens, local * bs)
             self.prefix_hits_remote += remote * bs
@@ -334,10 +350,11 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._schedule(req, n, scheduled, new_reqs)
-            done.add(req.req_id)
-            budget -= n
+            self._schedule(req, n, step.scheduled, step.new_reqs)
+            step.done.add(req.req_id)
+            step.budget -= n
 
+    def _step_output(self, step: _StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
         self.step_id += 1
         save: dict[int, BlockHash] = {}
@@ -357,11 +374,11 @@ class Scheduler:
         }
         return SchedulerOutput(
             step=self.step_id,
-            new_requests=new_reqs,
-            scheduled=scheduled,
+            new_requests=step.new_reqs,
+            scheduled=step.scheduled,
             finished_req_ids=finished,
-            copy_blocks=copies,
-            load_kv=load_kv,
+            copy_blocks=step.copies,
+            load_kv=step.load_kv,
             save_kv_blocks=list(save),
             grammar_bitmasks=grammar_bitmasks,
         )
