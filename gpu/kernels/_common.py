@@ -108,6 +108,40 @@ def check_shape(name: str, what: str, t: torch.Tensor, shape: tuple[int | None, 
         raise ValueError(f"{name}: {what} has shape {list(t.shape)}, expected {want}")
 
 
+def check_kv_scales(
+    name: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    *,
+    strided: bool = False,
+) -> int:
+    """0 for a plain cache, 1 for int8, 2 for fp8 (uint8 bytes), after checking the
+    per-token, per-KV-head scales [blocks, block_size, kv_heads] beside a quantized cache.
+    `strided`: the kernel takes the scales' strides (the same for k and v, unit along heads);
+    otherwise they must be contiguous."""
+    if k_scale is None and v_scale is None:
+        return 0
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{name}: a quantized cache needs both k_scale and v_scale")
+    if k_cache.dtype not in (torch.int8, torch.uint8) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"{name}: quantized caches hold int8 or uint8 (fp8 bytes), got {k_cache.dtype} "
+            f"and {v_cache.dtype}"
+        )
+    for what, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_shape(name, what, s, tuple(k_cache.shape[:3]))
+        check_dtype(name, what, s, (torch.float32,))
+        if strided and (s.stride() != k_scale.stride() or s.stride(2) != 1):
+            raise ValueError(f"{name}: {what} must be contiguous like k_scale")
+        if not strided and not s.is_contiguous():
+            raise ValueError(f"{name}: {what} must be contiguous")
+        if s.device != k_cache.device:
+            raise ValueError(f"{name}: {what} is on {s.device}, the cache on {k_cache.device}")
+    return 1 if k_cache.dtype == torch.int8 else 2
+
+
 def check_last_dim_contiguous(name: str, what: str, t: torch.Tensor) -> None:
     # Rows are read as vectors; a strided last dim would silently turn into a gather.
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:

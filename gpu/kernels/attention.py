@@ -44,6 +44,7 @@ from gpu.kernels._common import (
     check_device,
     check_dtype,
     check_head_dim,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_shape,
     dot_dtype,
@@ -526,7 +527,7 @@ def _check_inputs(
         raise ValueError(f"{name}: q head_dim {head_dim} != cache head_dim {cache_head_dim}")
     check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
     if k_scale is not None or v_scale is not None:
-        _check_scales(name, k_cache, v_cache, k_scale, v_scale)
+        check_kv_scales(name, k_cache, v_cache, k_scale, v_scale, strided=True)
     else:
         for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.dtype != q.dtype:
@@ -561,29 +562,6 @@ def _check_inputs(
         raise ValueError(
             f"{name}: max_query_len is 1 but there are {num_tokens} tokens for {num_seqs} seqs"
         )
-
-
-def _check_scales(
-    name: str,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> None:
-    if k_scale is None or v_scale is None:
-        raise ValueError(f"{name}: a quantized cache needs both k_scale and v_scale")
-    if k_cache.dtype not in (torch.int8, torch.uint8) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"{name}: quantized caches hold int8 or uint8 (fp8 bytes), got {k_cache.dtype} "
-            f"and {v_cache.dtype}"
-        )
-    for what, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        check_shape(name, what, s, tuple(k_cache.shape[:3]))
-        check_dtype(name, what, s, (torch.float32,))
-        if s.stride() != k_scale.stride() or s.stride(2) != 1:
-            raise ValueError(f"{name}: {what} must be contiguous like k_scale")
-        if s.device != k_cache.device:
-            raise ValueError(f"{name}: {what} is on {s.device}, the cache on {k_cache.device}")
 
 
 def default_config(

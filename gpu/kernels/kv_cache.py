@@ -14,6 +14,7 @@ from gpu.kernels._common import (
     cast_to,
     check_device,
     check_dtype,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_shape,
     fp8e4m3_encode,
@@ -109,7 +110,7 @@ def write_kv(
     """Store each new token's K/V at its flat slot (block * block_size + offset);
     quantized caches (int8 / uint8 fp8 values + fp32 scales) quantize on the way."""
     name = "write_kv"
-    quant = _quant_mode(name, k_cache, v_cache, k_scale, v_scale)
+    quant = check_kv_scales(name, k_cache, v_cache, k_scale, v_scale)
     check_device(_write_kv_kernel, name, k, v, k_cache, v_cache, slot_mapping)
     if k_cache.dim() != 4:
         raise ValueError(
@@ -161,33 +162,6 @@ def write_kv(
         QUANT=quant,
         num_warps=4 if kv_heads * head_dim >= 1024 else 1,
     )
-
-
-def _quant_mode(
-    name: str,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> int:
-    """0 for a plain cache, 1 for int8, 2 for fp8 (uint8 bytes); checks the scales."""
-    if k_scale is None and v_scale is None:
-        return 0
-    if k_scale is None or v_scale is None:
-        raise ValueError(f"{name}: a quantized cache needs both k_scale and v_scale")
-    if k_cache.dtype not in (torch.int8, torch.uint8) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"{name}: quantized caches hold int8 or uint8 (fp8 bytes), got {k_cache.dtype} "
-            f"and {v_cache.dtype}"
-        )
-    for what, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        check_shape(name, what, s, tuple(k_cache.shape[:3]))
-        check_dtype(name, what, s, (torch.float32,))
-        if not s.is_contiguous():
-            raise ValueError(f"{name}: {what} must be contiguous")
-        if s.device != k_cache.device:
-            raise ValueError(f"{name}: {what} is on {s.device}, the cache on {k_cache.device}")
-    return 1 if k_cache.dtype == torch.int8 else 2
 
 
 def write_kv_skip_reference(
