@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,11 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
     (Quantized layers are not nn.Linear and keep their own kernels.)"""
     if not packing_available(dtype):
         return 0
+    return swap_linears(model, PackedLinear)
+
+
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every plain nn.Linear in `model` by `make(linear)`; returns how many."""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -88,5 +94,5 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
         if type(child) is nn.Linear
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, make(child))
     return len(swaps)

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.cpu_linear import swap_linears
+
 log = logging.getLogger(__name__)
 
 INT8_MAX = 127.0
@@ -100,15 +102,7 @@ class Int8Linear(nn.Module):
 def quantize_model_int8(model: nn.Module, dtype: torch.dtype) -> int:
     """Swap every nn.Linear inside the decoder layers for an Int8Linear (the embedding and
     lm_head stay in the model dtype, as vLLM and AWQ keep them); returns how many."""
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
-    for parent, name, child in swaps:
-        setattr(parent, name, Int8Linear(child, dtype))
-    return len(swaps)
+    return swap_linears(model, lambda linear: Int8Linear(linear, dtype))
 
 
 # ---------------------------------------------------------------------- AWQ INT4
