@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -92,7 +93,12 @@ async def detokenize(serving: OpenAIServing, request: web.Request) -> web.Respon
     bad = next((t for t in req.tokens if t >= vocab), None)
     if bad is not None:
         raise BadRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
-    return json_response({"prompt": serving.engine.tokenizer.decode(req.tokens)})
+    tok = serving.engine.tokenizer
+    if len(req.tokens) <= 2048:
+        return json_response({"prompt": tok.decode(req.tokens)})
+    # A body may hold a million ids: decode those off the event loop (the Rust tokenizer
+    # releases the GIL), so other streams never wait on it.
+    return json_response({"prompt": await asyncio.to_thread(tok.decode, req.tokens)})
 
 
 async def version_handler(request: web.Request) -> web.Response:

@@ -61,6 +61,16 @@ def test_echo_text_and_logprobs(client):
     )
 
 
+def test_detokenize_long_token_list_matches_short_pieces(client):
+    """Past 2048 ids /detokenize decodes off the loop; the text is the same."""
+    ids = [5, 6, 7, 8] * 1500
+
+    def detok(t):
+        return client.post("/../detokenize", body={"tokens": t}, cast_to=object)["prompt"]
+
+    assert detok(ids) == detok([5, 6, 7, 8]) * 1500
+
+
 def test_best_of_returns_the_most_likely_n(client):
     r = client.completions.create(
         model="tiny", prompt="hello", max_tokens=6, temperature=1.0, n=2, best_of=6, seed=11,
