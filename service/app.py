@@ -20,14 +20,9 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service import utility_api
 from service.async_engine import AsyncEngine, RequestFailed
+from service.http_util import TENANT_SALT, error_response, json_response, salted
 from service.metrics import Metrics
-from service.openai_api import (
-    TENANT_SALT,
-    OpenAIServing,
-    error_response,
-    json_response,
-    salted,
-)
+from service.openai_api import OpenAIServing
 from service.openapi import openapi_document
 from service.prep import Preprocessor
 from service.protocol import BadRequest, check_messages, decode_prefix

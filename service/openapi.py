@@ -13,12 +13,9 @@ from typing import Any
 
 import msgspec
 
-from service.protocol import (
-    ChatCompletionRequest,
-    ClientFrame,
-    CompletionRequest,
-    PrefixRegistration,
-)
+from service.protocol import PrefixRegistration
+from service.protocol_openai import ChatCompletionRequest, CompletionRequest
+from service.protocol_ws import ClientFrame
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {

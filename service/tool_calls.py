@@ -19,7 +19,8 @@ import uuid
 from typing import Any, Literal
 
 from scheduler.sampling_params import StructuredOutputsParams
-from service.protocol import BadRequest, ChatCompletionRequest, NamedToolChoice, Tool
+from service.protocol import BadRequest, NamedToolChoice, Tool
+from service.protocol_openai import ChatCompletionRequest
 
 Mode = Literal["named", "required", "auto"]
 

@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from service.openai_api import json_response
+from service.http_util import json_response
 from service.protocol import BadRequest, ChatMessage, NonNegInt, Tool, decode
 from service.tool_calls import tools_for_template
 

@@ -21,8 +21,9 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from scheduler.engine_core import EngineDeadError, EngineOverloaded
 from scheduler.scheduler import RequestRejected
 from service.async_engine import MaxTokensTooLarge, RequestFailed
-from service.openai_api import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
-from service.protocol import BadRequest, WSCancel, WSGenerate, WSPing, check_messages, decode_ws
+from service.http_util import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
+from service.protocol import BadRequest, check_messages
+from service.protocol_ws import WSCancel, WSGenerate, WSPing, decode_ws
 from service.security import check_origin
 from service.state import STATE, ServerState
 from service.structured import GrammarError

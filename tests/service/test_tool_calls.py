@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from service.protocol import decode_chat
+from service.protocol_openai import decode_chat
 from service.tool_calls import HermesParser, Llama3JsonParser, ToolStream, constraint, tool_mode
 
 TOOLS = [

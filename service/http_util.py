@@ -1,0 +1,96 @@
+"""HTTP helpers the OpenAI routes, the WebSocket and the app share: OpenAI-shaped error
+and JSON bodies, bounded writes to a slow reader, and the tenant's prefix-cache salt."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+class SlowClient(ConnectionResetError):
+    """An SSE client stopped reading; its connection has been dropped."""
+
+
+async def wait_drained(transport: asyncio.BaseTransport | None, limit: int) -> None:
+    """Wait until at most `limit` bytes wait in the transport's buffer.  (aiohttp drains
+    only every 64 KiB written, and only above asyncio's high-water mark; this bound is
+    the operator's.)  Polls: it only runs for a client that is already behind."""
+    if transport is None:
+        return
+    while transport.get_write_buffer_size() > limit:  # type: ignore[attr-defined]
+        if transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        await asyncio.sleep(0.05)
+
+
+def limit_send_buffer(request: web.Request, nbytes: int | None) -> None:
+    """Cap the kernel send buffer of a streaming connection (None: the OS autotunes it,
+    up to net.ipv4.tcp_wmem's maximum, 4 MiB by default).  What a stalled reader can make
+    the server hold is this plus the transport's and the outbox's bounds."""
+    if not nbytes or request.transport is None:
+        return
+    sock = request.transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # tell nginx-style proxies not to buffer the stream
+}
+
+
+# Request key under which the auth middleware leaves the caller's API-key salt.
+TENANT_SALT = web.RequestKey("pagestream_tenant_salt", str)
+
+
+def salted(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt a request's prefix blocks are hashed under: its API key's (None when the
+    operator shares the cache or has no keys), then the client's own `cache_salt` inside
+    it, so no client-chosen salt can reach another key's blocks."""
+    if tenant is None:
+        return cache_salt
+    return f"{tenant}/{cache_salt}" if cache_salt else tenant
+
+
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> bytes:
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
+    return orjson.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+    )
+
+
+def error_response(
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        body=error_body(message, status, param, code),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def json_response(obj: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")

@@ -1,0 +1,227 @@
+"""/v1/chat/completions: validate, render the chat template, queue, then answer in one
+JSON body or as a stream of `chat.completion.chunk` events (tool calls parsed from the
+text when the request offers tools)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from scheduler.contract import TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+from service.async_engine import RequestOutput
+from service.completion_extras import prompt_logprobs_json
+from service.http_util import TENANT_SALT, json_response, salted
+from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge, sse
+from service.protocol import BadRequest, check_messages
+from service.protocol_openai import ChatCompletionRequest, decode_chat
+from service.request_ids import request_id
+from service.tool_calls import (
+    Mode,
+    ToolStream,
+    constraint,
+    make_parser,
+    merge_delta,
+    parse_output,
+    template_tools,
+    tool_mode,
+)
+
+
+class ChatServing(ServingBase):
+    def chat_logprobs(self, lps: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        content = []
+        for lp in lps:
+            tok = self.token_text(lp.token_id)
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": lp.logprob,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self.token_text(i)),
+                            "logprob": v,
+                            "bytes": list(t.encode()),
+                        }
+                        for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                    ],
+                }
+            )
+        return {"content": content}
+
+    async def chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        req: ChatCompletionRequest = decode_chat(body)
+        self.check_model(req.model)
+        check_messages(req.messages)
+        params = req.to_sampling_params()
+        self.limits.check_sampling(params, logprobs_field="top_logprobs")
+        mode = tool_mode(req, self.tool_call_parser)
+        spec = req.structured()
+        if (tc := constraint(req, mode)) is not None:
+            if spec is not None:
+                raise BadRequest(
+                    f"tool_choice {mode!r} constrains the output; it cannot be combined "
+                    f"with {spec[1]}",
+                    "tool_choice",
+                )
+            spec = tc
+            params = msgspec.structs.replace(params, structured_outputs=tc[0])
+        await self.compile(params, spec[1] if spec else None)
+        template, template_field, kwargs = req.template_request()
+        ids = await self.prep.chat_ids(
+            [m.as_template_dict() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=template,
+            template_param=template_field,
+            kwargs=kwargs,
+            tools=template_tools(req) if req.tools else None,
+        )
+        rid = request_id(request, req.request_id, "chatcmpl")
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        gens, subs = self._start(rid, [ids], [None], params, salt, field)
+        model = req.model or self.names[0]
+        try:
+            if req.stream:
+                return await self._chat_stream(request, req, rid, model, ids, gens[0], params, mode)
+            return await self._chat_full(req, rid, model, ids, gens[0], params, mode)
+        finally:
+            self._release(subs)
+
+    async def _chat_full(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        ids: list[int],
+        gen: AsyncIterator[RequestOutput],
+        params: SamplingParams,
+        mode: Mode | None,
+    ) -> web.Response:
+        last: RequestOutput | None = None
+        async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            async for out in gen:
+                last = out
+        assert last is not None
+        parser = make_parser(self.tool_call_parser) if mode == "auto" else None
+        choices = []
+        for o in last.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            finish = o.finish_reason
+            if mode is not None:
+                content, calls = parse_output(mode, o.text, parser, req)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    if mode != "named" and finish == "stop":
+                        finish = "tool_calls"
+            choice: dict[str, Any] = {
+                "index": o.index,
+                "message": message,
+                "logprobs": self.chat_logprobs(o.logprobs),
+                "finish_reason": finish,
+                "stop_reason": o.stop_reason,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = o.token_ids
+            choices.append(choice)
+        completion = sum(len(o.token_ids) for o in last.outputs)
+        resp: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": self._usage(len(ids), completion, last.num_cached_tokens),
+        }
+        if req.return_token_ids:
+            resp["prompt_token_ids"] = ids
+        if req.prompt_logprobs is not None:
+            resp["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs, self.token_text)
+        return json_response(resp)
+
+    async def _chat_stream(
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        ids: list[int],
+        gen: AsyncIterator[RequestOutput],
+        params: SamplingParams,
+        mode: Mode | None,
+    ) -> web.StreamResponse:
+        """The role chunk, then a chunk per step with every choice that moved."""
+        resp = await self._open_stream(request)
+        created = int(time.time())
+        parser = make_parser(self.tool_call_parser) if mode == "auto" else None
+        tools = {i: ToolStream(mode, parser, req) for i in range(params.n)} if mode else {}
+        usage = StreamUsage.of(len(ids), req.stream_options)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        role = {"role": "assistant", "content": ""}
+        head = [
+            {"index": i, "delta": dict(role), "logprobs": None, "finish_reason": None}
+            for i in range(params.n)
+        ]
+        if req.return_token_ids:
+            await self.write(request, resp, sse({**base, "prompt_token_ids": ids, "choices": head}))
+        else:
+            await self.write(request, resp, sse({**base, "choices": head}))
+        chunks = self._chat_chunks(req, base, gen, params.n, tools, mode, usage)
+        return await self._run_stream(request, resp, chunks, base, usage)
+
+    async def _chat_chunks(
+        self,
+        req: ChatCompletionRequest,
+        base: dict[str, Any],
+        gen: AsyncIterator[RequestOutput],
+        n: int,
+        tools: dict[int, ToolStream],
+        mode: Mode | None,
+        usage: StreamUsage,
+    ) -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(merge([gen], n)) as events:
+            async for deltas, out in events:
+                usage.cached = out.num_cached_tokens
+                choices = []
+                for d in deltas:
+                    usage.completion_tokens += len(d.token_ids)
+                    choice = self._chat_choice_delta(req, d, tools.get(d.index), mode)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    yield self._chunk(base, choices, usage)
+
+    def _chat_choice_delta(
+        self, req: ChatCompletionRequest, d: ChoiceDelta, ts: ToolStream | None, mode: Mode | None
+    ) -> dict[str, Any] | None:
+        """One choice's part of a chunk; None while a tool call's text is held back."""
+        delta: dict[str, Any] = {"content": d.text} if d.text else {}
+        finish = d.finish_reason
+        if ts is not None:
+            delta = ts.feed(d.text)
+            if finish is not None:
+                last, called = ts.finish()
+                delta = merge_delta(delta, last)
+                if called and mode != "named" and finish == "stop":
+                    finish = "tool_calls"
+            if not delta and finish is None and d.logprobs is None:
+                return None  # text held back until the call can be parsed
+        c: dict[str, Any] = {
+            "index": d.index,
+            "delta": delta,
+            "logprobs": self.chat_logprobs(d.logprobs),
+            "finish_reason": finish,
+        }
+        if d.finish_reason is not None:
+            c["stop_reason"] = d.stop_reason
+        if req.return_token_ids:
+            c["token_ids"] = d.token_ids
+        return c

@@ -1,0 +1,305 @@
+"""What the OpenAI chat and completion routes share: `ServingBase` (queueing a request's
+prompts, bounded SSE writes, usage and token text, the stream's error and end events) and
+`merge`, which interleaves the outputs of a multi-prompt request as they come."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from scheduler.contract import TokenLogprobs
+from scheduler.engine_core import EngineDeadError
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import RequestRejected
+from service.async_engine import (
+    AsyncEngine,
+    MaxTokensTooLarge,
+    RequestFailed,
+    RequestOutput,
+    Submitted,
+)
+from service.http_util import SSE_HEADERS, SlowClient, error_body, limit_send_buffer, wait_drained
+from service.limits import Limits
+from service.prep import Preprocessor
+from service.protocol import BadRequest
+from service.protocol_openai import StreamOptions
+from service.structured import GrammarError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """A snapshot of one choice's progress, taken when its generator yields."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+async def _snapshots(
+    gen: AsyncIterator[RequestOutput], prompt_index: int, n: int
+) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
+    async with contextlib.aclosing(gen):  # type: ignore[type-var]
+        async for out in gen:
+            deltas = [
+                ChoiceDelta(
+                    prompt_index * n + o.index,
+                    o.delta_text,
+                    o.delta_token_ids,
+                    o.delta_logprobs,
+                    o.finish_reason,
+                    o.stop_reason,
+                )
+                for o in out.outputs
+                if o.delta_text or o.delta_token_ids or o.finish_reason
+            ]
+            yield deltas, out
+
+
+async def merge(
+    gens: list[AsyncIterator[RequestOutput]], n: int
+) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
+    """Interleave the outputs of several prompts' generators as they come."""
+    if len(gens) == 1:
+        # Closed explicitly all the way down: a consumer that stops early (a client gone)
+        # must abort the request now, not when the generators are garbage collected.
+        async with contextlib.aclosing(_snapshots(gens[0], 0, n)) as items:
+            async for item in items:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[list[ChoiceDelta], RequestOutput] | BaseException | None] = (
+        asyncio.Queue()
+    )
+
+    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(_snapshots(g, i, n)) as items:
+                async for item in items:
+                    queue.put_nowait(item)
+        except BaseException as e:  # re-raised in the consumer
+            queue.put_nowait(e)
+            raise
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(tasks)
+        while live:
+            item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+@dataclass(slots=True)
+class StreamUsage:
+    """The token counts of one streamed response, for its usage chunks."""
+
+    prompt_tokens: int
+    include: bool  # a last chunk with the totals (stream_options.include_usage)
+    continuous: bool  # usage on every chunk (stream_options.continuous_usage_stats)
+    completion_tokens: int = 0
+    cached: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, opts: StreamOptions | None) -> StreamUsage:
+        return cls(
+            prompt_tokens,
+            include=bool(opts and opts.include_usage),
+            continuous=bool(opts and opts.continuous_usage_stats),
+        )
+
+
+class ServingBase:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        prep: Preprocessor,
+        *,
+        send_timeout: float = 30.0,
+        on_slow_client: Callable[[], None] | None = None,
+        socket_send_buffer: int | None = None,
+        max_buffered_bytes: int = 4 << 20,
+        prompt_tokens_details: bool = False,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.details = prompt_tokens_details
+        self.prep = prep
+        self.limits: Limits = prep.limits
+        self.names = served_model_names
+        self.tokenizer = engine.tokenizer
+        self.tool_call_parser = tool_call_parser
+        self._token_text: dict[int, str] = {}
+        self.send_timeout = send_timeout
+        self.on_slow_client = on_slow_client
+        self.socket_send_buffer = socket_send_buffer
+        self.max_buffered_bytes = max_buffered_bytes
+
+    def limit_send_buffer(self, request: web.Request) -> None:
+        limit_send_buffer(request, self.socket_send_buffer)
+
+    async def write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """One SSE write, bounded: while more than `max_buffered_bytes` wait in the socket's
+        buffer the stream pauses (so does its generator: the engine merges what piles up),
+        and a client that does not drain it within `send_timeout` seconds loses its
+        connection, and the request is aborted (its KV blocks freed)."""
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await resp.write(data)
+                await wait_drained(request.transport, self.max_buffered_bytes)
+        except TimeoutError:
+            if self.on_slow_client is not None:
+                self.on_slow_client()
+            transport = request.transport
+            if transport is not None:
+                transport.abort()
+            raise SlowClient(
+                f"the client did not read the stream for {self.send_timeout:g} s"
+            ) from None
+
+    async def compile(self, params: SamplingParams, field: str | None) -> None:
+        """Compile the request's grammar off the loop; what cannot be compiled is a 400."""
+        try:
+            await self.engine.compile_grammar(params)
+        except GrammarError as e:
+            raise BadRequest(str(e), field) from e
+
+    def _usage(self, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": None,
+        }
+        if self.details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+
+    def token_text(self, tid: int) -> str:
+        s = self._token_text.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            self._token_text[tid] = s
+        return s
+
+    def _start(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        texts: list[str | None],
+        params: SamplingParams,
+        cache_salt: str | None,
+        max_tokens_field: str = "max_tokens",
+    ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
+        """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
+        when the queue is full), so errors come before the response starts.  The caller
+        must `release` the Submitted ones in a finally (aborts any never streamed)."""
+        suffix = len(prompts) > 1
+        rids = [f"{request_id}-{i}" if suffix else request_id for i in range(len(prompts))]
+        try:
+            subs = self.engine.submit_many(
+                list(zip(rids, prompts, strict=True)), params, cache_salt
+            )
+        except MaxTokensTooLarge as e:
+            raise BadRequest(str(e), max_tokens_field) from e
+        except RequestRejected as e:
+            raise BadRequest(str(e), "messages" if texts == [None] else "prompt") from e
+        gens = [
+            self.engine.generate(text or "", submitted=sub)
+            for sub, text in zip(subs, texts, strict=True)
+        ]
+        return gens, subs
+
+    def _release(self, subs: list[Submitted]) -> None:
+        for sub in subs:
+            self.engine.release(sub)
+
+    # ---------------------------------------------------------------- streams
+    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        self.limit_send_buffer(request)
+        await resp.prepare(request)
+        return resp
+
+    def _chunk(
+        self, base: dict[str, Any], choices: list[dict[str, Any]], usage: StreamUsage
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {**base, "choices": choices}
+        if usage.continuous:
+            chunk["usage"] = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
+        return chunk
+
+    async def _run_stream(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        chunks: AsyncIterator[dict[str, Any]],
+        base: dict[str, Any],
+        usage: StreamUsage,
+    ) -> web.StreamResponse:
+        """Write each chunk as an event, then the usage totals if asked, then [DONE].  A
+        failure after the headers went out becomes an error event."""
+        try:
+            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+                async for chunk in chunks:
+                    await self.write(request, resp, sse(chunk))
+        except SlowClient:
+            return resp  # dropped; the request was aborted as its generator closed
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            return await self._stream_error(request, resp, e)
+        if usage.include:
+            totals = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
+            await self.write(request, resp, sse({**base, "choices": [], "usage": totals}))
+        await self.write(request, resp, b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stream_error(
+        self, request: web.Request, resp: web.StreamResponse, e: Exception
+    ) -> web.StreamResponse:
+        """A stream that failed after its headers went out: an error event in OpenAI's
+        shape, then [DONE]."""
+        if isinstance(e, RequestRejected):
+            body = error_body(str(e), 400)
+        elif isinstance(e, EngineDeadError):
+            body = error_body(str(e), 503)
+        else:
+            if not isinstance(e, RequestFailed):
+                log.exception("stream failed")
+            body = error_body(f"generation failed: {e}", 500)
+        await self.write(request, resp, b"data: " + body + b"\n\n")
+        await self.write(request, resp, b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,240 @@
+"""/v1/completions: one or several prompts (text or token ids), each sampled `n` times
+(or `best_of` times, the best `n` kept), answered in one JSON body or as a stream of
+`text_completion` events, with `echo` and legacy per-token logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from scheduler.contract import TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+from service.async_engine import CompletionOutput, RequestOutput
+from service.completion_extras import best_of, echo_logprobs, join_logprobs, prompt_logprobs_json
+from service.http_util import TENANT_SALT, json_response, salted
+from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge
+from service.protocol_openai import CompletionRequest, decode_completion
+from service.request_ids import request_id
+
+
+async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run every prompt's generator to its end, concurrently; one failing fails the request
+    (the TaskGroup aborts the others)."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def run(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        async with contextlib.aclosing(g):  # type: ignore[type-var]
+            async for out in g:
+                finals[i] = out
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for i, g in enumerate(gens):
+                tg.create_task(run(i, g))
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    return [finals[i] for i in range(len(gens))]
+
+
+class CompletionServing(ServingBase):
+    def completion_logprobs(
+        self, lps: list[TokenLogprobs] | None, offset: int
+    ) -> tuple[dict[str, Any] | None, int]:
+        if lps is None:
+            return None, offset
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            tok = self.token_text(lp.token_id)
+            tokens.append(tok)
+            token_lps.append(lp.logprob)
+            tops.append(
+                {
+                    self.token_text(i): v
+                    for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                }
+            )
+            offsets.append(offset)
+            offset += len(tok)
+        return (
+            {
+                "tokens": tokens,
+                "token_logprobs": token_lps,
+                "top_logprobs": tops,
+                "text_offset": offsets,
+            },
+            offset,
+        )
+
+    async def completions(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        req: CompletionRequest = decode_completion(body)
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        spec = req.structured()
+        await self.compile(params, spec[1] if spec else None)
+        raw = req.prompts()
+        self.limits.check_prompt_count(len(raw))
+        self.limits.check_sampling(params, prompts=len(raw))
+        prompts = await self.prep.prompt_ids(raw)
+        texts = [p if isinstance(p, str) else None for p in raw]
+        rid = request_id(request, req.request_id, "cmpl")
+        salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        gens, subs = self._start(rid, prompts, texts, params, salt)
+        model = req.model or self.names[0]
+        echo = self._echo_texts(texts, prompts) if req.echo else None
+        try:
+            if req.stream:
+                return await self._completion_stream(
+                    request, req, rid, model, prompts, gens, params, echo
+                )
+            return await self._completion_full(req, rid, model, prompts, gens, echo)
+        finally:
+            self._release(subs)
+
+    def _echo_texts(self, texts: list[str | None], prompts: list[list[int]]) -> list[str]:
+        """echo: each prompt as text (token-id prompts decoded), put before its choices."""
+        return [
+            t if t is not None else self.tokenizer.decode(ids)
+            for t, ids in zip(texts, prompts, strict=True)
+        ]
+
+    async def _completion_full(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        model: str,
+        prompts: list[list[int]],
+        gens: list[AsyncIterator[RequestOutput]],
+        echo: list[str] | None,
+    ) -> web.Response:
+        finals = await final_outputs(gens)
+        choices = []
+        completion = 0
+        cached = 0
+        for i, out in enumerate(finals):
+            cached += out.num_cached_tokens
+            completion += sum(len(o.token_ids) for o in out.outputs)
+            for o in best_of(out.outputs, req.n):
+                choices.append(self._completion_choice(req, i, out, o, prompts[i], echo))
+        return json_response(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": choices,
+                "usage": self._usage(sum(map(len, prompts)), completion, cached),
+            }
+        )
+
+    def _completion_choice(
+        self,
+        req: CompletionRequest,
+        i: int,
+        out: RequestOutput,
+        o: CompletionOutput,
+        prompt: list[int],
+        echo: list[str] | None,
+    ) -> dict[str, Any]:
+        """Choice `o` of prompt `i`, whole."""
+        head = "" if echo is None else echo[i]
+        lp, _ = self.completion_logprobs(o.logprobs, len(head))
+        if echo is not None and req.logprobs is not None and out.prompt_logprobs:
+            pre = echo_logprobs(out.prompt_logprobs, self.token_text, prompt)
+            lp = join_logprobs(pre, lp)
+        choice: dict[str, Any] = {
+            "index": i * req.n + o.index,
+            "text": head + o.text,
+            "logprobs": lp if req.logprobs is not None else None,
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = o.token_ids
+        return choice
+
+    async def _completion_stream(
+        self,
+        request: web.Request,
+        req: CompletionRequest,
+        rid: str,
+        model: str,
+        prompts: list[list[int]],
+        gens: list[AsyncIterator[RequestOutput]],
+        params: SamplingParams,
+        echo: list[str] | None,
+    ) -> web.StreamResponse:
+        """A chunk per step of any prompt, with every choice that moved (`merge`)."""
+        resp = await self._open_stream(request)
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+        usage = StreamUsage.of(sum(map(len, prompts)), req.stream_options)
+        chunks = self._completion_chunks(req, base, prompts, gens, params.n, echo, usage)
+        return await self._run_stream(request, resp, chunks, base, usage)
+
+    async def _completion_chunks(
+        self,
+        req: CompletionRequest,
+        base: dict[str, Any],
+        prompts: list[list[int]],
+        gens: list[AsyncIterator[RequestOutput]],
+        n: int,
+        echo: list[str] | None,
+        usage: StreamUsage,
+    ) -> AsyncIterator[dict[str, Any]]:
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        cached: dict[int, int] = {}  # per prompt's output (by id): its cached tokens
+        async with contextlib.aclosing(merge(gens, n)) as events:
+            async for deltas, out in events:
+                choices = []
+                for d in deltas:
+                    usage.completion_tokens += len(d.token_ids)
+                    prompt = prompts[d.index // n]
+                    head = echo[d.index // n] if echo is not None and d.index not in offsets else ""
+                    choices.append(
+                        self._completion_choice_delta(req, d, out, prompt, head, offsets)
+                    )
+                cached[id(out)] = out.num_cached_tokens
+                usage.cached = sum(cached.values())
+                if choices:
+                    yield self._chunk(base, choices, usage)
+
+    def _completion_choice_delta(
+        self,
+        req: CompletionRequest,
+        d: ChoiceDelta,
+        out: RequestOutput,
+        prompt: list[int],
+        head: str,
+        offsets: dict[int, int],
+    ) -> dict[str, Any]:
+        """One choice's part of a chunk; its first carries the echo (`head`) and the
+        prompt's logprobs and token ids."""
+        first = d.index not in offsets
+        pre = None
+        if head and req.logprobs is not None and out.prompt_logprobs:
+            pre = echo_logprobs(out.prompt_logprobs, self.token_text, prompt)
+        lp, offsets[d.index] = self.completion_logprobs(
+            d.logprobs, offsets.get(d.index, 0) + len(head)
+        )
+        c: dict[str, Any] = {
+            "index": d.index,
+            "text": head + d.text,
+            "logprobs": lp if pre is None else join_logprobs(pre, lp),
+            "finish_reason": d.finish_reason,
+        }
+        if first and req.prompt_logprobs is not None:
+            c["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
+        if d.finish_reason is not None:
+            c["stop_reason"] = d.stop_reason
+        if req.return_token_ids:
+            if first:
+                c["prompt_token_ids"] = prompt
+            c["token_ids"] = d.token_ids
+        return c

@@ -1,0 +1,347 @@
+"""Request bodies of the OpenAI-compatible routes: /v1/chat/completions and
+/v1/completions, with vLLM's extensions, and what each turns into (`SamplingParams`).
+
+Fields OpenAI or vLLM document but this server does not implement are declared so a
+request naming them gets a 400 saying so by name, instead of an unknown-field error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from service.protocol import (
+    BadRequest,
+    ChatMessage,
+    NamedToolChoice,
+    NonNegInt,
+    Penalty,
+    PositiveInt,
+    RepetitionPenalty,
+    RequestId,
+    Temperature,
+    Tool,
+    TopP,
+    Unit,
+    decode,
+)
+from service.protocol_structured import ResponseFormat, StructuredOutputsRequest, structured_spec
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by both OpenAI endpoints (vLLM's extensions included)."""
+
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Unit | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    request_id: RequestId | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and the
+    # older guided_* names (exactly one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # Documented by vLLM, refused here (check_unsupported says so by name).
+    guided_whitespace_pattern: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    return_tokens_as_token_ids: Any = None
+    priority: int = 0
+
+    _REFUSED = (
+        "guided_whitespace_pattern",
+        "allowed_token_ids",
+        "bad_words",
+        "logits_processors",
+        "truncate_prompt_tokens",
+        "use_beam_search",
+        "length_penalty",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "return_tokens_as_token_ids",
+    )
+
+    def check_unsupported(self) -> None:
+        for name in self._REFUSED:
+            if getattr(self, name) not in (None, False):
+                raise BadRequest(f"{name} is not supported by this server", name)
+        if self.spaces_between_special_tokens is False:
+            raise BadRequest(
+                "spaces_between_special_tokens=false is not supported by this server",
+                "spaces_between_special_tokens",
+            )
+        if self.priority != 0:
+            raise BadRequest("priority scheduling is not supported by this server", "priority")
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            raise BadRequest(
+                f"guided_decoding_backend {self.guided_decoding_backend!r} is not available; "
+                "this server decodes with llguidance ('guidance')",
+                "guided_decoding_backend",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+
+    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+        guided = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        return structured_spec(self.response_format, self.structured_outputs, guided)
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids as strings, as OpenAI sends them) as ints."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = value
+            except ValueError as e:
+                raise BadRequest(f"logit_bias keys are token ids; got {key!r}", "logit_bias") from e
+        return out
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, **extra: Any
+    ) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias, spec = self.token_bias(), self.structured()
+        try:
+            return SamplingParams(
+                n=extra.pop("n", self.n),
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                logit_bias=bias,
+                structured_outputs=spec[0] if spec else None,
+                prompt_logprobs=extra.pop("prompt_logprobs", self.prompt_logprobs),
+            )
+        except ValueError as e:
+            field, _, why = str(e).partition(": ")
+            raise BadRequest(str(e), field if why else None) from e
+
+
+class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    # Refused: the deprecated function-calling names (use tools), and the rest below.
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    service_tier: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    prompt_cache_key: str | None = None  # accepted: prefixes are cached whatever the key
+    safety_identifier: str | None = None
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+
+    def template_request(self) -> tuple[str | None, str, dict[str, Any]]:
+        """(request-supplied template or None, the field that carried it, other kwargs)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if "chat_template" in kwargs:
+            template = kwargs.pop("chat_template")
+            if self.chat_template is not None or not isinstance(template, str):
+                raise BadRequest(
+                    "chat_template_kwargs.chat_template must be a string (and not given twice)",
+                    "chat_template_kwargs.chat_template",
+                )
+            return template, "chat_template_kwargs.chat_template", kwargs
+        return self.chat_template, "chat_template", kwargs
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise BadRequest(f"{name} is deprecated and not supported; use tools", name)
+        if self.add_special_tokens:
+            raise BadRequest(
+                "add_special_tokens=true is not supported on chat (the template adds them)",
+                "add_special_tokens",
+            )
+        for name in (
+            "audio",
+            "modalities",
+            "prediction",
+            "web_search_options",
+            "reasoning_effort",
+            "verbosity",
+            "documents",
+            "mm_processor_kwargs",
+        ):
+            if getattr(self, name) is not None:
+                raise BadRequest(f"{name} is not supported by this server", name)
+        if self.service_tier not in (None, "auto", "default"):
+            raise BadRequest("service_tier is not supported by this server", "service_tier")
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest(
+                "prompt_logprobs on a streamed chat completion is not supported",
+                "prompt_logprobs",
+            )
+        for name in ("continue_final_message", "echo"):
+            if getattr(self, name):
+                raise BadRequest(
+                    f"{name} is not supported on chat completions by this server", name
+                )
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise BadRequest("tool_choice needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise BadRequest(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                    f"among the tools ({', '.join(names)})",
+                    "tool_choice.function.name",
+                )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def to_sampling_params(self) -> SamplingParams:
+        self.check_unsupported()
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)
+
+
+class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str | NonNegInt | list[NonNegInt]]
+    max_tokens: PositiveInt | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1, le=64)] | None = None
+    # vLLM extensions
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise BadRequest("suffix (insertion) is not supported by this server", "suffix")
+        if self.prompt_embeds is not None:
+            raise BadRequest("prompt_embeds is not supported by this server", "prompt_embeds")
+        if not self.add_special_tokens:
+            raise BadRequest(
+                "add_special_tokens=false is not supported by this server", "add_special_tokens"
+            )
+        if self.best_of is not None and self.best_of < self.n:
+            raise BadRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise BadRequest("best_of > n cannot be streamed", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise BadRequest("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if all(isinstance(x, list) for x in p):
+            if any(not x for x in p):  # type: ignore[union-attr]
+                raise BadRequest("token-id prompts must not be empty", "prompt")
+            return [list(x) for x in p]  # type: ignore[arg-type]
+        raise BadRequest(
+            "prompt must be a string, a list of strings, a list of token ids, or a list of "
+            "token-id lists (not a mix)",
+            "prompt",
+        )
+
+    def to_sampling_params(self) -> SamplingParams:
+        """best_of > n samples best_of sequences (with their logprobs, to rank them);
+        echo with logprobs also needs the prompt's."""
+        self.check_unsupported()
+        extra: dict[str, Any] = {}
+        logprobs = self.logprobs
+        if self.best_of is not None and self.best_of > self.n:
+            extra["n"] = self.best_of
+            logprobs = logprobs or 0
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            extra["prompt_logprobs"] = self.logprobs
+        return self.sampling_params(self.max_tokens, logprobs, **extra)
+
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def decode_chat(body: bytes) -> ChatCompletionRequest:
+    return decode(_chat_decoder, body)
+
+
+def decode_completion(body: bytes) -> CompletionRequest:
+    return decode(_completion_decoder, body)

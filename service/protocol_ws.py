@@ -1,0 +1,97 @@
+"""WebSocket frames (`/v1/ws`): `generate`, `cancel` and `ping`, a tagged union decoded
+with unknown fields forbidden; a failure is a `BadRequest` naming the field, which the
+session answers with an `error` frame."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from service.protocol import (
+    BadRequest,
+    ChatMessage,
+    NonNegInt,
+    Penalty,
+    PositiveInt,
+    RepetitionPenalty,
+    RequestId,
+    Temperature,
+    TopP,
+    Unit,
+    decode,
+)
+from service.protocol_structured import ResponseFormat, StructuredOutputsRequest, structured_spec
+
+
+class WSParams(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Sampling parameters of a WebSocket `generate` frame (SamplingParams' names)."""
+
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Unit = 0.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=list)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    n: Annotated[int, Meta(ge=1, le=16)] = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logit_bias: dict[int, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+        try:
+            spec = structured_spec(self.response_format, self.structured_outputs, {})
+        except BadRequest as e:
+            raise BadRequest(e.message, f"params.{e.param}" if e.param else None) from e
+        return None if spec is None else (spec[0], f"params.{spec[1]}")
+
+    def to_sampling_params(self) -> SamplingParams:
+        fields = {f: getattr(self, f) for f in self.__struct_fields__}
+        del fields["response_format"]
+        spec = self.structured()
+        fields["structured_outputs"] = spec[0] if spec else None
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            field, _, why = str(e).partition(": ")
+            raise BadRequest(str(e), f"params.{field}" if why else None) from e
+
+
+class WSGenerate(
+    Struct, forbid_unknown_fields=True, tag="generate", tag_field="type", kw_only=True
+):
+    id: RequestId
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    prompt: str | list[NonNegInt] | None = None
+    params: WSParams = msgspec.field(default_factory=WSParams)
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+
+
+class WSCancel(Struct, forbid_unknown_fields=True, tag="cancel", tag_field="type", kw_only=True):
+    id: RequestId
+
+
+class WSPing(Struct, forbid_unknown_fields=True, tag="ping", tag_field="type", kw_only=True):
+    pass
+
+
+ClientFrame = WSGenerate | WSCancel | WSPing
+
+
+_ws_decoder = msgspec.json.Decoder(ClientFrame)
+
+
+def decode_ws(frame: str | bytes) -> WSGenerate | WSCancel | WSPing:
+    return decode(_ws_decoder, frame)
