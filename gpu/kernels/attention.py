@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -85,10 +86,26 @@ class AttentionKernelConfig:
 
 
 @triton.jit
+def _load_q(
+    q_ptr,
+    row_off,  # each row's token offset (token * stride_qt): a scalar or [BLOCK_M, 1]
+    head,  # [BLOCK_M] query head of each row
+    row_ok,  # [BLOCK_M] rows that exist (the rest are padding, loaded as zeros)
+    stride_qh,
+    HEAD_DIM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """The program's query rows, [BLOCK_M, HEAD_DIM] in the dot operand dtype."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    return tl.load(
+        q_ptr + row_off + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+
+@triton.jit
 def _attend_tiles(
-    acc,  # [BLOCK_M, HEAD_DIM] fp32, unnormalised output
-    m_i,  # [BLOCK_M] fp32, running max of scores (log2 domain)
-    l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
     q,  # [BLOCK_M, HEAD_DIM] in DOT_DTYPE
     q_pos,  # [BLOCK_M] int32, position of each row's query token
     k_cache_ptr,
@@ -106,6 +123,7 @@ def _attend_tiles(
     stride_vh,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     IN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -116,6 +134,12 @@ def _attend_tiles(
     stride_ss,
     QUANT: tl.constexpr,  # 0: K/V in IN_DTYPE; 1: int8; 2: fp8 e4m3 bytes
 ):
+    """Online softmax over keys [kv_start, kv_end) of one kv head, in TILE_N-key steps.
+    Returns (acc [BLOCK_M, HEAD_DIM]: the unnormalised output, m_i [BLOCK_M]: the running
+    max of the scores (log2 domain), l_i [BLOCK_M]: the sum of exp2(score - m_i)), all fp32."""
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(kv_start, kv_end, TILE_N):
         offs_n = start + tl.arange(0, TILE_N)  # [TILE_N] key positions
@@ -270,11 +294,7 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
 
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    q = _load_q(q_ptr, q_rows[:, None] * stride_qt, head, row_ok, stride_qh, HEAD_DIM, DOT_DTYPE)
     q_pos = ctx_len + tok  # query j sits at position ctx_len + j
 
     # Keys up to the last query of this program; none for a program past the chunk's end
@@ -282,13 +302,7 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(tok0 + BLOCK_Q, q_len))
     kv_end = tl.where(tok0 < q_len, kv_end, 0)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(
-        acc,
-        m_i,
-        l_i,
+    acc, _m_i, l_i = _attend_tiles(
         q,
         q_pos,
         k_cache_ptr,
@@ -306,6 +320,7 @@ def _paged_attention_kernel(
         stride_vh,
         HEAD_DIM,
         BLOCK_SIZE,
+        BLOCK_M,
         TILE_N,
         IN_DTYPE,
         DOT_DTYPE,
@@ -378,20 +393,10 @@ def _paged_attention_split_kernel(
     row_ok = offs_m < GROUP
     head = kv_head * GROUP + offs_m
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    q = _load_q(q_ptr, q_row * stride_qt, head, row_ok, stride_qh, HEAD_DIM, DOT_DTYPE)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_tiles(
-        acc,
-        m_i,
-        l_i,
         q,
         q_pos,
         k_cache_ptr,
@@ -409,6 +414,7 @@ def _paged_attention_split_kernel(
         stride_vh,
         HEAD_DIM,
         BLOCK_SIZE,
+        BLOCK_M,
         TILE_N,
         IN_DTYPE,
         DOT_DTYPE,
@@ -589,6 +595,154 @@ def split_config(group_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int
     return max(16, group_pad), 16 if dtype == torch.float32 else 64, 4, 2
 
 
+def _check_config(cfg: AttentionKernelConfig) -> None:
+    for what, val in (("block_m", cfg.block_m), ("tile_n", cfg.tile_n)):
+        if val is not None and (val < 16 or val & (val - 1)):
+            raise ValueError(f"paged_attention: {what} must be a power of two >= 16, got {val}")
+
+
+def _shared_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> dict[str, Any]:
+    """The arguments both attention kernels take, by name: the queries, the caches (and
+    their scales when quantized), their strides, sizes and dtypes."""
+    interpreted = is_interpreted(_paged_attention_kernel)
+    return dict(
+        q_ptr=q,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        scale_log2=float(scale) * LOG2E,
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kb=k_cache.stride(0),
+        stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0),
+        stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2),
+        HEAD_DIM=q.shape[2],
+        BLOCK_SIZE=k_cache.shape[1],
+        IN_DTYPE=tl_dtype(q.dtype),
+        DOT_DTYPE=dot_dtype(q.dtype, interpreted),
+        SOFT_BF16=interpreted,
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        stride_sb=k_scale.stride(0) if k_scale is not None else 0,
+        stride_ss=k_scale.stride(1) if k_scale is not None else 0,
+        QUANT=0 if k_scale is None else (1 if k_cache.dtype == torch.int8 else 2),
+    )
+
+
+def _seq_args(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+) -> dict[str, Any]:
+    """The per-sequence arguments (the varlen launch may get a tail of them)."""
+    return dict(
+        block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc,
+        stride_bt=block_tables.stride(0),
+    )
+
+
+def _launch_split(
+    out: torch.Tensor,
+    args: dict[str, Any],
+    seqs: dict[str, Any],
+    num_decodes: int,
+    num_splits: int,
+    cfg: AttentionKernelConfig,
+) -> None:
+    """Flash-decoding for the first num_decodes sequences: partials per context range,
+    then the merge into `out`."""
+    q = args["q_ptr"]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = args["k_cache_ptr"].shape[2]
+    block_m, tile_n, num_warps, num_stages = split_config(
+        next_pow2(num_heads // num_kv_heads), q.dtype
+    )
+    parts_shape = (num_decodes, num_heads, num_splits)
+    m_part = torch.empty(parts_shape, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(parts_shape, dtype=torch.float32, device=q.device)
+    acc_part = torch.empty((*parts_shape, head_dim), dtype=torch.float32, device=q.device)
+    _paged_attention_split_kernel[(num_decodes, num_kv_heads, num_splits)](
+        m_part_ptr=m_part,
+        l_part_ptr=l_part,
+        acc_part_ptr=acc_part,
+        num_heads=num_heads,
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_M=block_m,
+        TILE_N=cfg.tile_n or tile_n,
+        **args,
+        **seqs,
+        num_warps=cfg.num_warps or num_warps,
+        num_stages=cfg.num_stages or num_stages,
+    )
+    _split_merge_kernel[(num_decodes, num_heads)](
+        out,
+        m_part,
+        l_part,
+        acc_part,
+        seqs["query_start_loc_ptr"],
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=next_pow2(num_splits),
+        OUT_DTYPE=args["IN_DTYPE"],
+        SOFT_BF16=args["SOFT_BF16"],
+        num_warps=1 if head_dim <= 64 else 2,
+    )
+
+
+def _launch_varlen(
+    out: torch.Tensor,
+    args: dict[str, Any],
+    seqs: dict[str, Any],
+    num_tokens: int,
+    max_query_len: int,
+    cfg: AttentionKernelConfig,
+) -> None:
+    """The one-launch path over every sequence in `seqs` (num_tokens query tokens)."""
+    q = args["q_ptr"]
+    num_heads, num_kv_heads = q.shape[1], args["k_cache_ptr"].shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    num_seqs = seqs["seq_lens_ptr"].shape[0]
+    single_token = max_query_len == 1
+    block_q, block_m, tile_n, num_warps, num_stages = default_config(
+        single_token, group_pad, max_query_len, q.dtype
+    )
+    if cfg.block_m is not None and not single_token:
+        block_m = max(cfg.block_m, group_pad, 16)
+        block_q = max(1, block_m // group_pad)
+    if single_token:
+        grid_q = num_tokens
+    else:
+        grid_q = (num_tokens + num_seqs * (block_q - 1)) // block_q
+    _paged_attention_kernel[(grid_q, num_kv_heads)](
+        out_ptr=out,
+        num_seqs=num_seqs,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=cfg.tile_n or tile_n,
+        SINGLE_TOKEN=single_token,
+        **args,
+        **seqs,
+        num_warps=cfg.num_warps or num_warps,
+        num_stages=cfg.num_stages or num_stages,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -626,95 +780,23 @@ def paged_attention(
         k_scale,
         v_scale,
     )
-    quant = 0 if k_scale is None else (1 if k_cache.dtype == torch.int8 else 2)
-    qargs = {
-        "k_scale_ptr": k_scale,
-        "v_scale_ptr": v_scale,
-        "stride_sb": k_scale.stride(0) if k_scale is not None else 0,
-        "stride_ss": k_scale.stride(1) if k_scale is not None else 0,
-        "QUANT": quant,
-    }
     if out is None:
         out = torch.empty_like(q)
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
+    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     if num_seqs == 0 or num_tokens == 0:
         return out
-    group = num_heads // num_kv_heads
-    group_pad = next_pow2(group)
-    interpreted = is_interpreted(_paged_attention_kernel)
-    in_dt = tl_dtype(q.dtype)
-    dot_dt = dot_dtype(q.dtype, interpreted)
-    scale_log2 = float(scale) * LOG2E
     cfg = config or AttentionKernelConfig()
-    for what, val in (("block_m", cfg.block_m), ("tile_n", cfg.tile_n)):
-        if val is not None and (val < 16 or val & (val - 1)):
-            raise ValueError(f"paged_attention: {what} must be a power of two >= 16, got {val}")
-
+    _check_config(cfg)
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_seqs, num_decodes, num_kv_heads, max_seq_len, _sm_count(q.device)
+            num_seqs, num_decodes, k_cache.shape[2], max_seq_len, _sm_count(q.device)
         )
     if num_splits < 1:
         raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
-    split = num_splits > 1 and num_decodes > 0
-
-    if split:
-        block_m, tile_n, num_warps, num_stages = split_config(group_pad, q.dtype)
-        tile_n = cfg.tile_n or tile_n
-        parts_shape = (num_decodes, num_heads, num_splits)
-        m_part = torch.empty(parts_shape, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(parts_shape, dtype=torch.float32, device=q.device)
-        acc_part = torch.empty((*parts_shape, head_dim), dtype=torch.float32, device=q.device)
-        _paged_attention_split_kernel[(num_decodes, num_kv_heads, num_splits)](
-            m_part,
-            l_part,
-            acc_part,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale_log2,
-            num_heads,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
-            block_tables.stride(0),
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            BLOCK_M=block_m,
-            TILE_N=tile_n,
-            IN_DTYPE=in_dt,
-            DOT_DTYPE=dot_dt,
-            SOFT_BF16=interpreted,
-            **qargs,
-            num_warps=cfg.num_warps or num_warps,
-            num_stages=cfg.num_stages or num_stages,
-        )
-        _split_merge_kernel[(num_decodes, num_heads)](
-            out,
-            m_part,
-            l_part,
-            acc_part,
-            query_start_loc,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            SPLITS_PAD=next_pow2(num_splits),
-            OUT_DTYPE=in_dt,
-            SOFT_BF16=interpreted,
-            num_warps=1 if head_dim <= 64 else 2,
-        )
+    args = _shared_args(q, k_cache, v_cache, scale, k_scale, v_scale)
+    if num_splits > 1 and num_decodes > 0:
+        seqs = _seq_args(query_start_loc, seq_lens, block_tables)
+        _launch_split(out, args, seqs, num_decodes, num_splits, cfg)
         if num_decodes == num_seqs:
             return out
         # The prefill chunks go through the one-launch path below.
@@ -722,54 +804,6 @@ def paged_attention(
         seq_lens = seq_lens[num_decodes:]
         block_tables = block_tables[num_decodes:]
         num_tokens -= num_decodes
-        num_seqs -= num_decodes
-
-    single_token = max_query_len == 1
-    block_q, block_m, tile_n, num_warps, num_stages = default_config(
-        single_token, group_pad, max_query_len, q.dtype
-    )
-    if cfg.block_m is not None and not single_token:
-        block_m = max(cfg.block_m, group_pad, 16)
-        block_q = max(1, block_m // group_pad)
-    tile_n = cfg.tile_n or tile_n
-    if single_token:
-        grid_q = num_tokens
-    else:
-        grid_q = (num_tokens + num_seqs * (block_q - 1)) // block_q
-    _paged_attention_kernel[(grid_q, num_kv_heads)](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale_log2,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        TILE_N=tile_n,
-        SINGLE_TOKEN=single_token,
-        IN_DTYPE=in_dt,
-        DOT_DTYPE=dot_dt,
-        SOFT_BF16=interpreted,
-        **qargs,
-        num_warps=cfg.num_warps or num_warps,
-        num_stages=cfg.num_stages or num_stages,
-    )
+    seqs = _seq_args(query_start_loc, seq_lens, block_tables)
+    _launch_varlen(out, args, seqs, num_tokens, max_query_len, cfg)
     return out
