@@ -45,22 +45,31 @@ class Report:
     error: str | None = None
 
 
-def _variants(quick: bool) -> list[Variant]:
+def _ptrs(dt: str, *names: str) -> dict[str, str]:
+    return {n: f"*{dt}" for n in names}
+
+
+# Quantized KV (QUANT 1: int8, 2: fp8 bytes): the cache's element type, and its scales.
+_CACHE_ELEM = {0: None, 1: "i8", 2: "u8"}
+_SCALES = _ptrs("fp32", "k_scale_ptr", "v_scale_ptr")
+
+
+def _dtypes() -> tuple[dict[str, Any], dict[str, Any]]:
+    """("bf16" -> triton dtype, "bf16" -> torch dtype), imported late: torch and triton
+    are only needed once there is something to compile."""
     import torch
     import triton.language as tl
 
-    from gpu.kernels import attention, kv_cache, norm_rope
-
-    pa = attention
-    out: list[Variant] = []
     tl_of = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     torch_of = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    return tl_of, torch_of
 
-    def ptrs(dt: str, *names: str) -> dict[str, str]:
-        return {n: f"*{dt}" for n in names}
 
-    scales = ptrs("fp32", "k_scale_ptr", "v_scale_ptr")  # quantized KV (QUANT 1: int8, 2: fp8)
-    cache_ptr = {0: None, 1: "i8", 2: "u8"}
+def _write_kv_variants() -> list[Variant]:
+    from gpu.kernels import kv_cache
+
+    tl_of, _ = _dtypes()
+    out = []
     for dt, heads, dim, quant in (("bf16", 8, 128, 0), ("fp32", 2, 64, 0), ("bf16", 8, 128, 1),
                                   ("bf16", 8, 128, 2)):  # fmt: skip
         out.append(
@@ -68,9 +77,9 @@ def _variants(quick: bool) -> list[Variant]:
                 f"write_kv/{dt}/h{heads}/d{dim}" + (f"/q{quant}" if quant else ""),
                 kv_cache._write_kv_kernel,
                 {
-                    **ptrs(dt, "k_ptr", "v_ptr"),
-                    **ptrs(cache_ptr[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
-                    **scales,
+                    **_ptrs(dt, "k_ptr", "v_ptr"),
+                    **_ptrs(_CACHE_ELEM[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
+                    **_SCALES,
                     "slot_ptr": "*i64",
                 },
                 dict(
@@ -85,9 +94,15 @@ def _variants(quick: bool) -> list[Variant]:
                 num_warps=4 if heads * dim >= 1024 else 1,
             )
         )
+    return out
 
-    # (label, dtype, group, head_dim, block_size, max_query_len, block_m override)
-    attn_cases: list[tuple[str, str, int, int, int, int, int | None]] = [
+
+# (label, dtype, group, head_dim, block_size, max_query_len, block_m override, quant)
+_AttnCase = tuple[str, str, int, int, int, int, int | None, int]
+
+
+def _attention_cases(quick: bool) -> list[_AttnCase]:
+    cases: list[tuple[str, str, int, int, int, int, int | None]] = [
         ("decode/bf16/g4/d128/bs16", "bf16", 4, 128, 16, 1, None),
         ("prefill/bf16/g4/d128/bs16", "bf16", 4, 128, 16, 512, None),
         ("decode/fp16/g8/d64/bs32", "fp16", 8, 64, 32, 1, None),
@@ -99,13 +114,21 @@ def _variants(quick: bool) -> list[Variant]:
         ("prefill/fp32/g1/d128/bs32", "fp32", 1, 128, 32, 512, None),
     ]
     if quick:
-        attn_cases = attn_cases[:2] + attn_cases[-1:]
-    attn_cases = [(*c, 0) for c in attn_cases]
-    attn_cases += [
+        cases = cases[:2] + cases[-1:]
+    return [
+        *((*c, 0) for c in cases),
         ("decode/bf16/g4/d128/bs16/int8", "bf16", 4, 128, 16, 1, None, 1),
         ("prefill/bf16/g4/d128/bs16/fp8", "bf16", 4, 128, 16, 512, None, 2),
     ]
-    for label, dt, group, dim, bs, max_q, bm, quant in attn_cases:
+
+
+def _attention_variants(quick: bool) -> list[Variant]:
+    """The one-launch kernel, with the tiles `default_config` picks for each case."""
+    from gpu.kernels import attention as pa
+
+    tl_of, torch_of = _dtypes()
+    out = []
+    for label, dt, group, dim, bs, max_q, bm, quant in _attention_cases(quick):
         gp = group  # the cases use power-of-two groups
         bq, block_m, tile_n, warps, stages = pa.default_config(max_q == 1, gp, max_q, torch_of[dt])
         if bm is not None:
@@ -115,10 +138,10 @@ def _variants(quick: bool) -> list[Variant]:
                 f"attn/{label}",
                 pa._paged_attention_kernel,
                 {
-                    **ptrs(dt, "out_ptr", "q_ptr"),
-                    **ptrs(cache_ptr[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
-                    **ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
-                    **scales,
+                    **_ptrs(dt, "out_ptr", "q_ptr"),
+                    **_ptrs(_CACHE_ELEM[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
+                    **_ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
+                    **_SCALES,
                     "scale_log2": "fp32",
                 },
                 dict(
@@ -138,6 +161,15 @@ def _variants(quick: bool) -> list[Variant]:
                 num_stages=stages,
             )
         )
+    return out
+
+
+def _split_variants() -> list[Variant]:
+    """The flash-decoding pair: the split-context kernel and the merge."""
+    from gpu.kernels import attention as pa
+
+    tl_of, torch_of = _dtypes()
+    out = []
     for dt, group, dim in (("bf16", 4, 128), ("fp32", 8, 128)):
         block_m, tile_n, warps, stages = pa.split_config(group, torch_of[dt])
         out.append(
@@ -145,10 +177,10 @@ def _variants(quick: bool) -> list[Variant]:
                 f"attn_split/{dt}/g{group}/d{dim}",
                 pa._paged_attention_split_kernel,
                 {
-                    **ptrs("fp32", "m_part_ptr", "l_part_ptr", "acc_part_ptr"),
-                    **ptrs(dt, "q_ptr", "k_cache_ptr", "v_cache_ptr"),
-                    **ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
-                    **scales,
+                    **_ptrs("fp32", "m_part_ptr", "l_part_ptr", "acc_part_ptr"),
+                    **_ptrs(dt, "q_ptr", "k_cache_ptr", "v_cache_ptr"),
+                    **_ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
+                    **_SCALES,
                     "scale_log2": "fp32",
                 },
                 dict(
@@ -171,39 +203,56 @@ def _variants(quick: bool) -> list[Variant]:
             pa._split_merge_kernel,
             {
                 "out_ptr": "*bf16",
-                **ptrs("fp32", "m_part_ptr", "l_part_ptr", "acc_part_ptr"),
+                **_ptrs("fp32", "m_part_ptr", "l_part_ptr", "acc_part_ptr"),
                 "query_start_loc_ptr": "*i32",
             },
-            dict(HEAD_DIM=128, SPLITS_PAD=32, OUT_DTYPE=tl.bfloat16),
+            dict(HEAD_DIM=128, SPLITS_PAD=32, OUT_DTYPE=tl_of["bf16"]),
             num_warps=2,
         )
     )
-    for res in (False, True):
-        out.append(
-            Variant(
-                f"rms_norm/bf16/4096/residual={res}",
-                norm_rope._rms_norm_kernel,
-                {
-                    **ptrs("bf16", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"),
-                    "eps": "fp32",
-                },
-                dict(HAS_RESIDUAL=res, BLOCK=4096, DTYPE=tl.bfloat16),
-                num_warps=8,
-            )
+    return out
+
+
+def _norm_rope_variants() -> list[Variant]:
+    from gpu.kernels import norm_rope
+
+    tl_of, _ = _dtypes()
+    out = [
+        Variant(
+            f"rms_norm/bf16/4096/residual={res}",
+            norm_rope._rms_norm_kernel,
+            {
+                **_ptrs("bf16", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"),
+                "eps": "fp32",
+            },
+            dict(HAS_RESIDUAL=res, BLOCK=4096, DTYPE=tl_of["bf16"]),
+            num_warps=8,
         )
+        for res in (False, True)
+    ]
     out.append(
         Variant(
             "rotary/bf16/q32/k8/d128",
             norm_rope._rotary_kernel,
             {
-                **ptrs("bf16", "q_ptr", "k_ptr"),
-                **ptrs("fp32", "cos_ptr", "sin_ptr"),
+                **_ptrs("bf16", "q_ptr", "k_ptr"),
+                **_ptrs("fp32", "cos_ptr", "sin_ptr"),
                 "pos_ptr": "*i64",
             },
-            dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, DTYPE=tl.bfloat16),
+            dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, DTYPE=tl_of["bf16"]),
         )
     )
     return out
+
+
+def _variants(quick: bool) -> list[Variant]:
+    """Every kernel in the shapes serving uses (`quick`: fewer attention tiles)."""
+    return [
+        *_write_kv_variants(),
+        *_attention_variants(quick),
+        *_split_variants(),
+        *_norm_rope_variants(),
+    ]
 
 
 def _ptxas_stats(ptx: str, arch: int) -> tuple[int | None, int | None]:
