@@ -36,9 +36,31 @@ class Metrics:
     """One registry per server (tests run several servers in one process)."""
 
     def __init__(self, model_name: str) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.model_name = model_name
-        m = ["model_name"]
+        # Families in the order they are exposed.
+        self._add_latencies()
+        self._add_scheduler_state()
+        self._add_throughput()
+        self._add_failures_and_load()
+        self.extra_counters: dict[str, Counter] = {}
+        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self._last_extra: dict[str, float] = {}
+        # Label children resolved once: the step hook runs every step.
+        self._c = {
+            name: getattr(self, name).labels(model_name)
+            for name in (
+                "ttft", "itl", "e2e", "queue", "running", "waiting", "kv_usage",
+                "prefix_queries", "preemptions", "prompt_tokens", "generation_tokens", "step_time",
+            )
+        }  # fmt: skip
+        self._hits_local = self.prefix_hits.labels(model_name, "local")
+        self._hits_redis = self.prefix_hits.labels(model_name, "redis")
+        self._tier_up: Gauge | None = None
+
+    def _add_latencies(self) -> None:
+        """Per-request latency histograms, observed when a request finishes."""
+        r, m = self.registry, ["model_name"]
         self.ttft = Histogram(
             "pagestream_time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -59,6 +81,10 @@ class Metrics:
             "Time a request waited before its first step.",
             m, buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+
+    def _add_scheduler_state(self) -> None:
+        """The batch, the KV pool and the prefix cache, as the step hook sees them."""
+        r, m = self.registry, ["model_name"]
         self.running = Gauge(
             "pagestream_num_requests_running", "Sequences in the running batch.", m, registry=r
         )
@@ -83,6 +109,10 @@ class Metrics:
         self.preemptions = Counter(
             "pagestream_num_preemptions", "Requests preempted for KV space.", m, registry=r
         )
+
+    def _add_throughput(self) -> None:
+        """Tokens in and out, finished requests, and the step's wall time."""
+        r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter(
             "pagestream_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r
         )
@@ -99,6 +129,10 @@ class Metrics:
             "Wall time of one engine step (model forward and sampling).",
             m, buckets=_ITL_BUCKETS, registry=r,
         )  # fmt: skip
+
+    def _add_failures_and_load(self) -> None:
+        """What an operator alerts on: slow clients, failures, refusals, blocks in use."""
+        r, m = self.registry, ["model_name"]
         self.slow_clients = Counter(
             "pagestream_slow_clients",
             "Streams closed because the client did not read fast enough, by transport.",
@@ -123,20 +157,6 @@ class Metrics:
             "too many open sockets), answered 429.",
             [*m, "reason"], registry=r,
         )  # fmt: skip
-        self.extra_counters: dict[str, Counter] = {}
-        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
-        self._last_extra: dict[str, float] = {}
-        # Label children resolved once: the step hook runs every step.
-        self._c = {
-            name: getattr(self, name).labels(model_name)
-            for name in (
-                "ttft", "itl", "e2e", "queue", "running", "waiting", "kv_usage",
-                "prefix_queries", "preemptions", "prompt_tokens", "generation_tokens", "step_time",
-            )
-        }  # fmt: skip
-        self._hits_local = self.prefix_hits.labels(model_name, "local")
-        self._hits_redis = self.prefix_hits.labels(model_name, "redis")
-        self._tier_up: Gauge | None = None
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         """A further counter (e.g. the Redis tier's), registered once."""
