@@ -19,6 +19,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from scheduler.engine_core import EngineDeadError, EngineOverloaded
+from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import MaxTokensTooLarge, RequestFailed
 from service.http_util import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
@@ -184,64 +185,15 @@ class WSSession:
                 self.tasks[frame.id] = asyncio.create_task(self.generate(frame))
 
     async def generate(self, frame: WSGenerate) -> None:
-        engine, prep = self.state.engine, self.state.prep
-        assert engine is not None and prep is not None
+        """One generation: its deltas and `done` frame, or an `error` frame; a cancel
+        (frame or closed socket) ends it with finish reason `abort`."""
+        assert self.state.engine is not None and self.state.prep is not None
         gid = frame.id
         self.state.inflight_inc()
         try:
             try:
-                params = frame.params.to_sampling_params()
-                prep.limits.check_sampling(params, prefix="params.")
-                spec = frame.params.structured()
-                try:
-                    await engine.compile_grammar(params)
-                except GrammarError as e:
-                    raise BadRequest(str(e), spec[1] if spec else None) from e
-                if (frame.messages is None) == (frame.prompt is None):
-                    raise BadRequest("give exactly one of messages or prompt", "messages")
-                if frame.messages is not None:
-                    check_messages(frame.messages)
-                    ids = await prep.chat_ids([m.as_template_dict() for m in frame.messages])
-                else:
-                    (ids,) = await prep.prompt_ids([frame.prompt])  # type: ignore[list-item]
-                rid = f"ws-{self.conn_id}-{gid}"
-                salt = salted(self.tenant_salt, frame.cache_salt)
-                try:
-                    sub = engine.submit(ids, params, rid, salt)
-                except MaxTokensTooLarge as e:
-                    raise BadRequest(str(e), "params.max_tokens") from e
-                gen = engine.generate("", submitted=sub)
-                last = None
-                async with contextlib.aclosing(gen):
-                    async for out in gen:
-                        last = out
-                        for o in out.outputs:
-                            if o.delta_text or o.delta_token_ids:
-                                self.send(
-                                    {
-                                        "type": "delta",
-                                        "id": gid,
-                                        "index": o.index,
-                                        "text": o.delta_text,
-                                        "token_ids": o.delta_token_ids,
-                                    }
-                                )
-                assert last is not None
-                completion = sum(len(o.token_ids) for o in last.outputs)
-                reasons = [o.finish_reason for o in last.outputs]
-                self.send(
-                    {
-                        "type": "done",
-                        "id": gid,
-                        "finish_reason": reasons[0],
-                        "finish_reasons": reasons,
-                        "usage": {
-                            "prompt_tokens": len(ids),
-                            "completion_tokens": completion,
-                            "total_tokens": len(ids) + completion,
-                        },
-                    }
-                )
+                ids, params = await self._prepare(frame)
+                await self._stream(frame, ids, params)
             except BadRequest as e:
                 self.error(gid, e.status, e.message, e.param)
             except RequestRejected as e:
@@ -273,6 +225,70 @@ class WSSession:
             self.tasks.pop(gid, None)
             self.finished.append(gid)
             self.state.inflight_dec()
+
+    async def _prepare(self, frame: WSGenerate) -> tuple[list[int], SamplingParams]:
+        """Validate the frame, compile its grammar, and tokenize its prompt."""
+        engine, prep = self.state.engine, self.state.prep
+        assert engine is not None and prep is not None
+        params = frame.params.to_sampling_params()
+        prep.limits.check_sampling(params, prefix="params.")
+        spec = frame.params.structured()
+        try:
+            await engine.compile_grammar(params)
+        except GrammarError as e:
+            raise BadRequest(str(e), spec[1] if spec else None) from e
+        if (frame.messages is None) == (frame.prompt is None):
+            raise BadRequest("give exactly one of messages or prompt", "messages")
+        if frame.messages is not None:
+            check_messages(frame.messages)
+            ids = await prep.chat_ids([m.as_template_dict() for m in frame.messages])
+        else:
+            (ids,) = await prep.prompt_ids([frame.prompt])  # type: ignore[list-item]
+        return ids, params
+
+    async def _stream(self, frame: WSGenerate, ids: list[int], params: SamplingParams) -> None:
+        """Queue the request, send a `delta` frame per step and choice, then `done`."""
+        engine, gid = self.state.engine, frame.id
+        assert engine is not None
+        rid = f"ws-{self.conn_id}-{gid}"
+        salt = salted(self.tenant_salt, frame.cache_salt)
+        try:
+            sub = engine.submit(ids, params, rid, salt)
+        except MaxTokensTooLarge as e:
+            raise BadRequest(str(e), "params.max_tokens") from e
+        gen = engine.generate("", submitted=sub)
+        last = None
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                last = out
+                for o in out.outputs:
+                    if o.delta_text or o.delta_token_ids:
+                        self.send(
+                            {
+                                "type": "delta",
+                                "id": gid,
+                                "index": o.index,
+                                "text": o.delta_text,
+                                "token_ids": o.delta_token_ids,
+                            }
+                        )
+        assert last is not None
+        completion = sum(len(o.token_ids) for o in last.outputs)
+        reasons = [o.finish_reason for o in last.outputs]
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": completion,
+            "total_tokens": len(ids) + completion,
+        }
+        self.send(
+            {
+                "type": "done",
+                "id": gid,
+                "finish_reason": reasons[0],
+                "finish_reasons": reasons,
+                "usage": usage,
+            }
+        )
 
 
 def _frame_id(data: str) -> str | None:
