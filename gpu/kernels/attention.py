@@ -218,6 +218,22 @@ def _dequant(
         return f.to(DOT_DTYPE)
 
 
+@triton.jit
+def _find_seq(pid, query_start_loc_ptr, q_base, num_seqs, BLOCK_Q: tl.constexpr):
+    """(sequence, query block within it) of program `pid`: the largest seq with
+    start(seq) <= pid, by binary search (see the module docstring for start)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = (tl.load(query_start_loc_ptr + mid) - q_base + mid * (BLOCK_Q - 1)) // BLOCK_Q
+        right = first <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    first = (tl.load(query_start_loc_ptr + lo) - q_base + lo * (BLOCK_Q - 1)) // BLOCK_Q
+    return lo, pid - first
+
+
 # Arguments that change step to step are not specialised on (== 1, % 16), so a serving run
 # does not compile extra variants as the batch changes shape.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
@@ -267,18 +283,7 @@ def _paged_attention_kernel(
         seq = pid
         q_block = 0
     else:
-        # Largest seq with start(seq) <= pid.
-        lo = tl.full([], 0, tl.int32)
-        hi = tl.full([], 0, tl.int32) + num_seqs
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            first = (tl.load(query_start_loc_ptr + mid) - q_base + mid * (BLOCK_Q - 1)) // BLOCK_Q
-            right = first <= pid
-            lo = tl.where(right, mid, lo)
-            hi = tl.where(right, hi, mid)
-        seq = lo
-        first = (tl.load(query_start_loc_ptr + seq) - q_base + seq * (BLOCK_Q - 1)) // BLOCK_Q
-        q_block = pid - first
+        seq, q_block = _find_seq(pid, query_start_loc_ptr, q_base, num_seqs, BLOCK_Q)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -499,22 +504,15 @@ def choose_num_splits(
     return splits if splits >= 2 else 1
 
 
-def _check_inputs(
+def _check_q_and_cache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    out: torch.Tensor | None,
-    num_decodes: int,
-    max_query_len: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
+    """The queries against the caches (and their scales): ranks, sizes, dtypes."""
     name = "paged_attention"
-    tensors = [q, k_cache, v_cache, query_start_loc, seq_lens, block_tables]
-    check_device(_paged_attention_kernel, name, *tensors, *([out] if out is not None else []))
     if q.dim() != 3:
         raise ValueError(
             f"{name}: q has shape {list(q.shape)}, expected [num_tokens, num_heads, head_dim]"
@@ -524,7 +522,7 @@ def _check_inputs(
             f"{name}: k_cache has shape {list(k_cache.shape)}, expected "
             "[num_blocks, block_size, num_kv_heads, head_dim]"
         )
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     check_head_dim(name, head_dim)
     check_block_size(name, block_size)
@@ -542,6 +540,26 @@ def _check_inputs(
         raise ValueError(
             f"{name}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
         )
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor | None,
+    num_decodes: int,
+    max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    name = "paged_attention"
+    tensors = [q, k_cache, v_cache, query_start_loc, seq_lens, block_tables]
+    check_device(_paged_attention_kernel, name, *tensors, *([out] if out is not None else []))
+    _check_q_and_cache(q, k_cache, v_cache, k_scale, v_scale)
+    num_tokens = q.shape[0]
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     check_shape(name, "seq_lens", seq_lens, (num_seqs,))
     check_shape(name, "query_start_loc", query_start_loc, (num_seqs + 1,))
@@ -791,7 +809,7 @@ def paged_attention(
         num_splits = choose_num_splits(
             num_seqs, num_decodes, k_cache.shape[2], max_seq_len, _sm_count(q.device)
         )
-    if num_splits < 1:
+    elif num_splits < 1:
         raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
     args = _shared_args(q, k_cache, v_cache, scale, k_scale, v_scale)
     if num_splits > 1 and num_decodes > 0:
