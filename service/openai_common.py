@@ -135,6 +135,9 @@ class StreamUsage:
 
 
 class ServingBase:
+    """State and steps both OpenAI routes use; `OpenAIServing` (service/openai_api.py)
+    is this plus the chat and completion routes."""
+
     def __init__(
         self,
         engine: AsyncEngine,
