@@ -1,0 +1,20 @@
+"""GPU check: kernel tests at real sizes, kernel bandwidth/FLOP rates, end-to-end decode.
+
+For a machine with a CUDA GPU (`make gpu-check`, i.e. `python -m bench.gpu_check`); the
+whole run takes a few minutes on an H100/H200-class card.  Three independent parts, each
+guarded so one failing part still leaves the others' rows in the table:
+
+1. tests    pytest on tests/gpu/test_kernels.py + test_triton_backend.py, natively, with
+            PAGESTREAM_GPU_CHECK=1 (real sizes); pass/fail/skip counts.
+2. kernels  device copy bandwidth; each attention kernel's achieved bandwidth (bytes of
+            K/V/Q/O it must move / time) as a fraction of it; split vs non-split decode;
+            prefill TFLOP/s against torch SDPA; a small tile-config sweep; fused RMSNorm and
+            rotary against their torch versions.
+3. e2e      decode tokens/s of a random ~1B Llama-shaped model through gpu.model_runner at
+            batch 1 and 64, eager and (when the runner offers them) with CUDA graphs,
+            against the roofline of reading the weights (+ KV) once per step.
+
+Writes one markdown table to $OUT/gpu_check.md when $OUT is set, else
+bench/results/gpu_check.md, and prints it.  `--device cpu` is a dry run of the harness at
+toy sizes through Triton's interpreter (numbers meaningless; for checking the script).
+"""
