@@ -35,6 +35,57 @@ class ModelLoadError(ValueError):
     """A checkpoint the server cannot run; the message names what is wrong."""
 
 
+def _need(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw:
+        raise ModelLoadError(f"config.json: missing required field {key!r}")
+    return raw[key]
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _attention_shape(raw: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden size, query heads, KV heads, head dim), with the defaults HF applies."""
+    hidden = int(_need(raw, "hidden_size"))
+    heads = int(_need(raw, "num_attention_heads"))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"config.json: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads}"
+        )
+    return hidden, heads, kv_heads, head_dim
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope theta, llama3 scaling or None).  transformers 5 nests rope settings in
+    rope_parameters; older files keep rope_theta + rope_scaling at top level.  Accept both."""
+    rope_params = raw.get("rope_parameters") or {}
+    rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or None
+    if scaling is None and rope_params.get("rope_type", "default") != "default":
+        scaling = rope_params
+    if scaling is None:
+        return rope_theta, None
+    rtype = scaling.get("rope_type", scaling.get("type", "default"))
+    if rtype == "default":
+        return rope_theta, None
+    if rtype != "llama3":
+        raise ModelLoadError(
+            f"config.json: rope scaling type {rtype!r} is not supported (llama3 only)"
+        )
+    return rope_theta, {**scaling, "rope_type": "llama3"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -76,51 +127,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelLoadError(
-                f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = _architecture(raw)
         bias_default, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise ModelLoadError(f"config.json: missing required field {key!r}")
-            return raw[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
-            raise ModelLoadError(
-                f"config.json: num_attention_heads {heads} is not a multiple of "
-                f"num_key_value_heads {kv_heads}"
-            )
+        hidden, heads, kv_heads, head_dim = _attention_shape(raw)
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (silu only)")
-
-        # transformers 5 nests rope settings in rope_parameters; older files keep
-        # rope_theta + rope_scaling at top level.  Accept both.
-        rope_params = raw.get("rope_parameters") or {}
-        rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = raw.get("rope_scaling") or None
-        if scaling is None and rope_params.get("rope_type", "default") != "default":
-            scaling = rope_params
-        if scaling is not None:
-            rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            if rtype == "default":
-                scaling = None
-            elif rtype != "llama3":
-                raise ModelLoadError(
-                    f"config.json: rope scaling type {rtype!r} is not supported (llama3 only)"
-                )
-            else:
-                scaling = {**scaling, "rope_type": "llama3"}
-
+        rope_theta, scaling = _rope(raw)
         sliding = None
         if arch == "MistralForCausalLM" or raw.get("use_sliding_window"):
             sliding = raw.get("sliding_window") or None
@@ -128,10 +141,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=int(_need(raw, "vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=int(_need(raw, "intermediate_size")),
+            num_layers=int(_need(raw, "num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
