@@ -130,6 +130,44 @@ LLAMA3_ROPE_SCALING: dict[str, Any] = {
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _arch_numbers(p: Preset, arch: str) -> tuple[int, float, float, int]:
+    """(head_dim, rope_theta, rms_norm_eps, max_position_embeddings) as `arch` sets them."""
+    head_dim = p.head_dim
+    rope_theta = p.rope_theta
+    rms_eps = p.rms_norm_eps
+    max_pos = p.max_position_embeddings
+    if arch == "qwen3":
+        # Qwen3 decouples head_dim from hidden/heads (Qwen3-0.6B: 16 x 128 on hidden 1024);
+        # doubling it makes a loader that derives head_dim from hidden_size fail loudly.
+        head_dim = 2 * p.head_dim
+    if arch in ("qwen2", "qwen3"):
+        rope_theta, rms_eps = 1_000_000.0, 1e-6
+    if arch == "llama3":
+        rope_theta = 500_000.0
+        # HF requires max_position_embeddings > original_max_position_embeddings; the
+        # extended context is the original one times the factor, as in Llama 3.1.
+        orig = LLAMA3_ROPE_SCALING["original_max_position_embeddings"]
+        max_pos = max(max_pos, int(orig * LLAMA3_ROPE_SCALING["factor"]))
+    return head_dim, rope_theta, rms_eps, max_pos
+
+
+def _arch_fields(p: Preset, arch: str) -> dict[str, Any]:
+    """The fields only some architectures' config.json files carry."""
+    if arch in ("llama", "llama3"):
+        return {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    if arch == "mistral":
+        return {"sliding_window": None}
+    # Qwen2 has q/k/v biases implicitly (no config field), as in the real checkpoints.
+    extra: dict[str, Any] = {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": p.num_layers,
+    }
+    if arch == "qwen3":
+        extra["attention_bias"] = False
+    return extra
+
+
 def build_config(
     preset: str | Preset = "tiny",
     arch: str = "llama",
@@ -147,65 +185,32 @@ def build_config(
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
     architecture, model_type = ARCHS[arch]
-    head_dim = p.head_dim
-    rope_theta = p.rope_theta
-    rms_eps = p.rms_norm_eps
-    max_pos = p.max_position_embeddings
+    head_dim, rope_theta, rms_eps, max_pos = _arch_numbers(p, arch)
     cfg: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
+        "vocab_size": vocab_size or p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_pos,
+        "initializer_range": init_std if init_std is not None else p.init_std,
+        "rms_norm_eps": rms_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": dict(LLAMA3_ROPE_SCALING) if arch == "llama3" else None,
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "bos_token_id": ENDOFTEXT_ID,
+        # End of text and end of turn: a chat reply stops at <|im_end|>.
+        "eos_token_id": [ENDOFTEXT_ID, IM_END_ID],
+        "use_cache": True,
+        "torch_dtype": dtype,
     }
-    if arch == "qwen3":
-        # Qwen3 decouples head_dim from hidden/heads (Qwen3-0.6B: 16 x 128 on hidden 1024);
-        # doubling it makes a loader that derives head_dim from hidden_size fail loudly.
-        head_dim = 2 * p.head_dim
-    if arch in ("qwen2", "qwen3"):
-        rope_theta, rms_eps = 1_000_000.0, 1e-6
-    if arch == "llama3":
-        rope_theta = 500_000.0
-        # HF requires max_position_embeddings > original_max_position_embeddings; the
-        # extended context is the original one times the factor, as in Llama 3.1.
-        orig = LLAMA3_ROPE_SCALING["original_max_position_embeddings"]
-        max_pos = max(max_pos, int(orig * LLAMA3_ROPE_SCALING["factor"]))
-    cfg.update(
-        {
-            "vocab_size": vocab_size or p.vocab_size,
-            "hidden_size": p.hidden_size,
-            "intermediate_size": p.intermediate_size,
-            "num_hidden_layers": p.num_layers,
-            "num_attention_heads": p.num_heads,
-            "num_key_value_heads": p.num_kv_heads,
-            "head_dim": head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": max_pos,
-            "initializer_range": init_std if init_std is not None else p.init_std,
-            "rms_norm_eps": rms_eps,
-            "rope_theta": rope_theta,
-            "rope_scaling": dict(LLAMA3_ROPE_SCALING) if arch == "llama3" else None,
-            "tie_word_embeddings": p.tie_word_embeddings,
-            "attention_dropout": 0.0,
-            "bos_token_id": ENDOFTEXT_ID,
-            # End of text and end of turn: a chat reply stops at <|im_end|>.
-            "eos_token_id": [ENDOFTEXT_ID, IM_END_ID],
-            "use_cache": True,
-            "torch_dtype": dtype,
-        }
-    )
-    if arch in ("llama", "llama3"):
-        cfg.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
-    elif arch == "mistral":
-        cfg["sliding_window"] = None
-    elif arch in ("qwen2", "qwen3"):
-        # Qwen2 has q/k/v biases implicitly (no config field), as in the real checkpoints.
-        cfg.update(
-            {
-                "use_sliding_window": False,
-                "sliding_window": None,
-                "max_window_layers": p.num_layers,
-            }
-        )
-        if arch == "qwen3":
-            cfg["attention_bias"] = False
+    cfg.update(_arch_fields(p, arch))
     if overrides:
         cfg.update(overrides)
     return cfg
