@@ -22,6 +22,10 @@ import time
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
+
+# bench.run's table(title, header, rows) -> markdown
+Table = Callable[[str, list[str], list[list[str]]], str]
 
 SCHEMA = {
     "type": "array",
@@ -194,48 +198,30 @@ class _Timers:
             setattr(owner, name, fn)
 
 
-def run(
-    args: argparse.Namespace,
-    table: Callable[[str, list[str], list[list[str]]], str],
-    model_dir: Callable[[argparse.Namespace], Path],
-) -> str:
-    from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
-    from service.llm import LLM
-
-    path = model_dir(args)
-    b, length = args.structured_batch, args.structured_tokens
-    llm = LLM(str(path), dtype=args.dtype, threads=args.threads, enable_prefix_caching=False)
-    engine = llm.engine
-    compute_us, apply_us = _mask_costs(path, engine.vocab_size, engine.eos_token_ids, 200)
-    engines = compare_engines(path, engine.vocab_size, engine.eos_token_ids)
-    free = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=1)
-    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    bound = SamplingParams(temperature=1.0, max_tokens=length, structured_outputs=spec, seed=1)
-    prompts = [f"Item {i}: list some words" for i in range(2 * b)]
-    llm.generate(prompts[:2], [free, bound])  # warm-up (and the grammar compile)
-
-    configs = {
-        "base": [free] * (2 * b),
-        "shared": [free] * b + [bound] * b,
-        "all_bound": [bound] * (2 * b),
-        "alone": [free] * b,
-    }
+def _best_times(
+    llm: Any, configs: dict[str, list[Any]], prompts: list[str], reps: int, length: int
+) -> tuple[dict[str, float], float]:
+    """Best wall seconds of each configuration, and the seconds spent in the constrained
+    rows' mask work during the "shared" runs."""
     best = dict.fromkeys(configs, float("inf"))
     # Interleaved repetitions, best of each: load from other processes on a shared machine
     # then hits every configuration alike instead of whichever ran during a burst.
     with _Timers() as timers:
-        for _ in range(args.structured_reps):
+        for _ in range(reps):
             for name, params in configs.items():
                 timers.active = name == "shared"
                 t = time.perf_counter()
                 outs = llm.generate(prompts[: len(params)], params)
                 best[name] = min(best[name], time.perf_counter() - t)
                 assert all(len(o.outputs[0].token_ids) == length for o in outs)
-    llm.shutdown()
-    base, shared, all_bound, alone = (best[k] for k in configs)
-    per_token_us = (shared - base) / (b * length) * 1e6
-    constrained_tokens = args.structured_reps * b * length
-    direct_us = timers.total / constrained_tokens * 1e6
+    return best, timers.total
+
+
+def _throughput_table(
+    table: Table, args: argparse.Namespace, vocab: int, best: dict[str, float]
+) -> str:
+    b, length = args.structured_batch, args.structured_tokens
+    base, shared, all_bound, alone = (best[k] for k in ("base", "shared", "all_bound", "alone"))
     tok = b * length
     rows = [
         [f"{2 * b} unconstrained", f"{base:.2f}", f"{2 * tok / base:.0f}", "1.00x", "-"],
@@ -249,13 +235,26 @@ def run(
         [f"{2 * b} constrained", f"{all_bound:.2f}", f"{2 * tok / all_bound:.0f}", f"{base / all_bound:.2f}x", "-"],
         [f"{b} unconstrained alone", f"{alone:.2f}", f"{tok / alone:.0f}", "-", f"{tok / alone:.0f}"],
     ]  # fmt: skip
-    out = table(
+    return table(
         f"Structured outputs: {length} tokens per row, temperature 1 (best of "
-        f"{args.structured_reps}); vocabulary {engine.vocab_size}",
+        f"{args.structured_reps}); vocabulary {vocab}",
         ["batch", "seconds", "tok/s (all rows)", "vs baseline", "unconstrained rows tok/s"],
         rows,
     )
-    out += table(
+
+
+def _overhead_table(
+    table: Table,
+    args: argparse.Namespace,
+    best: dict[str, float],
+    mask_us: tuple[float, float],
+    direct_s: float,
+) -> str:
+    b, length = args.structured_batch, args.structured_tokens
+    base, shared = best["base"], best["shared"]
+    per_token_us = (shared - base) / (b * length) * 1e6
+    direct_us = direct_s / (args.structured_reps * b * length) * 1e6
+    return table(
         "Constrained-row overhead per token",
         [
             "llguidance mask (scheduler, string state)",
@@ -265,13 +264,45 @@ def run(
         ],
         [
             [
-                f"{compute_us:.0f} us",
-                f"{apply_us:.0f} us",
+                f"{mask_us[0]:.0f} us",
+                f"{mask_us[1]:.0f} us",
                 f"{direct_us:.0f} us ({direct_us * b / (shared / length * 1e6):.1%} of a step)",
                 f"{per_token_us:.0f} us",
             ]
         ],
     )
+
+
+def run(
+    args: argparse.Namespace,
+    table: Table,
+    model_dir: Callable[[argparse.Namespace], Path],
+) -> str:
+    from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+    from service.llm import LLM
+
+    path = model_dir(args)
+    b, length = args.structured_batch, args.structured_tokens
+    llm = LLM(str(path), dtype=args.dtype, threads=args.threads, enable_prefix_caching=False)
+    engine = llm.engine
+    mask_us = _mask_costs(path, engine.vocab_size, engine.eos_token_ids, 200)
+    engines = compare_engines(path, engine.vocab_size, engine.eos_token_ids)
+    free = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=1)
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    bound = SamplingParams(temperature=1.0, max_tokens=length, structured_outputs=spec, seed=1)
+    prompts = [f"Item {i}: list some words" for i in range(2 * b)]
+    llm.generate(prompts[:2], [free, bound])  # warm-up (and the grammar compile)
+
+    configs = {
+        "base": [free] * (2 * b),
+        "shared": [free] * b + [bound] * b,
+        "all_bound": [bound] * (2 * b),
+        "alone": [free] * b,
+    }
+    best, direct_s = _best_times(llm, configs, prompts, args.structured_reps, length)
+    llm.shutdown()
+    out = _throughput_table(table, args, engine.vocab_size, best)
+    out += _overhead_table(table, args, best, mask_us, direct_s)
     out += table(
         "Grammar engines: JSON-schema compile and per-token mask (first mask included)",
         ["engine", "schema", "compile ms", "median mask us", "max mask us"],
