@@ -48,65 +48,27 @@ def make_paged_batch(
     gen = torch.Generator().manual_seed(seed)  # block layout: host side
     # Values are drawn on the target device so large GPU batches are quick to build.
     dgen = torch.Generator(device=device).manual_seed(seed + 1)
-    num_seqs = len(query_lens)
-    seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    # Shuffled physical blocks: a sequence's blocks are scattered and out of order.
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(blocks_per_seq, default=0) + extra_table_cols
-    rows: list[list[int]] = []
-    pos = 0
-    for nb in blocks_per_seq:
-        rows.append(perm[pos : pos + nb] + [0] * (max_blocks - nb))  # padded with 0
-        pos += nb
-    tables = torch.tensor(rows, dtype=torch.int32).view(num_seqs, max_blocks)
-
-    def slots(i: int, start: int, end: int) -> torch.Tensor:  # [end - start] int64
-        p = torch.arange(start, end)
-        return tables[i].long()[p // block_size] * block_size + p % block_size
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=dgen, device=device).to(dtype)
 
+    seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    tables = _shuffled_tables(blocks_per_seq, num_blocks, extra_table_cols, gen)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(cache_shape, poison, dtype=dtype, device=device)
     v_cache = torch.full(cache_shape, poison, dtype=dtype, device=device)
-    ctx_idx = torch.cat([slots(i, 0, context_lens[i]) for i in range(num_seqs)] or [slots(0, 0, 0)])
+    ctx_idx = _slots(tables, block_size, [0] * len(seq_lens), list(context_lens))
     if ctx_idx.numel():
         n = ctx_idx.numel()
         idx = ctx_idx.to(device)
         k_cache.view(-1, num_kv_heads, head_dim)[idx] = randn(n, num_kv_heads, head_dim)
         v_cache.view(-1, num_kv_heads, head_dim)[idx] = randn(n, num_kv_heads, head_dim)
 
-    num_tokens = sum(query_lens)
-    new_idx = [slots(i, context_lens[i], seq_lens[i]) for i in range(num_seqs)]
-    slot_mapping = torch.cat(new_idx) if new_idx else torch.zeros(0, dtype=torch.int64)
-    qsl = [0]
-    for ql in query_lens:
-        qsl.append(qsl[-1] + ql)
-    if num_decodes is None:
-        num_decodes = 0
-        while num_decodes < num_seqs and query_lens[num_decodes] == 1:
-            num_decodes += 1
-
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device)
-
-    meta = AttentionMetadata(
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        num_decodes=num_decodes,
-        query_start_loc=dev(torch.tensor(qsl, dtype=torch.int32)),
-        seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
-        block_tables=dev(tables),
-        slot_mapping=dev(slot_mapping),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
-        block_size=block_size,
-    )
+    slot_mapping = _slots(tables, block_size, list(context_lens), seq_lens)
+    meta = _metadata(query_lens, seq_lens, tables, slot_mapping, num_decodes, block_size, device)
+    num_tokens = meta.num_tokens
     return PagedBatch(
         q=randn(num_tokens, num_heads, head_dim),
         k=randn(num_tokens, num_kv_heads, head_dim),
@@ -114,4 +76,62 @@ def make_paged_batch(
         k_cache=k_cache,
         v_cache=v_cache,
         meta=meta,
+    )
+
+
+def _shuffled_tables(
+    blocks_per_seq: list[int], num_blocks: int, extra_cols: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Block tables over shuffled physical blocks: a sequence's blocks are scattered and
+    out of order; rows are padded with block 0."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq, default=0) + extra_cols
+    rows: list[list[int]] = []
+    pos = 0
+    for nb in blocks_per_seq:
+        rows.append(perm[pos : pos + nb] + [0] * (max_blocks - nb))
+        pos += nb
+    return torch.tensor(rows, dtype=torch.int32).view(len(blocks_per_seq), max_blocks)
+
+
+def _slots(
+    tables: torch.Tensor, block_size: int, starts: list[int], ends: list[int]
+) -> torch.Tensor:
+    """Flat cache slots (int64) of positions [starts[i], ends[i]) of every sequence i."""
+    parts = []
+    for i, (start, end) in enumerate(zip(starts, ends)):
+        p = torch.arange(start, end)
+        parts.append(tables[i].long()[p // block_size] * block_size + p % block_size)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _metadata(
+    query_lens: Sequence[int],
+    seq_lens: list[int],
+    tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_decodes: int | None,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    qsl = [0]
+    for ql in query_lens:
+        qsl.append(qsl[-1] + ql)
+    if num_decodes is None:  # the leading run of one-token queries
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+    return AttentionMetadata(
+        num_tokens=sum(query_lens),
+        num_seqs=len(query_lens),
+        num_decodes=num_decodes,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        block_tables=tables.to(device),
+        slot_mapping=slot_mapping.to(device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
     )
