@@ -109,29 +109,10 @@ def write_kv(
 ) -> None:
     """Store each new token's K/V at its flat slot (block * block_size + offset);
     quantized caches (int8 / uint8 fp8 values + fp32 scales) quantize on the way."""
-    name = "write_kv"
-    quant = check_kv_scales(name, k_cache, v_cache, k_scale, v_scale)
-    check_device(_write_kv_kernel, name, k, v, k_cache, v_cache, slot_mapping)
-    if k_cache.dim() != 4:
-        raise ValueError(
-            f"{name}: k_cache has shape {list(k_cache.shape)}, expected "
-            "[num_blocks, block_size, num_kv_heads, head_dim]"
-        )
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
-    num_tokens = k.shape[0] if k.dim() else 0
-    check_shape(name, "k", k, (num_tokens, kv_heads, head_dim))
-    check_shape(name, "v", v, (num_tokens, kv_heads, head_dim))
-    check_shape(name, "slot_mapping", slot_mapping, (num_tokens,))
-    check_dtype(name, "slot_mapping", slot_mapping, (torch.int64,))
-    caches = () if quant else (("k_cache", k_cache), ("v_cache", v_cache))
-    for what, t in (("k", k), ("v", v), *caches):
-        check_dtype(name, what, t, SUPPORTED_DTYPES)
-        check_last_dim_contiguous(name, what, t)
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"{name}: v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    if slot_mapping.stride(0) != 1 and num_tokens > 1:
-        raise ValueError(f"{name}: slot_mapping must be contiguous")
+    quant = check_kv_scales("write_kv", k_cache, v_cache, k_scale, v_scale)
+    num_tokens, block_size, kv_heads, head_dim = _check_write_kv(
+        k, v, k_cache, v_cache, slot_mapping, quant
+    )
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
@@ -162,6 +143,40 @@ def write_kv(
         QUANT=quant,
         num_warps=4 if kv_heads * head_dim >= 1024 else 1,
     )
+
+
+def _check_write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    quant: int,
+) -> tuple[int, int, int, int]:
+    """write_kv's input checks; returns (num_tokens, block_size, kv_heads, head_dim)."""
+    name = "write_kv"
+    check_device(_write_kv_kernel, name, k, v, k_cache, v_cache, slot_mapping)
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"{name}: k_cache has shape {list(k_cache.shape)}, expected "
+            "[num_blocks, block_size, num_kv_heads, head_dim]"
+        )
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
+    num_tokens = k.shape[0] if k.dim() else 0
+    check_shape(name, "k", k, (num_tokens, kv_heads, head_dim))
+    check_shape(name, "v", v, (num_tokens, kv_heads, head_dim))
+    check_shape(name, "slot_mapping", slot_mapping, (num_tokens,))
+    check_dtype(name, "slot_mapping", slot_mapping, (torch.int64,))
+    caches = () if quant else (("k_cache", k_cache), ("v_cache", v_cache))
+    for what, t in (("k", k), ("v", v), *caches):
+        check_dtype(name, what, t, SUPPORTED_DTYPES)
+        check_last_dim_contiguous(name, what, t)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    if slot_mapping.stride(0) != 1 and num_tokens > 1:
+        raise ValueError(f"{name}: slot_mapping must be contiguous")
+    return num_tokens, block_size, kv_heads, head_dim
 
 
 def write_kv_skip_reference(
