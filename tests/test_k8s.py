@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,20 @@ def _flag(args: list[str], name: str, default: str | None = None) -> str | None:
     return default
 
 
-def test_cross_references(built) -> None:
+@dataclass
+class _Engine:
+    """The engine Deployment's pod template, as every cross-reference test starts."""
+
+    docs: list[dict[str, Any]]
+    overlay: str
+    pod: dict[str, Any]
+    labels: dict[str, str]
+    container: dict[str, Any]
+    ports: dict[str, int]  # container port name -> number
+    args: list[str]
+
+
+def _engine(built: tuple[str, list[dict[str, Any]]]) -> _Engine:
     overlay, docs = built
     dep = one(docs, "Deployment", "pagestream-engine")
     pod = dep["spec"]["template"]
@@ -144,14 +158,18 @@ def test_cross_references(built) -> None:
     assert _matches(dep["spec"]["selector"]["matchLabels"], labels)
     (engine,) = [c for c in pod["spec"]["containers"] if c["name"] == "engine"]
     ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    return _Engine(docs, overlay, pod, labels, engine, ports, engine.get("args", []))
 
-    # Service -> pods and a named container port; Ingress -> Service port.
-    svc = one(docs, "Service", "pagestream-engine")
-    assert _matches(svc["spec"]["selector"], labels)
+
+def test_service_and_ingress_reach_the_engine(built) -> None:
+    """Service -> pods and a named container port; Ingress -> Service port."""
+    e = _engine(built)
+    svc = one(e.docs, "Service", "pagestream-engine")
+    assert _matches(svc["spec"]["selector"], e.labels)
     svc_ports = {p["name"]: p for p in svc["spec"]["ports"]}
     for p in svc_ports.values():
-        assert p["targetPort"] in ports or p["targetPort"] in ports.values()
-    ing = one(docs, "Ingress", "pagestream")
+        assert p["targetPort"] in e.ports or p["targetPort"] in e.ports.values()
+    ing = one(e.docs, "Ingress", "pagestream")
     for rule in ing["spec"]["rules"]:
         for path in rule["http"]["paths"]:
             backend = path["backend"]["service"]
@@ -160,45 +178,56 @@ def test_cross_references(built) -> None:
     hash_by = ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"]
     assert "$http_x_session_id" in hash_by
 
-    # Probes: real routes of the server, on a declared port.
+
+def test_probes_and_scrape_are_server_routes(built) -> None:
+    """Probes: real routes of the server, on a declared port."""
+    e = _engine(built)
     routes = _routes()
     for probe in ("readinessProbe", "livenessProbe"):
-        get = engine[probe]["httpGet"]
+        get = e.container[probe]["httpGet"]
         assert get["path"] in routes, f"{probe} {get['path']} is not a route"
-        assert get["port"] in ports
-    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert engine["livenessProbe"]["httpGet"]["path"] != "/health"  # 503 while draining
-    ann = pod["metadata"]["annotations"]
+        assert get["port"] in e.ports
+    assert e.container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert e.container["livenessProbe"]["httpGet"]["path"] != "/health"  # 503 while draining
+    ann = e.pod["metadata"]["annotations"]
     assert ann["prometheus.io/path"] in routes
-    assert int(ann["prometheus.io/port"]) in ports.values()
+    assert int(ann["prometheus.io/port"]) in e.ports.values()
 
-    # Shutdown: preStop + the server's drain deadline fit in the grace period.
-    args = engine.get("args", [])
-    shutdown = float(_flag(args, "--shutdown-timeout", "30"))
-    pre_stop = engine["lifecycle"]["preStop"]["exec"]["command"]
+
+def test_drain_fits_the_grace_period(built) -> None:
+    """Shutdown: preStop + the server's drain deadline fit in the grace period."""
+    e = _engine(built)
+    shutdown = float(_flag(e.args, "--shutdown-timeout", "30"))
+    pre_stop = e.container["lifecycle"]["preStop"]["exec"]["command"]
     pre = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
-    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    grace = e.pod["spec"]["terminationGracePeriodSeconds"]
     assert grace > shutdown + pre + 5, (grace, shutdown, pre)
 
-    # Volumes mounted exist; the model path is under the model mount.
-    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
-    for m in engine["volumeMounts"]:
+
+def test_volumes_hold_the_model_and_keys(built) -> None:
+    """Volumes mounted exist; the model path is under the model mount."""
+    e = _engine(built)
+    vols = {v["name"]: v for v in e.pod["spec"]["volumes"]}
+    for m in e.container["volumeMounts"]:
         assert m["name"] in vols, m
-    model = _flag(args, "--model")
-    mounts = {m["mountPath"]: m for m in engine["volumeMounts"]}
+    model = _flag(e.args, "--model")
+    mounts = {m["mountPath"]: m for m in e.container["volumeMounts"]}
     assert model and any(model.startswith(p + "/") for p in mounts)
     pvc = vols["models"]["persistentVolumeClaim"]["claimName"]
-    one(docs, "PersistentVolumeClaim", pvc)
-    keys = _flag(args, "--api-key-file")
+    one(e.docs, "PersistentVolumeClaim", pvc)
+    keys = _flag(e.args, "--api-key-file")
     assert keys and any(keys.startswith(p + "/") for p in mounts)
 
-    # Redis: the URL names its Service and port; capped memory under the pod's limit.
-    env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+
+def test_redis_url_memory_and_network_policy(built) -> None:
+    """Redis: the URL names its Service and port; capped memory under the pod's limit."""
+    e = _engine(built)
+    env = {v["name"]: v.get("value") for v in e.container.get("env", [])}
     m = re.fullmatch(r"redis://([\w-]+):(\d+)/\d+", env["PAGESTREAM_REDIS_URL"])
     assert m
-    rsvc = one(docs, "Service", m.group(1))
+    rsvc = one(e.docs, "Service", m.group(1))
     assert int(m.group(2)) in [p["port"] for p in rsvc["spec"]["ports"]]
-    rdep = one(docs, "Deployment", "pagestream-redis")
+    rdep = one(e.docs, "Deployment", "pagestream-redis")
     rlabels = rdep["spec"]["template"]["metadata"]["labels"]
     assert _matches(rsvc["spec"]["selector"], rlabels)
     (redis,) = rdep["spec"]["template"]["spec"]["containers"]
@@ -206,15 +235,19 @@ def test_cross_references(built) -> None:
     assert _flag(rargs, "--maxmemory-policy") == "allkeys-lru"
     maxmem = _bytes(_flag(rargs, "--maxmemory"))
     assert maxmem < _bytes(redis["resources"]["limits"]["memory"])
-    netpol = one(docs, "NetworkPolicy", "pagestream-redis")
+    netpol = one(e.docs, "NetworkPolicy", "pagestream-redis")
     assert _matches(netpol["spec"]["podSelector"]["matchLabels"], rlabels)
-    assert _matches(netpol["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"], labels)
+    allowed = netpol["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert _matches(allowed, e.labels)
 
-    # PDB and HPA point at the engines; the HPA's metric is one the server exports and
-    # the adapter rules publish.
-    pdb = one(docs, "PodDisruptionBudget", "pagestream-engine")
-    assert _matches(pdb["spec"]["selector"]["matchLabels"], labels)
-    hpa = one(docs, "HorizontalPodAutoscaler", "pagestream-engine")
+
+def test_pdb_and_hpa_target_the_engines(built) -> None:
+    """PDB and HPA point at the engines; the HPA's metric is one the server exports and
+    the adapter rules publish."""
+    e = _engine(built)
+    pdb = one(e.docs, "PodDisruptionBudget", "pagestream-engine")
+    assert _matches(pdb["spec"]["selector"]["matchLabels"], e.labels)
+    hpa = one(e.docs, "HorizontalPodAutoscaler", "pagestream-engine")
     ref = hpa["spec"]["scaleTargetRef"]
     assert (ref["kind"], ref["name"]) == ("Deployment", "pagestream-engine")
     assert hpa["spec"]["minReplicas"] >= 2  # the PDB's maxUnavailable 1 leaves one serving
@@ -223,10 +256,13 @@ def test_cross_references(built) -> None:
     adapter = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
     assert metric in [r["name"]["as"] for r in adapter["rules"]["custom"]]
 
-    # GPUs only in the CUDA overlay, and the image tag follows the overlay.
-    gpus = engine["resources"].get("limits", {}).get("nvidia.com/gpu")
-    assert (gpus == "1") == (overlay == "cuda")
-    assert engine["image"].endswith(":" + overlay)
+
+def test_gpus_and_image_follow_the_overlay(built) -> None:
+    """GPUs only in the CUDA overlay, and the image tag follows the overlay."""
+    e = _engine(built)
+    gpus = e.container["resources"].get("limits", {}).get("nvidia.com/gpu")
+    assert (gpus == "1") == (e.overlay == "cuda")
+    assert e.container["image"].endswith(":" + e.overlay)
 
 
 def _bytes(v: str) -> int:
