@@ -40,14 +40,27 @@ def spec(method: str) -> dict:
     return cfg
 
 
+# A top-2 logprob gap (= logit gap) below this is a near-tie: verifying several positions
+# in one forward pass sums in another order than one-token decode steps, and float32 noise
+# (~1e-5 here) may then swap the two tokens with no bug anywhere.
+TIE_MARGIN = 1e-3
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
+    """The plain run's greedy tokens, cut before its first near-tie (none on this prompt
+    today: its smallest gap is ~0.02; the cut keeps a model retrain from making the
+    comparison flaky, and the length floor keeps it a comparison)."""
     llm = LLM(str(default_model_dir()), dtype="float32", num_kv_blocks=128, threads=1)
     try:
-        outs = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        return {"tokens": outs[0].outputs[0].token_ids}
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+        out = llm.generate([PROMPT], params)[0].outputs[0]
     finally:
         llm.shutdown()
+    gaps = [t.top_logprobs[0] - t.top_logprobs[1] for t in out.logprobs]
+    decided = next((i for i, g in enumerate(gaps) if g < TIE_MARGIN), len(gaps))
+    assert decided >= 20, f"near-tie at token {decided}: pick another prompt"
+    return {"tokens": out.token_ids[:decided]}
 
 
 @pytest.fixture(scope="module", params=["draft", "ngram"])
@@ -80,7 +93,9 @@ def test_greedy_stream_equals_no_speculation_and_deltas_carry_several_tokens(ser
                     raise AssertionError(frame)
 
     deltas = asyncio.run(run())
-    assert [t for d in deltas for t in d] == reference["tokens"]
+    streamed = [t for d in deltas for t in d]
+    assert len(streamed) == 40
+    assert streamed[: len(reference["tokens"])] == reference["tokens"]
     assert max(len(d) for d in deltas) > 1, "no step accepted a draft token"
     server.wait_kv_free()
 
