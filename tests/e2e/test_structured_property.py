@@ -35,10 +35,14 @@ SETTINGS = settings(
 
 @pytest.fixture(scope="module")
 def llm():
+    threads = torch.get_num_threads()  # restored after: later modules in the run use it
     torch.set_num_threads(1)
     engine = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=512, seed=3)
-    yield engine
-    engine.shutdown()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(threads)
 
 
 def generate(llm: LLM, spec: StructuredOutputsParams, **kw) -> list:
