@@ -75,6 +75,10 @@ class EngineArgs:
     # Speculative decoding, in vLLM's speculative_config shape (see scheduler.spec):
     # {"method": "ngram"|"draft", "num_speculative_tokens": k, "model": DIR, ...}.
     speculative_config: dict[str, Any] | None = None
+    # Tensor parallelism: ranks (processes) one model is split over, and how long a
+    # collective may wait for a rank before the step fails (a dead or hung rank).
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0
 
 
 class RequestFailed(RuntimeError):
@@ -202,6 +206,30 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
     return PrefixTier(store, cfg, name=kind)
 
 
+def _tp_executor(
+    args: EngineArgs, model_dir: Path, runner_kwargs: dict[str, Any], faults: FaultPlan | None
+) -> ThreadExecutor:
+    """Check what tensor parallelism cannot do before any process starts, then spawn."""
+    from gpu.config import ModelConfig, ModelLoadError
+    from gpu.tp import check_tp_config
+    from gpu.tp_executor import TPExecutor
+
+    check_tp_config(ModelConfig.from_dir(model_dir), args.tensor_parallel_size)
+    if args.redis_url and args.enable_prefix_caching:
+        # Each rank holds only its heads of a block, so a tier payload would have to be
+        # gathered from (and scattered to) every rank; not done yet.
+        raise ModelLoadError("--tensor-parallel-size > 1 does not work with the Redis prefix tier")
+    if args.speculative_config:
+        raise ModelLoadError("--tensor-parallel-size > 1 does not work with speculative decoding")
+    return TPExecutor(
+        args.tensor_parallel_size,
+        runner_kwargs,
+        faults=faults,
+        threads=args.threads,
+        timeout_s=args.tensor_parallel_timeout,
+    )
+
+
 def default_model_dir() -> Path:
     """The embedded default model: the target of the trained pair shipped in modelkit/pair
     (`pagestream train-pair` made it), which writes plausible Python-flavoured text."""
@@ -303,31 +331,49 @@ class AsyncEngine:
             log.warning("FAULT INJECTION is on: %s", faults)
         spec = SpecConfig.from_dict(args.speculative_config) if args.speculative_config else None
 
+        runner_kwargs: dict[str, Any] = dict(
+            model_dir=model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_bytes=args.kv_cache_bytes,
+            attention_backend=args.attention_backend,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            cuda_graphs=args.cuda_graphs,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+        )
+        if args.tensor_parallel_size != 1:
+            executor: ThreadExecutor = _tp_executor(args, model_dir, runner_kwargs, faults)
+            return cls._assemble(args, executor, model_dir, spec, faults)
+
         def build() -> ModelRunner:
             if threads:
                 torch.set_num_threads(threads)
             return ModelRunner(
-                model_dir,
-                dtype=args.dtype,
-                device=args.device,
-                block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks,
-                kv_cache_bytes=args.kv_cache_bytes,
-                attention_backend=args.attention_backend,
-                max_model_len=args.max_model_len,
-                seed=args.seed,
-                cuda_graphs=args.cuda_graphs,
-                max_num_seqs=args.max_num_seqs,
+                **runner_kwargs,
                 faults=faults,
-                kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization,
                 speculation=spec is not None,
                 speculative_model=spec.model if spec and spec.method == "draft" else None,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).
-        executor = ThreadExecutor(factory=build)
-        runner = executor.runner
+        return cls._assemble(args, ThreadExecutor(factory=build), model_dir, spec, faults)
+
+    @classmethod
+    def _assemble(
+        cls,
+        args: EngineArgs,
+        executor: ThreadExecutor,
+        model_dir: Path,
+        spec: SpecConfig | None,
+        faults: FaultPlan | None,
+    ) -> AsyncEngine:
+        """The scheduler, tokenizer and prefix tier around a built executor."""
+        runner: Any = executor.runner
         tokenizer = Tokenizer.from_dir(model_dir)
         capacity = runner.num_kv_blocks * args.block_size
         max_model_len = runner.max_model_len
