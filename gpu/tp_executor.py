@@ -24,9 +24,12 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 import msgspec
@@ -71,6 +74,8 @@ def _worker_main(
     stop or until the server process goes away."""
     from gpu.model_runner import ModelRunner
 
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(f"pagestream-tp{rank}")  # so ps / top name the rank (Linux)
     try:
         pin_thread(cores, threads)
         device = runner_kwargs.get("device")
@@ -169,7 +174,26 @@ class TPExecutor(ThreadExecutor):
         except BaseException:
             self.shutdown(wait=False)
             raise
+        self._closing = False
         log.info("tensor parallel: %d ranks (worker pids %s)", size, self.worker_pids)
+
+    def watch(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Call on_failure (from a watcher thread) when a rank exits while serving, so an
+        idle engine fails at once instead of at its next step."""
+
+        def watcher() -> None:
+            by_sentinel = {p.sentinel: p for p in self._procs}
+            dead = by_sentinel[wait_any(list(by_sentinel))[0]]
+            if self._closing:
+                return
+            dead.join(timeout=1)  # the sentinel closes a moment before the exit status is set
+            on_failure(
+                RuntimeError(
+                    f"tensor-parallel {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
+                )
+            )
+
+        threading.Thread(target=watcher, name="pagestream-tp-watch", daemon=True).start()
 
     @property
     def worker_pids(self) -> list[int]:
@@ -222,6 +246,7 @@ class TPExecutor(ThreadExecutor):
         """wait=True: a clean stop (every rank leaves the group).  wait=False, after a
         failure: kill the workers, which also unblocks rank 0 if it is inside a
         collective, and do not wait for the executor thread."""
+        self._closing = True
         if wait:
             for conn in self._conns:
                 with contextlib.suppress(OSError):

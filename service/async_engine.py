@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.contract import TokenLogprobs
-from scheduler.engine_core import EngineCore, StepInfo
+from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
 from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
@@ -421,6 +421,16 @@ class AsyncEngine:
         if self.tier is not None:
             self.tier.start()
         self.core.start()
+        watch = getattr(self.executor, "watch", None)
+        if watch is not None:  # tensor parallel: a rank exiting fails the engine at once
+            import asyncio
+
+            loop = asyncio.get_running_loop()
+
+            def failed(error: BaseException) -> None:
+                loop.call_soon_threadsafe(self.core.inbox.put_nowait, ExecutorFailed(error))
+
+            watch(failed)
 
     async def shutdown(self) -> None:
         await self.core.stop()
