@@ -27,6 +27,7 @@ class TPGroup:
 
     rank: int
     size: int
+    device: str = "cpu"  # where small control tensors live (NCCL takes CUDA tensors only)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
@@ -39,7 +40,7 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
     def min_int(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64)
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
@@ -47,6 +48,10 @@ class TPGroup:
 def init_group(rank: int, size: int, port: int, backend: str, timeout_s: float) -> TPGroup:
     """Join the group on a loopback port; every collective after this times out after
     timeout_s (a dead or hung rank fails the step instead of hanging it)."""
+    device = "cpu"
+    if backend == "nccl":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -54,7 +59,7 @@ def init_group(rank: int, size: int, port: int, backend: str, timeout_s: float) 
         world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return TPGroup(rank, size)
+    return TPGroup(rank, size, device)
 
 
 def check_tp_config(cfg: ModelConfig, size: int) -> None:

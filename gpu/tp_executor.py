@@ -69,6 +69,7 @@ def _worker_main(
     threads: int | None,
     timeout_s: float,
     conn: Any,
+    faults: Any,
 ) -> None:
     """A rank > 0: build its shard, then run every step the pipe brings until told to
     stop or until the server process goes away."""
@@ -81,7 +82,7 @@ def _worker_main(
         device = runner_kwargs.get("device")
         tp = init_group(rank, size, port, _backend(device), timeout_s)
         kwargs = dict(runner_kwargs, device=_rank_device(device, rank))
-        runner = ModelRunner(**kwargs, tp=tp)
+        runner = ModelRunner(**kwargs, faults=faults, tp=tp)
     except BaseException as e:
         with contextlib.suppress(OSError):
             conn.send(("error", f"rank {rank} failed to start: {e!r}"))
@@ -143,6 +144,14 @@ class TPExecutor(ThreadExecutor):
 
         self.size = size
         self.timeout_s = timeout_s
+        if _backend(runner_kwargs.get("device")) == "nccl":
+            import torch
+
+            if torch.cuda.device_count() < size:
+                raise ModelLoadError(
+                    f"tensor_parallel_size {size} needs {size} CUDA devices, "
+                    f"{torch.cuda.device_count()} visible"
+                )
         port = free_port()
         cores = core_sets(size) or [None] * size  # type: ignore[list-item]
         ctx = mp.get_context("spawn")
@@ -152,7 +161,19 @@ class TPExecutor(ThreadExecutor):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, size, port, runner_kwargs, cores[rank], threads, timeout_s, child),
+                # Every rank gets the fault plan: a fault that drops a request's rows on
+                # rank 0 only would leave the ranks' collectives different sizes.
+                args=(
+                    rank,
+                    size,
+                    port,
+                    runner_kwargs,
+                    cores[rank],
+                    threads,
+                    timeout_s,
+                    child,
+                    faults,
+                ),
                 name=f"pagestream-tp{rank}",
                 daemon=True,
             )
