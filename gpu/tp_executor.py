@@ -144,6 +144,7 @@ class TPExecutor(ThreadExecutor):
 
         self.size = size
         self.timeout_s = timeout_s
+        self._closing = False
         if _backend(runner_kwargs.get("device")) == "nccl":
             import torch
 
@@ -154,33 +155,12 @@ class TPExecutor(ThreadExecutor):
                 )
         port = free_port()
         cores = core_sets(size) or [None] * size  # type: ignore[list-item]
-        ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         for rank in range(1, size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(
-                target=_worker_main,
-                # Every rank gets the fault plan: a fault that drops a request's rows on
-                # rank 0 only would leave the ranks' collectives different sizes.
-                args=(
-                    rank,
-                    size,
-                    port,
-                    runner_kwargs,
-                    cores[rank],
-                    threads,
-                    timeout_s,
-                    child,
-                    faults,
-                ),
-                name=f"pagestream-tp{rank}",
-                daemon=True,
-            )
-            p.start()
-            child.close()
-            self._procs.append(p)
-            self._conns.append(parent)
+            # Every rank gets the fault plan: a fault that drops a request's rows on rank
+            # 0 only would leave the ranks' collectives different sizes.
+            self._spawn(rank, port, runner_kwargs, cores[rank], threads, faults)
 
         def build() -> _Rank0Runner:
             pin_thread(cores[0], threads)
@@ -195,7 +175,6 @@ class TPExecutor(ThreadExecutor):
         except BaseException:
             self.shutdown(wait=False)
             raise
-        self._closing = False
         log.info("tensor parallel: %d ranks (worker pids %s)", size, self.worker_pids)
 
     def watch(self, on_failure: Callable[[BaseException], None]) -> None:
@@ -215,6 +194,24 @@ class TPExecutor(ThreadExecutor):
             )
 
         threading.Thread(target=watcher, name="pagestream-tp-watch", daemon=True).start()
+
+    def _spawn(
+        self,
+        rank: int,
+        port: int,
+        runner_kwargs: dict[str, Any],
+        cores: list[int] | None,
+        threads: int | None,
+        faults: Any,
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        args = (rank, self.size, port, runner_kwargs, cores, threads, self.timeout_s, child, faults)
+        p = ctx.Process(target=_worker_main, args=args, name=f"pagestream-tp{rank}", daemon=True)
+        p.start()
+        child.close()
+        self._procs.append(p)
+        self._conns.append(parent)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -254,7 +251,11 @@ class TPExecutor(ThreadExecutor):
             conn.send_bytes(msg)
 
     def rank_weight_bytes(self) -> list[int]:
-        """Bytes of weights each rank holds, rank order (asks the workers)."""
+        """Bytes of weights each rank holds, rank order.  Asks the workers from the
+        executor thread, so the question never interleaves with a step on the pipes."""
+        return self.call(self._rank_weight_bytes)
+
+    def _rank_weight_bytes(self) -> list[int]:
         out = [self.runner.weight_bytes]
         for conn in self._conns:
             conn.send_bytes(_STATS)
