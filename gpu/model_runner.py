@@ -25,7 +25,7 @@ from gpu.kv_quant import bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
-from gpu.tp import TPGroup, check_tp_config, local_config
+from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
 from scheduler.contract import (
     KVBlockPayload,
     ModelOutput,
@@ -192,6 +192,14 @@ class ModelRunner:
         """K/V bytes of one block over all layers, scales included (= a payload's size).
         Under TP: this rank's heads only."""
         c = self.local_config
+        per_token = bytes_per_token(self.kv_cache_dtype, self.dtype, c.num_kv_heads, c.head_dim)
+        return c.num_layers * self.block_size * per_token
+
+    @property
+    def kv_payload_bytes(self) -> int:
+        """Bytes of one block's prefix-tier payload: every KV head, as a TP=1 cache holds
+        them, whatever this rank holds (see read_kv_blocks)."""
+        c = self.config
         per_token = bytes_per_token(self.kv_cache_dtype, self.dtype, c.num_kv_heads, c.head_dim)
         return c.num_layers * self.block_size * per_token
 
@@ -463,26 +471,34 @@ class ModelRunner:
         then, for a quantized cache, K then V scales ([block_size, kv_heads] float32)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         n = len(block_ids)
-        parts = [
-            t.index_select(0, idx).reshape(n, -1).view(torch.uint8)
-            for layer in self.kv_caches
-            for t in layer
-        ]
-        per_block = torch.cat(parts, dim=1).cpu()  # [n, kv_bytes_per_block]
+        parts = []
+        for layer in self.kv_caches:
+            for t in layer:
+                x = t.index_select(0, idx)
+                if self.tp is not None:  # every rank's heads, in a TP=1 layout
+                    # Bytes per element on a trailing dim, so dim 2 stays the heads.
+                    x = gather_kv_heads(x.unsqueeze(-1).view(torch.uint8), self.config, self.tp)
+                parts.append(x.reshape(n, -1).view(torch.uint8))
+        per_block = torch.cat(parts, dim=1).cpu()  # [n, kv_payload_bytes]
         return [
             KVBlockPayload(block_id=b, data=per_block[i].numpy().tobytes())
             for i, b in enumerate(block_ids)
         ]
 
     def _load_kv(self, payloads: list[KVBlockPayload]) -> None:
+        # Payloads hold every KV head (TP=1 layout); a TP rank copies its own heads.
+        c = self.config
+        heads = (0, c.num_kv_heads) if self.tp is None else kv_heads(c, self.tp)
         for p in payloads:
             # The prefix-index actor checks checksums and sizes before a payload gets here.
-            assert len(p.data) == self.kv_bytes_per_block, "KV payload of the wrong size"
+            assert len(p.data) == self.kv_payload_bytes, "KV payload of the wrong size"
             raw = torch.frombuffer(bytearray(p.data), dtype=torch.uint8).to(self.device)
             at = 0
             for layer in self.kv_caches:
                 for t in layer:
-                    dst = t[p.block_id]
-                    nbytes = dst.numel() * dst.element_size()
-                    dst.copy_(raw[at : at + nbytes].view(t.dtype).view(dst.shape))
+                    dst = t[p.block_id]  # [block_size, local heads, ...]
+                    shape = (dst.shape[0], c.num_kv_heads, *dst.shape[2:])
+                    nbytes = dst.element_size() * dst[:, :1].numel() * shape[1]
+                    src = raw[at : at + nbytes].view(t.dtype).view(shape)
+                    dst.copy_(src[:, heads[0] : heads[1]])
                     at += nbytes

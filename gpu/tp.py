@@ -101,7 +101,7 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
     )
 
 
-def _kv_heads(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int]:
+def kv_heads(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int]:
     """The KV heads [lo, hi) rank `tp.rank` holds.  Fewer KV heads than ranks: consecutive
     ranks share (replicate) one, matching the query heads each rank holds."""
     kv, n = cfg.num_kv_heads, tp.size
@@ -119,7 +119,7 @@ def shard_range(name: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int
         q = cfg.q_size // n
         return 0, r * q, (r + 1) * q
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-        lo, hi = _kv_heads(cfg, tp)
+        lo, hi = kv_heads(cfg, tp)
         return 0, lo * d, hi * d
     if name.endswith("self_attn.o_proj.weight"):
         q = cfg.q_size // n
@@ -134,6 +134,16 @@ def shard_range(name: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int
         v = cfg.vocab_size // n
         return 0, r * v, (r + 1) * v
     return None
+
+
+def gather_kv_heads(x: torch.Tensor, cfg: ModelConfig, tp: TPGroup) -> torch.Tensor:
+    """[n, block_size, local KV heads, ...] on every rank -> every KV head once, in head
+    order (a replicated head is taken from the first rank holding it).  The result is
+    laid out as a TP=1 cache's, so prefix-tier payloads do not depend on the TP size."""
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous())
+    step = 1 if cfg.num_kv_heads % tp.size == 0 else tp.size // cfg.num_kv_heads
+    return torch.cat(parts[::step], dim=2)
 
 
 def vocab_parallel_embed(

@@ -188,7 +188,7 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
     fp = namespace_fingerprint(model_dir, dtype, args.block_size, args.kv_cache_dtype, quant)
     cfg = TierConfig(
         namespace=f"pagestream:{fp}",
-        payload_bytes=runner.kv_bytes_per_block,  # type: ignore[attr-defined]
+        payload_bytes=runner.kv_payload_bytes,  # type: ignore[attr-defined]
         lookup_deadline=args.redis_lookup_deadline,
         hit_threshold=args.redis_hit_threshold,
         max_kv_bytes=args.redis_max_kv_bytes,
@@ -198,7 +198,7 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
             "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": str(quant),
             "block_size": str(args.block_size),
-            "payload_bytes": str(runner.kv_bytes_per_block),  # type: ignore[attr-defined]
+            "payload_bytes": str(runner.kv_payload_bytes),  # type: ignore[attr-defined]
         },
     )
     store, kind = make_store(args.redis_url or "", cfg)
@@ -215,10 +215,6 @@ def _tp_executor(
     from gpu.tp_executor import TPExecutor
 
     check_tp_config(ModelConfig.from_dir(model_dir), args.tensor_parallel_size)
-    if args.redis_url and args.enable_prefix_caching:
-        # Each rank holds only its heads of a block, so a tier payload would have to be
-        # gathered from (and scattered to) every rank; not done yet.
-        raise ModelLoadError("--tensor-parallel-size > 1 does not work with the Redis prefix tier")
     if args.speculative_config:
         raise ModelLoadError("--tensor-parallel-size > 1 does not work with speculative decoding")
     return TPExecutor(
