@@ -235,8 +235,8 @@ class TPExecutor(ThreadExecutor):
             dead = [p for i, p in enumerate(self._procs) if i not in ready and not p.is_alive()]
             if dead:
                 raise ModelLoadError(f"tensor-parallel {dead[0].name} exited at start-up")
-            if fut.done() and len(ready) == len(self._conns):
-                return fut.result()
+            if fut.done() and (fut.exception() is not None or len(ready) == len(self._conns)):
+                return fut.result()  # rank 0's own failure raises here, without waiting
             if time.monotonic() > deadline:
                 raise ModelLoadError("tensor-parallel ranks did not start in time")
             with contextlib.suppress(FutureTimeout):

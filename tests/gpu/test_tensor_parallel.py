@@ -140,6 +140,9 @@ def test_llm_refuses_before_spawning_anything():
     with pytest.raises(ModelLoadError, match="speculative decoding"):
         LLM(path, tensor_parallel_size=2, speculative_config={"method": "ngram",
             "num_speculative_tokens": 2}, **ENGINE)  # fmt: skip
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ModelLoadError, match="needs 2 CUDA devices"):
+            LLM(path, tensor_parallel_size=2, **dict(ENGINE, device="cuda"))
     assert time.monotonic() - t0 < 10
 
 
