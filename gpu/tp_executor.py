@@ -153,6 +153,12 @@ class TPExecutor(ThreadExecutor):
                     f"tensor_parallel_size {size} needs {size} CUDA devices, "
                     f"{torch.cuda.device_count()} visible"
                 )
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # rank 0 joins this process's default group
+            raise ModelLoadError(
+                "this process already runs a tensor-parallel engine; shut it down first"
+            )
         port = free_port()
         cores = core_sets(size) or [None] * size  # type: ignore[list-item]
         self._procs: list[Any] = []
