@@ -62,7 +62,10 @@ async def test_server_matches_tp1_then_a_killed_rank_ends_it(model, tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
-        _wait_health(url, proc)
+        try:
+            _wait_health(url, proc, timeout=180)
+        except (TimeoutError, RuntimeError) as e:
+            raise AssertionError((tmp_path / "server.log").read_text()[-4000:]) from e
         async with aiohttp.ClientSession() as s:
             got = await asyncio.gather(*(completion(s, url, body(p, 8)) for p in PROMPTS))
             assert [g.token_ids for g in got] == want
