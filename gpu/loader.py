@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ from gpu.attention.base import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.model import CausalLM, Rotary
 from gpu.quant_linear import AWQLinear, quantize_model_int8, unpack_awq
+from gpu.tp import TPGroup, local_config, shard_range
 
 # Keys some checkpoints carry that hold no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,14 +46,6 @@ def _safetensors_files(path: Path) -> list[Path]:
         f"{path}: no model.safetensors or model.safetensors.index.json "
         "(only safetensors checkpoints are supported)"
     )
-
-
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of a checkpoint, shard by shard."""
-    for file in _safetensors_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -111,26 +103,42 @@ def _fmt(names: list[str]) -> str:
     return head + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
 
 
-def read_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint, checked against the config (names and shapes)."""
+def _read_sliced(f: object, name: str, cfg: ModelConfig, tp: TPGroup | None) -> torch.Tensor:
+    """The whole tensor, or only this rank's slice of it (read from the file as such)."""
+    rng = None if tp is None else shard_range(name, cfg, tp)
+    if rng is None:
+        return f.get_tensor(name)  # type: ignore[attr-defined]
+    dim, lo, hi = rng
+    sl = f.get_slice(name)  # type: ignore[attr-defined]
+    return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+
+def read_checkpoint(
+    path: str | Path, cfg: ModelConfig, tp: TPGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, checked against the config (names and shapes).  With
+    `tp`, each sharded tensor is only this rank's slice (gpu.tp.shard_range)."""
     expected = _expected_shapes(cfg)
     tensors: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for name, t in iter_checkpoint(path):
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        if name not in expected:
-            # Tied checkpoints sometimes store lm_head too; it equals the embedding.
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            unexpected.append(name)
-            continue
-        if tuple(t.shape) != expected[name]:
-            raise ModelLoadError(
-                f"{path}: tensor {name} has shape {tuple(t.shape)}, "
-                f"config.json implies {expected[name]}"
-            )
-        tensors[name] = t
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in expected:
+                    # Tied checkpoints sometimes store lm_head too; it equals the embedding.
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue
+                    unexpected.append(name)
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise ModelLoadError(
+                        f"{path}: tensor {name} has shape {shape}, "
+                        f"config.json implies {expected[name]}"
+                    )
+                tensors[name] = _read_sliced(f, name, cfg, tp)
     missing = [n for n in expected if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: checkpoint is missing tensors: {_fmt(missing)}")
@@ -212,6 +220,7 @@ def load_model(
     device: torch.device,
     max_positions: int,
     quantization: str | None = None,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors into it.
     quantization: None, "int8" (weight-only, quantized here from a 16/32-bit checkpoint)
@@ -228,10 +237,10 @@ def load_model(
         raise ModelLoadError(
             f"{path}: an AWQ checkpoint is already quantized; drop --quantization int8"
         )
-    hf = read_checkpoint(path, cfg)
+    hf = read_checkpoint(path, cfg, tp)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in _to_state_dict(cfg, hf).items()}
     with torch.device("meta"):
-        model = CausalLM(cfg, backend, max_positions)
+        model = CausalLM(local_config(cfg, tp), backend, max_positions, tp)
     if cfg.awq_group_size:
         _awq_layers(cfg, hf, model, sd, dtype, device)
         sd = {k: v for k, v in sd.items() if not k.endswith("proj.bias")}

@@ -14,6 +14,7 @@ from torch import nn
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
 from gpu.cpu_linear import pack_model_linears, pack_weight, packed_linear, packing_available
+from gpu.tp import TPGroup, vocab_parallel_embed
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +63,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """config holds this rank's head counts under tensor parallelism (gpu/tp.py)."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        self.tp = tp  # row-parallel o_proj: partial sums, reduced over ranks
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -99,26 +105,31 @@ class Attention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # kv_cache: (k, v), or (k, v, k_scale, v_scale) for a quantized cache.
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:])
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, backend, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -134,11 +145,23 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+    """Under tensor parallelism `config` is this rank's share (gpu.tp.local_config) and
+    `tp` its group: the embedding and lm_head hold a vocabulary slice each."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, tp) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config, max_positions)
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
@@ -155,7 +178,10 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
-        x = self.embed_tokens(input_ids)
+        if self.tp is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)
@@ -163,9 +189,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
         if self.lm_head_packed is not None:
-            return packed_linear(hidden, self.lm_head_packed, None).float()
-        w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden, w).float()
+            logits = packed_linear(hidden, self.lm_head_packed, None).float()
+        else:
+            w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+            logits = F.linear(hidden, w).float()
+        # Vocab-parallel: every rank gets the whole row (each samples the same token from
+        # the same generator state; rank 0's is the one returned).
+        return logits if self.tp is None else self.tp.gather_last_dim(logits)
 
     def pack_for_cpu(self) -> int:
         """Reorder every projection's weights for oneDNN once (CPU)."""

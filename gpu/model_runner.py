@@ -25,6 +25,7 @@ from gpu.kv_quant import bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
+from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
 from scheduler.contract import (
     KVBlockPayload,
     ModelOutput,
@@ -93,6 +94,7 @@ class ModelRunner:
         quantization: str | None = None,
         speculative_model: str | Path | None = None,
         speculation: bool = False,
+        tp: TPGroup | None = None,
     ) -> None:
         self.faults = faults  # fault injection (tests and drills); None in normal serving
         self.model_dir = Path(model_dir)
@@ -111,11 +113,19 @@ class ModelRunner:
             )
         self.max_model_len = max_model_len or limit
         cfg = self.config
+        # Tensor parallelism: this rank's share of the heads (and so of every KV block).
+        self.tp = tp
+        if tp is not None:
+            check_tp_config(cfg, tp.size)
+            if speculation or speculative_model is not None:
+                raise ModelLoadError("speculative decoding does not run tensor-parallel")
+            cuda_graphs = False  # collectives are not captured; eager steps
+        self.local_config = local_config(cfg, tp)
         self.attn_backend = create_attention_backend(
             attention_backend,
             self.device,
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            self.local_config.num_heads,
+            self.local_config.num_kv_heads,
             cfg.head_dim,
             cfg.head_dim**-0.5,
             self.dtype,
@@ -123,8 +133,10 @@ class ModelRunner:
         )
         self.model = load_model(
             self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len,
-            quantization,
+            quantization, tp,
         )  # fmt: skip
+        # Bytes of weights this process holds (1/N of the sharded ones under TP).
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Weight quantization in effect: int8 (at load), awq (the checkpoint's), or None.
         self.quantization = "awq" if cfg.awq_group_size else quantization
         if self.device.type == "cpu":
@@ -132,6 +144,8 @@ class ModelRunner:
             packed = self.model.pack_for_cpu()
             log.info("CPU: %d projections use pre-packed oneDNN weights", packed)
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
+        if tp is not None:  # one block table for all ranks: the smallest cache sets it
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self.kv_caches = self._allocate_kv()
         log.info(
             "KV cache: %d blocks of %d tokens, %s (%d bytes per token over all layers), %.2f GiB",
@@ -175,14 +189,23 @@ class ModelRunner:
     # ------------------------------------------------------------------ sizing
     @property
     def kv_bytes_per_block(self) -> int:
-        """K/V bytes of one block over all layers, scales included (= a payload's size)."""
+        """K/V bytes of one block over all layers, scales included (= a payload's size).
+        Under TP: this rank's heads only."""
+        c = self.local_config
+        per_token = bytes_per_token(self.kv_cache_dtype, self.dtype, c.num_kv_heads, c.head_dim)
+        return c.num_layers * self.block_size * per_token
+
+    @property
+    def kv_payload_bytes(self) -> int:
+        """Bytes of one block's prefix-tier payload: every KV head, as a TP=1 cache holds
+        them, whatever this rank holds (see read_kv_blocks)."""
         c = self.config
         per_token = bytes_per_token(self.kv_cache_dtype, self.dtype, c.num_kv_heads, c.head_dim)
         return c.num_layers * self.block_size * per_token
 
     def _allocate_kv(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (k, v), or (k, v, k_scale, v_scale) for a quantized cache."""
-        c = self.config
+        c = self.local_config
         shape = (self.num_kv_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         vdt = storage_dtype(self.kv_cache_dtype, self.dtype)
 
@@ -448,26 +471,34 @@ class ModelRunner:
         then, for a quantized cache, K then V scales ([block_size, kv_heads] float32)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         n = len(block_ids)
-        parts = [
-            t.index_select(0, idx).reshape(n, -1).view(torch.uint8)
-            for layer in self.kv_caches
-            for t in layer
-        ]
-        per_block = torch.cat(parts, dim=1).cpu()  # [n, kv_bytes_per_block]
+        parts = []
+        for layer in self.kv_caches:
+            for t in layer:
+                x = t.index_select(0, idx)
+                if self.tp is not None:  # every rank's heads, in a TP=1 layout
+                    # Bytes per element on a trailing dim, so dim 2 stays the heads.
+                    x = gather_kv_heads(x.unsqueeze(-1).view(torch.uint8), self.config, self.tp)
+                parts.append(x.reshape(n, -1).view(torch.uint8))
+        per_block = torch.cat(parts, dim=1).cpu()  # [n, kv_payload_bytes]
         return [
             KVBlockPayload(block_id=b, data=per_block[i].numpy().tobytes())
             for i, b in enumerate(block_ids)
         ]
 
     def _load_kv(self, payloads: list[KVBlockPayload]) -> None:
+        # Payloads hold every KV head (TP=1 layout); a TP rank copies its own heads.
+        c = self.config
+        heads = (0, c.num_kv_heads) if self.tp is None else kv_heads(c, self.tp)
         for p in payloads:
             # The prefix-index actor checks checksums and sizes before a payload gets here.
-            assert len(p.data) == self.kv_bytes_per_block, "KV payload of the wrong size"
+            assert len(p.data) == self.kv_payload_bytes, "KV payload of the wrong size"
             raw = torch.frombuffer(bytearray(p.data), dtype=torch.uint8).to(self.device)
             at = 0
             for layer in self.kv_caches:
                 for t in layer:
-                    dst = t[p.block_id]
-                    nbytes = dst.numel() * dst.element_size()
-                    dst.copy_(raw[at : at + nbytes].view(t.dtype).view(dst.shape))
+                    dst = t[p.block_id]  # [block_size, local heads, ...]
+                    shape = (dst.shape[0], c.num_kv_heads, *dst.shape[2:])
+                    nbytes = dst.element_size() * dst[:, :1].numel() * shape[1]
+                    src = raw[at : at + nbytes].view(t.dtype).view(shape)
+                    dst.copy_(src[:, heads[0] : heads[1]])
                     at += nbytes

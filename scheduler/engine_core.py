@@ -72,7 +72,15 @@ class _Stop:
     pass
 
 
-Message = AddRequest | AbortRequest | FinishSequence | RemoteLookupDone | _Stop
+@dataclass
+class ExecutorFailed:
+    """The executor found out between steps that it cannot go on (a tensor-parallel rank
+    exited while the engine idled): the engine dies as if a step had raised."""
+
+    error: BaseException
+
+
+Message = AddRequest | AbortRequest | FinishSequence | RemoteLookupDone | ExecutorFailed | _Stop
 
 
 class Tier(Protocol):
@@ -217,6 +225,8 @@ class EngineCore:
             u = sched.finish_external(msg.req_id, RequestStatus.FINISHED_STOPPED)
             if u is not None:
                 self._dispatch([u])
+        elif isinstance(msg, ExecutorFailed):
+            raise msg.error
         elif isinstance(msg, _Stop):
             return False
         return True

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.contract import TokenLogprobs
-from scheduler.engine_core import EngineCore, StepInfo
+from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
 from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
@@ -75,6 +75,10 @@ class EngineArgs:
     # Speculative decoding, in vLLM's speculative_config shape (see scheduler.spec):
     # {"method": "ngram"|"draft", "num_speculative_tokens": k, "model": DIR, ...}.
     speculative_config: dict[str, Any] | None = None
+    # Tensor parallelism: ranks (processes) one model is split over, and how long a
+    # collective may wait for a rank before the step fails (a dead or hung rank).
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0
 
 
 class RequestFailed(RuntimeError):
@@ -184,7 +188,7 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
     fp = namespace_fingerprint(model_dir, dtype, args.block_size, args.kv_cache_dtype, quant)
     cfg = TierConfig(
         namespace=f"pagestream:{fp}",
-        payload_bytes=runner.kv_bytes_per_block,  # type: ignore[attr-defined]
+        payload_bytes=runner.kv_payload_bytes,  # type: ignore[attr-defined]
         lookup_deadline=args.redis_lookup_deadline,
         hit_threshold=args.redis_hit_threshold,
         max_kv_bytes=args.redis_max_kv_bytes,
@@ -194,12 +198,32 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
             "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": str(quant),
             "block_size": str(args.block_size),
-            "payload_bytes": str(runner.kv_bytes_per_block),  # type: ignore[attr-defined]
+            "payload_bytes": str(runner.kv_payload_bytes),  # type: ignore[attr-defined]
         },
     )
     store, kind = make_store(args.redis_url or "", cfg)
     log.info("shared prefix tier: %s, namespace %s", kind, cfg.namespace)
     return PrefixTier(store, cfg, name=kind)
+
+
+def _tp_executor(
+    args: EngineArgs, model_dir: Path, runner_kwargs: dict[str, Any], faults: FaultPlan | None
+) -> ThreadExecutor:
+    """Check what tensor parallelism cannot do before any process starts, then spawn."""
+    from gpu.config import ModelConfig, ModelLoadError
+    from gpu.tp import check_tp_config
+    from gpu.tp_executor import TPExecutor
+
+    check_tp_config(ModelConfig.from_dir(model_dir), args.tensor_parallel_size)
+    if args.speculative_config:
+        raise ModelLoadError("--tensor-parallel-size > 1 does not work with speculative decoding")
+    return TPExecutor(
+        args.tensor_parallel_size,
+        runner_kwargs,
+        faults=faults,
+        threads=args.threads,
+        timeout_s=args.tensor_parallel_timeout,
+    )
 
 
 def default_model_dir() -> Path:
@@ -303,31 +327,49 @@ class AsyncEngine:
             log.warning("FAULT INJECTION is on: %s", faults)
         spec = SpecConfig.from_dict(args.speculative_config) if args.speculative_config else None
 
+        runner_kwargs: dict[str, Any] = dict(
+            model_dir=model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_bytes=args.kv_cache_bytes,
+            attention_backend=args.attention_backend,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            cuda_graphs=args.cuda_graphs,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+        )
+        if args.tensor_parallel_size != 1:
+            executor: ThreadExecutor = _tp_executor(args, model_dir, runner_kwargs, faults)
+            return cls._assemble(args, executor, model_dir, spec, faults)
+
         def build() -> ModelRunner:
             if threads:
                 torch.set_num_threads(threads)
             return ModelRunner(
-                model_dir,
-                dtype=args.dtype,
-                device=args.device,
-                block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks,
-                kv_cache_bytes=args.kv_cache_bytes,
-                attention_backend=args.attention_backend,
-                max_model_len=args.max_model_len,
-                seed=args.seed,
-                cuda_graphs=args.cuda_graphs,
-                max_num_seqs=args.max_num_seqs,
+                **runner_kwargs,
                 faults=faults,
-                kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization,
                 speculation=spec is not None,
                 speculative_model=spec.model if spec and spec.method == "draft" else None,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).
-        executor = ThreadExecutor(factory=build)
-        runner = executor.runner
+        return cls._assemble(args, ThreadExecutor(factory=build), model_dir, spec, faults)
+
+    @classmethod
+    def _assemble(
+        cls,
+        args: EngineArgs,
+        executor: ThreadExecutor,
+        model_dir: Path,
+        spec: SpecConfig | None,
+        faults: FaultPlan | None,
+    ) -> AsyncEngine:
+        """The scheduler, tokenizer and prefix tier around a built executor."""
+        runner: Any = executor.runner
         tokenizer = Tokenizer.from_dir(model_dir)
         capacity = runner.num_kv_blocks * args.block_size
         max_model_len = runner.max_model_len
@@ -375,6 +417,16 @@ class AsyncEngine:
         if self.tier is not None:
             self.tier.start()
         self.core.start()
+        watch = getattr(self.executor, "watch", None)
+        if watch is not None:  # tensor parallel: a rank exiting fails the engine at once
+            import asyncio
+
+            loop = asyncio.get_running_loop()
+
+            def failed(error: BaseException) -> None:
+                loop.call_soon_threadsafe(self.core.inbox.put_nowait, ExecutorFailed(error))
+
+            watch(failed)
 
     async def shutdown(self) -> None:
         await self.core.stop()

@@ -138,6 +138,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks (processes; one GPU each on CUDA, disjoint cores "
+        "on CPU) joined by torch.distributed",
+    )
+    g.add_argument(
+        "--tensor-parallel-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest a collective waits for a rank; a dead or hung rank fails the engine",
+    )
 
 
 def engine_args(a: argparse.Namespace) -> EngineArgs:
@@ -165,6 +180,8 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         max_waiting_requests=a.max_waiting_requests or None,
         max_waiting_tokens=a.max_waiting_tokens or None,
         speculative_config=speculative_config(a),
+        tensor_parallel_size=a.tensor_parallel_size,
+        tensor_parallel_timeout=a.tensor_parallel_timeout,
     )
 
 

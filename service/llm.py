@@ -45,6 +45,8 @@ class LLM:
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
         speculative_config: dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_timeout: float = 60.0,
     ) -> None:
         if max_num_batched_tokens is None:
             # Offline batches favour throughput over inter-token latency: a larger step
@@ -72,6 +74,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             quantization=quantization,
             speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_timeout=tensor_parallel_timeout,
         )
         self.engine = AsyncEngine.from_args(self.args)
         # The engine lives on its own loop thread, so LLM works from plain scripts and from

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from scheduler.contract import ModelOutput, SchedulerOutput
-from scheduler.engine_core import EngineCore, EngineDeadError
+from scheduler.engine_core import EngineCore, EngineDeadError, ExecutorFailed
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan, InjectedFault
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -156,6 +156,25 @@ async def test_engine_failure_fails_every_stream_including_queued_ones():
                 await asyncio.wait_for(_collect(s), 10)
         with pytest.raises(Exception, match="fell over"):
             await task
+        with pytest.raises(EngineDeadError):
+            core.add(make_group("late", [1, 2], 4))
+    finally:
+        ex.shutdown()
+
+
+async def test_executor_failure_between_steps_kills_an_idle_engine():
+    """An executor that learns on its own that it cannot go on (a tensor-parallel rank
+    exited while nothing ran) posts ExecutorFailed: the engine dies at once."""
+    sched = Scheduler(SchedulerConfig(num_kv_blocks=64, block_size=4, max_model_len=64))
+    ex = ThreadExecutor(FakeRunner(64, 4, VOCAB))
+    core = EngineCore(sched, ex)
+    task = core.start()
+    try:
+        await asyncio.wait_for(_collect(core.add(make_group("a", [1, 2, 3], 4))), 10)
+        core.inbox.put_nowait(ExecutorFailed(RuntimeError("rank 1 exited")))
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            await asyncio.wait_for(task, 10)
+        assert "rank 1 exited" in str(core.dead)
         with pytest.raises(EngineDeadError):
             core.add(make_group("late", [1, 2], 4))
     finally:
