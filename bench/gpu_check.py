@@ -717,7 +717,7 @@ def decode_tokens_per_s(
                         req_id=r,
                         input_ids=prompts[r],
                         start_pos=0,
-                        block_table=table(r, s.e2e_prompt),
+                        new_block_ids=table(r, s.e2e_prompt),
                         sample=True,
                     )
                     for r in group
@@ -738,7 +738,7 @@ def decode_tokens_per_s(
                     req_id=r,
                     input_ids=[last[r]],
                     start_pos=pos,
-                    block_table=table(r, pos + 1),
+                    new_block_ids=table(r, pos + 1),
                     sample=True,
                 )
                 for r in ids

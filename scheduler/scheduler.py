@@ -405,12 +405,14 @@ class Scheduler:
         s = req.num_computed_tokens
         sample = s + n == req.num_tokens
         forks = req.fork_ids if sample else []
+        kept, new_blocks = self.kv.take_table_delta(req.req_id)
         scheduled.append(
             ScheduledRequest(
                 req_id=req.req_id,
                 input_ids=req.token_ids[s : s + n],
                 start_pos=s,
-                block_table=list(self.kv.block_ids(req.req_id)),
+                new_block_ids=new_blocks,
+                num_kept_blocks=kept,
                 sample=sample,
                 fork_ids=list(forks),
                 draft_ids=drafts or [],
