@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 
@@ -80,40 +81,52 @@ def _build(n: int, reqs: list[Request], extra_seqs: int, extra_blocks: int, step
 
 def _time_steps(
     sched: Scheduler, runner: NoopRunner, steps: int, before: Callable[[], None] | None = None
-) -> tuple[list[float], list[int], int]:
-    times, sizes, prefill_steps = [], [], 0
+) -> tuple[Timings, int]:
+    times, cpu, sizes, prefill_steps = [], [], [], 0
     for _ in range(steps):
         if before is not None:
             before()
-        t = time.perf_counter()
+        c, t = time.thread_time(), time.perf_counter()
         so = sched.schedule()
         mo = runner.execute_model(so)
-        t1 = time.perf_counter()
         sched.update_from_output(so, mo)
-        times.append(time.perf_counter() - t1 + (t1 - t))
+        times.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
         sizes.append(len(msgspec.msgpack.encode(so)))
         if any(len(r.input_ids) > 1 for r in so.scheduled):
             prefill_steps += 1
-    return times, sizes, prefill_steps
+    return Timings(times, cpu, sizes), prefill_steps
 
 
-def _row(label: str, n: int, ctx: str, times: list[float], sizes: list[int]) -> list[str]:
-    times = sorted(times)
-    med = times[len(times) // 2] * 1e3
-    p90 = times[int(len(times) * 0.9)] * 1e3
-    kb = sorted(sizes)[len(sizes) // 2] / 1024
-    return [label, str(n), ctx, f"{med:.3f}", f"{p90:.3f}", f"{med * 1e3 / n:.2f}", f"{kb:.1f}"]
+class Timings(NamedTuple):
+    wall: list[float]  # seconds per step
+    cpu: list[float]  # this thread's CPU seconds per step (steadier on a shared machine)
+    sizes: list[int]  # msgpack bytes per step
 
 
-def decode_case(n: int, lo: int, hi: int, steps: int) -> tuple[list[float], list[int]]:
+def _med(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _row(label: str, n: int, ctx: str, t: Timings) -> list[str]:
+    wall, cpu = _med(t.wall) * 1e3, _med(t.cpu) * 1e3
+    p90 = sorted(t.wall)[int(len(t.wall) * 0.9)] * 1e3
+    kb = _med(t.sizes) / 1024
+    return [
+        label, str(n), ctx, f"{cpu:.3f}", f"{wall:.3f}", f"{p90:.3f}", f"{cpu * 1e3 / n:.2f}",
+        f"{kb:.1f}",
+    ]  # fmt: skip
+
+
+def decode_case(n: int, lo: int, hi: int, steps: int) -> Timings:
     sched, runner = _build(n, _decoders(n, lo, hi), 0, 0, steps)
-    times, sizes, _ = _time_steps(sched, runner, steps)
+    timings, _ = _time_steps(sched, runner, steps)
     assert all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
     assert len(sched.running) == n
-    return times, sizes
+    return timings
 
 
-def mixed_case(n: int, lo: int, hi: int, steps: int, prompt: int) -> tuple[list[float], list[int]]:
+def mixed_case(n: int, lo: int, hi: int, steps: int, prompt: int) -> Timings:
     """n requests decoding while prompts of `prompt` tokens (max_tokens 1, so each ends
     when its prefill does) stream in, chunked into what the decodes leave of the budget."""
     reserve = 4 * -(-prompt // BLOCK)
@@ -127,22 +140,22 @@ def mixed_case(n: int, lo: int, hi: int, steps: int, prompt: int) -> tuple[list[
             i = count[0]
             sched.add_request([Request(f"p{i}", _prompt(10_000 + i, prompt), params, max_tokens=1)])
 
-    times, sizes, prefill_steps = _time_steps(sched, runner, steps, top_up)
+    timings, prefill_steps = _time_steps(sched, runner, steps, top_up)
     assert prefill_steps == steps, "every timed step should carry a prefill chunk"
-    return times, sizes
+    return timings
 
 
 def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
     steps = args.sched_steps
     n = 1024
     rows = [
-        _row("decode", n, "128", *decode_case(n, 128, 128, steps)),
-        _row("decode", n, "2048-4096", *decode_case(n, 2048, 4096, steps)),
+        _row("decode", n, "128", decode_case(n, 128, 128, steps)),
+        _row("decode", n, "2048-4096", decode_case(n, 2048, 4096, steps)),
         _row(
             "decode + 4096-token prefill chunks",
             n,
             "2048-4096",
-            *mixed_case(n, 2048, 4096, steps, 4096),
+            mixed_case(n, 2048, 4096, steps, 4096),
         ),
     ]
     title = (
@@ -153,9 +166,10 @@ def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
         "steps",
         "running",
         "context tokens",
-        "median ms/step",
-        "p90 ms/step",
-        "us per request",
+        "median CPU ms/step",
+        "median wall ms/step",
+        "p90 wall ms/step",
+        "CPU us per request",
         "msgpack KB/step",
     ]
     return print_table(title, header, rows)

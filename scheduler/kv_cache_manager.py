@@ -93,8 +93,22 @@ class KVCacheManager:
         changes nothing.
         """
         bs = self.block_size
-        hits = new_computed_blocks or []
         blocks = self.req_blocks.get(req.req_id)
+        if blocks and new_computed_blocks is None and not num_external_tokens:
+            # Every running request, every step (mostly a decode inside its last block):
+            # no new block and nothing shared to copy is answered without the general path.
+            start = req.num_computed_tokens
+            total = start + num_new_tokens
+            if (
+                num_new_tokens > 0
+                and total <= len(blocks) * bs
+                and blocks[start // bs].ref_cnt == 1
+            ):
+                full = min(total, len(req.token_ids)) // bs
+                if full > self.num_cached_blocks.get(req.req_id, 0):
+                    self._cache_full_blocks(req, blocks, total)
+                return []
+        hits = new_computed_blocks or []
         if blocks is None:
             blocks = []
         num_computed = req.num_computed_tokens + len(hits) * bs + num_external_tokens
