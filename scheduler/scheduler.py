@@ -163,13 +163,14 @@ class Scheduler(PrefixTierSupport):
         speculate = spec is not None and spec.enabled_for_step(
             len(self.running) + len(self.waiting)
         )
+        copies, scheduled, new_reqs, done = step.copies, step.scheduled, step.new_reqs, step.done
         for req in order:
             if step.budget <= 0:
                 break
             if req.status != running:
                 continue  # preempted earlier in this pass
             n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
-            drafts: list[int] = []
+            drafts: list[int] | None = None
             num_draft = 0
             if (
                 speculate
@@ -181,16 +182,16 @@ class Scheduler(PrefixTierSupport):
             ):
                 assert spec is not None
                 drafts, num_draft = spec.plan(req, self._spec_room(req, step.budget))
-            while allocate(req, n + num_draft, step.copies) is None:
-                victim = self._newest_unscheduled(step.done)
+            while allocate(req, n + num_draft, copies) is None:
+                victim = self._newest_unscheduled(done)
                 self._preempt(victim)
                 step.preempted = True
                 if victim is req:
                     break
             if req.status != running:
                 continue
-            self._schedule(req, n, step.scheduled, step.new_reqs, drafts, num_draft)
-            step.done.add(req.req_id)
+            self._schedule(req, n, scheduled, new_reqs, drafts, num_draft)
+            done.add(req.req_id)
             step.budget -= n + num_draft
 
     def _admit_waiting(self, step: _StepPlan) -> None:
