@@ -4,6 +4,7 @@ measured in the same run (absolute times drift on these shared machines).
 Sections (all by default):
   offline    LLM.generate vs transformers' batched generate() on a mixed workload
   scheduler  scheduler + block manager time per step with a no-op executor
+  sampler    top-p on flat and peaked distributions vs a full vocabulary sort
   prefix     TTFT of a long shared system prompt: cold, local hit, Redis-tier hit
   serve      a real server under `pagestream bench serve` at a few request rates
   structured constrained decoding: mask costs, constrained rows sharing a batch
@@ -146,7 +147,9 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured,quant,spec")
+    ap.add_argument(
+        "--sections", default="offline,scheduler,sampler,prefix,serve,structured,quant,spec"
+    )
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     table = {
         "offline": bench_offline,
         "scheduler": bench_scheduler,
+        "sampler": bench_sampler,
         "prefix": bench_prefix,
         "serve": bench_serve,
         "vllm": bench_vllm,
@@ -204,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "latest.md").write_text("\n".join(out))
     print(f"(written to {RESULTS / 'latest.md'})")
     return 0
+
+
+def bench_sampler(args: argparse.Namespace) -> str:
+    from bench.sampler import run as run_sampler
+
+    return run_sampler(args, _print_table)
 
 
 def bench_prefix(args: argparse.Namespace) -> str:
