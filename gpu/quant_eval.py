@@ -37,6 +37,7 @@ def teacher_forced_logits(runner: ModelRunner, tokens: list[int], prompt_len: in
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
         rows.append(runner.model.compute_logits(hidden[-1:]))
         pos += n
+    runner.block_tables.pop("eval", None)
     return torch.cat(rows).float()
 
 

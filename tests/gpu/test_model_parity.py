@@ -221,7 +221,37 @@ def test_runner_caches_sampling_params_and_drops_finished():
     out = runner.execute_model(so)
     assert out.req_ids == ["x"] and len(out.sampled_token_ids) == 1
     assert runner.requests["x"].token_ids == [5, 6, 7, out.sampled_token_ids[0]]
-    runner.execute_model(
-        SchedulerOutput(step=2, new_requests=[], scheduled=[], finished_req_ids=["x"])
+    # A delta keeps the first block and adds one; a delta on a table the runner does not
+    # hold drops that request alone, with the reason.
+    y = NewRequestData(req_id="y", prompt_len=1, token_ids=[5], sampling=SamplingParams())
+    out = runner.execute_model(
+        SchedulerOutput(
+            step=2,
+            new_requests=[y],
+            scheduled=[
+                ScheduledRequest(
+                    req_id="x",
+                    input_ids=[out.sampled_token_ids[0]],
+                    start_pos=3,
+                    new_block_ids=[9],
+                    num_kept_blocks=1,
+                    sample=True,
+                ),
+                ScheduledRequest(
+                    req_id="y",
+                    input_ids=[5],
+                    start_pos=0,
+                    new_block_ids=[4],
+                    num_kept_blocks=2,
+                    sample=True,
+                ),
+            ],
+            finished_req_ids=[],
+        )
     )
-    assert "x" not in runner.requests
+    assert out.req_ids == ["x"] and runner.block_tables["x"] == [3, 9]
+    assert "block table delta" in out.errors["y"]
+    runner.execute_model(
+        SchedulerOutput(step=3, new_requests=[], scheduled=[], finished_req_ids=["x"])
+    )
+    assert "x" not in runner.requests and "x" not in runner.block_tables
