@@ -32,8 +32,10 @@ class NewRequestData(msgspec.Struct, gc=False, kw_only=True):
     sample_index: int = 0
 
 
-class ScheduledRequest(msgspec.Struct, gc=False, kw_only=True):
-    """One request's work in a step."""
+class ScheduledRequest(msgspec.Struct, gc=False, kw_only=True, array_like=True):
+    """One request's work in a step.  Encoded as an array (no field names): there is one
+    per running request per step, and an executor in another process gets ~18 bytes for
+    a decode instead of ~110."""
 
     req_id: str
     input_ids: list[int]  # tokens fed this step (decode: 1, prefill chunk: many)
