@@ -4,6 +4,7 @@ measured in the same run (absolute times drift on these shared machines).
 Sections (all by default):
   offline    LLM.generate vs transformers' batched generate() on a mixed workload
   scheduler  scheduler + block manager time per step with a no-op executor
+  sampler    top-p on flat and peaked distributions vs a full vocabulary sort
   prefix     TTFT of a long shared system prompt: cold, local hit, Redis-tier hit
   serve      a real server under `pagestream bench serve` at a few request rates
   structured constrained decoding: mask costs, constrained rows sharing a batch
@@ -138,69 +139,18 @@ def bench_offline(args: argparse.Namespace) -> str:
 
 
 # --------------------------------------------------------------------------- scheduler
-class _NoopRunner:
-    """Samples token 1 for every sampling request, instantly."""
-
-    def execute_model(self, so):
-        from scheduler.contract import ModelOutput
-
-        ids: list[str] = []
-        for r in so.scheduled:
-            if r.sample:
-                ids.append(r.req_id)
-                ids += r.fork_ids
-        return ModelOutput(req_ids=ids, sampled_token_ids=[1] * len(ids))
-
-
 def bench_scheduler(args: argparse.Namespace) -> str:
-    from scheduler.request import Request
-    from scheduler.sampling_params import SamplingParams
-    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from bench.sched import run as run_sched
 
-    rows = []
-    for n in (256, 1024):
-        cfg = SchedulerConfig(
-            num_kv_blocks=n * 40,
-            block_size=16,
-            max_num_batched_tokens=max(2048, n),
-            max_num_seqs=n,
-            max_model_len=4096,
-        )
-        sched = Scheduler(cfg)
-        runner = _NoopRunner()
-        params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-        for i in range(n):
-            prompt = [16 + (i * 7 + j) % 30000 for j in range(128)]
-            sched.add_request([Request(f"r{i}", prompt, params, max_tokens=3000)])
-        # Admit everything and get to steady decode.
-        while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
-            so = sched.schedule()
-            sched.update_from_output(so, runner.execute_model(so))
-        times = []
-        for _ in range(args.sched_steps):
-            t = time.perf_counter()
-            so = sched.schedule()
-            mo = runner.execute_model(so)
-            t1 = time.perf_counter()
-            sched.update_from_output(so, mo)
-            t2 = time.perf_counter()
-            times.append((t1 - t) + (t2 - t1))
-            assert len(so.scheduled) == n
-        times.sort()
-        med = times[len(times) // 2] * 1e3
-        p90 = times[int(len(times) * 0.9)] * 1e3
-        rows.append([str(n), f"{med:.3f}", f"{p90:.3f}", f"{med * 1e3 / n:.2f}"])
-    return _print_table(
-        "Scheduler + block manager per decode step (no-op executor; target < 1 ms at 256)",
-        ["running requests", "median ms/step", "p90 ms/step", "us per request"],
-        rows,
-    )
+    return run_sched(args, _print_table)
 
 
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    ap.add_argument("--sections", default="offline,scheduler,prefix,serve,structured,quant,spec,tp")
+    ap.add_argument(
+        "--sections", default="offline,scheduler,sampler,prefix,serve,structured,quant,spec,tp"
+    )
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -238,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     table = {
         "offline": bench_offline,
         "scheduler": bench_scheduler,
+        "sampler": bench_sampler,
         "prefix": bench_prefix,
         "serve": bench_serve,
         "vllm": bench_vllm,
@@ -259,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "latest.md").write_text("\n".join(out))
     print(f"(written to {RESULTS / 'latest.md'})")
     return 0
+
+
+def bench_sampler(args: argparse.Namespace) -> str:
+    from bench.sampler import run as run_sampler
+
+    return run_sampler(args, _print_table)
 
 
 def bench_prefix(args: argparse.Namespace) -> str:

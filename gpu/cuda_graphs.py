@@ -110,21 +110,24 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def run(self, decodes: list[ScheduledRequest]) -> torch.Tensor:  # [n, hidden]
-        """One decode step through the bucket's graph (or its eager equivalent)."""
+    def run(
+        self, decodes: list[ScheduledRequest], tables: list[list[int]]
+    ) -> torch.Tensor:  # [n, hidden]
+        """One decode step through the bucket's graph (or its eager equivalent); `tables`
+        are the decodes' block tables, in order."""
         n = len(decodes)
         b = self.bucket(n)
         assert b is not None
         bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
         table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
-        for i, r in enumerate(decodes):
+        for i, (r, bt) in enumerate(zip(decodes, tables, strict=True)):
             s = r.start_pos
             ids.append(r.input_ids[0])
             pos.append(s)
-            slots.append(r.block_table[s // bs] * bs + s % bs)
+            slots.append(bt[s // bs] * bs + s % bs)
             lens.append(s + 1)
-            table[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
         pad = b - n
         ids += [0] * pad
         pos += [0] * pad

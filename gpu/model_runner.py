@@ -32,6 +32,7 @@ from scheduler.contract import (
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
+    apply_block_delta,
 )
 from scheduler.faults import FaultPlan
 
@@ -155,6 +156,9 @@ class ModelRunner:
         )  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
         self.requests: dict[str, RequestSamplingState] = {}
+        # Each running request's block table, kept across steps: a step sends only the
+        # entries that changed (scheduler/contract.py, ScheduledRequest).
+        self.block_tables: dict[str, list[int]] = {}
         self.last_step_seconds = 0.0
         self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
         # Speculative decoding: verification, and the draft model when there is one.
@@ -247,6 +251,7 @@ class ModelRunner:
         errors: dict[str, str] = {}
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.block_tables.pop(rid, None)
             if self.spec is not None:
                 self.spec.drop(rid)
         for new in so.new_requests:
@@ -280,7 +285,7 @@ class ModelRunner:
             ):
                 # The graph's hidden row i is scheduled request i.
                 samples = self._sample_rows(scheduled, range(len(scheduled)), errors)
-                hidden = graphs.run(scheduled)
+                hidden = graphs.run(scheduled, [self.block_tables[r.req_id] for r in scheduled])
             else:
                 inputs = self._prepare(scheduled, errors)
                 samples, verify = inputs.samples, inputs.verify
@@ -307,18 +312,23 @@ class ModelRunner:
     def _valid_inputs(
         self, scheduled: list[ScheduledRequest], errors: dict[str, str]
     ) -> list[ScheduledRequest]:
-        """Drop (and report) requests whose inputs would poison the whole batch: token ids
-        outside the embedding table, or a block table too short for their positions."""
+        """Bring the block tables up to this step, then drop (and report) requests whose
+        inputs would poison the whole batch: token ids outside the embedding table, or a
+        block table too short for their positions."""
         vocab, bs = self.config.vocab_size, self.block_size
+        tables = self.block_tables
         bad = None
         for r in scheduled:
             ids = r.input_ids
+            table = apply_block_delta(tables, r)
             why = None
-            if not ids:
+            if table is None:
+                why = "its block table delta does not follow the table this runner holds"
+            elif not ids:
                 why = "no input tokens"
             elif min(ids) < 0 or max(ids) >= vocab:
                 why = f"a token id is outside the vocabulary (0..{vocab - 1})"
-            elif len(r.block_table) * bs < r.start_pos + len(ids):
+            elif len(table) * bs < r.start_pos + len(ids):
                 why = "its block table does not cover its positions"
             if why is not None:
                 log.warning("request %s dropped from step: %s", r.req_id, why)
@@ -402,7 +412,10 @@ class ModelRunner:
         ordered = [r for r in scheduled if len(r.input_ids) + r.num_draft == 1]
         ordered += [r for r in scheduled if len(r.input_ids) + r.num_draft != 1]
         batch = layout_batch(
-            [(r.input_ids + r.draft_ids, r.start_pos, r.block_table) for r in ordered],
+            [
+                (r.input_ids + r.draft_ids, r.start_pos, self.block_tables[r.req_id])
+                for r in ordered
+            ],
             self.block_size,
             self.device,
         )

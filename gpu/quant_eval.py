@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.model_runner import ModelRunner
-from scheduler.contract import ScheduledRequest
+from scheduler.contract import ScheduledRequest, apply_block_delta
 
 
 @torch.inference_mode()
@@ -29,13 +29,15 @@ def teacher_forced_logits(runner: ModelRunner, tokens: list[int], prompt_len: in
             req_id="eval",
             input_ids=tokens[pos : pos + n],
             start_pos=pos,
-            block_table=table[: -(-(pos + n) // bs)],
+            new_block_ids=table[: -(-(pos + n) // bs)],
             sample=False,  # rows are picked here, not by the sampler
         )
+        apply_block_delta(runner.block_tables, req)
         inputs = runner._prepare([req])
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
         rows.append(runner.model.compute_logits(hidden[-1:]))
         pos += n
+    runner.block_tables.pop("eval", None)
     return torch.cat(rows).float()
 
 

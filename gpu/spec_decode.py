@@ -48,6 +48,7 @@ class TargetRunner(Protocol):
     max_model_len: int
     num_kv_blocks: int
     requests: dict[str, RequestSamplingState]
+    block_tables: dict[str, list[int]]
     sampler: Sampler
     model: torch.nn.Module
 
@@ -191,6 +192,7 @@ class DraftModel:
         self,
         reqs: list[tuple[ScheduledRequest, RequestSamplingState]],
         sampler: Sampler,
+        block_tables: dict[str, list[int]],
     ) -> list[tuple[list[int], torch.Tensor | None]]:
         """k drafts per request (k = its num_draft), with their q rows for random ones.
 
@@ -207,7 +209,7 @@ class DraftModel:
         for rnd in range(max(sr.num_draft for sr, _ in reqs)):
             feeds.sort(key=lambda f: len(f[1]) != 1)  # one-token queries first
             batch = layout_batch(
-                [(toks, s, reqs[i][0].block_table) for i, toks, s in feeds],
+                [(toks, s, block_tables[reqs[i][0].req_id]) for i, toks, s in feeds],
                 self.block_size,
                 self.device,
             )
@@ -291,7 +293,9 @@ class SpecRunner:
             if sr.num_draft and not sr.draft_ids:
                 todo.append((sr, runner.requests[sr.req_id]))
         if todo:
-            for (sr, _), (d, q) in zip(todo, draft.propose(todo, runner.sampler), strict=True):
+            for (sr, _), (d, q) in zip(
+                todo, draft.propose(todo, runner.sampler, runner.block_tables), strict=True
+            ):
                 sr.draft_ids = d
                 self._q[sr.req_id] = q
 

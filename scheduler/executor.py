@@ -25,7 +25,8 @@ class ExecutorError(RuntimeError):
 
 def describe_step(so: SchedulerOutput) -> str:
     reqs = ", ".join(
-        f"{r.req_id}[pos {r.start_pos}+{len(r.input_ids)}, {len(r.block_table)} blocks]"
+        f"{r.req_id}[pos {r.start_pos}+{len(r.input_ids)}, blocks {r.num_kept_blocks}"
+        f"+{len(r.new_block_ids)}]"
         for r in so.scheduled[:16]
     )
     more = f" (+{len(so.scheduled) - 16} more)" if len(so.scheduled) > 16 else ""

@@ -24,6 +24,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         # The same tables as plain ids, kept in step so a step copies them with list().
         self.req_block_ids: dict[str, list[int]] = {}
+        # How many leading entries of each request's table the runner already holds as
+        # they are now (sent in an earlier step): a step sends only the entries after them.
+        self.num_synced_blocks: dict[str, int] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
@@ -58,6 +61,20 @@ class KVCacheManager:
     def block_ids(self, req_id: str) -> list[int]:
         return self.req_block_ids.get(req_id, [])
 
+    def take_table_delta(self, req_id: str) -> tuple[int, list[int]]:
+        """(entries the runner keeps, entries to send after them) of a request's table,
+        for the step being built; from then on the runner holds the whole table."""
+        ids = self.req_block_ids[req_id]
+        kept = self.num_synced_blocks.get(req_id, 0)
+        self.num_synced_blocks[req_id] = len(ids)
+        return kept, ids[kept:]
+
+    def _unsync(self, req_id: str, index: int) -> None:
+        """Entry `index` of a request's table changed or went: resend from there on."""
+        synced = self.num_synced_blocks.get(req_id, 0)
+        if index < synced:
+            self.num_synced_blocks[req_id] = index
+
     # ---------------------------------------------------------------- allocation
     def allocate_slots(
         self,
@@ -76,8 +93,22 @@ class KVCacheManager:
         changes nothing.
         """
         bs = self.block_size
-        hits = new_computed_blocks or []
         blocks = self.req_blocks.get(req.req_id)
+        if blocks and new_computed_blocks is None and not num_external_tokens:
+            # Every running request, every step (mostly a decode inside its last block):
+            # no new block and nothing shared to copy is answered without the general path.
+            start = req.num_computed_tokens
+            total = start + num_new_tokens
+            if (
+                num_new_tokens > 0
+                and total <= len(blocks) * bs
+                and blocks[start // bs].ref_cnt == 1
+            ):
+                full = min(total, len(req.token_ids)) // bs
+                if full > self.num_cached_blocks.get(req.req_id, 0):
+                    self._cache_full_blocks(req, blocks, total)
+                return []
+        hits = new_computed_blocks or []
         if blocks is None:
             blocks = []
         num_computed = req.num_computed_tokens + len(hits) * bs + num_external_tokens
@@ -104,6 +135,7 @@ class KVCacheManager:
             self.pool.free([old])
             blocks[first] = copy
             ids[first] = copy.block_id
+            self._unsync(req.req_id, first)
         self.req_blocks[req.req_id] = blocks
         self._cache_full_blocks(req, blocks, total)
         return fresh
@@ -142,6 +174,7 @@ class KVCacheManager:
         surplus = blocks[keep:]
         del blocks[keep:]
         del self.req_block_ids[req.req_id][keep:]
+        self._unsync(req.req_id, keep)
         self.pool.free(reversed(surplus))
 
     def free(self, req: Request, *, drop_private: bool = False) -> None:
@@ -155,6 +188,7 @@ class KVCacheManager:
                 if b.ref_cnt == 1:
                     self.pool.uncache(b)
         self.req_block_ids.pop(req.req_id, None)
+        self.num_synced_blocks.pop(req.req_id, None)
         self.num_cached_blocks.pop(req.req_id, None)
         if blocks:
             self.pool.free(reversed(blocks))

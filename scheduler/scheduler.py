@@ -13,9 +13,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
-from scheduler.block_pool import BlockEvent, BlockHash
+from scheduler.block_pool import BlockEvent
 from scheduler.contract import (
     KVBlockPayload,
     ModelOutput,
@@ -26,73 +25,15 @@ from scheduler.contract import (
 )
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
-from scheduler.spec import SpecDecoder, SpecStats
+from scheduler.scheduler_types import (
+    RequestRejected,
+    RequestUpdate,
+    SchedulerConfig,
+    SchedulerStats,
+)
+from scheduler.spec import SpecDecoder
 from scheduler.structured import GrammarMatcher, bitmasks
-
-
-class RequestRejected(ValueError):
-    """A request the engine cannot take (too long, bad params); the message says why."""
-
-
-@dataclass
-class SchedulerConfig:
-    num_kv_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.num_kv_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({self.num_kv_blocks} blocks of {self.block_size} tokens) cannot "
-                f"hold one sequence of max_model_len {self.max_model_len}; add blocks or lower "
-                "max_model_len"
-            )
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one sequence produced in one step (or how it ended)."""
-
-    req_id: str
-    group_id: str
-    sample_index: int
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
-    finish_reason: str | None = None
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    first_scheduled_time: float | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    prefix_hits_remote: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
-    spec: SpecStats | None = None  # speculative decoding counters (cumulative)
-
-
-class PublishPolicy(Protocol):
-    """What the scheduler asks of the shared prefix tier (see scheduler.prefix_tier)."""
-
-    cfg: Any  # .hit_threshold
-
-    def should_publish(self, h: BlockHash) -> bool: ...
+from scheduler.tier_support import PrefixTierSupport, PublishPolicy
 
 
 @dataclass
@@ -108,7 +49,7 @@ class _StepPlan:
     preempted: bool = False
 
 
-class Scheduler:
+class Scheduler(PrefixTierSupport):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -133,13 +74,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_id = 0
         self._constrained: list[Request] = []  # sampling rows with a grammar, this step
-        # Shared prefix tier: requests parked while it is asked for their prompt's KV,
-        # blocks to read out for publication, and what each step's read-outs were.
-        self.tier = tier
-        self.remote_pending: dict[str, Request] = {}
-        self.prefix_hits_remote = 0
-        self._to_save: dict[BlockHash, None] = {}
-        self._saving: dict[int, dict[int, BlockHash]] = {}
+        self._init_tier(tier)
 
     # ---------------------------------------------------------------- intake
     def check_group(self, group: list[Request]) -> None:
@@ -201,66 +136,6 @@ class Scheduler:
         elif r.status == RequestStatus.WAITING_FOR_REMOTE:
             self.remote_pending.pop(r.req_id, None)
 
-    # ---------------------------------------------------------------- shared prefix tier
-    def remote_lookup_plan(self, req: Request) -> tuple[int, list[BlockHash]] | None:
-        """(first block index, hashes) of the prompt blocks worth asking the shared tier
-        for: those past the local hits, leaving the last token to compute."""
-        if (
-            not self.config.enable_prefix_caching
-            or req.num_computed_tokens
-            or req.params.prompt_logprobs is not None
-        ):
-            return None
-        bs = self.block_size
-        req.update_block_hashes(bs)
-        max_blocks = (req.num_tokens - 1) // bs
-        local = len(self.kv.get_computed_blocks(req))
-        if local >= max_blocks:
-            return None
-        return local, req.block_hashes[local:max_blocks]
-
-    def park_for_remote(self, req: Request) -> None:
-        """Hold a queued request out of admission while the tier is asked."""
-        self.waiting.remove(req)
-        req.status = RequestStatus.WAITING_FOR_REMOTE
-        self.remote_pending[req.req_id] = req
-
-    def remote_lookup_done(self, req_id: str, start: int, payloads: list[bytes]) -> None:
-        req = self.remote_pending.pop(req_id, None)
-        if req is None:
-            return  # aborted meanwhile
-        req.remote_start, req.remote_payloads = start, payloads
-        req.status = RequestStatus.WAITING
-        # Back into the queue in arrival order.
-        i = len(self.waiting)
-        while i > 0 and self.waiting[i - 1].arrival_time > req.arrival_time:
-            i -= 1
-        self.waiting.insert(i, req)
-
-    def _note_hits(self, req: Request, hits: list) -> None:
-        tier = self.tier
-        if tier is None:
-            return
-        threshold = tier.cfg.hit_threshold
-        for b in hits:
-            b.hits += 1
-            if (b.hits >= threshold or req.publish_prefix) and tier.should_publish(b.block_hash):
-                self._to_save[b.block_hash] = None
-
-    def _note_registration(self, req: Request, end: int) -> None:
-        """A registered prefix: publish every prompt block full once this step has run."""
-        bs = self.block_size
-        req.update_block_hashes(bs)
-        tier = self.tier
-        for h in req.block_hashes[: min(end, req.prompt_len) // bs]:
-            if tier is not None and tier.should_publish(h):
-                self._to_save[h] = None
-
-    def take_saved(self, so: SchedulerOutput, mo: ModelOutput) -> list[tuple[BlockHash, bytes]]:
-        """Payloads read out in a step, keyed by block hash, for the tier to publish."""
-        mapping = self._saving.pop(so.step, {})
-        return [(mapping[p.block_id], p.data) for p in mo.saved_kv if p.block_id in mapping]
-
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """One step: running requests first (decodes, then partly computed prompts), then
@@ -275,21 +150,27 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepPlan) -> None:
         # Decodes first, then partly computed prompts: a long prompt never delays a decode.
-        order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        order: list[Request] = []
+        chunks: list[Request] = []
+        for r in self.running:
+            (order if len(r.token_ids) - r.num_computed_tokens == 1 else chunks).append(r)
+        order += chunks
+        allocate = self.kv.allocate_slots
+        running = RequestStatus.RUNNING
         spec = self.spec
         # vLLM's rule: no speculation while more requests than disable_by_batch_size are
         # running or queued (a batch ramping up through its prefills counts already).
         speculate = spec is not None and spec.enabled_for_step(
             len(self.running) + len(self.waiting)
         )
+        copies, scheduled, new_reqs, done = step.copies, step.scheduled, step.new_reqs, step.done
         for req in order:
             if step.budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # preempted earlier in this pass
-            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            drafts: list[int] = []
+            n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
+            drafts: list[int] | None = None
             num_draft = 0
             if (
                 speculate
@@ -301,16 +182,16 @@ class Scheduler:
             ):
                 assert spec is not None
                 drafts, num_draft = spec.plan(req, self._spec_room(req, step.budget))
-            while self.kv.allocate_slots(req, n + num_draft, step.copies) is None:
-                victim = self._newest_unscheduled(step.done)
+            while allocate(req, n + num_draft, copies) is None:
+                victim = self._newest_unscheduled(done)
                 self._preempt(victim)
                 step.preempted = True
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue
-            self._schedule(req, n, step.scheduled, step.new_reqs, drafts, num_draft)
-            step.done.add(req.req_id)
+            self._schedule(req, n, scheduled, new_reqs, drafts, num_draft)
+            done.add(req.req_id)
             step.budget -= n + num_draft
 
     def _admit_waiting(self, step: _StepPlan) -> None:
@@ -357,16 +238,6 @@ class Scheduler:
     def _step_output(self, step: _StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
         self.step_id += 1
-        save: dict[int, BlockHash] = {}
-        if self._to_save:
-            # Looked up now, after every allocation of this step: a block still cached
-            # under its hash holds exactly that prefix's KV once the forward has run.
-            for h in self._to_save:
-                b = self.kv.pool.lookup(h)
-                if b is not None:
-                    save[b.block_id] = h
-            self._to_save.clear()
-            self._saving[self.step_id] = save
         masks = bitmasks([r.grammar for r in self._constrained])  # type: ignore[misc]
         # No mask for a matcher in error: its request ends on update with the reason.
         grammar_bitmasks = {
@@ -379,7 +250,7 @@ class Scheduler:
             finished_req_ids=finished,
             copy_blocks=step.copies,
             load_kv=step.load_kv,
-            save_kv_blocks=list(save),
+            save_kv_blocks=self._blocks_to_save(),
             grammar_bitmasks=grammar_bitmasks,
         )
 
@@ -402,33 +273,38 @@ class Scheduler:
         drafts: list[int] | None = None,
         num_draft: int = 0,
     ) -> None:
+        # Runs for every scheduled request of every step: the rare cases (forks, drafts,
+        # registration, grammars) are each behind one cheap test.
         s = req.num_computed_tokens
-        sample = s + n == req.num_tokens
-        forks = req.fork_ids if sample else []
-        scheduled.append(
-            ScheduledRequest(
-                req_id=req.req_id,
-                input_ids=req.token_ids[s : s + n],
-                start_pos=s,
-                block_table=list(self.kv.block_ids(req.req_id)),
-                sample=sample,
-                fork_ids=list(forks),
-                draft_ids=drafts or [],
-                num_draft=num_draft,
-            )
+        sample = s + n == len(req.token_ids)
+        kept, new_blocks = self.kv.take_table_delta(req.req_id)
+        sr = ScheduledRequest(
+            req_id=req.req_id,
+            input_ids=req.token_ids[s : s + n],
+            start_pos=s,
+            new_block_ids=new_blocks,
+            num_kept_blocks=kept,
+            sample=sample,
         )
+        scheduled.append(sr)
+        if num_draft:
+            sr.draft_ids, sr.num_draft = drafts or [], num_draft
         if req.publish_prefix and s < req.prompt_len:
             self._note_registration(req, s + n)
         if not req.registered:
             new_reqs.append(self._new_request_data(req))
-        for cid in forks:
-            child = self.requests[cid]
-            if not child.registered:
-                new_reqs.append(self._new_request_data(child))
-        if sample:
-            for r in (req, *(self.requests[c] for c in forks)):
-                if r.grammar is not None:
-                    self._constrained.append(r)
+        if not sample:
+            return
+        if req.grammar is not None:
+            self._constrained.append(req)
+        if req.fork_ids:
+            sr.fork_ids = list(req.fork_ids)
+            for cid in req.fork_ids:
+                child = self.requests[cid]
+                if not child.registered:
+                    new_reqs.append(self._new_request_data(child))
+                if child.grammar is not None:
+                    self._constrained.append(child)
 
     @staticmethod
     def _new_request_data(req: Request) -> NewRequestData:
@@ -461,7 +337,8 @@ class Scheduler:
     def update_from_output(self, so: SchedulerOutput, mo: ModelOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by what the step computed and sampled."""
         sampled = {rid: i for i, rid in enumerate(mo.req_ids)}
-        logprobs = mo.logprobs
+        toks, logprobs, prompt_lps = mo.sampled_token_ids, mo.logprobs, mo.prompt_logprobs
+        requests, running = self.requests, RequestStatus.RUNNING
         updates: list[RequestUpdate] = []
         for rid, why in mo.errors.items():
             # A failure the runner pinned on one request ends that request alone.
@@ -469,11 +346,11 @@ class Scheduler:
             if req is not None and not req.status.finished:
                 self._fail(req, why, updates)
         for sr in so.scheduled:
-            req = self.requests.get(sr.req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(sr.req_id)
+            if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
             req.num_computed_tokens += len(sr.input_ids)
-            if (plp := mo.prompt_logprobs.get(req.req_id)) and not req.prompt_logprobs_sent:
+            if prompt_lps and (plp := prompt_lps.get(req.req_id)) and not req.prompt_logprobs_sent:
                 # A recompute after preemption sends them again: keep the first copy.
                 room = req.prompt_len - 1 - len(req.prompt_logprobs)
                 req.prompt_logprobs += plp[: max(room, 0)]
@@ -484,42 +361,50 @@ class Scheduler:
                 lp = logprobs[i] if logprobs else None
                 updates.append(self._apply_verified(req, sr, mo, mo.sampled_token_ids[i], lp))
                 continue
-            # Fork before the parent can finish and free the shared prompt blocks.
-            for cid in sr.fork_ids:
-                child = self.requests.get(cid)
-                if child is None or child.status != RequestStatus.WAITING_FOR_PARENT:
-                    continue
-                self.kv.fork(req, child)
-                child.num_computed_tokens = req.num_computed_tokens
-                child.first_scheduled_time = req.first_scheduled_time
-                child.num_cached_tokens = req.num_cached_tokens
-                child.status = RequestStatus.RUNNING
-                self.running.append(child)
-                i = sampled[cid]
-                updates.append(
-                    self._append_token(child, mo.sampled_token_ids[i], logprobs and logprobs[i])
-                )
-            req.fork_ids = []
+            if sr.fork_ids:
+                # Fork before the parent can finish and free the shared prompt blocks.
+                self._fork_children(req, sr, mo, sampled, updates)
             i = sampled[req.req_id]
-            updates.append(
-                self._append_token(req, mo.sampled_token_ids[i], logprobs and logprobs[i])
-            )
+            updates.append(self._append_token(req, toks[i], logprobs and logprobs[i]))
         return updates
 
+    def _fork_children(
+        self,
+        req: Request,
+        sr: ScheduledRequest,
+        mo: ModelOutput,
+        sampled: dict[str, int],
+        updates: list[RequestUpdate],
+    ) -> None:
+        logprobs = mo.logprobs
+        for cid in sr.fork_ids:
+            child = self.requests.get(cid)
+            if child is None or child.status != RequestStatus.WAITING_FOR_PARENT:
+                continue
+            self.kv.fork(req, child)
+            child.num_computed_tokens = req.num_computed_tokens
+            child.first_scheduled_time = req.first_scheduled_time
+            child.num_cached_tokens = req.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            i = sampled[cid]
+            updates.append(
+                self._append_token(child, mo.sampled_token_ids[i], logprobs and logprobs[i])
+            )
+        req.fork_ids = []
+
     def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
-        update = self._append(req, tok, lp)
-        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+        grammar, params = req.grammar, req.params
+        if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            update = self._update(req, [], error=why)
+        else:
+            self._push_token(req, tok)
+            update = self._update(req, [tok], [lp] if params.logprobs is not None else None)
+        if params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             req.prompt_logprobs_sent = True
             update.prompt_logprobs = req.prompt_logprobs
         return update
-
-    def _append(self, req: Request, tok: int, lp: TokenLogprobs | None) -> RequestUpdate:
-        grammar = req.grammar
-        if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            return self._update(req, [], error=why)
-        self._push_token(req, tok)
-        return self._update(req, [tok], [lp] if req.params.logprobs is not None else None)
 
     def _apply_verified(
         self,
@@ -553,7 +438,7 @@ class Scheduler:
         """Append one generated token; finish the request if it ends here."""
         grammar = req.grammar
         req.token_ids.append(tok)
-        n_out = req.num_output_tokens
+        n_out = len(req.token_ids) - req.prompt_len
         status = None
         if grammar is not None and grammar.terminated:
             # The grammar is complete (e.g. the JSON closed): stop now rather than spend a
@@ -565,7 +450,7 @@ class Scheduler:
         elif tok in req.stop_ids and n_out >= req.params.min_tokens:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = tok
-        elif n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        elif n_out >= req.max_tokens or len(req.token_ids) >= self.config.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self._finish(req, status)

@@ -134,7 +134,7 @@ def _prefill(runner: Any, b: _Batch, prompt_len: int) -> None:
                 req_id=r,
                 input_ids=b.prompts[r],
                 start_pos=0,
-                block_table=b.table(r, prompt_len),
+                new_block_ids=b.table(r, prompt_len),
                 sample=True,
             )
             for r in group
@@ -155,7 +155,7 @@ def _decode_step(runner: Any, b: _Batch, pos: int) -> float:
             req_id=r,
             input_ids=[b.last[r]],
             start_pos=pos,
-            block_table=b.table(r, pos + 1),
+            new_block_ids=b.table(r, pos + 1),
             sample=True,
         )
         for r in b.ids

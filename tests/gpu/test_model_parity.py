@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpu.model_runner import ModelRunner
-from scheduler.contract import NewRequestData, ScheduledRequest
+from scheduler.contract import NewRequestData, ScheduledRequest, apply_block_delta
 from scheduler.sampling_params import SamplingParams
 from tests.checkpoints import tiny_checkpoint
 
@@ -58,6 +58,8 @@ def runner_for(path, block_size=16, num_blocks=96) -> ModelRunner:
 @torch.inference_mode()
 def step_logits(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
     """Logits of every fed token of every request for one forward pass."""
+    for r in scheduled:
+        apply_block_delta(runner.block_tables, r)
     inputs = runner._prepare(scheduled)
     hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
     logits = runner.model.compute_logits(hidden)
@@ -108,7 +110,7 @@ def test_varlen_prefill_logits_match(case):
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
     tables = scattered_tables(rng, 96, [-(-n // 16) for n in lengths])
     scheduled = [
-        ScheduledRequest(req_id=f"p{i}", input_ids=p, start_pos=0, block_table=t, sample=False)
+        ScheduledRequest(req_id=f"p{i}", input_ids=p, start_pos=0, new_block_ids=t, sample=False)
         for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
     ]
     got = step_logits(runner, scheduled)
@@ -158,7 +160,7 @@ def test_chunked_prefill_and_decode_through_paged_cache(case, block_size):
                     req_id=k,
                     input_ids=seqs[k][c : c + n],
                     start_pos=c,
-                    block_table=tables[k],
+                    new_block_ids=tables[k],
                     sample=False,
                 )
             )
@@ -211,7 +213,7 @@ def test_runner_caches_sampling_params_and_drops_finished():
         new_requests=[new],
         scheduled=[
             ScheduledRequest(
-                req_id="x", input_ids=[5, 6, 7], start_pos=0, block_table=[3], sample=True
+                req_id="x", input_ids=[5, 6, 7], start_pos=0, new_block_ids=[3], sample=True
             )
         ],
         finished_req_ids=[],
@@ -219,7 +221,37 @@ def test_runner_caches_sampling_params_and_drops_finished():
     out = runner.execute_model(so)
     assert out.req_ids == ["x"] and len(out.sampled_token_ids) == 1
     assert runner.requests["x"].token_ids == [5, 6, 7, out.sampled_token_ids[0]]
-    runner.execute_model(
-        SchedulerOutput(step=2, new_requests=[], scheduled=[], finished_req_ids=["x"])
+    # A delta keeps the first block and adds one; a delta on a table the runner does not
+    # hold drops that request alone, with the reason.
+    y = NewRequestData(req_id="y", prompt_len=1, token_ids=[5], sampling=SamplingParams())
+    out = runner.execute_model(
+        SchedulerOutput(
+            step=2,
+            new_requests=[y],
+            scheduled=[
+                ScheduledRequest(
+                    req_id="x",
+                    input_ids=[out.sampled_token_ids[0]],
+                    start_pos=3,
+                    new_block_ids=[9],
+                    num_kept_blocks=1,
+                    sample=True,
+                ),
+                ScheduledRequest(
+                    req_id="y",
+                    input_ids=[5],
+                    start_pos=0,
+                    new_block_ids=[4],
+                    num_kept_blocks=2,
+                    sample=True,
+                ),
+            ],
+            finished_req_ids=[],
+        )
     )
-    assert "x" not in runner.requests
+    assert out.req_ids == ["x"] and runner.block_tables["x"] == [3, 9]
+    assert "block table delta" in out.errors["y"]
+    runner.execute_model(
+        SchedulerOutput(step=3, new_requests=[], scheduled=[], finished_req_ids=["x"])
+    )
+    assert "x" not in runner.requests and "x" not in runner.block_tables

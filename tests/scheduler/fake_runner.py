@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from scheduler.contract import ModelOutput, SchedulerOutput
+from scheduler.contract import ModelOutput, SchedulerOutput, apply_block_delta
 
 
 def next_token(context: list[int], sample_index: int, vocab: int) -> int:
@@ -40,6 +40,7 @@ class FakeRunner:
         self.vocab = vocab
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.known: dict[str, int] = {}  # req_id -> sample_index
+        self.tables: dict[str, list[int]] = {}  # kept across steps, as the real runner does
         self.steps = 0
         self.tokens_computed = 0
 
@@ -47,6 +48,7 @@ class FakeRunner:
         self.steps += 1
         for rid in so.finished_req_ids:
             self.known.pop(rid)
+            self.tables.pop(rid, None)
         for new in so.new_requests:
             assert new.req_id not in self.known, f"{new.req_id} registered twice"
             self.known[new.req_id] = new.sample_index
@@ -57,16 +59,20 @@ class FakeRunner:
         for r in so.scheduled:
             assert r.req_id in self.known, f"{r.req_id} scheduled before registration"
             assert len(r.draft_ids) == r.num_draft  # the scheduler proposes (n-gram)
+            table = apply_block_delta(self.tables, r)
+            assert table is not None, f"{r.req_id}: delta on a table the runner lacks"
+            assert len(table) * bs >= r.start_pos + len(r.input_ids) + r.num_draft
             for j, tok in enumerate(r.input_ids + r.draft_ids):
                 p = r.start_pos + j
-                self.slots[r.block_table[p // bs] * bs + p % bs] = tok
+                self.slots[table[p // bs] * bs + p % bs] = tok
             self.tokens_computed += len(r.input_ids) + r.num_draft
         out = ModelOutput(req_ids=[], sampled_token_ids=[])
         for r in so.scheduled:
             if not r.sample:
                 continue
             end = r.start_pos + len(r.input_ids)
-            ctx = [self.slots[r.block_table[p // bs] * bs + p % bs] for p in range(end)]
+            table = self.tables[r.req_id]
+            ctx = [self.slots[table[p // bs] * bs + p % bs] for p in range(end)]
             assert None not in ctx, f"{r.req_id} read an unwritten slot"
             if r.num_draft:
                 # Verify: accept drafts while they equal the "model's" next token.

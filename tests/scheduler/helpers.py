@@ -67,6 +67,8 @@ def drive(
         run.steps.append(so)
         assert so.num_scheduled_tokens <= sched.config.max_num_batched_tokens
         mo = runner.execute_model(so)
+        if check_invariants:
+            assert_tables_synced(sched, runner, so)
         for u in sched.update_from_output(so, mo):
             run.outputs.setdefault(u.req_id, []).extend(u.new_token_ids)
             if u.finish_reason:
@@ -124,3 +126,9 @@ def new_scheduler(
         enable_prefix_caching=prefix_caching,
     )
     return Scheduler(cfg), FakeRunner(num_blocks, block_size)
+
+
+def assert_tables_synced(sched: Scheduler, runner: FakeRunner, so: SchedulerOutput) -> None:
+    """The tables the runner rebuilt from this step's deltas are the scheduler's."""
+    for r in so.scheduled:
+        assert runner.tables[r.req_id] == sched.kv.block_ids(r.req_id), r.req_id
