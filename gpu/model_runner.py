@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from gpu import cpu_kernels
+from gpu import cpu_features, cpu_kernels
 from gpu.attention import create_attention_backend
 from gpu.attention.base import AttentionMetadata
 from gpu.batch_layout import layout_batch
@@ -101,6 +101,12 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(self.model_dir)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.config)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            log.info(
+                "CPU %s: dtype %s%s", cpu_features.detect().describe(),
+                str(self.dtype).removeprefix("torch."),
+                " (auto: the CPU's native dtype)" if dtype == "auto" else "",
+            )  # fmt: skip
         if block_size <= 0 or block_size & (block_size - 1):
             raise ModelLoadError(f"block_size must be a positive power of two, got {block_size}")
         self.block_size = block_size

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from gpu import cpu_features
 from gpu.config import cache_root
+from gpu.cpu_features import CpuFeatures
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ def _flags() -> list[str]:
 
 
 def _cpu_id() -> str:
+    """The whole flags line: -march=native may use any of them, not just the ISA set."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((ln for ln in f if ln.startswith("flags")), "")
@@ -49,16 +52,29 @@ def _cpu_id() -> str:
         return ""
 
 
+def cache_key(cxx: str, flags: list[str], cpu: CpuFeatures | None = None) -> str:
+    """Names the library: the kernels' ISA variant in clear (avx512-bf16, avx512, avx2,
+    generic: a different build for each) and a hash over the sources, the compiler and its
+    flags, the CPU model and its flags."""
+    cpu = cpu or cpu_features.detect()
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
+        + " ".join([cxx, *flags]).encode()
+        + cpu.model.encode()
+        + " ".join(sorted(cpu.flags)).encode()
+        + _cpu_id().encode()
+    ).hexdigest()[:16]
+    march = next((f.removeprefix("-march=") for f in flags if f.startswith("-march=")), "")
+    variant = cpu.isa if march in ("", "native") else f"march-{march}"
+    return f"{variant}-{digest}"
+
+
 def _build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     flags = _flags()
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
-        + " ".join([cxx, *flags]).encode()
-        + _cpu_id().encode()
-    ).hexdigest()[:16]
+    key = cache_key(cxx, flags)
     out = _cache_dir() / f"libpagestream_cpu-{key}.so"
     if out.is_file():
         return out
@@ -109,8 +125,16 @@ def load() -> ctypes.CDLL | None:
     lib.ps_prefill_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, p, i64, i32,
                                      i32, i32, i32, i32, f32, i32]  # fmt: skip
     lib.ps_prefill_quant.restype = None
+    lib.ps_isa.restype = ctypes.c_char_p
+    log.info("CPU attention kernels: %s build", isa(lib))
     _lib = lib
     return lib
+
+
+def isa(lib: ctypes.CDLL | None = None) -> str | None:
+    """The compiled variant (avx512-bf16, avx512, avx2, generic); None without kernels."""
+    lib = lib or load()
+    return None if lib is None else lib.ps_isa().decode()
 
 
 def available() -> bool:
