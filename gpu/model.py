@@ -7,10 +7,13 @@ it needs logits for.  Projections are fused (qkv, gate_up) so each layer issues 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
 from gpu.cpu_linear import pack_model_linears, pack_weight, packed_linear, packing_available
@@ -82,7 +85,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2]
+        rope: tuple[torch.Tensor, ...],  # cos, sin: [T, 1, D/2]; fused: positions, tables
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -95,8 +98,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        cos, sin = rope
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if len(rope) == 3:  # the fused CPU path: (positions, cos table, sin table)
+            cpu_kernels.rope_(q, k, *rope)
+        else:
+            cos, sin = rope
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # kv_cache: (k, v), or (k, v, k_scale, v_scale) for a quantized cache.
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:])
         return self.o_proj(o.reshape(t, self.q_size))
@@ -108,9 +114,13 @@ class MLP(nn.Module):
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.fused = False  # SiLU(gate) * up in one compiled pass (CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, inter] each
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)  # [T, inter] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -132,6 +142,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        h: torch.Tensor,  # [T, hidden]: input_layernorm(residual), computed by the caller
+        residual: torch.Tensor,  # [T, hidden], updated in place
+        rope: tuple[torch.Tensor, ...],
+        kv_cache: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The CPU path: each residual add is fused into the norm that follows it, so the
+        layer returns its MLP output for the next layer's (or the final) norm to add."""
+        a = self.self_attn(h, rope, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        return self.mlp(cpu_kernels.add_rms_norm(a, residual, norm.weight, norm.eps))
+
 
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
@@ -141,6 +165,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config, max_positions)
+        self.fused = False  # set by fuse_for_cpu()
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
         # than an alias) keeps state_dict() and assign-loading simple.
         self.lm_head_weight: nn.Parameter | None = None
@@ -156,10 +181,43 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
+        if self.fused:
+            return self._forward_fused(x, positions, kv_caches, meta)
         rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
+
+    def _forward_fused(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        rope = (positions, self.rotary.cos, self.rotary.sin)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        first = self.layers[0].input_layernorm
+        h = cpu_kernels.add_rms_norm(None, residual, first.weight, first.eps)
+        for layer, kv, norm in zip(self.layers, kv_caches, norms, strict=True):
+            m = layer.forward_fused(h, residual, rope, kv, meta)
+            h = cpu_kernels.add_rms_norm(m, residual, norm.weight, norm.eps)
+        return h
+
+    def fuse_for_cpu(self) -> bool:
+        """Run the elementwise chain (residual adds + RMSNorm, rotary, SiLU * up) through
+        the compiled CPU kernels; False (the torch ops stay) where they cannot."""
+        dtype = self.embed_tokens.weight.dtype
+        ok = (
+            os.environ.get("PAGESTREAM_CPU_FUSED", "1") != "0"
+            and dtype in (torch.float32, torch.bfloat16)
+            and self.embed_tokens.weight.device.type == "cpu"
+            and cpu_kernels.available()
+        )
+        self.fused = ok
+        for layer in self.layers:
+            layer.mlp.fused = ok
+        return ok
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
         if self.lm_head_packed is not None:

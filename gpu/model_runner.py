@@ -137,6 +137,8 @@ class ModelRunner:
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
             packed = self.model.pack_for_cpu()
             log.info("CPU: %d projections use pre-packed oneDNN weights", packed)
+            if self.model.fuse_for_cpu():
+                log.info("CPU: residual adds, RMSNorm, rotary and SiLU*up run fused")
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
         self.kv_caches = self._allocate_kv()
         log.info(
