@@ -203,7 +203,8 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
             f"{sum(w.max_tokens for w in work)}; CPU {detect().describe()}; load average "
             f"{load:.1f} -> {os.getloadavg()[0]:.1f}"
         )
-        header = ["engine", "median s", "useful tok/s", "vs transformers", "vs vLLM compiled"]
+        header = ["engine", "median s", "useful tok/s", "vs transformers"]
+        header += ["vs vLLM compiled"] if args.vllm_python else []
         text.append(print_table(title, header, rows))
     return "\n".join(text)
 
@@ -224,7 +225,7 @@ def time_engines(
         try:
             engines.append(make())
         except Exception as e:  # a broken anchor must not hide the others
-            failed.append([f"FAILED: {e!r}"[:200], "", "", "", ""])
+            failed.append([f"FAILED: {e!r}"[:200], "", "", "", ""][: 4 + bool(args.vllm_python)])
     seconds: dict[int, list[float]] = {i: [] for i in range(len(engines))}
     try:
         for r in range(args.offline_reps):
@@ -243,7 +244,7 @@ def time_engines(
         label = f"{e.label} ({e.note})" if e.note else e.label
         if isinstance(e, PagestreamEngine):
             label = f"**{label}**"
-        vs_vllm = f"{vllm / med[i]:.2f}x" if vllm else "-"
-        rows.append([label, f"{med[i]:.1f}", f"{useful / med[i]:.0f}",
-                     f"{base / med[i]:.2f}x", vs_vllm])  # fmt: skip
+        rows.append([label, f"{med[i]:.1f}", f"{useful / med[i]:.0f}", f"{base / med[i]:.2f}x"])
+        if args.vllm_python:
+            rows[-1].append(f"{vllm / med[i]:.2f}x" if vllm else "-")
     return rows + failed
