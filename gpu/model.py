@@ -219,11 +219,17 @@ class CausalLM(nn.Module):
             layer.mlp.fused = ok
         return ok
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
+    def compute_logits(
+        self, hidden: torch.Tensor, float32: bool = True
+    ) -> torch.Tensor:  # [R, hidden] -> [R, V]
+        """float32=False keeps the model dtype: enough for a batch that only takes argmaxes
+        (widening bf16 is exact, so the argmax is the same) and spares a [R, V] copy."""
         if self.lm_head_packed is not None:
-            return packed_linear(hidden, self.lm_head_packed, None).float()
-        w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden, w).float()
+            logits = packed_linear(hidden, self.lm_head_packed, None)
+        else:
+            w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+            logits = F.linear(hidden, w)
+        return logits.float() if float32 else logits
 
     def pack_for_cpu(self) -> int:
         """Reorder every projection's weights for oneDNN once (CPU)."""

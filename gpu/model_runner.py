@@ -273,7 +273,12 @@ class ModelRunner:
                 for pr in inputs.prompt_rows:
                     out.prompt_logprobs[pr.req_id] = self._prompt_logprobs(hidden, pr)
             if samples.states:
-                logits = self.model.compute_logits(hidden.index_select(0, samples.rows))
+                argmax_only = not so.grammar_bitmasks and all(
+                    st.plain_greedy for st in samples.states
+                )
+                logits = self.model.compute_logits(
+                    hidden.index_select(0, samples.rows), float32=not argmax_only
+                )
                 if so.grammar_bitmasks:
                     self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)
