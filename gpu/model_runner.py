@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from gpu import cpu_kernels
+from gpu import cpu_features, cpu_kernels
 from gpu.attention import create_attention_backend
 from gpu.attention.base import AttentionMetadata
 from gpu.batch_layout import layout_batch
@@ -104,6 +104,12 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(self.model_dir)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.config)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            log.info(
+                "CPU %s: dtype %s%s", cpu_features.detect().describe(),
+                str(self.dtype).removeprefix("torch."),
+                " (auto: the CPU's native dtype)" if dtype == "auto" else "",
+            )  # fmt: skip
         if block_size <= 0 or block_size & (block_size - 1):
             raise ModelLoadError(f"block_size must be a positive power of two, got {block_size}")
         self.block_size = block_size
@@ -144,6 +150,8 @@ class ModelRunner:
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
             packed = self.model.pack_for_cpu()
             log.info("CPU: %d projections use pre-packed oneDNN weights", packed)
+            if self.model.fuse_for_cpu():
+                log.info("CPU: residual adds, RMSNorm, rotary and SiLU*up run fused")
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
         if tp is not None:  # one block table for all ranks: the smallest cache sets it
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
@@ -293,7 +301,12 @@ class ModelRunner:
                 for pr in inputs.prompt_rows:
                     out.prompt_logprobs[pr.req_id] = self._prompt_logprobs(hidden, pr)
             if samples.states:
-                logits = self.model.compute_logits(hidden.index_select(0, samples.rows))
+                argmax_only = not so.grammar_bitmasks and all(
+                    st.plain_greedy for st in samples.states
+                )
+                logits = self.model.compute_logits(
+                    hidden.index_select(0, samples.rows), float32=not argmax_only
+                )
                 if so.grammar_bitmasks:
                     self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)

@@ -355,16 +355,17 @@ class Sampler:
         self.generator.manual_seed(seed & _SEED_MASK)
 
     def __call__(self, logits: torch.Tensor, rows: list[RequestSamplingState]) -> SamplerOutput:
-        """Sample a token for each row.  logits: [R, >= V] float32 on `device`, never modified."""
+        """Sample a token for each row.  logits: [R, >= V] float32 on `device` (or the model
+        dtype, for a batch of plain greedy rows), never modified."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if logits.shape[1] > self.vocab_size:
             # A padded lm_head: the columns past the vocabulary are not tokens.
             logits = logits[:, : self.vocab_size]
+        if all(r.plain_greedy for r in rows):  # any dtype: widening never moves an argmax
+            return SamplerOutput(token_ids=logits.argmax(-1).tolist(), logprobs=None)
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if all(r.plain_greedy for r in rows):
-            return SamplerOutput(token_ids=logits.argmax(-1).tolist(), logprobs=None)
         return self._sample(logits, rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[RequestSamplingState]) -> SamplerOutput:

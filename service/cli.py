@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        help="weights and KV dtype; auto = bfloat16 on CUDA, and on CPU its native dtype "
+        "(bfloat16 with AVX512-BF16 or AMX-BF16, else float32)",
     )
     g.add_argument(
         "--kv-cache-dtype",

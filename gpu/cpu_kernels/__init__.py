@@ -20,12 +20,17 @@ from pathlib import Path
 
 import torch
 
+from gpu import cpu_features
 from gpu.config import cache_root
+from gpu.cpu_features import CpuFeatures
 
 log = logging.getLogger(__name__)
 
 # Compiled together into one shared library.
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp")]
+_SRCS = [
+    Path(__file__).with_name(n)
+    for n in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp")
+]
 _HEADERS = [Path(__file__).with_name("simd.h")]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -42,6 +47,7 @@ def _flags() -> list[str]:
 
 
 def _cpu_id() -> str:
+    """The whole flags line: -march=native may use any of them, not just the ISA set."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((ln for ln in f if ln.startswith("flags")), "")
@@ -49,16 +55,29 @@ def _cpu_id() -> str:
         return ""
 
 
+def cache_key(cxx: str, flags: list[str], cpu: CpuFeatures | None = None) -> str:
+    """Names the library: the kernels' ISA variant in clear (avx512-bf16, avx512, avx2,
+    generic: a different build for each) and a hash over the sources, the compiler and its
+    flags, the CPU model and its flags."""
+    cpu = cpu or cpu_features.detect()
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
+        + " ".join([cxx, *flags]).encode()
+        + cpu.model.encode()
+        + " ".join(sorted(cpu.flags)).encode()
+        + _cpu_id().encode()
+    ).hexdigest()[:16]
+    march = next((f.removeprefix("-march=") for f in flags if f.startswith("-march=")), "")
+    variant = cpu.isa if march in ("", "native") else f"march-{march}"
+    return f"{variant}-{digest}"
+
+
 def _build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     flags = _flags()
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
-        + " ".join([cxx, *flags]).encode()
-        + _cpu_id().encode()
-    ).hexdigest()[:16]
+    key = cache_key(cxx, flags)
     out = _cache_dir() / f"libpagestream_cpu-{key}.so"
     if out.is_file():
         return out
@@ -109,8 +128,21 @@ def load() -> ctypes.CDLL | None:
     lib.ps_prefill_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, p, i64, i32,
                                      i32, i32, i32, i32, f32, i32]  # fmt: skip
     lib.ps_prefill_quant.restype = None
+    lib.ps_isa.restype = ctypes.c_char_p
+    lib.ps_add_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i32, i32, f32, i32]
+    lib.ps_silu_mul.argtypes = [i32, p, i64, p, i64, i32, i32, i32]
+    lib.ps_rope.argtypes = [i32, p, i64, i32, p, i64, i32, p, p, p, i32, i32, i32]
+    for fn in (lib.ps_add_rms_norm, lib.ps_silu_mul, lib.ps_rope):
+        fn.restype = None
+    log.info("CPU attention kernels: %s build", isa(lib))
     _lib = lib
     return lib
+
+
+def isa(lib: ctypes.CDLL | None = None) -> str | None:
+    """The compiled variant (avx512-bf16, avx512, avx2, generic); None without kernels."""
+    lib = lib or load()
+    return None if lib is None else lib.ps_isa().decode()
 
 
 def available() -> bool:
@@ -249,3 +281,63 @@ def _check_cache_dtypes(
 def _rows_dense(t: torch.Tensor) -> bool:
     """[tokens, heads, dim] with each token's heads x dim contiguous (any token stride)."""
     return t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+
+
+# ---- the fused elementwise chain (elementwise.cpp) --------------------------------------
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    assert t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
+    return int(t.dtype == torch.bfloat16)
+
+
+def add_rms_norm(
+    x: torch.Tensor | None,  # [T, H], added into residual first (None: normalise only)
+    residual: torch.Tensor,  # [T, H], updated in place to residual + x
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # rmsnorm(residual) * weight, [T, H]
+    lib = load()
+    assert lib is not None and residual.stride(-1) == 1 and weight.is_contiguous()
+    rows, dim = residual.shape
+    out = torch.empty((rows, dim), dtype=residual.dtype)
+    xp, xs = (None, 0) if x is None else (x.data_ptr(), x.stride(0))
+    if x is not None:
+        assert x.shape == residual.shape and x.dtype == residual.dtype and x.stride(-1) == 1
+    lib.ps_add_rms_norm(
+        _is_bf16(residual), xp, xs, residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+        out.data_ptr(), out.stride(0), rows, dim, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> silu(gate) * up, [T, I]
+    lib = load()
+    assert lib is not None and gate_up.stride(-1) == 1
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    lib.ps_silu_mul(
+        _is_bf16(gate_up), gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
+        out.stride(0), rows, width // 2, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rope_(
+    q: torch.Tensor,  # [T, Hq, D], rotated in place (each token's heads dense)
+    k: torch.Tensor,  # [T, Hkv, D], rotated in place
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [max_positions, D/2] float32
+    sin: torch.Tensor,
+) -> None:
+    """Rotate-half rotary embedding of q and k at their positions, in place."""
+    lib = load()
+    assert lib is not None and q.dtype == k.dtype and positions.dtype == torch.int64
+    assert _rows_dense(q) and _rows_dense(k) and cos.is_contiguous() and sin.is_contiguous()
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] * 2 == q.shape[2]
+    pos = positions.contiguous()
+    lib.ps_rope(
+        _is_bf16(q), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
+        k.shape[1], pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[2],
+        torch.get_num_threads(),
+    )  # fmt: skip

@@ -1001,6 +1001,19 @@ int ps_max_group() { return kMaxGroup; }
 int ps_max_dim() { return kMaxDim; }
 // 1 when bf16 decode runs on AVX-512 BF16 dot products (else the fp32 FMA path).
 int ps_decode_bf16_dot() { return PS_DPBF16; }
+// The variant this build compiled (gpu/cpu_features.py names the same ones): the vector
+// width and the bf16 dot-product path follow the -march the library was built for.
+const char* ps_isa() {
+#if PS_DPBF16
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
 
 void ps_decode_f32(const float* q, const float* kc, const float* vc, const int32_t* tables,
                    int64_t tstride, const int32_t* lens, float* out, int nseq, int nheads,

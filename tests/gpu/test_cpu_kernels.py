@@ -264,3 +264,37 @@ def test_backend_mixed_step_kernel_vs_torch_path(dtype, monkeypatch):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got.float(), torch_path.float(), atol=tol, rtol=tol)
+
+
+# ---- ISA variants ----------------------------------------------------------------------
+
+# -march levels this host can run, and the variant each compiles: AVX2 (x86-64-v3) and
+# AVX-512 without the bf16 dot products (x86-64-v4), beside the native build.
+_VARIANTS = [("x86-64-v3", "avx2", "avx2"), ("x86-64-v4", "avx512", "avx512f")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("march", "isa", "needs"), _VARIANTS)
+def test_isa_variant_builds_apart_and_matches_reference(march, isa, needs, monkeypatch, tmp_path):
+    from gpu import cpu_features
+
+    if needs not in cpu_features.detect().flags:
+        pytest.skip(f"this CPU cannot run {isa} code")
+    native = cpu_kernels.isa()
+    monkeypatch.setenv("PAGESTREAM_CPU_MARCH", march)
+    monkeypatch.setenv("PAGESTREAM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    assert cpu_kernels.isa() == isa
+    assert [p.name.split("-")[1] for p in tmp_path.rglob("*.so")] == ["march"]
+    if native == isa:
+        pytest.skip("the native build is this variant already")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, meta = decode_case(7, [1, 17, 300], 8, 2, 64, 16, dtype)
+        got = run_decode(q, kc, vc, meta, 0.125)
+        assert_decode_close(got, paged_attention_reference(q, kc, vc, meta, 0.125), dtype)
+        q, kc, vc, meta = prefill_case(8, [1, 37, 150], [0, 35, 64], 8, 2, 64, 16, dtype)
+        got = run_prefill(q, kc, vc, meta, 0.125)
+        ref = paged_attention_reference(q, kc, vc, meta, 0.125)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

@@ -119,7 +119,7 @@ def test_not_a_checkpoint(tmp_path):
 
 def test_dtypes():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", cpu) == torch.float32
+    # auto on CPU follows the CPU's features: tests/gpu/test_cpu_features.py
     assert resolve_dtype("auto", cuda) == torch.bfloat16
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("float16", cpu) == torch.float16

@@ -94,6 +94,17 @@ def test_greedy_batch_is_argmax() -> None:
     assert torch.equal(logits, before)
 
 
+def test_greedy_batch_in_bf16_takes_the_float32_argmax() -> None:
+    # The runner hands a plain-greedy batch its logits in the model dtype; bf16 rows full
+    # of ties (few distinct values) must still pick the first maximum, as in float32.
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(16, 1000, generator=g) * 2).round().to(torch.bfloat16)
+    rows = [make_state(temperature=0.0) for _ in range(16)]
+    out = Sampler(1000, [EOS], CPU)(logits, rows)
+    assert out.token_ids == Sampler(1000, [EOS], CPU)(logits.float(), rows).token_ids
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+
+
 def test_empty_batch_and_shape_check() -> None:
     sampler = Sampler(10, [EOS], CPU)
     assert sampler(torch.empty(0, 10), []).token_ids == []

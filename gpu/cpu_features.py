@@ -1,0 +1,59 @@
+"""What the host CPU computes natively, read once from /proc/cpuinfo.
+
+Three things depend on it: `--dtype auto` on CPU (bfloat16 only where the CPU has bf16
+dot-product instructions; elsewhere a bf16 GEMM is emulated and runs ~5x slower than
+float32), the compiled CPU kernels' cache key (a library built for one ISA must never be
+loaded on another), and `make bench`'s header (figures mean little without the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+
+# The instruction sets the dtype choice and the compiled kernels care about.
+FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    model: str
+    flags: frozenset[str]  # the subset of FLAGS_OF_INTEREST present
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 matrix products in hardware (AVX512-BF16 dot products or AMX tiles)."""
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    @property
+    def isa(self) -> str:
+        """The widest kernel path this CPU takes: the compiled kernels' variants."""
+        if "avx512f" in self.flags:
+            return "avx512-bf16" if "avx512_bf16" in self.flags else "avx512"
+        return "avx2" if "avx2" in self.flags else "generic"
+
+    def describe(self) -> str:
+        have = [f for f in FLAGS_OF_INTEREST if f in self.flags]
+        return f"{self.model} ({', '.join(have) or 'none of ' + '/'.join(FLAGS_OF_INTEREST)})"
+
+
+def parse_cpuinfo(text: str) -> CpuFeatures:
+    model, flags = "", frozenset[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:  # x86 / arm64 spelling
+            flags = frozenset(value.split()) & frozenset(FLAGS_OF_INTEREST)
+    return CpuFeatures(model or platform.processor() or platform.machine(), flags)
+
+
+@functools.cache
+def detect() -> CpuFeatures:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpuinfo(f.read())
+    except OSError:  # not Linux: no flags known, so nothing is assumed native
+        return CpuFeatures(platform.processor() or platform.machine(), frozenset())

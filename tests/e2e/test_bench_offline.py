@@ -1,0 +1,36 @@
+"""The `offline` bench section on a tiny model: every engine gets a row per dtype, the
+warm-up prompts are disjoint from the timed ones (figures not checked)."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.offline import workloads
+from bench.run import main
+from tests.checkpoints import tiny_checkpoint
+
+
+def test_warm_up_prompts_share_no_first_block_with_timed_ones():
+    args = argparse.Namespace(n=64, prompt_min=32, prompt_max=512, out_min=16, out_max=256)
+    work, warm = workloads(args, 49152)
+    assert len(work) == 64 and len(warm) >= 4
+    assert not {tuple(w.prompt[:16]) for w in warm} & {tuple(w.prompt[:16]) for w in work}
+
+
+def test_offline_section_rows_in_both_dtypes(tmp_path, monkeypatch):
+    import bench.run
+
+    monkeypatch.setattr(bench.run, "RESULTS", tmp_path)
+    monkeypatch.delenv("VLLM_PYTHON", raising=False)
+    model = str(tiny_checkpoint("llama"))
+    argv = ["--sections", "offline", "--model", model, "--threads", "1", "--n", "3",
+            "--prompt-min", "4", "--prompt-max", "12", "--out-min", "2", "--out-max", "5",
+            "--offline-reps", "2"]  # fmt: skip
+    assert main(argv) == 0
+    text = (tmp_path / "latest.md").read_text()
+    assert "FAILED" not in text, text
+    for dtype in ("bfloat16", "float32"):
+        assert f"Offline throughput, {dtype}" in text
+    assert text.count("pagestream LLM.generate") == 2 and text.count("transformers generate()") == 2
+    assert "the CPU’s native dtype" in text and "median of 2 alternated runs" in text
+    assert "vllm" not in text.lower()  # no vLLM rows without a vLLM venv

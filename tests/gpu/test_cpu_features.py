@@ -1,0 +1,71 @@
+"""CPU feature detection and what follows from it: the `auto` dtype on CPU and the
+compiled kernels' cache key."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu import cpu_kernels
+from gpu.config import resolve_dtype
+from gpu.cpu_features import CpuFeatures, detect, parse_cpuinfo
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni sha_ni
+processor\t: 1
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni sha_ni
+"""
+
+
+def cpu(*flags: str) -> CpuFeatures:
+    return CpuFeatures("test CPU", frozenset(flags))
+
+
+def test_parse_cpuinfo_keeps_model_and_flags_of_interest():
+    f = parse_cpuinfo(CPUINFO)
+    assert f.model == "AMD EPYC 9R14"
+    assert f.flags == {"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}
+    assert f.native_bf16 and f.isa == "avx512-bf16"
+    assert "avx512_bf16" in f.describe() and "AMD EPYC 9R14" in f.describe()
+
+
+def test_auto_dtype_on_cpu_is_what_the_cpu_computes_natively():
+    dev = torch.device("cpu")
+    assert resolve_dtype("auto", dev, cpu("avx2", "avx512f", "avx512_bf16")) == torch.bfloat16
+    assert resolve_dtype("auto", dev, cpu("avx2", "avx512f", "amx_bf16")) == torch.bfloat16
+    # AVX-512 without bf16 (e.g. Ice Lake / Skylake Xeons), AVX2 only, nothing known.
+    assert resolve_dtype("auto", dev, cpu("avx2", "avx512f", "avx512_vnni")) == torch.float32
+    assert resolve_dtype("auto", dev, cpu("avx2")) == torch.float32
+    assert resolve_dtype("auto", dev, cpu()) == torch.float32
+    # An explicit dtype is never second-guessed; CUDA's auto is bf16 whatever the host.
+    assert resolve_dtype("float32", dev, cpu("avx512_bf16")) == torch.float32
+    assert resolve_dtype("bfloat16", dev, cpu("avx2")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), cpu()) == torch.bfloat16
+    native = torch.bfloat16 if detect().native_bf16 else torch.float32
+    assert resolve_dtype("auto", dev) == native
+
+
+def test_kernel_cache_key_differs_by_isa():
+    flags = ["-O3", "-march=native"]
+    keys = {
+        c.isa: cpu_kernels.cache_key("c++", flags, c)
+        for c in (
+            cpu("avx2", "avx512f", "avx512_bf16"),
+            cpu("avx2", "avx512f"),
+            cpu("avx2"),
+            cpu(),
+        )
+    }
+    assert sorted(keys) == ["avx2", "avx512", "avx512-bf16", "generic"]
+    assert len(set(keys.values())) == 4
+    assert all(k.startswith(isa + "-") for isa, k in keys.items())
+    # Same ISA set, another flag of interest (VNNI), or another -march: another build.
+    base = cpu("avx2", "avx512f")
+    assert cpu_kernels.cache_key("c++", flags, base) != cpu_kernels.cache_key(
+        "c++", flags, cpu("avx2", "avx512f", "avx512_vnni")
+    )
+    pinned = cpu_kernels.cache_key("c++", ["-O3", "-march=x86-64-v3"], base)
+    assert pinned.startswith("march-x86-64-v3-") and pinned != keys["avx512"]
+    assert cpu_kernels.cache_key("c++", flags, base) == cpu_kernels.cache_key("c++", flags, base)
