@@ -25,7 +25,9 @@ from gpu.config import cache_root
 log = logging.getLogger(__name__)
 
 # Compiled together into one shared library.
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp")]
+_SRCS = [
+    Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp", "int8_gemv.cpp")
+]
 _HEADERS = [Path(__file__).with_name("simd.h")]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -109,6 +111,8 @@ def load() -> ctypes.CDLL | None:
     lib.ps_prefill_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, p, i64, i32,
                                      i32, i32, i32, i32, f32, i32]  # fmt: skip
     lib.ps_prefill_quant.restype = None
+    lib.ps_int8_gemv.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.ps_int8_gemv.restype = None
     _lib = lib
     return lib
 
@@ -223,6 +227,37 @@ def prefill_attention(
         lo, hi = int(qsl[0]), int(qsl[-1])
         out[lo:hi] = dst[lo:hi]
     return out
+
+
+# Up to this many activation rows the int8 GEMV below is used; more rows (prefill) are
+# compute-bound, where a dequantized weight through oneDNN's GEMM wins.
+INT8_GEMV_MAX_ROWS = 16
+
+
+def int8_gemv_supports(in_features: int) -> bool:
+    lib = load()
+    return lib is not None and in_features % lib.ps_int8_lanes() == 0
+
+
+def int8_gemv(
+    x: torch.Tensor,  # [M, K] float32 or bfloat16
+    qweight: torch.Tensor,  # [N, K] int8
+    scale: torch.Tensor,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """x @ (qweight * scale[:, None]).T with the weight read as int8 (int8_gemv.cpp)."""
+    lib = load()
+    assert lib is not None and qweight.dtype == torch.int8 and scale.dtype == torch.float32
+    assert qweight.is_contiguous() and scale.is_contiguous()
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert qweight.shape[1] == k and k % lib.ps_int8_lanes() == 0
+    xf = x.to(torch.float32).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.ps_int8_gemv(
+        xf.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
 
 
 def _quant_kind(values: torch.Tensor) -> int:
