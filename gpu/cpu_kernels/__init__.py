@@ -139,7 +139,7 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     num_threads: int | None = None,  # default: torch.get_num_threads()
-    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] fp32
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] bf16
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence against its whole paged context (zeros where the
@@ -183,7 +183,7 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [B] int32, context after the chunk
     scale: float,
     out: torch.Tensor | None = None,  # written in place at the requests' rows
-    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] fp32
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] bf16
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's chunk over its paged context, in one call:
@@ -278,7 +278,7 @@ def _check_cache_dtypes(
     assert v_scale is not None and k_cache.dtype == v_cache.dtype
     assert k_cache.dtype in (torch.int8, torch.uint8)
     for t in (k_scale, v_scale):
-        assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == k_cache.shape[:3]
+        assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == k_cache.shape[:3]
 
 
 def _rows_dense(t: torch.Tensor) -> bool:

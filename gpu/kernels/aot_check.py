@@ -59,7 +59,7 @@ def _variants(quick: bool) -> list[Variant]:
     def ptrs(dt: str, *names: str) -> dict[str, str]:
         return {n: f"*{dt}" for n in names}
 
-    scales = ptrs("fp32", "k_scale_ptr", "v_scale_ptr")  # quantized KV (QUANT 1: int8, 2: fp8)
+    scales = ptrs("bf16", "k_scale_ptr", "v_scale_ptr")  # quantized KV (QUANT 1: int8, 2: fp8)
     cache_ptr = {0: None, 1: "i8", 2: "u8"}
     for dt, heads, dim, quant in (("bf16", 8, 128, 0), ("fp32", 2, 64, 0), ("bf16", 8, 128, 1),
                                   ("bf16", 8, 128, 2)):  # fmt: skip
