@@ -142,7 +142,7 @@ class SpecDecoder:
 
     # Acceptance rate is an exponential moving average over verify steps.
     EMA = 0.7
-    PROBE_EVERY = 16  # output tokens between probes of a request that stopped speculating
+    PROBE_EVERY = 8  # output tokens between probes of a request that stopped speculating
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
