@@ -58,6 +58,10 @@ class SpecConfig:
             )
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
+        if not 0.0 <= self.min_acceptance_rate < 1.0:
+            raise ValueError(
+                f"min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
