@@ -20,7 +20,7 @@ from typing import Any
 
 OUT_TOKENS = 64
 K = 4
-REPEATS = 2
+REPEATS = 3
 BATCH1_PROMPTS = 4  # batch 1: this many prompts one after another
 
 
@@ -101,13 +101,14 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
         llm.generate(work["free"][:2], params)  # warm-up
     results: dict[tuple[str, str, int], tuple[float, float]] = {}
     try:
-        # The modes take turns on each case, best of REPEATS: load from other processes
-        # on a shared machine then hits all three alike.
+        # The modes take turns on each case (in a rotating order), best of REPEATS: load
+        # from other processes on a shared machine then hits all three alike.
+        order = list(llms.items())
         for wl, ps in work.items():
             for batch in (1, 4, 32):
                 groups = [[p] for p in ps[:BATCH1_PROMPTS]] if batch == 1 else [ps[:batch]]
-                for _ in range(REPEATS):
-                    for mode, llm in llms.items():
+                for rep in range(REPEATS):
+                    for mode, llm in order[rep % 3 :] + order[: rep % 3]:
                         tps, mal = _measure(llm, groups, params)
                         best = results.get((mode, wl, batch))
                         if best is None or tps > best[0]:

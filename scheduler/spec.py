@@ -36,7 +36,9 @@ class SpecConfig:
     prompt_lookup_max: int = 4
     # Speculation pauses in steps with more requests running or queued than this (a busy
     # batch is already compute-bound, and verifying k+1 tokens per request would slow it).
-    disable_by_batch_size: int = 8
+    # Measured on the trained pair (docs/PERFORMANCE.md): batch 1 gains 1.2-4x, batch 4
+    # gains 2.6x on copy-heavy text but loses 25-33% on free text, batch 32 must not pay.
+    disable_by_batch_size: int = 4
     # Each request drafts only as deep as its j-th draft is still accepted with at least
     # this probability (estimated rate ** j); below it for even one token it stops
     # speculating, except for an occasional probe, so a hopeless proposer costs little.
