@@ -236,7 +236,8 @@ INT8_GEMV_MAX_ROWS = 16
 
 def int8_gemv_supports(in_features: int) -> bool:
     lib = load()
-    return lib is not None and in_features % lib.ps_int8_lanes() == 0
+    lanes = lib.ps_int8_lanes() if lib is not None else 0
+    return lanes > 0 and in_features % lanes == 0
 
 
 def int8_gemv(

@@ -135,8 +135,15 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* xq, float* xs)
 
 extern "C" {
 
-// Inner dimension multiple the kernel needs.
-int ps_int8_lanes() { return PS_INT8_VNNI ? 32 : kW; }
+// Inner dimension multiple the kernel needs; 0: no vector int8 widening on this CPU (the
+// generic code is scalarised there), so the layer keeps torch's paths.
+int ps_int8_lanes() {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  return PS_INT8_VNNI ? 32 : kW;
+#else
+  return 0;
+#endif
+}
 
 void ps_int8_gemv(const float* x, int64_t m, int64_t k, const int8_t* q, const float* scale,
                   int64_t n, float* y, int nthreads) {
