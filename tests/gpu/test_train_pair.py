@@ -37,6 +37,7 @@ def test_training_is_reproducible_and_loads_in_transformers(tmp_path):
     assert a["target"]["params"] > 4 * a["draft"]["params"]
 
 
+@pytest.mark.slow  # ~15 CPU-seconds, most of it tokenizing the corpus
 def test_time_budget_scales_training_down_and_writes_loadable_checkpoints(tmp_path):
     """`--minutes`: a budget far below the default plans' cost trains a handful of steps
     (timed on this machine) and still writes a pair the engine serves, with perplexity."""
