@@ -1,8 +1,8 @@
-"""Quantized KV cache: int8 and fp8 (e4m3) values with a float32 scale per token and KV head.
+"""Quantized KV cache: int8 and fp8 (e4m3) values with a bf16 scale per token and KV head.
 
 A layer's cache is (k, v) in the model dtype, or (k, v, k_scale, v_scale) when quantized:
 values [num_blocks, block_size, num_kv_heads, head_dim] (int8, or the raw bytes of
-float8_e4m3fn as uint8) and scales [num_blocks, block_size, num_kv_heads] float32.
+float8_e4m3fn as uint8) and scales [num_blocks, block_size, num_kv_heads] bfloat16.
 
 Why per token and KV head: a token's K/V is written once, when it is computed, and never
 again, so a scale that covers only that token is final at write time; a per-block or
@@ -10,9 +10,15 @@ per-tensor scale would need every earlier token requantized whenever a new one e
 (or a calibrated static range that outliers clip against).  Within a token, KV heads differ
 by orders of magnitude (K has per-head outlier channels), so one scale per head keeps the
 small heads' resolution.  Scales live beside the values at the same (block, slot), so
-paging, copy-on-write, prefix sharing and payload export move them with their block.  Cost:
-4 bytes per (token, head) against head_dim bytes of values: 1.88x the tokens of a 16-bit
-cache at head_dim 64, 1.94x at 128.
+paging, copy-on-write, prefix sharing and payload export move them with their block.
+
+Why bfloat16 scales: a float32 scale costs 4 bytes per (token, head) beside head_dim bytes
+of values (1.88x the tokens of a 16-bit cache at head_dim 64); 2 bytes give 1.94x (2 x 64 /
+(64 + 2)).  The scale is rounded to bf16 *before* the values are quantized against it, so
+values x scale still represent each element to half a quantization step; the rounding only
+moves the step by < 0.4%.  (bf16 rather than fp16: fp32's range, so tiny rows cannot
+underflow to a zero scale, and the CPU kernels already read bf16.)  The rest of the
+residual to 2x is the scales themselves: 2 bytes per 64 values.
 
 Dequantization happens where the values are loaded (attention kernels, the torch path's
 gather), never as a pass over the cache.
@@ -29,6 +35,7 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Floor on a row's absolute max: an all-zero row gets a tiny positive scale, never 0/0.
 _AMAX_FLOOR = 1e-12
+SCALE_DTYPE = torch.bfloat16
 
 
 def check_kv_cache_dtype(name: str) -> str:
@@ -47,7 +54,7 @@ def storage_dtype(kind: str, model_dtype: torch.dtype) -> torch.dtype:
 def bytes_per_token(kind: str, model_dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> int:
     """K and V bytes of one token in one layer (values plus scales)."""
     elem = torch.empty((), dtype=storage_dtype(kind, model_dtype)).element_size()
-    scales = 0 if kind == "auto" else 4
+    scales = 0 if kind == "auto" else SCALE_DTYPE.itemsize
     return 2 * num_kv_heads * (head_dim * elem + scales)
 
 
@@ -57,19 +64,19 @@ def quant_kind(values: torch.Tensor) -> str:
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, H, D] -> values [T, H, D] (int8 / fp8 bytes) and scales [T, H] float32, with
-    x ~= values * scales[..., None].  int8 rounds half up (floor(y + 0.5)), as the Triton
+    """[T, H, D] -> values [T, H, D] (int8 / fp8 bytes) and scales [T, H] bfloat16, with
+    x ~= values * scales[..., None].  The scale is rounded to bf16 first and the values
+    quantized against the rounded one; int8 rounds half up (floor(y + 0.5)), as the Triton
     write kernel does."""
     xf = x.float()
     amax = xf.abs().amax(-1).clamp_min(_AMAX_FLOOR)  # [T, H]
+    top = INT8_MAX if kind == "int8" else FP8_MAX
+    scale = (amax / top).to(SCALE_DTYPE)
+    y = xf * (1.0 / scale.float())[..., None]
     if kind == "int8":
-        scale = amax / INT8_MAX
-        y = xf * (INT8_MAX / amax)[..., None]
         q = torch.floor(y + 0.5).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     else:
-        scale = amax / FP8_MAX
-        y = (xf * (FP8_MAX / amax)[..., None]).clamp_(-FP8_MAX, FP8_MAX)
-        q = y.to(torch.float8_e4m3fn).view(torch.uint8)
+        q = y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return q, scale
 
 
@@ -85,7 +92,7 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 def write_quantized(
     x: torch.Tensor,  # [T, H, D]
     cache: torch.Tensor,  # [num_blocks, block_size, H, D] int8 / uint8
-    scales: torch.Tensor,  # [num_blocks, block_size, H] float32
+    scales: torch.Tensor,  # [num_blocks, block_size, H] bfloat16
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     """Quantize the step's new rows and store them (values and scales) at their slots."""

@@ -194,6 +194,8 @@ class CausalLM(nn.Module):
         # than an alias) keeps state_dict() and assign-loading simple.
         self.lm_head_weight: nn.Parameter | None = None
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_for_cpu()
+        # --quantization int8: the logits GEMM reads an int8 copy (gpu/quant_linear.py).
+        self.lm_head_int8: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
 
@@ -251,6 +253,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [R, hidden] -> [R, V]
         """float32=False keeps the model dtype: enough for a batch that only takes argmaxes
         (widening bf16 is exact, so the argmax is the same) and spares a [R, V] copy."""
+        if self.lm_head_int8 is not None:
+            logits = self.lm_head_int8(hidden)
+            return logits if self.tp is None else self.tp.gather_last_dim(logits)
         if self.lm_head_packed is not None:
             logits = packed_linear(hidden, self.lm_head_packed, None)
         else:
@@ -267,6 +272,8 @@ class CausalLM(nn.Module):
         if not packing_available(dtype):
             return 0
         n = pack_model_linears(self, dtype)
+        if self.lm_head_int8 is not None:
+            return n
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         self.lm_head_packed = pack_weight(w)
         if self.lm_head_weight is not None:

@@ -21,7 +21,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
-from gpu.kv_quant import bytes_per_token, check_kv_cache_dtype, storage_dtype
+from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
@@ -229,8 +229,8 @@ class ModelRunner:
         if self.kv_cache_dtype == "auto":
             return [(zeros(shape, vdt), zeros(shape, vdt)) for _ in range(c.num_layers)]
         return [
-            (zeros(shape, vdt), zeros(shape, vdt), zeros(shape[:3], torch.float32),
-             zeros(shape[:3], torch.float32))
+            (zeros(shape, vdt), zeros(shape, vdt), zeros(shape[:3], SCALE_DTYPE),
+             zeros(shape[:3], SCALE_DTYPE))
             for _ in range(c.num_layers)
         ]  # fmt: skip
 
@@ -494,7 +494,7 @@ class ModelRunner:
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[KVBlockPayload]:
         """Each block's bytes: per layer K then V values ([block_size, kv_heads, head_dim]),
-        then, for a quantized cache, K then V scales ([block_size, kv_heads] float32)."""
+        then, for a quantized cache, K then V scales ([block_size, kv_heads] bfloat16)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         n = len(block_ids)
         parts = []

@@ -91,7 +91,10 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
         return torch.empty((), dtype=dt).element_size()
 
     proj = 0
+    head = getattr(model, "lm_head_int8", None)
     for m in model.modules():
+        if m is head:
+            continue
         if isinstance(m, Int8Linear):
             proj += m.qweight.nbytes + m.scale.nbytes
         elif isinstance(m, AWQLinear):
@@ -104,6 +107,8 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
         elif isinstance(m, torch.nn.Linear):
             proj += m.weight.nbytes
     other = sum(p.nbytes for n, p in model.named_parameters() if "proj" not in n)
+    if head is not None:  # the int8 lm_head copy (the tied embedding is counted above)
+        other += head.qweight.nbytes + head.scale.nbytes
     packed_head = getattr(model, "lm_head_packed", None)
     if packed_head is not None:
         cfg = model.config  # type: ignore[attr-defined]

@@ -1,10 +1,11 @@
 """Quantized linear layers: weight-only INT8 (quantized at load) and AWQ INT4 (AutoAWQ GEMM
 checkpoints), each run through torch's packed low-bit matmuls where they exist.
 
-INT8: symmetric, one scale per output channel, w ~= q * scale[n].  On CPU
-`aten._weight_int8pack_mm` (int8 weights, activations in fp32/bf16) reads a quarter of the
-bytes of fp32 weights per decode step; elsewhere (a build or device without it) the layer
-dequantizes its weight inside the call.
+INT8: symmetric, one scale per output channel, w ~= q * scale[n], the lm_head included.
+On CPU decode rows go through a compiled int8 GEMV (gpu/cpu_kernels/int8_gemv.cpp: on the
+AMD EPYC test machine torch's `aten._weight_int8pack_mm` was no faster than oneDNN's bf16
+GEMV, and ~10x slower with float32 activations); on GPU through `_weight_int8pack_mm`;
+where neither exists the layer dequantizes its weight inside the call.
 
 AWQ (https://github.com/casper-hansen/AutoAWQ, "gemm" version): per projection
   qweight [in, out / 8] int32   8 4-bit values per int32 along the output dim, nibble i
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu import cpu_kernels
 from gpu.cpu_linear import swap_linears
 
 log = logging.getLogger(__name__)
@@ -73,36 +75,67 @@ def _probed(kind: str, device: torch.device, dtype: torch.dtype, fn) -> bool:
 
 
 class Int8Linear(nn.Module):
-    """Weight-only INT8 linear layer; activations stay in the model dtype."""
+    """Weight-only INT8 linear layer; activations stay in the model dtype.
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+    CPU: up to cpu_kernels.INT8_GEMV_MAX_ROWS rows (decode) go through the compiled int8
+    GEMV, which streams the int8 weight at memory speed; more rows (prefill, compute-bound)
+    through a dequantized weight and oneDNN's GEMM.  Elsewhere torch's packed op.
+    `float_out` (the lm_head) returns float32 logits without a round trip through the
+    model dtype."""
+
+    def __init__(
+        self,
+        linear: nn.Linear | None,
+        dtype: torch.dtype,
+        *,
+        weight: torch.Tensor | None = None,
+        float_out: bool = False,
+    ) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        q, s = quantize_int8(linear.weight.detach())
-        dev = linear.weight.device
+        w = (linear.weight if linear is not None else weight).detach()
+        self.out_features, self.in_features = w.shape
+        q, s = quantize_int8(w)
+        dev = w.device
         self.register_buffer("qweight", q.to(dev))  # [N, K] int8
         self.register_buffer("scale", s.to(dev, dtype))  # [N]
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if linear is None or linear.bias is None else linear.bias.detach()
+        self.float_out = float_out
+        self.gemv = dev.type == "cpu" and cpu_kernels.int8_gemv_supports(self.in_features)
+        self.scale_f32 = s.to(dev) if self.gemv else None
         # (torch 2.13's 16-bit CPU kernel crashes when in_features is not a multiple of 16.)
         k_ok = dtype == torch.float32 or self.in_features % 16 == 0
         self.packed_op = k_ok and _probed("int8", dev, dtype, _int8_probe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.packed_op:
+        if self.gemv and x2.shape[0] <= cpu_kernels.INT8_GEMV_MAX_ROWS:
+            y = cpu_kernels.int8_gemv(x2, self.qweight, self.scale_f32)
+            if not self.float_out:
+                y = y.to(x.dtype)
+        elif self.packed_op and not self.gemv:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         else:
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale
         if self.bias is not None:
             y = y + self.bias
+        if self.float_out:
+            y = y.float()
         return y.view(*x.shape[:-1], self.out_features)
 
 
 def quantize_model_int8(model: nn.Module, dtype: torch.dtype) -> int:
-    """Swap every nn.Linear inside the decoder layers for an Int8Linear (the embedding and
-    lm_head stay in the model dtype, as vLLM and AWQ keep them); returns how many."""
-    return swap_linears(model, lambda linear: Int8Linear(linear, dtype))
+    """Swap every nn.Linear for an Int8Linear, and give the lm_head an int8 copy (decode
+    reads the whole vocab x hidden matrix every token: with a small model's large
+    vocabulary it is a third or more of the weight bytes).  A tied embedding keeps its
+    16-bit table for lookups, which read one row per token.  Returns how many layers."""
+    n = swap_linears(model, lambda linear: Int8Linear(linear, dtype))
+    embed = getattr(model, "embed_tokens", None)
+    if embed is None or not hasattr(model, "lm_head_int8"):
+        return n
+    head = model.lm_head_weight if model.lm_head_weight is not None else embed.weight
+    model.lm_head_int8 = Int8Linear(None, dtype, weight=head, float_out=True)
+    model.lm_head_weight = None  # untied: only the int8 copy is used from now on
+    return n + 1
 
 
 # ---------------------------------------------------------------------- AWQ INT4

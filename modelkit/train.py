@@ -140,6 +140,35 @@ def _distill_loss(model: Any, teacher: Any, batch: torch.Tensor) -> torch.Tensor
     )
 
 
+def _step(model: Any, opt: Any, batch: torch.Tensor, teacher: Any) -> torch.Tensor:
+    loss = _loss(model, batch) if teacher is None else _distill_loss(model, teacher, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+def _optimizer(model: Any, plan: TrainPlan) -> Any:
+    return torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+def seconds_per_step(
+    cfg: dict[str, Any], data: torch.Tensor, plan: TrainPlan, teacher: Any
+) -> float:
+    """Time of one training step on this machine (a throwaway model; median of 3 after a
+    warm-up), so a time budget can be turned into a step count before training starts."""
+    model = _hf_model(cfg, plan.seed).train()
+    opt = _optimizer(model, plan)
+    batch = data[: plan.batch_size * (SEQ_LEN + 1)].view(plan.batch_size, SEQ_LEN + 1)
+    times = []
+    for _ in range(4):
+        t = time.perf_counter()
+        _step(model, opt, batch, teacher)
+        times.append(time.perf_counter() - t)
+    return sorted(times[1:])[1]
+
+
 def train_one(
     cfg: dict[str, Any], data: torch.Tensor, plan: TrainPlan, name: str, teacher: Any = None
 ) -> Any:
@@ -147,7 +176,7 @@ def train_one(
     with a teacher, distillation instead of the data's next tokens."""
     model = _hf_model(cfg, plan.seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = _optimizer(model, plan)
     rng = random.Random(plan.seed)
     warm = max(1, plan.steps // 20)
     t0 = time.perf_counter()
@@ -158,11 +187,7 @@ def train_one(
             g["lr"] = lr
         starts = [rng.randrange(len(data) - SEQ_LEN - 1) for _ in range(plan.batch_size)]
         batch = torch.stack([data[s : s + SEQ_LEN + 1] for s in starts])
-        loss = _loss(model, batch) if teacher is None else _distill_loss(model, teacher, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _step(model, opt, batch, teacher)
         if step % 25 == 0 or step == plan.steps - 1:
             print(
                 f"  {name} step {step + 1}/{plan.steps} loss {loss.item():.3f} "
@@ -221,6 +246,26 @@ def save_checkpoint(model: Any, cfg: dict[str, Any], tok_json: str, out: Path) -
     _write_json(out / "config.json", cfg)  # last: a dir with config.json is complete
 
 
+def budget_scale(minutes: float, spent: float, train: torch.Tensor, eval_windows: int) -> float:
+    """The share of the default plans' steps that fits what is left of `minutes` (after
+    `spent` seconds of set-up), from timing a few steps of each model here; at most 1."""
+    t_cfg, d_cfg = build_config(TARGET, "llama"), build_config(DRAFT, "llama")
+    t0 = time.perf_counter()
+    t_step = seconds_per_step(t_cfg, train, TARGET_PLAN, None)
+    teacher = _hf_model(t_cfg, 0).eval()  # untrained: a distillation step costs the same
+    d_step = seconds_per_step(d_cfg, train, DRAFT_PLAN, teacher)
+    # Evaluation: perplexity of both and agreement, forward passes over eval windows.
+    evals = 3 * eval_windows * t_step / TARGET_PLAN.batch_size
+    left = minutes * 60 - spent - (time.perf_counter() - t0) - evals
+    full = TARGET_PLAN.steps * t_step + DRAFT_PLAN.steps * d_step
+    print(
+        f"budget {minutes:g} min: {t_step:.2f} s/target step, {d_step:.2f} s/draft step, "
+        f"{max(left, 0):.0f} s left for {full:.0f} s of default training",
+        file=sys.stderr,
+    )
+    return max(0.0, min(1.0, left / full))
+
+
 def train_pair(
     out_dir: Path,
     *,
@@ -228,8 +273,10 @@ def train_pair(
     threads: int = 1,
     eval_windows: int = 64,
     reuse_target: bool = False,
+    minutes: float | None = None,
 ) -> dict[str, Any]:
-    """Train and write `out_dir/target` and `out_dir/draft`; return their report."""
+    """Train and write `out_dir/target` and `out_dir/draft`; return their report.  With
+    `minutes`, the steps are scaled (from `scale`, at most) to fit that wall-clock budget."""
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     tok_json = trained_tokenizer_json(VOCAB_SIZE, CORPUS_BYTES)
@@ -240,6 +287,11 @@ def train_pair(
         file=sys.stderr,
     )
     report: dict[str, Any] = {"vocab_size": VOCAB_SIZE, "train_tokens": len(train)}
+    if minutes is not None and not reuse_target:
+        spent = time.perf_counter() - t0
+        scale = min(scale, budget_scale(minutes, spent, train, eval_windows))
+        report["budget_minutes"] = minutes
+    report["scale"] = scale
     teacher = None
     for name, preset, plan in (("target", TARGET, TARGET_PLAN), ("draft", DRAFT, DRAFT_PLAN)):
         cfg = build_config(preset, "llama")
@@ -283,7 +335,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("dir", type=Path, help="output directory: DIR/target, DIR/draft")
     ap.add_argument(
-        "--scale", type=float, default=1.0, help="multiply the training steps (1.0 = default)"
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="wall-clock budget for the whole run: the training steps are scaled down to fit "
+        "it (timed on this machine); 0 = no budget, the full default plans",
+    )
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply the training steps (1.0 = the default plans, which trained the shipped "
+        "pair; with --minutes, the most that is used)",
     )
     # One thread: the shipped pair was trained so, and float sums depend on the split.
     ap.add_argument("--threads", type=int, default=1)
@@ -294,7 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     report = train_pair(
-        args.dir, scale=args.scale, threads=args.threads, reuse_target=args.draft_only
+        args.dir,
+        scale=args.scale,
+        threads=args.threads,
+        reuse_target=args.draft_only,
+        minutes=args.minutes or None,
     )
     print(json.dumps(report, indent=2))
     return 0

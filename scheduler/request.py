@@ -81,8 +81,15 @@ class Request:
         self.grammar = grammar
         self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked)
         self.prompt_logprobs_sent = False
-        # Speculative decoding: recent acceptance rate of this request's drafts.
-        self.spec_rate = 1.0
+        # Speculative decoding: moving averages of accepted drafts and of acceptance trials
+        # per verify step (scheduler/spec.py); their ratio estimates the per-token rate.
+        self.spec_accepted = 1.0
+        self.spec_trials = 1.0
+
+    @property
+    def spec_rate(self) -> float:
+        """Estimated probability that one draft token is accepted, from recent verifies."""
+        return self.spec_accepted / self.spec_trials
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ Two proposers sit behind one interface:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,9 +36,12 @@ class SpecConfig:
     prompt_lookup_max: int = 4
     # Speculation pauses in steps with more requests running or queued than this (a busy
     # batch is already compute-bound, and verifying k+1 tokens per request would slow it).
-    disable_by_batch_size: int = 8
-    # A request whose recent acceptance rate is below this stops speculating, except for
-    # an occasional probe, so a hopeless proposer costs little.
+    # Measured on the trained pair (docs/PERFORMANCE.md): batch 1 gains 1.2-4x, batch 4
+    # gains 2.6x on copy-heavy text but loses 25-33% on free text, batch 32 must not pay.
+    disable_by_batch_size: int = 4
+    # Each request drafts only as deep as its j-th draft is still accepted with at least
+    # this probability (estimated rate ** j); below it for even one token it stops
+    # speculating, except for an occasional probe, so a hopeless proposer costs little.
     min_acceptance_rate: float = 0.2
 
     def __post_init__(self) -> None:
@@ -56,6 +60,10 @@ class SpecConfig:
             )
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
+        if not 0.0 <= self.min_acceptance_rate < 1.0:
+            raise ValueError(
+                f"min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
@@ -140,7 +148,7 @@ class SpecDecoder:
 
     # Acceptance rate is an exponential moving average over verify steps.
     EMA = 0.7
-    PROBE_EVERY = 16  # output tokens between probes of a request that stopped speculating
+    PROBE_EVERY = 8  # output tokens between probes of a request that stopped speculating
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
@@ -160,18 +168,34 @@ class SpecDecoder:
         """(draft tokens, slots) for one decoding request: n-gram drafts come as tokens;
         the draft model gets slots to fill.  `room` is the most drafts that fit (token
         budget, max_tokens, max_model_len)."""
-        k = min(self.k, room)
+        k = min(self.depth(req.spec_rate), room)
         if k <= 0:
-            return [], 0
-        low = req.spec_rate < self.config.min_acceptance_rate
-        if low and req.num_output_tokens % self.PROBE_EVERY:
-            return [], 0
+            # Too unlikely to be accepted: an occasional one-token probe keeps the
+            # estimate moving (a request's text may turn repetitive later).
+            if room <= 0 or req.num_output_tokens % self.PROBE_EVERY:
+                return [], 0
+            k = 1
         if self.in_executor:
             return [], k
         drafts = self.proposer.propose(req, k)
         return drafts, len(drafts)
 
+    def depth(self, rate: float) -> int:
+        """How many tokens to draft at per-token acceptance rate `rate`: the j-th draft is
+        accepted with probability rate ** j, and is worth its cost while that stays at or
+        above min_acceptance_rate (0: never worth it)."""
+        floor = self.config.min_acceptance_rate
+        if rate >= 1.0 or floor <= 0.0:
+            return self.k
+        if rate < floor or rate <= 0.0:
+            return 0
+        return max(1, min(self.k, int(math.log(floor) / math.log(rate))))
+
     def observe(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        """Per verify step: `num_accepted` successes, then one failure unless all passed
+        (the drafts after a rejection were never tried), so the ratio of the two averages
+        estimates the per-token rate whatever depth the request drafted at."""
         self.stats.record(num_draft, num_accepted)
-        rate = num_accepted / num_draft
-        req.spec_rate = self.EMA * req.spec_rate + (1 - self.EMA) * rate
+        trials = num_accepted + (num_accepted < num_draft)
+        req.spec_accepted = self.EMA * req.spec_accepted + (1 - self.EMA) * num_accepted
+        req.spec_trials = self.EMA * req.spec_trials + (1 - self.EMA) * trials

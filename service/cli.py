@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from scheduler.spec import SpecConfig
 from service.async_engine import EngineArgs
 from service.limits import Limits
 
@@ -133,8 +134,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
-        default=8,
+        default=SpecConfig.disable_by_batch_size,
         help="no speculation in steps with more requests running or queued than this",
+    )
+    g.add_argument(
+        "--speculative-min-acceptance-rate",
+        type=float,
+        default=SpecConfig.min_acceptance_rate,
+        help="a request drafts j tokens while its estimated acceptance rate ** j stays at or "
+        "above this; below it for one token it stops (but for occasional probes)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -273,6 +281,7 @@ def speculative_config(a: argparse.Namespace) -> dict[str, object] | None:
         "prompt_lookup_min": a.ngram_min,
         "prompt_lookup_max": a.ngram_max,
         "disable_by_batch_size": a.speculative_disable_by_batch_size,
+        "min_acceptance_rate": a.speculative_min_acceptance_rate,
     }
 
 

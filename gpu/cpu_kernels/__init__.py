@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # Compiled together into one shared library.
 _SRCS = [
     Path(__file__).with_name(n)
-    for n in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp")
+    for n in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "int8_gemv.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("simd.h")]
 _lib: ctypes.CDLL | None = None
@@ -135,6 +135,8 @@ def load() -> ctypes.CDLL | None:
     for fn in (lib.ps_add_rms_norm, lib.ps_silu_mul, lib.ps_rope):
         fn.restype = None
     log.info("CPU attention kernels: %s build", isa(lib))
+    lib.ps_int8_gemv.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.ps_int8_gemv.restype = None
     _lib = lib
     return lib
 
@@ -167,7 +169,7 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     num_threads: int | None = None,  # default: torch.get_num_threads()
-    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] fp32
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] bf16
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence against its whole paged context (zeros where the
@@ -211,7 +213,7 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [B] int32, context after the chunk
     scale: float,
     out: torch.Tensor | None = None,  # written in place at the requests' rows
-    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] fp32
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] bf16
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's chunk over its paged context, in one call:
@@ -257,6 +259,38 @@ def prefill_attention(
     return out
 
 
+# Up to this many activation rows the int8 GEMV below is used; more rows (prefill) are
+# compute-bound, where a dequantized weight through oneDNN's GEMM wins.
+INT8_GEMV_MAX_ROWS = 16
+
+
+def int8_gemv_supports(in_features: int) -> bool:
+    lib = load()
+    lanes = lib.ps_int8_lanes() if lib is not None else 0
+    return lanes > 0 and in_features % lanes == 0
+
+
+def int8_gemv(
+    x: torch.Tensor,  # [M, K] float32 or bfloat16
+    qweight: torch.Tensor,  # [N, K] int8
+    scale: torch.Tensor,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """x @ (qweight * scale[:, None]).T with the weight read as int8 (int8_gemv.cpp)."""
+    lib = load()
+    assert lib is not None and qweight.dtype == torch.int8 and scale.dtype == torch.float32
+    assert qweight.is_contiguous() and scale.is_contiguous()
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert qweight.shape[1] == k and k % lib.ps_int8_lanes() == 0
+    xf = x.to(torch.float32).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.ps_int8_gemv(
+        xf.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
 def _quant_kind(values: torch.Tensor) -> int:
     return 0 if values.dtype == torch.int8 else 1  # int8, else fp8 e4m3 bytes (uint8)
 
@@ -275,7 +309,7 @@ def _check_cache_dtypes(
     assert v_scale is not None and k_cache.dtype == v_cache.dtype
     assert k_cache.dtype in (torch.int8, torch.uint8)
     for t in (k_scale, v_scale):
-        assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == k_cache.shape[:3]
+        assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == k_cache.shape[:3]
 
 
 def _rows_dense(t: torch.Tensor) -> bool:

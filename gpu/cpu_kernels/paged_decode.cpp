@@ -570,8 +570,8 @@ struct Args {
   T* out;
   int nseq, nheads, nkv, dim, bs;
   float scale;
-  const float* ks = nullptr;  // quantized: [num_blocks, bs, nkv] scales of kc / vc
-  const float* vs = nullptr;
+  const uint16_t* ks = nullptr;  // quantized: [num_blocks, bs, nkv] bf16 scales of kc / vc
+  const uint16_t* vs = nullptr;
 };
 
 // Keys [k0, k1) of sequence seq for kv heads [h0, h1).
@@ -835,8 +835,8 @@ void run_item(const Args<T, C>& a, const Item& it, const Item* next, Work<C>& w)
         const float* ksc = nullptr;
         if constexpr (kQuant) {
           for (int j = 0; j < kTile; ++j) {
-            w.ksc[j] = a.ks[w.sidx[j] + h];
-            w.vsc[j] = a.vs[w.sidx[j] + h];
+            w.ksc[j] = to_f(a.ks[w.sidx[j] + h]);
+            w.vsc[j] = to_f(a.vs[w.sidx[j] + h]);
           }
           ksc = w.ksc;
         }
@@ -1032,7 +1032,7 @@ void ps_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
 // Quantized cache (kind 0: int8, 1: fp8 e4m3) with per-(slot, kv head) scales ks / vs;
 // q and out are bf16 when bf16 != 0, else fp32.
 void ps_decode_quant(int kind, int bf16, const void* q, const void* kc, const void* vc,
-                     const float* ks, const float* vs, const int32_t* tables, int64_t tstride,
+                     const uint16_t* ks, const uint16_t* vs, const int32_t* tables, int64_t tstride,
                      const int32_t* lens, void* out, int nseq, int nheads, int nkv, int dim, int bs,
                      float scale, int nthreads) {
   auto run = [&](auto tq, auto tc) {

@@ -269,8 +269,8 @@ struct Args {
   int64_t out_stride;
   int nseq, nheads, nkv, dim, bs;
   float scale;
-  const float* ks = nullptr;  // quantized: [num_blocks, bs, nkv] scales of kc / vc
-  const float* vs = nullptr;
+  const uint16_t* ks = nullptr;  // quantized: [num_blocks, bs, nkv] bf16 scales of kc / vc
+  const uint16_t* vs = nullptr;
 };
 
 struct Item {
@@ -383,8 +383,8 @@ void run_item(const Args<T, C>& a, const Item& it, Work& w) {
           kptr[j] = a.kc + off;
           vptr[j] = a.vc + off;
           if constexpr (kQuant) {
-            ksc[j] = a.ks[sl * a.nkv + it.head];
-            vsc[j] = a.vs[sl * a.nkv + it.head];
+            ksc[j] = to_f(a.ks[sl * a.nkv + it.head]);
+            vsc[j] = to_f(a.vs[sl * a.nkv + it.head]);
           }
           if (++in == a.bs) {
             in = 0;
@@ -637,7 +637,7 @@ void ps_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kc, co
 // Quantized cache (kind 0: int8, 1: fp8 e4m3) with per-(slot, kv head) scales ks / vs;
 // q and out are bf16 when bf16 != 0, else fp32.
 void ps_prefill_quant(int kind, int bf16, const void* q, int64_t q_stride, const void* kc,
-                      const void* vc, const float* ks, const float* vs, const int32_t* tables,
+                      const void* vc, const uint16_t* ks, const uint16_t* vs, const int32_t* tables,
                       int64_t tstride, const int32_t* qsl, const int32_t* seq_lens, void* out,
                       int64_t out_stride, int nseq, int nheads, int nkv, int dim, int bs,
                       float scale, int nthreads) {

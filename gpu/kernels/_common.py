@@ -132,7 +132,7 @@ def check_kv_scales(
         )
     for what, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         check_shape(name, what, s, tuple(k_cache.shape[:3]))
-        check_dtype(name, what, s, (torch.float32,))
+        check_dtype(name, what, s, (torch.bfloat16,))
         if strided and (s.stride() != k_scale.stride() or s.stride(2) != 1):
             raise ValueError(f"{name}: {what} must be contiguous like k_scale")
         if not strided and not s.is_contiguous():

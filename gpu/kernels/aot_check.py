@@ -51,7 +51,7 @@ def _ptrs(dt: str, *names: str) -> dict[str, str]:
 
 # Quantized KV (QUANT 1: int8, 2: fp8 bytes): the cache's element type, and its scales.
 _CACHE_ELEM = {0: None, 1: "i8", 2: "u8"}
-_SCALES = _ptrs("fp32", "k_scale_ptr", "v_scale_ptr")
+_SCALES = _ptrs("bf16", "k_scale_ptr", "v_scale_ptr")
 
 
 def _dtypes() -> tuple[dict[str, Any], dict[str, Any]]:

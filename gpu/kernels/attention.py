@@ -128,7 +128,7 @@ def _attend_tiles(
     IN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SOFT_BF16: tl.constexpr,
-    k_scale_ptr,  # quantized cache: [num_blocks, block_size, num_kv_heads] fp32 (else None)
+    k_scale_ptr,  # quantized cache: [num_blocks, block_size, num_kv_heads] bf16 (else None)
     v_scale_ptr,
     stride_sb,
     stride_ss,
@@ -171,8 +171,8 @@ def _attend_tiles(
         else:
             # Dequantized as loaded: each (key, kv head) row times its scale, in fp32.
             s_off = blk * stride_sb + row * stride_ss + kv_head
-            ks = tl.load(k_scale_ptr + s_off, mask=n_ok, other=0.0)
-            vs = tl.load(v_scale_ptr + s_off, mask=n_ok, other=0.0)
+            ks = tl.load(k_scale_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+            vs = tl.load(v_scale_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
             k = _dequant(k, ks, QUANT, IN_DTYPE, DOT_DTYPE, SOFT_BF16)
             v = _dequant(v, vs, QUANT, IN_DTYPE, DOT_DTYPE, SOFT_BF16)
 

@@ -20,6 +20,7 @@ from gpu.kernels._common import (
     fp8e4m3_encode,
     is_interpreted,
     next_pow2,
+    round_to,
     tl_dtype,
 )
 
@@ -48,7 +49,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     CACHE_DTYPE: tl.constexpr,
     SOFT_BF16: tl.constexpr,  # interpreted: round to bf16 in software (see round_to)
-    k_scale_ptr=None,  # quantized: [num_blocks, block_size, num_kv_heads] fp32, contiguous
+    k_scale_ptr=None,  # quantized: [num_blocks, block_size, num_kv_heads] bf16, contiguous
     v_scale_ptr=None,
     QUANT: tl.constexpr = 0,  # 0: store as CACHE_DTYPE; 1: int8; 2: fp8 e4m3 bytes
 ):
@@ -76,25 +77,26 @@ def _write_kv_kernel(
         # Scales sit at the same (block, slot) as the values: [.., block_size, heads].
         s_off = (block * BLOCK_SIZE + offset) * NUM_KV_HEADS + h
         s_mask = ((tl.zeros([HEADS_PAD], dtype=tl.int64) + slot) >= 0) & (h < NUM_KV_HEADS)
-        k = _quantize_rows(k.to(tl.float32), k_scale_ptr + s_off, s_mask, QUANT)
-        v = _quantize_rows(v.to(tl.float32), v_scale_ptr + s_off, s_mask, QUANT)
+        k = _quantize_rows(k.to(tl.float32), k_scale_ptr + s_off, s_mask, QUANT, SOFT_BF16)
+        v = _quantize_rows(v.to(tl.float32), v_scale_ptr + s_off, s_mask, QUANT, SOFT_BF16)
     tl.store(kc + h[:, None] * stride_kch + d[None, :], k, mask=mask)
     tl.store(vc + h[:, None] * stride_vch + d[None, :], v, mask=mask)
 
 
 @triton.jit
-def _quantize_rows(x, scale_ptrs, s_mask, QUANT: tl.constexpr):
-    """[HEADS, DIM] fp32 rows -> int8 / fp8 bytes, storing each row's scale (as
-    gpu.kv_quant.quantize: absmax per row, int8 rounds half up)."""
+def _quantize_rows(x, scale_ptrs, s_mask, QUANT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """[HEADS, DIM] fp32 rows -> int8 / fp8 bytes, storing each row's bf16 scale (as
+    gpu.kv_quant.quantize: absmax per row, the scale rounded to bf16 before the values are
+    quantized against it, int8 rounds half up)."""
     amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-12)  # [HEADS]
+    top = 127.0 if QUANT == 1 else 448.0
+    s = round_to(amax / top, tl.bfloat16, SOFT_BF16)
+    tl.store(scale_ptrs, cast_to(s, tl.bfloat16, SOFT_BF16), mask=s_mask)
+    y = x * (1.0 / s)[:, None]
     if QUANT == 1:
-        y = tl.floor(x * (127.0 / amax)[:, None] + 0.5)
-        q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
-        tl.store(scale_ptrs, amax / 127.0, mask=s_mask)
+        q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0).to(tl.int8)
     else:
-        y = tl.minimum(tl.maximum(x * (448.0 / amax)[:, None], -448.0), 448.0)
-        q = fp8e4m3_encode(y)
-        tl.store(scale_ptrs, amax / 448.0, mask=s_mask)
+        q = fp8e4m3_encode(tl.minimum(tl.maximum(y, -448.0), 448.0))
     return q
 
 
@@ -108,7 +110,7 @@ def write_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each new token's K/V at its flat slot (block * block_size + offset);
-    quantized caches (int8 / uint8 fp8 values + fp32 scales) quantize on the way."""
+    quantized caches (int8 / uint8 fp8 values + bf16 scales) quantize on the way."""
     quant = check_kv_scales("write_kv", k_cache, v_cache, k_scale, v_scale)
     num_tokens, block_size, kv_heads, head_dim = _check_write_kv(
         k, v, k_cache, v_cache, slot_mapping, quant

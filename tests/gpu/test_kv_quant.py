@@ -33,8 +33,9 @@ def test_quantize_error_bounds(kind):
     x[3, 1] = 0
     x[5, 2, 7] = 400.0
     q, s = quantize(x, kind)
-    assert s.shape == (64, 4) and s.dtype == torch.float32
+    assert s.shape == (64, 4) and s.dtype == torch.bfloat16
     back = dequantize(q, s, torch.float32)
+    s = s.float()
     assert torch.isfinite(back).all() and (back[3, 1] == 0).all()
     err = (back - x).abs()
     if kind == "int8":
@@ -44,16 +45,17 @@ def test_quantize_error_bounds(kind):
         assert q.dtype == torch.uint8
         # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal steps of scale * 2^-9.
         assert (err <= x.abs() * 2**-4 + s[..., None] * 2**-10 + 1e-7).all()
-    # Each row's absolute max maps onto the format's largest value: full resolution per head.
-    assert torch.allclose(back.abs().amax(-1), x.abs().amax(-1), rtol=1e-6)
+    # Each row's absolute max maps onto the format's largest value: full resolution per head
+    # (up to the scale's bf16 rounding, < 2^-9 relative).
+    assert torch.allclose(back.abs().amax(-1), x.abs().amax(-1), rtol=2**-8)
 
 
 def test_bytes_per_token():
-    # 8 kv heads x 128 dims: bf16 4096 bytes (K + V); int8 2048 + scales 64.
+    # 8 kv heads x 128 dims: bf16 4096 bytes (K + V); int8 2048 + bf16 scales 32.
     assert bytes_per_token("auto", torch.bfloat16, 8, 128) == 4096
     assert bytes_per_token("auto", torch.float32, 8, 128) == 8192
-    assert bytes_per_token("int8", torch.bfloat16, 8, 128) == 2048 + 64
-    assert bytes_per_token("fp8", torch.float32, 8, 128) == 2048 + 64
+    assert bytes_per_token("int8", torch.bfloat16, 8, 128) == 2048 + 32
+    assert bytes_per_token("fp8", torch.float32, 8, 128) == 2048 + 32
 
 
 def tol_for(dtype):

@@ -44,22 +44,55 @@ def test_int8_layer_matches_dequantized_reference(dtype, bias, k):
     w_ref = q.float() * s[:, None]
     # Per output channel: each weight within half a step of its row's scale.
     assert ((w_ref - lin.weight.float()).abs() <= s[:, None] * 0.5 + 1e-6).all()
-    x = torch.randn(3, 4, k, generator=g).to(dtype)  # leading dims are kept
-    got = layer(x).float()
-    ref = F.linear(x.float(), w_ref, None if lin.bias is None else lin.bias.float())
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert got.shape == (3, 4, 72)
-    torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    # 12 rows: the decode GEMV (when k allows); 40 rows: the prefill path.
+    for rows in (3, 10):
+        x = torch.randn(rows, 4, k, generator=g).to(dtype)  # leading dims are kept
+        got = layer(x).float()
+        ref = F.linear(x.float(), w_ref, None if lin.bias is None else lin.bias.float())
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        assert got.shape == (rows, 4, 72)
+        torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-def test_int8_runner_quantizes_projections_only():
-    r = ModelRunner(tiny_checkpoint("qwen2"), dtype="float32", device="cpu", num_kv_blocks=8,
-                    quantization="int8")  # fmt: skip
+def test_int8_gemv_kernel_matches_reference():
+    from gpu import cpu_kernels
+
+    if not cpu_kernels.int8_gemv_supports(64):
+        pytest.skip("no compiled CPU kernels")
+    g = torch.Generator().manual_seed(5)
+    q, s = quantize_int8(torch.randn(203, 64, generator=g))  # rows not a multiple of 8
+    w = q.float() * s[:, None]
+    for m in (1, 2, 3, 4, 5, 16):  # every activation-row tile and a remainder
+        x = torch.randn(m, 64, generator=g)
+        ref = x.double() @ w.double().T
+        # The VNNI path rounds each activation row to 16-bit fixed point (step max|x| /
+        # 32767): at most half a step per element, times the weights it multiplies.
+        step = x.abs().amax(1, keepdim=True).double() / 32767
+        bound = step / 2 * w.abs().sum(1).double() + 1e-5 * ref.abs() + 1e-6
+        err = (cpu_kernels.int8_gemv(x, q, s).double() - ref).abs()
+        assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_runner_quantizes_projections_and_lm_head(tied):
+    path = tiny_checkpoint("qwen2", tie_word_embeddings=tied)
+    r = ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=8, quantization="int8")
     assert r.quantization == "int8"
     kinds = {type(m).__name__ for layer in r.model.layers for m in layer.modules()}
     assert "Int8Linear" in kinds and "Linear" not in kinds and "PackedLinear" not in kinds
-    assert r.model.embed_tokens.weight.dtype == torch.float32  # embedding and lm_head stay
-    assert r.model.lm_head_packed is not None or r.model.lm_head_weight is not None
+    # The embedding table stays in the model dtype for lookups; the logits GEMM reads an
+    # int8 copy, and no 16/32-bit lm_head is kept beside it.
+    m = r.model
+    assert m.embed_tokens.weight.dtype == torch.float32
+    assert type(m.lm_head_int8).__name__ == "Int8Linear" and m.lm_head_int8.float_out
+    assert m.lm_head_packed is None and m.lm_head_weight is None
+    plain = ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=8)
+    w = plain.model.embed_tokens.weight if tied else plain.model.lm_head_packed
+    h = torch.randn(5, r.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    got = m.compute_logits(h)
+    ref = plain.model.compute_logits(h)
+    assert got.dtype == torch.float32 and w is not None
+    torch.testing.assert_close(got, ref, atol=0.02 * ref.abs().max().item(), rtol=0.05)
 
 
 @pytest.fixture(scope="module")

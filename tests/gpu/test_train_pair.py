@@ -37,6 +37,26 @@ def test_training_is_reproducible_and_loads_in_transformers(tmp_path):
     assert a["target"]["params"] > 4 * a["draft"]["params"]
 
 
+@pytest.mark.slow  # ~15 CPU-seconds, most of it tokenizing the corpus
+def test_time_budget_scales_training_down_and_writes_loadable_checkpoints(tmp_path):
+    """`--minutes`: a budget far below the default plans' cost trains a handful of steps
+    (timed on this machine) and still writes a pair the engine serves, with perplexity."""
+    report = train_pair(tmp_path, minutes=0.5, eval_windows=2)
+    assert report["budget_minutes"] == 0.5 and 0 <= report["scale"] < 0.2
+    for name, full in (("target", 1000), ("draft", 750)):
+        assert 1 <= report[name]["steps"] < full * 0.2
+        assert 1 < report[name]["held_out_perplexity"] < float("inf")
+    llm = LLM(str(tmp_path / "target"), dtype="float32", num_kv_blocks=16, threads=1,
+              speculative_config={"model": str(tmp_path / "draft"), "num_speculative_tokens": 2})  # fmt: skip
+    try:
+        out = llm.generate(
+            [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
+    finally:
+        llm.shutdown()
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_shipped_pair_matches_transformers():
     """The committed pair: a chat template, loads in transformers, and our greedy output
     equals HF's float32 generate() for the target."""

@@ -108,15 +108,59 @@ def test_drafts_respect_max_tokens_and_stop_tokens():
 
 
 def test_batch_size_turns_speculation_off():
+    # Above the threshold a step is exactly the plain step: no drafts, no verify tokens
+    # (so the runner has nothing to propose or verify); output unchanged throughout.
     sched, runner = spec_scheduler(num_blocks=256, budget=64)
     sched.spec.config.disable_by_batch_size = 2
     work = workload(3, 6, shared=0)
-    arrivals = {0: [make_group(f"r{i}", p, 30) for i, (p, _) in enumerate(work)]}
+    arrivals = {0: [make_group(f"r{i}", p, m) for i, (p, m) in enumerate(work)]}
     run = drive(sched, runner, arrivals)
-    for so in run.steps:
-        decodes = sum(1 for r in so.scheduled if len(r.input_ids) == 1)
-        if decodes > 2:
-            assert not any(r.num_draft for r in so.scheduled)
+    busy = [so for so in run.steps if len(so.scheduled) > 2]
+    assert busy and len(busy) < len(run.steps)
+    for so in busy:
+        assert not any(r.num_draft or r.draft_ids for r in so.scheduled)
+        assert so.num_scheduled_tokens == sum(len(r.input_ids) for r in so.scheduled)
+    assert any(r.num_draft for so in run.steps for r in so.scheduled)  # the tail speculates
+    check_outputs(run, work)
+    assert_all_free(sched, runner)
+
+
+def test_draft_depth_follows_acceptance():
+    spec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=4))
+    # The j-th draft is accepted with probability rate ** j; draft while that is >= 0.2.
+    assert [spec.depth(r) for r in (1.0, 0.9, 0.6, 0.5, 0.3, 0.19)] == [4, 4, 3, 2, 1, 0]
+    req = Request("x", [1, 2, 1, 2, 1, 2, 1, 2], SamplingParams(), max_tokens=100)
+    assert spec.plan(req, 10)[1] == 4  # a fresh request drafts the full k
+    for _ in range(6):  # every verify rejects the first draft
+        spec.observe(req, 4, 0)
+    assert req.spec_rate < 0.2
+    # Off, but for a one-token probe every PROBE_EVERY output tokens.
+    req.token_ids += [1] * (spec.PROBE_EVERY - req.num_output_tokens % spec.PROBE_EVERY + 1)
+    assert spec.plan(req, 10) == ([], 0)
+    req.token_ids.pop()
+    assert req.num_output_tokens % spec.PROBE_EVERY == 0 and spec.plan(req, 10)[1] == 1
+    for _ in range(20):  # it turns repetitive: every draft accepted again
+        spec.observe(req, 1, 1)
+    assert spec.depth(req.spec_rate) == 4
+    # Rate per token, whatever the depth: 2 of 4 accepted then a rejection is 2 / 3.
+    req2 = Request("y", [1, 2, 3], SamplingParams(), max_tokens=10)
+    for _ in range(40):
+        spec.observe(req2, 4, 2)
+    assert abs(req2.spec_rate - 2 / 3) < 1e-3
+
+
+def test_low_acceptance_stops_drafting_but_keeps_output():
+    # Drafts that are always wrong: speculation fades out and output is still exact.
+    sched, runner = spec_scheduler(num_blocks=256, budget=64, k=3)
+    sched.spec.config.min_acceptance_rate = 0.2
+    sched.spec.proposer.propose = lambda req, k: [(req.token_ids[-1] + 1) % VOCAB] * k
+    work = workload(5, 2, shared=0)
+    work = [(p, 60) for p, _ in work]
+    arrivals = {0: [make_group(f"r{i}", p, m) for i, (p, m) in enumerate(work)]}
+    run = drive(sched, runner, arrivals)
+    drafted = [sum(r.num_draft for r in so.scheduled) for so in run.steps]
+    assert sum(drafted[:5]) > 0 and sum(drafted[-20:]) < 20 * 3 * 2 / 4
+    check_outputs(run, work)
     assert_all_free(sched, runner)
 
 

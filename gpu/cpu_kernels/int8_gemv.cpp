@@ -1,0 +1,191 @@
+// Weight-only INT8 matmul for a few activation rows (decode): y = x . (q * scale)^T.
+//
+// Decode reads every weight once per token, so its time is the bytes read.  torch's
+// `_weight_int8pack_mm` is no faster than oneDNN's bf16 GEMV on some x86 CPUs (and ~10x
+// slower with float32 activations on AMD EPYC), which throws away the halved bytes.  Here
+// each weight vector is widened int8 -> float32 once and multiplied into up to 4 activation
+// rows held in float32, so the arithmetic stays exact weight-only quantization (no
+// activation rounding) and the loop streams int8 at memory speed.  Rows of the weight are
+// split over threads.
+//
+// x [m, k] float32, q [n, k] int8, scale [n] float32, y [m, n] float32; k % kW == 0.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using ps::kW;
+using ps::vf;
+using ps::vs8;
+
+inline vf widen(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#else
+  // Through int32: GCC scalarises a direct int8 -> float vector conversion.
+  vs8 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, ps::vi), vf);
+#endif
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kW; ++i) s += v[i];
+  return s;
+}
+
+// NR weight rows against MB activation rows: NR x MB accumulators live in registers.
+template <int NR, int MB>
+void tile(const float* x, int64_t k, const int8_t* q, const float* scale, int64_t n_row,
+          float* y, int64_t n) {
+  vf acc[NR][MB] = {};
+  for (int64_t c = 0; c < k; c += kW) {
+    vf xv[MB];
+    for (int j = 0; j < MB; ++j) xv[j] = ps::loadv(x + j * k + c);
+    for (int r = 0; r < NR; ++r) {
+      const vf w = widen(q + (n_row + r) * k + c);
+      for (int j = 0; j < MB; ++j) acc[r][j] += w * xv[j];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < MB; ++j) y[j * n + n_row + r] = hsum(acc[r][j]) * scale[n_row + r];
+}
+
+template <int MB>
+void rows(const float* x, int64_t k, const int8_t* q, const float* scale, int64_t lo,
+          int64_t hi, float* y, int64_t n) {
+  // Enough independent FMA chains to hide their latency, within the 32 vector registers.
+  constexpr int NR = MB <= 2 ? 8 : 4;
+  int64_t i = lo;
+  for (; i + NR <= hi; i += NR) tile<NR, MB>(x, k, q, scale, i, y, n);
+  for (; i < hi; ++i) tile<1, MB>(x, k, q, scale, i, y, n);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PS_INT8_VNNI 1
+// With AVX512-VNNI: activations as 16-bit fixed point (one scale per row, |x| max ->
+// 32767, an error of 2^-16 of the row's largest value: below the bf16 rounding the
+// activations already carry), and vpdpwssd multiplies 32 int16 pairs into int32 lanes
+// per instruction, against ~3 instructions per 16 weights for the float path.  Products
+// are at most 2 * 127 * 32767 per lane and step, so the int32 sums are flushed to float
+// every kFlush steps, long before they could overflow.
+constexpr int kFlush = 256;
+
+template <int NR, int MB>
+void tile_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale,
+               const float* xs, int64_t n_row, float* y, int64_t n) {
+  float sum[NR][MB] = {};
+  for (int64_t c0 = 0; c0 < k; c0 += 32 * kFlush) {
+    const int64_t c1 = std::min(k, c0 + 32 * kFlush);
+    __m512i acc[NR][MB];
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < MB; ++j) acc[r][j] = _mm512_setzero_si512();
+    for (int64_t c = c0; c < c1; c += 32) {
+      __m512i xv[MB];
+      for (int j = 0; j < MB; ++j) xv[j] = _mm512_loadu_si512(x + j * k + c);
+      for (int r = 0; r < NR; ++r) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n_row + r) * k + c));
+        const __m512i w = _mm512_cvtepi8_epi16(b);
+        for (int j = 0; j < MB; ++j) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], w, xv[j]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < MB; ++j) sum[r][j] += static_cast<float>(_mm512_reduce_add_epi32(acc[r][j]));
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < MB; ++j) y[j * n + n_row + r] = sum[r][j] * xs[j] * scale[n_row + r];
+}
+
+template <int MB>
+void rows_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale, const float* xs,
+               int64_t lo, int64_t hi, float* y, int64_t n) {
+  constexpr int NR = MB <= 2 ? 8 : 4;
+  int64_t i = lo;
+  for (; i + NR <= hi; i += NR) tile_vnni<NR, MB>(x, k, q, scale, xs, i, y, n);
+  for (; i < hi; ++i) tile_vnni<1, MB>(x, k, q, scale, xs, i, y, n);
+}
+
+// Rows of x to 16-bit fixed point: xq = round(x / xs), xs = max|x| / 32767.
+void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* xq, float* xs) {
+  for (int64_t j = 0; j < m; ++j) {
+    float amax = 0.0f;
+    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::abs(x[j * k + c]));
+    xs[j] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int64_t c = 0; c < k; ++c)
+      xq[j * k + c] = static_cast<int16_t>(std::lrint(x[j * k + c] * inv));
+  }
+}
+#else
+#define PS_INT8_VNNI 0
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Inner dimension multiple the kernel needs; 0: no vector int8 widening on this CPU (the
+// generic code is scalarised there), so the layer keeps torch's paths.
+int ps_int8_lanes() {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  return PS_INT8_VNNI ? 32 : kW;
+#else
+  return 0;
+#endif
+}
+
+void ps_int8_gemv(const float* x, int64_t m, int64_t k, const int8_t* q, const float* scale,
+                  int64_t n, float* y, int nthreads) {
+  constexpr int64_t kChunk = 64;  // weight rows per work item (a multiple of 8)
+  const int64_t items = (n + kChunk - 1) / kChunk;
+  // Waking a second thread costs more than a small matrix takes on one.
+  if (n * k < (int64_t{1} << 20)) nthreads = 1;
+#if PS_INT8_VNNI
+  std::vector<int16_t> xq(m * k);
+  std::vector<float> xs(m);
+  quantize_rows(x, m, k, xq.data(), xs.data());
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t lo = it * kChunk, hi = std::min(n, lo + kChunk);
+    for (int64_t j = 0; j < m; j += 4) {
+      const int16_t* xj = xq.data() + j * k;
+      const float* sj = xs.data() + j;
+      float* yj = y + j * n;
+      switch (std::min<int64_t>(4, m - j)) {
+        case 1: rows_vnni<1>(xj, k, q, scale, sj, lo, hi, yj, n); break;
+        case 2: rows_vnni<2>(xj, k, q, scale, sj, lo, hi, yj, n); break;
+        case 3: rows_vnni<3>(xj, k, q, scale, sj, lo, hi, yj, n); break;
+        default: rows_vnni<4>(xj, k, q, scale, sj, lo, hi, yj, n); break;
+      }
+    }
+  }
+  return;
+#endif
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t lo = it * kChunk, hi = std::min(n, lo + kChunk);
+    for (int64_t j = 0; j < m; j += 4) {
+      const float* xj = x + j * k;
+      float* yj = y + j * n;
+      switch (std::min<int64_t>(4, m - j)) {
+        case 1: rows<1>(xj, k, q, scale, lo, hi, yj, n); break;
+        case 2: rows<2>(xj, k, q, scale, lo, hi, yj, n); break;
+        case 3: rows<3>(xj, k, q, scale, lo, hi, yj, n); break;
+        default: rows<4>(xj, k, q, scale, lo, hi, yj, n); break;
+      }
+    }
+  }
+}
+
+}  // extern "C"
