@@ -5,8 +5,8 @@ ignore_eos, Poisson arrivals at a few rates), same model and dtype.
 vLLM runs from its own venv (`--vllm-python`, or $PAGESTREAM_VLLM_PYTHON); without one only
 pagestream's rows are printed.  Nothing here imports vllm: its server is a subprocess.
 
-Each server is warmed on requests disjoint from the timed ones (`BenchConfig.warmup` draws
-them after the measured prompts), then every rate runs once against it.  The verdict row
+Each server is warmed on requests disjoint from the timed ones (another seed's random
+token ids), then every load runs once against it.  The verdict row
 picks the highest rate at which vLLM keeps p99 TPOT under `--serve-tpot-slo` ms and compares
 output tokens/s and p99 TTFT there.
 """
@@ -27,8 +27,11 @@ from typing import Any
 from bench.serve_sweep import _free_port, _wait_health
 
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-# The columns the table prints for each run, and the charts draw.
+# The latency columns the table prints for each run, and the charts draw.
 METRICS = ("ttft", "tpot", "itl")
+HEADER = [
+    "load", "server", "req/s done", "output tok/s", "TTFT", "TPOT", "ITL", "server CPU ms/token"
+]  # fmt: skip
 
 
 def _preload(paths: list[str]) -> dict[str, str]:
@@ -63,6 +66,35 @@ def vllm_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[list[str]
     return cmd, env
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) of a process and all its descendants, from /proc: what a
+    server burned, whoever else shares the machine.  None where /proc is missing."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, seconds)
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for e in entries:
+        try:
+            raw = Path(f"/proc/{e}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # The command name is in parentheses and may hold spaces: split after it.
+        fields = raw[raw.rindex(")") + 2 :].split()
+        # utime, stime, and cutime, cstime: children that ended (and were waited for)
+        # during the window have left /proc, but their time went to their parent.
+        stats[int(e)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / tick)
+    if pid not in stats:
+        return None
+    total, todo = 0.0, [pid]
+    while todo:  # bounded by the process count: each pid is visited once
+        p = todo.pop()
+        total += stats[p][1]
+        todo += [c for c, (pp, _) in stats.items() if pp == p]
+    return total
+
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -79,7 +111,7 @@ def _loads(args: argparse.Namespace) -> list[tuple[str, float]]:
     return rates + conc
 
 
-def _config(args: argparse.Namespace, url: str, kind: str, x: float, warmup: int):
+def _config(args: argparse.Namespace, url: str, kind: str, x: float, seed: int = 1):
     from bench.serve import BenchConfig
 
     closed = kind == "conc"
@@ -92,11 +124,23 @@ def _config(args: argparse.Namespace, url: str, kind: str, x: float, warmup: int
         range_ratio=args.cmp_range,
         request_rate=math.inf if closed else x,
         max_concurrency=int(x) if closed else None,
-        # The warm-up prompts come after the measured ones in the seeded stream, so no
-        # measured prompt was seen before (and no prefix-cache hit helps either server).
-        warmup=warmup,
-        seed=1,
+        seed=seed,
     )
+
+
+def _warm_up(args: argparse.Namespace, url: str, name: str) -> None:
+    """Requests from another seed's stream (random token ids: no measured prompt, nor any
+    16-token block of one, is among them), so warm-up helps no timed request through the
+    prefix cache, and the timed loads' CPU windows hold only timed requests."""
+    from bench.serve import run_benchmark
+
+    if args.cmp_warmup <= 0:
+        return
+    cfg = _config(args, url, "conc", 4, seed=1000)
+    cfg.num_prompts = args.cmp_warmup
+    r = asyncio.run(run_benchmark(cfg))
+    if r["failed"]:
+        raise RuntimeError(f"{name}: a warm-up request failed: {next(e for e in r['errors'] if e)}")
 
 
 def run_server(
@@ -120,8 +164,15 @@ def run_server(
             except (RuntimeError, TimeoutError) as e:
                 tail = Path(log.name).read_text(errors="replace")[-1500:]
                 raise RuntimeError(f"{name} did not start ({e}); log tail:\n{tail}") from e
-            for i, (kind, x) in enumerate(_loads(args)):
-                out[(kind, x)] = _one_load(args, url, name, kind, x, i)
+            _warm_up(args, url, name)
+            for kind, x in _loads(args):
+                cpu0 = tree_cpu_seconds(proc.pid)
+                r = _one_load(args, url, name, kind, x)
+                cpu1 = tree_cpu_seconds(proc.pid)
+                toks = r["total_output_tokens"]
+                if cpu0 is not None and cpu1 is not None and toks:
+                    r["cpu_ms_per_token"] = (cpu1 - cpu0) * 1e3 / toks
+                out[(kind, x)] = r
         finally:
             _stop(proc)
     return out
@@ -130,12 +181,10 @@ def run_server(
 Results = dict[str, dict[tuple[str, float], dict[str, Any]]]
 
 
-def _one_load(
-    args: argparse.Namespace, url: str, name: str, kind: str, x: float, i: int
-) -> dict[str, Any]:
+def _one_load(args: argparse.Namespace, url: str, name: str, kind: str, x: float) -> dict[str, Any]:
     from bench.serve import run_benchmark
 
-    r = asyncio.run(run_benchmark(_config(args, url, kind, x, args.cmp_warmup if i == 0 else 0)))
+    r = asyncio.run(run_benchmark(_config(args, url, kind, x)))
     if r["failed"]:
         errs = sorted({e for e in r["errors"] if e})
         raise RuntimeError(f"{name} at {kind} {x:g}: {r['failed']} failed: {errs[:2]}")
@@ -179,6 +228,11 @@ def _label(key: tuple[str, float]) -> str:
     return f"{x:g} req/s" if kind == "rate" else f"{x:g} in flight"
 
 
+def _cpu(r: dict) -> str:
+    v = r.get("cpu_ms_per_token")
+    return "-" if v is None else f"{v:.1f}"
+
+
 def _ratio(a: dict, b: dict, key: str) -> str:
     return f"{a[key] / b[key]:.2f}x" if b[key] else "-"
 
@@ -196,6 +250,7 @@ def rows_for(results: Results) -> list[list[str]]:
                 rows.append(
                     [_label(key), name, f"{r['request_throughput']:.2f}",
                      f"{r['output_throughput']:.0f}"] + [_pair(r, m) for m in METRICS]
+                    + [_cpu(r)]
                 )  # fmt: skip
         if key in ours and key in theirs:
             a, b = ours[key], theirs[key]
@@ -203,6 +258,7 @@ def rows_for(results: Results) -> list[list[str]]:
                 [_label(key), "pagestream / vLLM", _ratio(a, b, "request_throughput"),
                  _ratio(a, b, "output_throughput")]
                 + [f"{_ratio(a, b, f'p50_{m}_ms')} / {_ratio(a, b, f'p99_{m}_ms')}" for m in METRICS]
+                + [_ratio(a, b, "cpu_ms_per_token") if _cpu(a) != "-" != _cpu(b) else "-"]
             )  # fmt: skip
     return rows
 
@@ -222,11 +278,13 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         f"time): SSE streaming completions, token-id prompts {lo}-{hi}, outputs {olo}-{ohi} "
         f"(ignore_eos); {args.cmp_prompts} Poisson arrivals per rate, closed-loop rows keep "
         f"N in flight; each server warmed on {args.cmp_warmup} disjoint requests; latency "
-        "columns are p50 / p99 ms"
+        "columns are p50 / p99 ms; server CPU is user + system time of the server's processes "
+        "per output token (all its threads and child processes), which other jobs on the "
+        "machine do not inflate the way they inflate wall-clock times"
     )
     text = table(
         title,
-        ["load", "server", "req/s done", "output tok/s", "TTFT", "TPOT", "ITL"],
+        HEADER,
         rows_for(results),
     )
     if "vLLM" in results:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
+from pathlib import Path
 
 from bench import charts
-from bench.serve_vllm import rows_for, slim, verdict
+from bench.serve_vllm import rows_for, slim, tree_cpu_seconds, verdict
 
 
 def _run(tput: float, ttft99: float, tpot99: float, itl: float = 40.0) -> dict:
@@ -20,6 +26,7 @@ def _run(tput: float, ttft99: float, tpot99: float, itl: float = 40.0) -> dict:
         "p50_itl_ms": itl,
         "p99_itl_ms": itl * 2,
         "mean_concurrency": tput / 50,
+        "cpu_ms_per_token": 10.0 if ttft99 < 600 else 12.0,
         "ttfts": [0.1, 0.2],  # per-request arrays must not reach the chart data
         "failed": 0,
     }
@@ -59,7 +66,42 @@ def test_rows_have_ratios_between_the_servers():
     ratio = next(r for r in rows if r[0] == "2 req/s" and r[1] == "pagestream / vLLM")
     assert ratio[3] == f"{180 / 175:.2f}x"
     assert ratio[4] == f"{(500 / 3) / 200:.2f}x / {500 / 600:.2f}x"
+    assert ratio[7] == f"{10 / 12:.2f}x"  # server CPU per token
     assert rows[-1][0] == "8 in flight"
+
+
+def test_tree_cpu_seconds_counts_children():
+    """A process that burns 0.3 s of CPU and starts a child that burns 0.3 s more: the
+    tree's CPU time counts both."""
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = f"{busy}time.sleep(60)\n"
+    parent = f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+    proc = subprocess.Popen([sys.executable, "-c", parent + busy + "time.sleep(60)\n"])
+    try:
+        deadline = time.monotonic() + 60
+        while (tree_cpu_seconds(proc.pid) or 0) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # Both 0.3 s spins (and interpreter start-ups) counted; the parent alone cannot
+        # reach 0.6 s before it sleeps.
+        assert tree_cpu_seconds(proc.pid) >= 0.6
+    finally:
+        for p in children_of(proc.pid):
+            os.kill(p, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                stat = Path(f"/proc/{e}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(int(e))
+    return out
 
 
 def _png_chunks(data: bytes) -> list[bytes]:
