@@ -19,6 +19,7 @@ Sections (all by default):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
