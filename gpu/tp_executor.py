@@ -226,7 +226,9 @@ class TPExecutor(ThreadExecutor):
     def _start(self, fut: Any) -> _Rank0Runner:
         """Wait for rank 0's build while watching the workers, so that a worker that
         fails to load is reported with its own message, not as a collective timeout."""
-        deadline = time.monotonic() + self.timeout_s + 60
+        # Start-up (spawn, import torch, read the shards) is not a collective: on a loaded
+        # machine it takes minutes, so it gets its own allowance beside the collective timeout.
+        deadline = time.monotonic() + self.timeout_s + 300
         ready: set[int] = set()
         while True:
             for i, conn in enumerate(self._conns):
