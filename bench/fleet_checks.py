@@ -76,43 +76,54 @@ async def chat(
     try:
         async with http.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status != 200 or not stream:
-                data = await r.json(content_type=None)
-                if r.status != 200:
-                    return Reply(r.status, error=str(data))
-                details = data["usage"]["prompt_tokens_details"]
-                return Reply(
-                    200, data["choices"][0]["message"]["content"],
-                    data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"],
-                    details and details["cached_tokens"], complete=True,
-                )  # fmt: skip
-            reply = Reply(200)
-            parts: list[str] = []
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                if line == b"data: [DONE]":
-                    reply.complete = True
-                    break
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    reply.error = str(chunk["error"])
-                for c in chunk.get("choices", []):
-                    if c["delta"].get("content"):
-                        if reply.ttft is None:
-                            reply.ttft = time.monotonic() - t0
-                            if first_chunk is not None:
-                                first_chunk.set()
-                        parts.append(c["delta"]["content"])
-                    reply.finish_reason = c.get("finish_reason") or reply.finish_reason
-                if chunk.get("usage"):
-                    reply.completion_tokens = chunk["usage"]["completion_tokens"]
-                    d = chunk["usage"]["prompt_tokens_details"]
-                    reply.cached_tokens = d and d["cached_tokens"]
-            reply.text = "".join(parts)
-            return reply
+                return await _json_reply(r)
+            return await _stream_reply(r, t0, first_chunk)
     except (TimeoutError, aiohttp.ClientError) as e:
         return Reply(0, error=f"{type(e).__name__}: {e}")
+
+
+async def _json_reply(r: aiohttp.ClientResponse) -> Reply:
+    data = await r.json(content_type=None)
+    if r.status != 200:
+        return Reply(r.status, error=str(data))
+    details = data["usage"]["prompt_tokens_details"]
+    return Reply(
+        200, data["choices"][0]["message"]["content"],
+        data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"],
+        details and details["cached_tokens"], complete=True,
+    )  # fmt: skip
+
+
+async def _stream_reply(
+    r: aiohttp.ClientResponse, t0: float, first_chunk: asyncio.Event | None
+) -> Reply:
+    """Read an SSE stream to [DONE] (or its end), timing the first content delta."""
+    reply = Reply(200)
+    parts: list[str] = []
+    async for raw in r.content:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line == b"data: [DONE]":
+            reply.complete = True
+            break
+        chunk = orjson.loads(line[6:])
+        if "error" in chunk:
+            reply.error = str(chunk["error"])
+        for c in chunk.get("choices", []):
+            if c["delta"].get("content"):
+                if reply.ttft is None:
+                    reply.ttft = time.monotonic() - t0
+                    if first_chunk is not None:
+                        first_chunk.set()
+                parts.append(c["delta"]["content"])
+            reply.finish_reason = c.get("finish_reason") or reply.finish_reason
+        if chunk.get("usage"):
+            reply.completion_tokens = chunk["usage"]["completion_tokens"]
+            d = chunk["usage"]["prompt_tokens_details"]
+            reply.cached_tokens = d and d["cached_tokens"]
+    reply.text = "".join(parts)
+    return reply
 
 
 async def counts(fleet: Fleet) -> dict[str, float | None]:

@@ -76,6 +76,27 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
     raise TimeoutError("server did not start")
 
 
+def _stream(url: str, model: str, result: dict, first_chunk: threading.Event) -> None:
+    """A 150-token SSE completion; its finish reason (or error) lands in `result`, and
+    `first_chunk` is set once the server is streaming it (or it failed)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    try:
+        chunks = client.completions.create(
+            model=model, prompt="drain me", max_tokens=150, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        finish = None
+        for c in chunks:
+            first_chunk.set()
+            if c.choices:
+                finish = c.choices[0].finish_reason or finish
+        result["finish"] = finish
+    except Exception as e:  # reported by the test's assertions, not lost in the thread
+        result["error"] = repr(e)
+    finally:
+        first_chunk.set()
+
+
 @pytest.mark.slow
 async def test_sigterm_drains_streams_then_going_away(model):
     port = free_port()
@@ -90,24 +111,14 @@ async def test_sigterm_drains_streams_then_going_away(model):
         _wait_health(url, proc)
         # An SSE stream in flight when SIGTERM arrives must complete.
         result: dict = {}
-
-        def stream() -> None:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            chunks = client.completions.create(
-                model=model, prompt="drain me", max_tokens=150, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            text, finish = "", None
-            for c in chunks:
-                if c.choices:
-                    text += c.choices[0].text
-                    finish = c.choices[0].finish_reason or finish
-            result["finish"] = finish
-
-        t = threading.Thread(target=stream)
+        first_chunk = threading.Event()
+        t = threading.Thread(target=_stream, args=(url, model, result, first_chunk))
         ws = await websockets.connect(f"ws://127.0.0.1:{port}/v1/ws")
         t.start()
-        time.sleep(0.5)
+        # SIGTERM once the stream is being served (a fixed sleep could fire before a loaded
+        # machine had even accepted the request, which then fails instead of draining).
+        assert await asyncio.to_thread(first_chunk.wait, 60), "the stream never started"
+        assert "error" not in result, result
         proc.send_signal(signal.SIGTERM)
         # Generous bounds: on a loaded 2-core machine 150 tokens can take tens of seconds,
         # and the drain must outlast them (what is tested is that it completes at all).
@@ -119,8 +130,10 @@ async def test_sigterm_drains_streams_then_going_away(model):
         with pytest.raises(ConnectionClosed) as e:
             while True:
                 await ws.recv()
-        assert e.value.rcvd is not None and e.value.rcvd.code == 1001
-        assert proc.wait(60) == 0
+        rc = proc.wait(60)
+        log = proc.stdout.read()[-3000:] if proc.stdout else ""  # the server's, on failure
+        assert e.value.rcvd is not None and e.value.rcvd.code == 1001, (repr(e.value), log)
+        assert rc == 0, log
         # And nothing listens any more.
         with pytest.raises(OSError):
             urllib.request.urlopen(url + "/health", timeout=2)
