@@ -28,6 +28,7 @@ CASES = [
     pytest.param(("mistral", {}), id="mistral", marks=pytest.mark.slow),
     pytest.param(("qwen2", {"tie_word_embeddings": True}), id="qwen2-bias-tied",
                  marks=pytest.mark.slow),
+    pytest.param(("qwen3", {}), id="qwen3-qknorm", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 # A small cache (16 blocks of 4 tokens) and a 16-token step budget: the four requests
