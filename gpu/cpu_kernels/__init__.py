@@ -3,7 +3,8 @@
 `decode_attention` and `prefill_attention` read K/V rows straight from the paged cache,
 which the torch path cannot do without first gathering (and transposing) every sequence's
 blocks into a dense copy; prefill is a flash-attention style kernel several times faster
-than torch's CPU SDPA.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
+than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8`
+(int8_gemv.cpp).  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
 
