@@ -12,13 +12,27 @@ from scheduler.spec import SpecConfig
 from service.async_engine import EngineArgs
 from service.limits import Limits
 
+# What add_argument_group returns; argparse exports no public name for it.
+Group = argparse._ArgumentGroup
+
 
 def _env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    # One group, filled topic by topic; the order of the calls is the order of --help.
     g = p.add_argument_group("engine")
+    _add_model_args(g)
+    _add_kv_cache_args(g)
+    _add_step_args(g)
+    _add_redis_args(g)
+    _add_queue_args(g)
+    _add_speculative_args(g)
+    _add_device_args(g)
+
+
+def _add_model_args(g: Group) -> None:
     g.add_argument(
         "--model",
         default=_env("PAGESTREAM_MODEL"),
@@ -45,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weights: int8 = weight-only INT8 quantized at load (per-output-channel scales); "
         "awq = expect an AutoAWQ INT4 checkpoint (detected from config.json anyway)",
     )
+
+
+def _add_kv_cache_args(g: Group) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
         "--num-kv-blocks",
@@ -59,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="GiB",
         help="KV cache size (default: 2 GiB on CPU, 85%% of free memory on CUDA)",
     )
+
+
+def _add_step_args(g: Group) -> None:
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -79,6 +99,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="no CUDA graphs for decode steps (they are on by default on CUDA)",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+
+def _add_redis_args(g: Group) -> None:
     g.add_argument(
         "--redis-url",
         default=_env("PAGESTREAM_REDIS_URL"),
@@ -104,6 +127,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="longest a request waits for a Redis look-up",
     )
+
+
+def _add_queue_args(g: Group) -> None:
     g.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -117,6 +143,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="prompt tokens that may wait for their first step; past it 429 (0: unbounded)",
     )
+
+
+def _add_speculative_args(g: Group) -> None:
     g.add_argument(
         "--speculative-method",
         choices=["ngram", "draft"],
@@ -144,6 +173,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a request drafts j tokens while its estimated acceptance rate ** j stays at or "
         "above this; below it for one token it stops (but for occasional probes)",
     )
+
+
+def _add_device_args(g: Group) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
@@ -336,6 +368,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the OpenAI API, WebSocket and chat page")
+    _add_access_args(s)
+    _add_stream_args(s)
+    add_engine_args(s)
+    add_limit_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("make-model", help="write a random-weight HF checkpoint", add_help=False)
+    m.set_defaults(func=None)
+
+    t = sub.add_parser(
+        "train-pair", help="train the small target + draft model pair", add_help=False
+    )
+    t.set_defaults(func=None)
+
+    b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
+    b.set_defaults(func=None)
+    return ap
+
+
+def _add_access_args(s: argparse.ArgumentParser) -> None:
+    """Address, keys, origins and proxies: who may reach the server, and how."""
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
@@ -373,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-Proto/-Port and Forwarded headers are trusted (default: FORWARDED_ALLOW_IPS, "
         "else none)",
     )
+
+
+def _add_stream_args(s: argparse.ArgumentParser) -> None:
+    """Request size, logging, slow readers and shutdown."""
     s.add_argument("--disable-access-log", action="store_true", help="no per-request log")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
@@ -404,21 +461,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-debug-routes", action="store_true",
         help="serve GET /debug/state (queues, KV blocks, RSS, tasks; behind the API key)",
     )  # fmt: skip
-    add_engine_args(s)
-    add_limit_args(s)
-    s.set_defaults(func=cmd_serve)
-
-    m = sub.add_parser("make-model", help="write a random-weight HF checkpoint", add_help=False)
-    m.set_defaults(func=None)
-
-    t = sub.add_parser(
-        "train-pair", help="train the small target + draft model pair", add_help=False
-    )
-    t.set_defaults(func=None)
-
-    b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
-    b.set_defaults(func=None)
-    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
