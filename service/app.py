@@ -140,53 +140,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
     """Load the model in the background (so /health answers 503 meanwhile), run the engine,
     and stop it on cleanup."""
     state = app[STATE]
-
-    async def load() -> None:
-        try:
-            engine = app.get(PRESET_ENGINE)
-            if engine is None:
-                engine = await asyncio.to_thread(AsyncEngine.from_args, state.config.engine)
-            names = [state.config.served_model_name or engine.model_name]
-            if str(engine.model_dir) not in names:
-                names.append(str(engine.model_dir))
-            metrics = Metrics(names[0])
-            metrics.set_kv_cache_info(engine.runner)
-
-            def on_step(info: StepInfo) -> None:
-                metrics.on_step(info, engine.scheduler.stats())
-                if engine.tier is not None:
-                    metrics.on_tier(engine.tier.name, engine.tier.stats, engine.tier.healthy)
-
-            engine.add_step_hook(on_step)
-            engine.request_hooks.append(metrics.on_request_done)
-            prep = Preprocessor(
-                engine, state.config.limits, engine.args.max_waiting_requests or 1024
-            )
-            state.prep = prep  # before the first await: cleanup must find it
-            await prep.start()
-            await engine.start()
-            task = engine.core._task
-            assert task is not None
-            task.add_done_callback(lambda t: _on_engine_done(state, t))
-            state.metrics = metrics
-            state.serving = OpenAIServing(
-                engine,
-                names,
-                prep,
-                send_timeout=state.config.send_timeout,
-                on_slow_client=metrics.slow_clients.labels(names[0], "sse").inc,
-                socket_send_buffer=state.config.socket_send_buffer,
-                max_buffered_bytes=state.config.max_buffered_bytes,
-                prompt_tokens_details=state.config.enable_prompt_tokens_details,
-                tool_call_parser=state.config.tool_call_parser,
-            )
-            state.engine = engine
-            log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
-        except Exception as e:
-            state.load_error = e
-            log.exception("model failed to load")
-
-    task = asyncio.create_task(load())
+    task = asyncio.create_task(_load_engine(app, state))
     trimmer = asyncio.create_task(_trim_when_idle(state))
     yield
     for t in (task, trimmer):
@@ -197,6 +151,66 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await state.engine.shutdown()
     if state.prep is not None:
         await state.prep.close()
+
+
+async def _load_engine(app: web.Application, state: ServerState) -> None:
+    try:
+        engine = app.get(PRESET_ENGINE)
+        if engine is None:
+            engine = await asyncio.to_thread(AsyncEngine.from_args, state.config.engine)
+        names = [state.config.served_model_name or engine.model_name]
+        if str(engine.model_dir) not in names:
+            names.append(str(engine.model_dir))
+        metrics = _engine_metrics(engine, names[0])
+        prep = Preprocessor(engine, state.config.limits, engine.args.max_waiting_requests or 1024)
+        state.prep = prep  # before the first await: cleanup must find it
+        await prep.start()
+        await engine.start()
+        task = engine.core._task
+        assert task is not None
+        task.add_done_callback(lambda t: _on_engine_done(state, t))
+        state.metrics = metrics
+        state.serving = _openai_serving(state, engine, names, prep, metrics)
+        state.engine = engine
+        log.info("model loaded: %s (max_model_len %d)", engine.model_dir, engine.max_model_len)
+    except Exception as e:
+        state.load_error = e
+        log.exception("model failed to load")
+
+
+def _engine_metrics(engine: AsyncEngine, name: str) -> Metrics:
+    """Prometheus metrics fed by the engine's step and request hooks."""
+    metrics = Metrics(name)
+    metrics.set_kv_cache_info(engine.runner)
+
+    def on_step(info: StepInfo) -> None:
+        metrics.on_step(info, engine.scheduler.stats())
+        if engine.tier is not None:
+            metrics.on_tier(engine.tier.name, engine.tier.stats, engine.tier.healthy)
+
+    engine.add_step_hook(on_step)
+    engine.request_hooks.append(metrics.on_request_done)
+    return metrics
+
+
+def _openai_serving(
+    state: ServerState,
+    engine: AsyncEngine,
+    names: list[str],
+    prep: Preprocessor,
+    metrics: Metrics,
+) -> OpenAIServing:
+    return OpenAIServing(
+        engine,
+        names,
+        prep,
+        send_timeout=state.config.send_timeout,
+        on_slow_client=metrics.slow_clients.labels(names[0], "sse").inc,
+        socket_send_buffer=state.config.socket_send_buffer,
+        max_buffered_bytes=state.config.max_buffered_bytes,
+        prompt_tokens_details=state.config.enable_prompt_tokens_details,
+        tool_call_parser=state.config.tool_call_parser,
+    )
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)
