@@ -43,7 +43,7 @@ def model_dir(args: argparse.Namespace) -> Path:
     from modelkit.make_model import cache_root, make_model
 
     if args.preset == "small":
-        from service.async_engine import ensure_small_model
+        from service.engine_setup import ensure_small_model
 
         return ensure_small_model()
     path = cache_root() / "models" / f"bench-{args.preset}"

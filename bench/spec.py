@@ -78,7 +78,7 @@ def prompts(tok: Any, n: int) -> dict[str, list[list[int]]]:
 
 def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: Any) -> str:
     from scheduler.sampling_params import SamplingParams
-    from service.async_engine import default_draft_dir, default_model_dir
+    from service.engine_setup import default_draft_dir, default_model_dir
     from service.llm import LLM
     from service.tokenizer import Tokenizer
 

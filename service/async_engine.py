@@ -8,28 +8,30 @@ engine, which frees its KV blocks within one step.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler.contract import TokenLogprobs
 from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
-from scheduler.prefix_tier import PrefixTier, TierConfig, make_store
+from scheduler.prefix_tier import PrefixTier
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.spec import SpecConfig, SpecDecoder
-from scheduler.stream import RequestStream
 from service.detokenizer import IncrementalDetokenizer, StopChecker
+from service.engine_setup import (
+    EngineArgs,
+    build_prefix_tier,
+    ensure_default_model,
+    tp_executor,
+)
+from service.outputs import CompletionOutput, RequestMetrics, RequestOutput, Submitted
 from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
 
@@ -40,103 +42,8 @@ class MaxTokensTooLarge(RequestRejected):
     """max_tokens does not fit beside the prompt in max_model_len (names that field)."""
 
 
-@dataclass
-class EngineArgs:
-    """Everything needed to build an engine; mirrors the `serve` flags and LLM(...) kwargs."""
-
-    model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    seed: int = 0
-    attention_backend: str = "auto"
-    threads: int | None = None  # torch CPU threads (default: torch's, i.e. all cores)
-    cuda_graphs: bool | None = None  # None: on for CUDA + Triton; False = vLLM's enforce_eager
-    enable_prefix_caching: bool = True
-    redis_url: str | None = None  # redis://... shares prefixes across replicas; memory://
-    redis_hit_threshold: int = 1  # local hits before a block's KV is published
-    redis_max_kv_bytes: int = 1 << 30  # cap on KV bytes this model keeps in Redis
-    redis_lookup_deadline: float = 1.0  # seconds a Redis look-up may take
-    device: str | None = None
-    # Fault injection for tests and drills (see scheduler/faults.py); None reads the
-    # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
-    fault_injection: str | None = None
-    # Admission: past these, new requests get EngineOverloaded (HTTP 429).  None: unbounded
-    # (the offline LLM API queues everything it is given).
-    max_waiting_requests: int | None = None
-    max_waiting_tokens: int | None = None
-    kv_cache_dtype: str = "auto"  # auto (the model dtype), int8 or fp8 (e4m3)
-    # weights: None (as stored, or AWQ when the checkpoint says), int8
-    quantization: str | None = None
-    # Speculative decoding, in vLLM's speculative_config shape (see scheduler.spec):
-    # {"method": "ngram"|"draft", "num_speculative_tokens": k, "model": DIR, ...}.
-    speculative_config: dict[str, Any] | None = None
-    # Tensor parallelism: ranks (processes) one model is split over, and how long a
-    # collective may wait for a rank before the step fails (a dead or hung rank).
-    tensor_parallel_size: int = 1
-    tensor_parallel_timeout: float = 60.0
-
-
 class RequestFailed(RuntimeError):
     """One request failed inside the engine or its output processing; the others go on."""
-
-
-@dataclass
-class Submitted:
-    """A request queued in the engine whose outputs nobody has read yet."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: RequestStream
-    arrival_time: float
-    consumed: bool = False
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request (vLLM's shape), cumulative, with the latest delta."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[TokenLogprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    num_cached_tokens: int = 0
-    metrics: RequestMetrics | None = None
-    # params.prompt_logprobs: one entry per prompt token, None for the first.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _Sequence:
@@ -150,122 +57,11 @@ class _Sequence:
         self.prompt_ids = prompt_ids
         self.done = False
 
-
-def namespace_fingerprint(
-    model_dir: Path,
-    dtype: str,
-    block_size: int,
-    kv_cache_dtype: str = "auto",
-    quantization: str | None = None,
-) -> str:
-    """What must match for two replicas to share KV: the weights (and how they are
-    quantized at load), dtype, KV cache dtype (the payload layout), block size and
-    tokenizer.  Weights are identified by their safetensors headers (names, shapes,
-    offsets) plus sampled bytes, which is cheap even for large checkpoints."""
-    h = hashlib.blake2b(digest_size=12)
-    h.update(f"v1|{dtype}|{block_size}|".encode())
-    if kv_cache_dtype != "auto" or quantization:
-        h.update(f"kv={kv_cache_dtype}|w={quantization}|".encode())
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        f = model_dir / name
-        if f.is_file():
-            h.update(name.encode() + f.read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}|{size}|".encode())
-        with f.open("rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            h.update(fh.read(min(header_len, 1 << 24)))
-            for frac in (0.25, 0.5, 0.75, 1.0):
-                fh.seek(max(8 + header_len, int(size * frac) - 65536))
-                h.update(fh.read(65536))
-    return h.hexdigest()
-
-
-def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> PrefixTier:
-    dtype = str(runner.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
-    quant = runner.quantization  # type: ignore[attr-defined]
-    fp = namespace_fingerprint(model_dir, dtype, args.block_size, args.kv_cache_dtype, quant)
-    cfg = TierConfig(
-        namespace=f"pagestream:{fp}",
-        payload_bytes=runner.kv_payload_bytes,  # type: ignore[attr-defined]
-        lookup_deadline=args.redis_lookup_deadline,
-        hit_threshold=args.redis_hit_threshold,
-        max_kv_bytes=args.redis_max_kv_bytes,
-        meta={
-            "model": str(model_dir),
-            "dtype": dtype,
-            "kv_cache_dtype": args.kv_cache_dtype,
-            "quantization": str(quant),
-            "block_size": str(args.block_size),
-            "payload_bytes": str(runner.kv_payload_bytes),  # type: ignore[attr-defined]
-        },
-    )
-    store, kind = make_store(args.redis_url or "", cfg)
-    log.info("shared prefix tier: %s, namespace %s", kind, cfg.namespace)
-    return PrefixTier(store, cfg, name=kind)
-
-
-def _tp_executor(
-    args: EngineArgs, model_dir: Path, runner_kwargs: dict[str, Any], faults: FaultPlan | None
-) -> ThreadExecutor:
-    """Check what tensor parallelism cannot do before any process starts, then spawn."""
-    from gpu.config import ModelConfig, ModelLoadError
-    from gpu.tp import check_tp_config
-    from gpu.tp_executor import TPExecutor
-
-    check_tp_config(ModelConfig.from_dir(model_dir), args.tensor_parallel_size)
-    if args.speculative_config:
-        raise ModelLoadError("--tensor-parallel-size > 1 does not work with speculative decoding")
-    return TPExecutor(
-        args.tensor_parallel_size,
-        runner_kwargs,
-        faults=faults,
-        threads=args.threads,
-        timeout_s=args.tensor_parallel_timeout,
-    )
-
-
-def default_model_dir() -> Path:
-    """The embedded default model: the target of the trained pair shipped in modelkit/pair
-    (`pagestream train-pair` made it), which writes plausible Python-flavoured text."""
-    from modelkit.train import PAIR_DIR
-
-    return PAIR_DIR / "target"
-
-
-def default_draft_dir() -> Path:
-    """Its draft model (same tokenizer), for `--speculative-method draft`."""
-    from modelkit.train import PAIR_DIR
-
-    return PAIR_DIR / "draft"
-
-
-def ensure_default_model() -> Path:
-    """The embedded default model; if the shipped pair is missing (a trimmed install),
-    it is trained once into the cache (a few CPU minutes)."""
-    path = default_model_dir()
-    if (path / "config.json").is_file():
-        return path
-    from modelkit.make_model import cache_root
-    from modelkit.train import train_pair
-
-    cached = cache_root() / "models" / "pair"
-    if not (cached / "target" / "config.json").is_file():
-        log.info("training the embedded default model pair into %s (first use)", cached)
-        train_pair(cached)
-    return cached / "target"
-
-
-def ensure_small_model() -> Path:
-    """The random-weight `small` preset (SmolLM-135M's shape), for benchmarks."""
-    from modelkit.make_model import cache_root, make_model
-
-    path = cache_root() / "models" / "default-small"
-    if not (path / "config.json").is_file():
-        log.info("writing the small preset to %s (first use)", path)
-        make_model(path, preset="small")
-    return path
+    def clear_delta(self) -> None:
+        """Before each batch of updates: the deltas hold only what that batch adds."""
+        o = self.out
+        o.delta_text, o.delta_token_ids = "", []
+        o.delta_logprobs = [] if o.logprobs is not None else None
 
 
 class AsyncEngine:
@@ -343,7 +139,7 @@ class AsyncEngine:
             quantization=args.quantization,
         )
         if args.tensor_parallel_size != 1:
-            executor: ThreadExecutor = _tp_executor(args, model_dir, runner_kwargs, faults)
+            executor: ThreadExecutor = tp_executor(args, model_dir, runner_kwargs, faults)
             return cls._assemble(args, executor, model_dir, spec, faults)
 
         def build() -> ModelRunner:
@@ -576,14 +372,9 @@ class AsyncEngine:
         request.  With `submitted`, stream that already-queued request (its grammar, if
         any, already compiled by the caller)."""
         if submitted is None:
-            params = params or SamplingParams()
-            ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
-            rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-            try:
-                await self.compile_grammar(params)
-            except GrammarError as e:
-                raise RequestRejected(f"structured_outputs: {e}") from e
-            submitted = self.submit(ids, params, rid, cache_salt, publish_prefix)
+            submitted = await self._submit_new(
+                prompt, params, request_id, prompt_token_ids, cache_salt, publish_prefix
+            )
         submitted.consumed = True
         stream, ids, params, rid = (
             submitted.stream, submitted.prompt_token_ids, submitted.params, submitted.request_id
@@ -603,43 +394,72 @@ class AsyncEngine:
                 updates = await stream.get()
                 now = time.monotonic()
                 for s in seqs:
-                    s.out.delta_text, s.out.delta_token_ids = "", []
-                    s.out.delta_logprobs = [] if s.out.logprobs is not None else None
+                    s.clear_delta()
                 for u in updates:
                     seq = seqs[u.sample_index]
                     if seq.done:
                         continue
-                    if u.new_token_ids:
-                        if metrics.first_token_time is None:
-                            metrics.first_token_time = now
-                        metrics.last_token_time = now
-                        metrics.token_times.append(now)
-                    out.num_cached_tokens = u.num_cached_tokens
-                    if u.prompt_logprobs and out.prompt_logprobs is None:
-                        out.prompt_logprobs = [None, *u.prompt_logprobs]
-                    if metrics.first_scheduled_time is None:
-                        metrics.first_scheduled_time = u.first_scheduled_time
-                    self._apply_guarded(seq, u)
+                    self._take_update(seq, out, metrics, u, now)
                     if seq.done:
                         live -= 1
                     if u.error is not None:
                         # One sample failed: the request fails (its other samples are
-                        # aborted below), and the client is told why.
+                        # aborted on the way out), and the client is told why.
                         raise RequestFailed(f"request {rid} failed: {u.error}")
                 if live == 0:
                     metrics.finished_time = now
                     out.finished = True
                 yield out
         finally:
-            if live:
-                self.core.abort(rid)
-                for s in seqs:
-                    if s.out.finish_reason is None:
-                        s.out.finish_reason = "abort"
-            for hook in self.request_hooks:
-                self.core.run_guarded(
-                    f"request hook {getattr(hook, '__qualname__', hook)}", hook, out
-                )
+            self._end_request(rid, seqs, out, unfinished=live > 0)
+
+    def _end_request(
+        self, rid: str, seqs: list[_Sequence], out: RequestOutput, unfinished: bool
+    ) -> None:
+        """Abort what still runs (the consumer left, or a sample failed), then tell the
+        request hooks."""
+        if unfinished:
+            self.core.abort(rid)
+            for s in seqs:
+                if s.out.finish_reason is None:
+                    s.out.finish_reason = "abort"
+        for hook in self.request_hooks:
+            self.core.run_guarded(f"request hook {getattr(hook, '__qualname__', hook)}", hook, out)
+
+    async def _submit_new(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        prompt_token_ids: list[int] | None,
+        cache_salt: str | None,
+        publish_prefix: bool,
+    ) -> Submitted:
+        """`generate` called without `submitted`: encode, compile the grammar, queue."""
+        params = params or SamplingParams()
+        ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt)
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        try:
+            await self.compile_grammar(params)
+        except GrammarError as e:
+            raise RequestRejected(f"structured_outputs: {e}") from e
+        return self.submit(ids, params, rid, cache_salt, publish_prefix)
+
+    def _take_update(
+        self, seq: _Sequence, out: RequestOutput, metrics: RequestMetrics, u, now: float
+    ) -> None:  # u: RequestUpdate
+        """One sample's update: timings, cached tokens, prompt logprobs, then its text."""
+        if u.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.token_times.append(now)
+        out.num_cached_tokens = u.num_cached_tokens
+        if u.prompt_logprobs and out.prompt_logprobs is None:
+            out.prompt_logprobs = [None, *u.prompt_logprobs]
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = u.first_scheduled_time
+        self._apply_guarded(seq, u)
 
     async def register_prefix(
         self, prompt_token_ids: list[int], cache_salt: str | None = None

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scheduler.contract import TokenLogprobs
-from service.async_engine import CompletionOutput
+from service.outputs import CompletionOutput
 
 
 def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:

@@ -17,7 +17,7 @@ from scheduler.engine_core import StepInfo
 from scheduler.prefix_tier import TierStats
 from scheduler.scheduler import SchedulerStats
 from scheduler.spec import SpecStats
-from service.async_engine import RequestOutput
+from service.outputs import RequestOutput
 
 # The *_created series only add noise to every scrape.
 disable_created_metrics()

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
-from service.async_engine import RequestOutput
 from service.completion_extras import prompt_logprobs_json
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge, sse
+from service.outputs import RequestOutput
 from service.protocol import BadRequest, check_messages
 from service.protocol_openai import ChatCompletionRequest, decode_chat
 from service.request_ids import request_id

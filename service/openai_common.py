@@ -18,15 +18,10 @@ from scheduler.contract import TokenLogprobs
 from scheduler.engine_core import EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.async_engine import (
-    AsyncEngine,
-    MaxTokensTooLarge,
-    RequestFailed,
-    RequestOutput,
-    Submitted,
-)
+from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestFailed
 from service.http_util import SSE_HEADERS, SlowClient, error_body, limit_send_buffer, wait_drained
 from service.limits import Limits
+from service.outputs import RequestOutput, Submitted
 from service.prep import Preprocessor
 from service.protocol import BadRequest
 from service.protocol_openai import StreamOptions

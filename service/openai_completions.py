@@ -14,10 +14,10 @@ from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
-from service.async_engine import CompletionOutput, RequestOutput
 from service.completion_extras import best_of, echo_logprobs, join_logprobs, prompt_logprobs_json
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge
+from service.outputs import CompletionOutput, RequestOutput
 from service.protocol_openai import CompletionRequest, decode_completion
 from service.request_ids import request_id
 

@@ -29,6 +29,7 @@ REQUEST_PATH = [
     "service/openai_common.py",
     "service/tokenizer.py",
     "service/async_engine.py",
+    "service/outputs.py",
     "service/detokenizer.py",
     "scheduler/engine_core.py",
     "scheduler/scheduler.py",

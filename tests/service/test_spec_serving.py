@@ -14,7 +14,7 @@ import torch
 import websockets
 
 from scheduler.sampling_params import SamplingParams
-from service.async_engine import default_draft_dir, default_model_dir
+from service.engine_setup import default_draft_dir, default_model_dir
 from service.llm import LLM
 from tests.service.live_server import live_server
 

@@ -1,0 +1,64 @@
+"""What `AsyncEngine.generate` yields: a request's outputs, vLLM's shape, cumulative per
+sample with the latest delta beside it; and the handle of a request queued but not yet read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.contract import TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+from scheduler.stream import RequestStream
+
+
+@dataclass
+class Submitted:
+    """A request queued in the engine whose outputs nobody has read yet."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    arrival_time: float
+    consumed: bool = False
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's shape), cumulative, with the latest delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    # params.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
