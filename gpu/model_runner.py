@@ -110,15 +110,7 @@ class ModelRunner:
                 str(self.dtype).removeprefix("torch."),
                 " (auto: the CPU's native dtype)" if dtype == "auto" else "",
             )  # fmt: skip
-        if block_size <= 0 or block_size & (block_size - 1):
-            raise ModelLoadError(f"block_size must be a positive power of two, got {block_size}")
-        self.block_size = block_size
-        limit = self.config.max_context
-        if max_model_len is not None and max_model_len > limit:
-            raise ModelLoadError(
-                f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
-            )
-        self.max_model_len = max_model_len or limit
+        self._set_lengths(block_size, max_model_len)
         cfg = self.config
         # Tensor parallelism: this rank's share of the heads (and so of every KV block).
         self.tp = tp
@@ -128,6 +120,37 @@ class ModelRunner:
                 raise ModelLoadError("speculative decoding does not run tensor-parallel")
             cuda_graphs = False  # collectives are not captured; eager steps
         self.local_config = local_config(cfg, tp)
+        self._load_weights(attention_backend, quantization, tp)
+        self._make_kv_cache(num_kv_blocks, kv_cache_bytes, tp)
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
+        self.requests: dict[str, RequestSamplingState] = {}
+        # Each running request's block table, kept across steps: a step sends only the
+        # entries that changed (scheduler/contract.py, ScheduledRequest).
+        self.block_tables: dict[str, list[int]] = {}
+        self.last_step_seconds = 0.0
+        self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
+        # Speculative decoding: verification, and the draft model when there is one.
+        self.spec: SpecRunner | None = None
+        if speculation or speculative_model is not None:
+            self.spec = SpecRunner(self, speculative_model, attention_backend)
+
+    def _set_lengths(self, block_size: int, max_model_len: int | None) -> None:
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ModelLoadError(f"block_size must be a positive power of two, got {block_size}")
+        self.block_size = block_size
+        limit = self.config.max_context
+        if max_model_len is not None and max_model_len > limit:
+            raise ModelLoadError(
+                f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
+            )
+        self.max_model_len = max_model_len or limit
+
+    def _load_weights(
+        self, attention_backend: str, quantization: str | None, tp: TPGroup | None
+    ) -> None:
+        """The attention backend, then the weights (this rank's shard under TP), packed and
+        fused for the CPU kernels when on CPU."""
+        cfg = self.config
         self.attn_backend = create_attention_backend(
             attention_backend,
             self.device,
@@ -136,7 +159,7 @@ class ModelRunner:
             cfg.head_dim,
             cfg.head_dim**-0.5,
             self.dtype,
-            block_size,
+            self.block_size,
         )
         self.model = load_model(
             self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len,
@@ -152,6 +175,11 @@ class ModelRunner:
             log.info("CPU: %d projections use pre-packed oneDNN weights", packed)
             if self.model.fuse_for_cpu():
                 log.info("CPU: residual adds, RMSNorm, rotary and SiLU*up run fused")
+
+    def _make_kv_cache(
+        self, num_kv_blocks: int | None, kv_cache_bytes: int | None, tp: TPGroup | None
+    ) -> None:
+        block_size = self.block_size
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
         if tp is not None:  # one block table for all ranks: the smallest cache sets it
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
@@ -162,17 +190,6 @@ class ModelRunner:
             self.kv_bytes_per_block // block_size,
             self.num_kv_blocks * self.kv_bytes_per_block / (1 << 30),
         )  # fmt: skip
-        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
-        self.requests: dict[str, RequestSamplingState] = {}
-        # Each running request's block table, kept across steps: a step sends only the
-        # entries that changed (scheduler/contract.py, ScheduledRequest).
-        self.block_tables: dict[str, list[int]] = {}
-        self.last_step_seconds = 0.0
-        self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
-        # Speculative decoding: verification, and the draft model when there is one.
-        self.spec: SpecRunner | None = None
-        if speculation or speculative_model is not None:
-            self.spec = SpecRunner(self, speculative_model, attention_backend)
 
     def _setup_graphs(
         self, enabled: bool | None, sizes: Sequence[int] | None, max_num_seqs: int
