@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
             f"{sum(w.max_tokens for w in work)}; CPU {detect().describe()}; load average "
             f"{load:.1f} -> {os.getloadavg()[0]:.1f}"
         )
-        header = ["engine", "median s", "useful tok/s", "vs transformers"]
+        header = ["engine", "median s (each run)", "useful tok/s", "vs transformers"]
         header += ["vs vLLM compiled"] if args.vllm_python else []
         text.append(print_table(title, header, rows))
     return "\n".join(text)
@@ -245,7 +245,9 @@ def time_engines(
         label = f"{e.label} ({e.note})" if e.note else e.label
         if isinstance(e, PagestreamEngine):
             label = f"**{label}**"
-        rows.append([label, f"{med[i]:.1f}", f"{useful / med[i]:.0f}", f"{base / med[i]:.2f}x"])
+        runs = ", ".join(f"{x:.1f}" for x in seconds[i])
+        rows.append([label, f"{med[i]:.1f} ({runs})", f"{useful / med[i]:.0f}",
+                     f"{base / med[i]:.2f}x"])  # fmt: skip
         if args.vllm_python:
             rows[-1].append(f"{vllm / med[i]:.2f}x" if vllm else "-")
     return rows + failed
