@@ -50,6 +50,24 @@ def _awq_dir(path: Path) -> Path:
     return out
 
 
+def _offline(
+    args: argparse.Namespace, ckpt: Path, kv: str, wq: str | None, work: list, params: list
+) -> tuple[list[list[int]], float]:
+    """The offline batch through an LLM of this config: its greedy sequences and tok/s."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+
+    llm = LLM(str(ckpt), dtype=args.dtype, threads=args.threads, kv_cache_dtype=kv,
+              quantization=wq, max_num_batched_tokens=args.budget)  # fmt: skip
+    llm.generate([w.prompt for w in work[:2]], SamplingParams(temperature=0, max_tokens=2))
+    t = time.perf_counter()
+    outs = llm.generate([w.prompt for w in work], params)
+    secs = time.perf_counter() - t
+    llm.shutdown()
+    seqs = [o.outputs[0].token_ids for o in outs]
+    return seqs, sum(len(s) for s in seqs) / secs
+
+
 def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     import torch
 
@@ -63,7 +81,6 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         weight_bytes,
     )
     from scheduler.sampling_params import SamplingParams
-    from service.llm import LLM
 
     path = model_dir(args)
     awq = _awq_dir(path)
@@ -87,15 +104,7 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         decode, base_decode = _side_by_side(r, base)
         logits = teacher_forced_logits(r, probe, 32)
         del r
-        llm = LLM(str(ckpt), dtype=args.dtype, threads=args.threads, kv_cache_dtype=kv,
-                  quantization=wq, max_num_batched_tokens=args.budget)  # fmt: skip
-        llm.generate([w.prompt for w in work[:2]], SamplingParams(temperature=0, max_tokens=2))
-        t = time.perf_counter()
-        outs = llm.generate([w.prompt for w in work], params)
-        secs = time.perf_counter() - t
-        llm.shutdown()
-        seqs = [o.outputs[0].token_ids for o in outs]
-        tput = sum(len(s) for s in seqs) / secs
+        seqs, tput = _offline(args, ckpt, kv, wq, work, params)
         if ref_logits is None:
             ref_logits, ref_seqs, base_tput = logits, seqs, tput
         d = logit_drift(ref_logits, logits)

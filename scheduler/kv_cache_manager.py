@@ -128,17 +128,29 @@ class KVCacheManager:
         for b in (*hits, *fresh):
             blocks.append(b)
             ids.append(b.block_id)
-        if cow:
-            (copy,) = self.pool.allocate(1) or ()
-            old = blocks[first]
-            copies.append((old.block_id, copy.block_id))
-            self.pool.free([old])
-            blocks[first] = copy
-            ids[first] = copy.block_id
-            self._unsync(req.req_id, first)
+        if cow:  # rare (forks only): out of line costs the common paths nothing
+            self._copy_on_write(req.req_id, blocks, ids, first, copies)
         self.req_blocks[req.req_id] = blocks
         self._cache_full_blocks(req, blocks, total)
         return fresh
+
+    def _copy_on_write(
+        self,
+        req_id: str,
+        blocks: list[Block],
+        ids: list[int],
+        index: int,
+        copies: list[tuple[int, int]],
+    ) -> None:
+        """Give the request a private copy of its shared block `index` (its free block was
+        counted by the caller) and queue the KV copy."""
+        (copy,) = self.pool.allocate(1) or ()
+        old = blocks[index]
+        copies.append((old.block_id, copy.block_id))
+        self.pool.free([old])
+        blocks[index] = copy
+        ids[index] = copy.block_id
+        self._unsync(req_id, index)
 
     def _cache_full_blocks(self, req: Request, blocks: list[Block], num_tokens: int) -> None:
         """Register the blocks that are full once this step has run.

@@ -15,6 +15,15 @@ from service.tokenizer import Tokenizer
 T = TypeVar("T")
 
 
+def _offline_batch_tokens(device: str | None) -> int:
+    """Offline batches favour throughput over inter-token latency: a larger step budget
+    than the server's (vLLM makes the same split)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and device != "cpu"
+    return 8192 if cuda else 2048
+
+
 class LLM:
     """Batch generation on the same engine the server runs.
 
@@ -49,12 +58,7 @@ class LLM:
         tensor_parallel_timeout: float = 60.0,
     ) -> None:
         if max_num_batched_tokens is None:
-            # Offline batches favour throughput over inter-token latency: a larger step
-            # budget than the server's (vLLM makes the same split).
-            import torch
-
-            cuda = torch.cuda.is_available() and device != "cpu"
-            max_num_batched_tokens = 8192 if cuda else 2048
+            max_num_batched_tokens = _offline_batch_tokens(device)
         self.args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -78,6 +82,11 @@ class LLM:
             tensor_parallel_timeout=tensor_parallel_timeout,
         )
         self.engine = AsyncEngine.from_args(self.args)
+        self._start_loop()
+        self._run(self.engine.start())
+        self._counter = 0
+
+    def _start_loop(self) -> None:
         # The engine lives on its own loop thread, so LLM works from plain scripts and from
         # code that already runs an event loop (notebooks, async tests) alike.
         self._loop = asyncio.new_event_loop()
@@ -85,8 +94,6 @@ class LLM:
             target=self._loop.run_forever, name="pagestream-llm", daemon=True
         )
         self._thread.start()
-        self._run(self.engine.start())
-        self._counter = 0
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
