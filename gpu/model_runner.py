@@ -273,20 +273,7 @@ class ModelRunner:
         built, its inputs are out of range, its row fails to sample) is reported in
         `ModelOutput.errors` and the others go on; anything else raises (engine failure)."""
         t0 = time.perf_counter()
-        errors: dict[str, str] = {}
-        for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
-            self.block_tables.pop(rid, None)
-            if self.spec is not None:
-                self.spec.drop(rid)
-        for new in so.new_requests:
-            try:
-                if self.faults is not None:
-                    self.faults.check_register(new.req_id, new.token_ids[: new.prompt_len])
-                self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
-            except Exception as e:
-                log.warning("request %s: could not register: %r", new.req_id, e)
-                errors[new.req_id] = f"could not start the request: {e}"
+        errors = self._apply_request_changes(so)
         if so.copy_blocks:
             self._copy_blocks(so.copy_blocks)
         if so.load_kv:
@@ -334,6 +321,25 @@ class ModelRunner:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0
         return out
+
+    def _apply_request_changes(self, so: SchedulerOutput) -> dict[str, str]:
+        """Drop finished requests' state and register new ones; a new request that cannot
+        be registered gets an error entry (it alone fails)."""
+        errors: dict[str, str] = {}
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            self.block_tables.pop(rid, None)
+            if self.spec is not None:
+                self.spec.drop(rid)
+        for new in so.new_requests:
+            try:
+                if self.faults is not None:
+                    self.faults.check_register(new.req_id, new.token_ids[: new.prompt_len])
+                self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
+            except Exception as e:
+                log.warning("request %s: could not register: %r", new.req_id, e)
+                errors[new.req_id] = f"could not start the request: {e}"
+        return errors
 
     def _prompt_of(self, req_id: str) -> list[int]:
         st = self.requests.get(req_id)
