@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.serve_sweep import _free_port, _wait_health
 
+RESULTS = Path(__file__).parent / "results"  # where bench.run writes latest.md (logs go there)
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # The latency columns the table prints for each run, and the charts draw.
 METRICS = ("ttft", "tpot", "itl")
@@ -155,8 +156,6 @@ def run_server(
     url = f"http://127.0.0.1:{port}"
     cmd, extra_env = build(args, path, port)
     out: dict[tuple[str, float], dict[str, Any]] = {}
-    from bench.run import RESULTS
-
     RESULTS.mkdir(exist_ok=True)
     with (RESULTS / f"serve_vllm-{name}.log").open("wb") as log:
         proc = subprocess.Popen(
