@@ -25,8 +25,8 @@ def _points(runs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def throughput_chart(data: dict[str, Any], out: Path, cpu: str = "") -> Path:
-    """Output tokens/s against requests in flight: the closed-loop points (N in flight)
-    where there are any, else the Poisson runs at their measured mean concurrency."""
+    """Output tokens/s against requests in flight: the closed-loop points (N in flight),
+    and the Poisson runs at their measured mean concurrency (Little's law)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,12 +34,15 @@ def throughput_chart(data: dict[str, Any], out: Path, cpu: str = "") -> Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     for i, (name, runs) in enumerate(data["servers"].items()):
-        pts = _points(runs, "conc")
-        xs = [p["x"] for p in pts]
-        if not pts:
-            pts = sorted(_points(runs, "rate"), key=lambda r: r.get("mean_concurrency", 0))
-            xs = [p.get("mean_concurrency", 0.0) for p in pts]
-        ax.plot(xs, [p["output_throughput"] for p in pts], "o-", color=_colour(name, i), label=name)
+        closed = _points(runs, "conc")
+        if closed:
+            ax.plot([p["x"] for p in closed], [p["output_throughput"] for p in closed], "o-",
+                    color=_colour(name, i), label=f"{name}, N in flight")  # fmt: skip
+        open_ = sorted(_points(runs, "rate"), key=lambda r: r.get("mean_concurrency", 0))
+        if open_:
+            ax.plot([p.get("mean_concurrency", 0.0) for p in open_],
+                    [p["output_throughput"] for p in open_], "^:", color=_colour(name, i),
+                    label=f"{name}, Poisson (mean in flight)")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("output tokens/s")
@@ -47,7 +50,7 @@ def throughput_chart(data: dict[str, Any], out: Path, cpu: str = "") -> Path:
     ax.set_title(f"Serving throughput vs concurrency ({data.get('dtype', '')})", fontsize=10)
     _footer(fig, cpu)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     return _save(fig, out / "serve_throughput.png")
 
 

@@ -116,6 +116,7 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cmp-warmup", type=int, default=4, help="serve_vllm: warm-up requests")
     ap.add_argument("--cmp-tpot-slo", type=float, default=100.0, help="serve_vllm: p99 TPOT ms")
     ap.add_argument("--cmp-max-len", type=int, default=1024, help="serve_vllm: max_model_len")
+    ap.add_argument("--cmp-vllm-first", action="store_true", help="serve_vllm: vLLM first")
     ap.add_argument("--charts-dir", default=None, help="PNG charts here (default: beside the md)")
     ap.add_argument("--structured-batch", type=int, default=4, help="B (rows of each kind)")
     ap.add_argument("--structured-tokens", type=int, default=64, help="tokens per row")

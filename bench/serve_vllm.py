@@ -19,13 +19,13 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.serve_sweep import _free_port, _wait_health
 
+RESULTS = Path(__file__).parent / "results"  # where bench.run writes latest.md (logs go there)
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # The latency columns the table prints for each run, and the charts draw.
 METRICS = ("ttft", "tpot", "itl")
@@ -61,7 +61,9 @@ def vllm_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[list[str]
         "--seed", "0",
     ]  # fmt: skip
     venv = py.resolve().parent.parent if not py.is_symlink() else py.parent.parent
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    # Its KV cache at pagestream's CPU default (2 GiB): left to size itself, it asks for
+    # half the machine's memory and dies at start-up when other jobs hold some of it.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
     env.update(_preload([TCMALLOC, str(venv / "lib" / "libiomp5.so")]))
     return cmd, env
 
@@ -154,7 +156,8 @@ def run_server(
     url = f"http://127.0.0.1:{port}"
     cmd, extra_env = build(args, path, port)
     out: dict[tuple[str, float], dict[str, Any]] = {}
-    with tempfile.NamedTemporaryFile(prefix=f"serve-{name}-", suffix=".log") as log:
+    RESULTS.mkdir(exist_ok=True)
+    with (RESULTS / f"serve_vllm-{name}.log").open("wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **extra_env}
         )
@@ -270,7 +273,16 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     if vllm_py:
         args.vllm_python = vllm_py
         servers.append(("vLLM", vllm_cmd))
-    results: Results = {name: run_server(name, build, args, path) for name, build in servers}
+        if getattr(args, "cmp_vllm_first", False):  # alternate the order across runs
+            servers.reverse()
+    results: Results = {}
+    failures = []
+    for name, build in servers:
+        try:
+            results[name] = run_server(name, build, args, path)
+        except (RuntimeError, TimeoutError, OSError) as e:  # the other server's rows still count
+            print(f"  {name}: FAILED: {e}", flush=True)
+            failures.append(f"{name} FAILED: {str(e)[-600:]}")
     lo, hi = (int(args.cmp_input * (1 + s * args.cmp_range)) for s in (-1, 1))
     olo, ohi = (int(args.cmp_output * (1 + s * args.cmp_range)) for s in (-1, 1))
     title = (
@@ -287,11 +299,13 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         HEADER,
         rows_for(results),
     )
-    if "vLLM" in results:
+    for f in failures:
+        text += f"\n{f}\n"
+    if "vLLM" in results and "pagestream" in results:
         _, _, line = verdict(results["pagestream"], results["vLLM"], args.cmp_tpot_slo)
         text += f"\nVerdict: {line}\n"
         print(f"Verdict: {line}", flush=True)
-    else:
+    elif not vllm_py:
         text += "\n(vLLM rows skipped: pass --vllm-python or set VLLM_PYTHON)\n"
     args.serve_compare = slim(args.dtype, results)
     return text
