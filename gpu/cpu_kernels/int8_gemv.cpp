@@ -150,7 +150,7 @@ void ps_int8_gemv(const float* x, int64_t m, int64_t k, const int8_t* q, const f
   constexpr int64_t kChunk = 64;  // weight rows per work item (a multiple of 8)
   const int64_t items = (n + kChunk - 1) / kChunk;
   // Waking a second thread costs more than a small matrix takes on one.
-  if (n * k < (int64_t{1} << 20)) nthreads = 1;
+  if (n * k < (int64_t{1} << 18)) nthreads = 1;
 #if PS_INT8_VNNI
   std::vector<int16_t> xq(m * k);
   std::vector<float> xs(m);
