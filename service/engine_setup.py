@@ -73,7 +73,10 @@ def namespace_fingerprint(
     h = hashlib.blake2b(digest_size=12)
     h.update(f"v1|{dtype}|{block_size}|".encode())
     if kv_cache_dtype != "auto" or quantization:
-        h.update(f"kv={kv_cache_dtype}|w={quantization}|".encode())
+        # Quantized KV payloads carry their scales; "s=bf16" since the scales went from
+        # float32 to bf16, so replicas on either side of that change never share blocks.
+        scales = "|s=bf16" if kv_cache_dtype != "auto" else ""
+        h.update(f"kv={kv_cache_dtype}{scales}|w={quantization}|".encode())
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         f = model_dir / name
         if f.is_file():
