@@ -254,9 +254,8 @@ class CausalLM(nn.Module):
         """float32=False keeps the model dtype: enough for a batch that only takes argmaxes
         (widening bf16 is exact, so the argmax is the same) and spares a [R, V] copy."""
         if self.lm_head_int8 is not None:
-            logits = self.lm_head_int8(hidden)
-            return logits if self.tp is None else self.tp.gather_last_dim(logits)
-        if self.lm_head_packed is not None:
+            logits = self.lm_head_int8(hidden)  # float32 straight out of the int8 kernel
+        elif self.lm_head_packed is not None:
             logits = packed_linear(hidden, self.lm_head_packed, None)
         else:
             w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight

@@ -286,7 +286,7 @@ class ModelRunner:
             graphs = self.graphs
             verify: list[tuple[ScheduledRequest, int]] = []
             if self.spec is not None:
-                self.spec.before_step(self, so)
+                self.spec.before_step(self, scheduled, so.copy_blocks)
             if (
                 graphs is not None
                 and all(len(r.input_ids) == 1 and not r.num_draft for r in scheduled)

@@ -32,7 +32,7 @@ from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.loader import load_model
 from gpu.sampler import _MIN_TEMPERATURE, RequestSamplingState, Sampler
-from scheduler.contract import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from scheduler.contract import ModelOutput, ScheduledRequest, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -278,15 +278,20 @@ class SpecRunner:
         if self.draft is not None:
             self.draft.valid.pop(req_id, None)
 
-    def before_step(self, runner: TargetRunner, so: SchedulerOutput) -> None:
+    def before_step(
+        self,
+        runner: TargetRunner,
+        scheduled: list[ScheduledRequest],  # the step's requests the runner kept
+        copy_blocks: list[tuple[int, int]],
+    ) -> None:
         """Fill the draft slots of this step's verify chunks with the draft model."""
         draft = self.draft
         if draft is None:
             return
-        if so.copy_blocks:
-            draft.copy_blocks(so.copy_blocks)
+        if copy_blocks:
+            draft.copy_blocks(copy_blocks)
         todo = []
-        for sr in so.scheduled:
+        for sr in scheduled:
             # A request recomputing after preemption lands in other blocks.
             if sr.start_pos < draft.valid.get(sr.req_id, 0):
                 draft.valid[sr.req_id] = 0
