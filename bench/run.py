@@ -76,7 +76,11 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the section list
+    )
     ap.add_argument(
         "--sections",
         default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp",
