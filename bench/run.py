@@ -10,10 +10,17 @@ Sections (all by default):
   serve      a real server under `pagestream bench serve` at a few request rates
   structured constrained decoding: mask costs, constrained rows sharing a batch
   serve_vllm pagestream's server and vLLM's OpenAI server under the same load (vLLM rows
-             only with --vllm-python or $VLLM_PYTHON); writes PNG charts
+             only with --vllm-python or $VLLM_PYTHON)
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
   spec       speculative decoding (off / n-gram / draft model) on the trained pair
   tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
+
+Writes bench/results/latest.md; offline and serve_vllm also leave offline.json /
+serve_compare.json there and PNG charts beside latest.md (--charts-dir elsewhere):
+offline_throughput.png (useful tok/s per engine and dtype, each run as a dot),
+serve_throughput.png (output tok/s vs requests in flight, one line per server) and
+serve_latency.png (TTFT and ITL p50/p99 vs request rate).  `python -m bench.charts`
+redraws them from the JSON.
 """
 
 from __future__ import annotations
@@ -69,7 +76,11 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the section list
+    )
     ap.add_argument(
         "--sections",
         default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp",
@@ -117,7 +128,11 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cmp-tpot-slo", type=float, default=100.0, help="serve_vllm: p99 TPOT ms")
     ap.add_argument("--cmp-max-len", type=int, default=1024, help="serve_vllm: max_model_len")
     ap.add_argument("--cmp-vllm-first", action="store_true", help="serve_vllm: vLLM first")
-    ap.add_argument("--charts-dir", default=None, help="PNG charts here (default: beside the md)")
+    ap.add_argument(
+        "--charts-dir",
+        default=None,
+        help="offline / serve_vllm PNG charts here (default: beside latest.md)",
+    )
     ap.add_argument("--structured-batch", type=int, default=4, help="B (rows of each kind)")
     ap.add_argument("--structured-tokens", type=int, default=64, help="tokens per row")
     ap.add_argument("--structured-reps", type=int, default=3)
@@ -201,11 +216,15 @@ def bench_serve_vllm(args: argparse.Namespace) -> str:
 
 
 def write_charts(args: argparse.Namespace) -> None:
-    """PNG charts of the sections that produced chartable data, beside latest.md."""
-    data = getattr(args, "serve_compare", None)
-    if data is None:
+    """The chartable sections' summaries as JSON in bench/results, and their PNG charts
+    beside latest.md (or --charts-dir): serving (serve_vllm) and offline."""
+    serve = getattr(args, "serve_compare", None)
+    offline = getattr(args, "offline_results", None)
+    for name, data in (("serve_compare", serve), ("offline", offline)):
+        if data is not None:
+            (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
+    if serve is None and offline is None:
         return
-    (RESULTS / "serve_compare.json").write_text(json.dumps(data, indent=1))
     try:
         import matplotlib  # noqa: F401  (the bench extra; the server does not need it)
     except ImportError as e:
@@ -214,7 +233,12 @@ def write_charts(args: argparse.Namespace) -> None:
     from bench import charts
 
     out = Path(args.charts_dir) if args.charts_dir else RESULTS
-    for p in charts.write_charts(data, out, charts.cpu_label()):
+    try:
+        paths = charts.draw_all(serve, offline, out, charts.cpu_label())
+    except Exception as e:  # the tables are written already; a chart bug must not hide them
+        print(f"(charts FAILED: {e!r})")
+        return
+    for p in paths:
         print(f"(chart written to {p})")
 
 

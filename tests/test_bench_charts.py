@@ -132,3 +132,107 @@ def test_charts_are_valid_pngs(tmp_path):
     rates_only = {k: {kk: v for kk, v in r.items() if kk[0] == "rate"} for k, r in RESULTS.items()}
     p = charts.throughput_chart(slim("bfloat16", rates_only), tmp_path)
     assert _png_chunks(p.read_bytes())[-1] == b"IEND"
+
+
+def _engine(name: str, seconds: list[float], useful: int = 1000) -> dict:
+    med = sorted(seconds)[len(seconds) // 2] if len(seconds) % 2 else sum(seconds) / 2
+    return {"name": name, "label": f"{name} label", "seconds": seconds,
+            "tok_s": [useful / s for s in seconds], "median_tok_s": useful / med}  # fmt: skip
+
+
+OFFLINE = {
+    "workload": "8 requests, prompts 32-64, outputs 8-16 tokens, greedy, ignore_eos",
+    "model": "small",
+    "threads": 2,
+    "reps": 2,
+    "useful_tokens": 1000,
+    "cpu": "test CPU (avx512f)",
+    "dtypes": [
+        {"dtype": "bfloat16", "native": True, "load": [0.5, 1.5], "engines": [
+            _engine("transformers", [10.0, 12.0]), _engine("pagestream", [3.0, 4.0]),
+            _engine("vLLM compiled", [3.5, 3.2]), _engine("vLLM eager", [4.0, 4.4])]},
+        {"dtype": "float32", "native": False, "load": [1.5, 2.0], "engines": [
+            _engine("transformers", [20.0, 21.0]), _engine("pagestream", [6.0, 5.0]),
+            {"name": "vLLM compiled", "label": "vLLM compiled", "failed": "OSError()"},
+            _engine("vLLM eager", [7.0, 7.5])]},
+    ],
+}  # fmt: skip
+
+
+def _assert_png(p: Path, min_w: int = 600, min_h: int = 400) -> None:
+    raw = p.read_bytes()
+    kinds = _png_chunks(raw)
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND" and b"IDAT" in kinds
+    width, height = struct.unpack(">II", raw[16:24])
+    assert width >= min_w and height >= min_h
+
+
+def _legends(monkeypatch) -> list[list[str]]:
+    """Records every chart's legend labels as the chart is saved."""
+    seen: list[list[str]] = []
+    save = charts._save
+
+    def spy(fig, path, *a, **k):
+        seen.extend([t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes)
+        return save(fig, path, *a, **k)
+
+    monkeypatch.setattr(charts, "_save", spy)
+    return seen
+
+
+def test_offline_chart_draws_every_engine_and_dtype(tmp_path, monkeypatch):
+    legends = _legends(monkeypatch)
+    p = charts.offline_chart(OFFLINE, tmp_path / "sub", "ignored: the data names its CPU")
+    assert p == tmp_path / "sub" / "offline_throughput.png"
+    _assert_png(p)
+    # One legend entry per engine, though vLLM compiled failed for float32.
+    assert legends == [["transformers", "pagestream", "vLLM compiled", "vLLM eager"]]
+    # Nothing measured (every engine failed, or no dtype finished): no chart.
+    failed = {"dtypes": [{"dtype": "float32", "engines": [OFFLINE["dtypes"][1]["engines"][2]]}]}
+    assert charts.offline_chart(failed, tmp_path) is None
+    assert charts.offline_chart({"dtypes": []}, tmp_path) is None
+
+
+def test_serving_charts_show_both_servers(tmp_path, monkeypatch):
+    legends = _legends(monkeypatch)
+    charts.write_charts(slim("bfloat16", RESULTS), tmp_path)
+    assert {lab.split(",")[0].split()[0] for lab in legends[0]} == {"pagestream", "vLLM"}
+    assert {lab.split()[0] for ax in legends[1:] for lab in ax} == {"pagestream", "vLLM"}
+    assert charts.write_charts(slim("bfloat16", {}), tmp_path / "none") == []
+
+
+def test_bench_run_writes_json_and_charts(tmp_path, monkeypatch):
+    """bench.run's last step: the JSON of the sections that ran and their charts; then
+    `python -m bench.charts DIR` redraws them from that JSON alone."""
+    import json
+
+    from bench import run
+
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    args = run.build_parser().parse_args(["--charts-dir", str(tmp_path / "png")])
+    run.write_charts(args)  # no chartable section ran: nothing written
+    assert list(tmp_path.iterdir()) == []
+    args.offline_results = OFFLINE
+    run.write_charts(args)
+    assert json.loads((tmp_path / "offline.json").read_text()) == OFFLINE
+    assert [p.name for p in (tmp_path / "png").iterdir()] == ["offline_throughput.png"]
+    args.serve_compare = slim("float32", RESULTS)
+    run.write_charts(args)
+    names = {"offline_throughput.png", "serve_throughput.png", "serve_latency.png"}
+    assert {p.name for p in (tmp_path / "png").iterdir()} == names
+    assert charts.main([str(tmp_path), "--out", str(tmp_path / "again")]) == 0
+    assert {p.name for p in (tmp_path / "again").iterdir()} == names
+    for p in (tmp_path / "again").iterdir():
+        _assert_png(p)
+
+
+def test_offline_table_rows_from_records():
+    from bench.offline import table_rows
+
+    recs = OFFLINE["dtypes"][1]["engines"]
+    rows = table_rows(recs, 1000, "/vllm/python")
+    assert rows[0] == ["transformers label", "20.5 (20.0, 21.0)", "49", "1.00x", "-"]
+    assert rows[1][0] == "**pagestream label**" and rows[1][3] == f"{20.5 / 5.5:.2f}x"
+    assert rows[2][0].startswith("vLLM compiled FAILED") and rows[2][1:] == ["", "", "", "-"]
+    rows = table_rows(OFFLINE["dtypes"][0]["engines"], 1000, None)
+    assert all(len(r) == 4 for r in rows) and rows[2][3] == f"{11.0 / 3.35:.2f}x"

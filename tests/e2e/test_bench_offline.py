@@ -4,6 +4,7 @@ warm-up prompts are disjoint from the timed ones (figures not checked)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from bench.offline import workloads
 from bench.run import main
@@ -34,3 +35,10 @@ def test_offline_section_rows_in_both_dtypes(tmp_path, monkeypatch):
     assert text.count("pagestream LLM.generate") == 2 and text.count("transformers generate()") == 2
     assert "the CPU’s native dtype" in text and "median of 2 alternated runs" in text
     assert "vllm" not in text.lower()  # no vLLM rows without a vLLM venv
+    # The same figures, structured, and their chart beside latest.md.
+    data = json.loads((tmp_path / "offline.json").read_text())
+    assert sorted(g["dtype"] for g in data["dtypes"]) == ["bfloat16", "float32"]
+    for g in data["dtypes"]:
+        assert [e["name"] for e in g["engines"]] == ["transformers", "pagestream"]
+        assert all(len(e["seconds"]) == len(e["tok_s"]) == 2 for e in g["engines"])
+    assert (tmp_path / "offline_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
