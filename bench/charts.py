@@ -149,6 +149,11 @@ def _offline_bars(ax: Any, groups: list[dict[str, Any]], names: list[str]) -> No
             # highest dot would read as that run's.
             ax.text(x, e["median_tok_s"] / 2, f"{e['median_tok_s']:.0f}", ha="center",
                     va="center", fontsize=8, color="white", fontweight="bold")  # fmt: skip
+        if g.get("floor_tok_s"):
+            # The most any engine computing exact logits could reach: the workload's FLOPs
+            # at the GEMM rate measured in the same run (bench/roofline.py).
+            ax.hlines(g["floor_tok_s"], gi - 0.45, gi + 0.45, colors="black", linestyles="--",
+                      linewidth=1, label=None if gi else "GEMM-peak ceiling")  # fmt: skip
 
 
 def _footer(fig: Any, cpu: str) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.roofline import floor_row
 from bench.vllm_env import vllm_env as vllm_env_for
 from bench.workloads import Item, mixed
 
@@ -175,7 +176,8 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
     from gpu.cpu_features import detect
 
     path = model_dir(args)
-    work, warm = workloads(args, ModelConfig.from_dir(path).vocab_size)
+    cfg = ModelConfig.from_dir(path)
+    work, warm = workloads(args, cfg.vocab_size)
     native = native_dtype()
     other = "float32" if native == "bfloat16" else "bfloat16"
     names = {"native": native, "other": other}
@@ -195,18 +197,21 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
         load = os.getloadavg()[0]
         engines = time_engines(args, path, dtype, work, warm)
         loads = [load, os.getloadavg()[0]]
+        header = ["engine", "median s (each run)", "useful tok/s", "vs transformers"]
+        header += ["vs vLLM compiled"] if args.vllm_python else []
+        floor, floor_note = floor_row(cfg, work, DTYPES[dtype], args.threads, len(header))
         results["dtypes"].append(
-            {"dtype": dtype, "native": dtype == native, "load": loads, "engines": engines}
-        )
+            {"dtype": dtype, "native": dtype == native, "load": loads, "engines": engines,
+             "floor_tok_s": float(floor[2]), "floor_note": floor_note}
+        )  # fmt: skip
         title = (
             f"Offline throughput, {dtype}{' (the CPU’s native dtype)' if dtype == native else ''}"
             f": {workload}, {args.threads} threads, {model}; median of {args.offline_reps} "
             f"alternated runs; output tokens each request asked for: {useful}; CPU "
             f"{results['cpu']}; load average {loads[0]:.1f} -> {loads[1]:.1f}"
         )
-        header = ["engine", "median s (each run)", "useful tok/s", "vs transformers"]
-        header += ["vs vLLM compiled"] if args.vllm_python else []
-        text.append(print_table(title, header, table_rows(engines, useful, args.vllm_python)))
+        rows = [*table_rows(engines, useful, args.vllm_python), floor]
+        text.append(print_table(title, header, rows) + f"\n{floor_note}\n")
     return "\n".join(text)
 
 

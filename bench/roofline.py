@@ -96,7 +96,7 @@ def floor_row(
     seconds = f.total / rate
     useful = sum(w.max_tokens for w in work)
     row = [
-        "floor: workload FLOPs / oneDNN GEMM peak measured here",
+        "ceiling: workload FLOPs at the GEMM peak measured here",
         f"{seconds:.1f}",
         f"{useful / seconds:.0f}",
     ]

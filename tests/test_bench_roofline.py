@@ -43,6 +43,6 @@ def test_floor_row_is_consistent() -> None:
     work = [Item(prompt=list(range(10)), max_tokens=5)] * 4
     assert gemm_rate(cfg, torch.float32, 1, reps=3) > 0
     row, note = floor_row(cfg, work, torch.float32, 1, 5)
-    assert len(row) == 5 and row[0].startswith("floor")
+    assert len(row) == 5 and row[0].startswith("ceiling")
     seconds, tok_s = float(row[1]), float(row[2])
     assert seconds >= 0 and tok_s > 0 and "GFLOP/s" in note
