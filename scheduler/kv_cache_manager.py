@@ -134,6 +134,21 @@ class KVCacheManager:
         self._cache_full_blocks(req, blocks, total)
         return fresh
 
+    def append_decode_slot(self, req: Request, pos: int) -> bool:
+        """A columnar decode at a block edge (scheduler/columnar.py): a block for position
+        `pos` if it has none (the caller checked the pool has one), and the prefix-cache
+        entry of the block it fills.  Returns whether the table grew."""
+        bs = self.block_size
+        blocks = self.req_blocks[req.req_id]
+        grew = len(blocks) * bs <= pos
+        if grew:
+            (b,) = self.pool.allocate(1) or ()
+            blocks.append(b)
+            self.req_block_ids[req.req_id].append(b.block_id)
+        if (pos + 1) % bs == 0:
+            self._cache_full_blocks(req, blocks, pos + 1)
+        return grew
+
     def _copy_on_write(
         self,
         req_id: str,
