@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.block_pool import Block, BlockEvent, BlockPool
+from scheduler.block_pool import Block, BlockEvent, BlockPool, hash_block
 from scheduler.request import Request
 
 
@@ -145,8 +145,18 @@ class KVCacheManager:
             (b,) = self.pool.allocate(1) or ()
             blocks.append(b)
             self.req_block_ids[req.req_id].append(b.block_id)
-        if (pos + 1) % bs == 0:
-            self._cache_full_blocks(req, blocks, pos + 1)
+        if (pos + 1) % bs == 0 and self.enable_prefix_caching:
+            i, rid, hashes = pos // bs, req.req_id, req.block_hashes
+            if self.num_cached_blocks.get(rid, 0) == i == len(hashes):
+                # The usual case, one block filled after a chain kept up to date: hashed
+                # and cached here without the general loop.
+                parent = hashes[-1] if i else None
+                h = hash_block(parent, req.token_ids[i * bs : pos + 1], req.cache_salt)
+                hashes.append(h)
+                self.pool.cache(blocks[i], h, parent)
+                self.num_cached_blocks[rid] = i + 1
+            else:
+                self._cache_full_blocks(req, blocks, pos + 1)
         return grew
 
     def _copy_on_write(
