@@ -4,7 +4,14 @@ contexts decoding, and long contexts decoding while new 4k-token prompts are pre
 in chunks beside them.
 
 What a step costs the engine actor here is `schedule` + `update_from_output`; the no-op
-executor answers instantly.  A step that re-sent every block table (or looped over every
+executor answers instantly.  Steady decodes travel as `DecodeColumns` (three flat lists,
+table deltas only at block edges) and come back as bare tokens, so a row costs a few
+list-comprehension slots, not objects.  What is left per row is the work at block edges:
+a row starting a block gets one, a row filling one hashes it for the prefix cache.  The
+128-token row's prompts are all the same length, so its rows reach their edges on the
+same step (1 in 16) and its median step has none; the long rows' lengths are staggered,
+so every step has 2 in 16 rows at an edge.  That, not the context length, is most of
+the gap between the rows in the "CPU vs 128-token row" column.  A step that re-sent every block table (or looped over every
 token or block of every request) would grow with the contexts; the long rows show it
 does not.  The msgpack column is the SchedulerOutput's size on the wire, for an executor
 in another process.
@@ -35,7 +42,7 @@ class NoopRunner:
     """Samples token 1 for every sampling request, instantly."""
 
     def execute_model(self, so: SchedulerOutput) -> ModelOutput:
-        ids: list[str] = []
+        ids = list(so.decodes.req_ids)  # the columnar decodes sample first, in order
         for r in so.scheduled:
             if r.sample:
                 ids.append(r.req_id)

@@ -46,7 +46,7 @@ def _run(path: Path, tp: int, threads: int | None) -> tuple[list[list[int]], dic
         steps: dict[str, list[float]] = {"prefill": [], "decode": []}
 
         def hook(info: Any) -> None:
-            decode_only = info.so.num_scheduled_tokens == len(info.so.scheduled)
+            decode_only = info.so.num_scheduled_tokens == info.so.num_scheduled_requests
             steps["decode" if decode_only else "prefill"].append(info.seconds)
 
         llm.engine.add_step_hook(hook)

@@ -23,23 +23,39 @@ class Batch:
     query_start: list[int]  # first row of each sequence
 
 
+# A step's columnar decodes (scheduler/contract.py, DecodeColumns): one token each, at its
+# position, through its block table; three parallel lists.
+DecodeRows = tuple[list[int], list[int], list[list[int]]]
+
+
 def layout_batch(
     seqs: Sequence[tuple[list[int], int, list[int]]],  # (token ids, start position, blocks)
     block_size: int,
     device: torch.device,
+    decodes: DecodeRows | None = None,
 ) -> Batch:
-    """Flatten sequences (decodes, i.e. one-token queries, must come first) into one step's
-    tensors and attention metadata.  The target and the draft model share it."""
+    """Flatten sequences into one step's tensors and attention metadata: `decodes` first
+    (rows 0..), then `seqs`, whose decodes (one-token queries) must come first.  The
+    target and the draft model share it."""
     bs = block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    seq_lens: list[int] = []
-    max_blocks = max(len(bt) for _, _, bt in seqs)
-    tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-    num_decodes = 0
-    for i, (ids, s, bt) in enumerate(seqs):
+    nd = 0
+    if decodes is not None:
+        d_ids, d_pos, d_tables = decodes
+        nd = len(d_ids)
+        # Decode rows in bulk: a comprehension each, no per-row branches.
+        input_ids = list(d_ids)
+        positions = list(d_pos)
+        slots = [bt[p // bs] * bs + p % bs for p, bt in zip(d_pos, d_tables, strict=True)]
+        seq_lens = [p + 1 for p in d_pos]
+        qsl = list(range(nd + 1))
+    else:
+        input_ids, positions, slots, seq_lens, qsl, d_tables = [], [], [], [], [0], []
+    max_blocks = max((len(bt) for bt in (*d_tables, *(bt for _, _, bt in seqs))), default=1)
+    tables = np.zeros((nd + len(seqs), max_blocks), dtype=np.int32)
+    for i, bt in enumerate(d_tables):
+        tables[i, : len(bt)] = bt
+    num_decodes = nd
+    for i, (ids, s, bt) in enumerate(seqs, nd):
         n = len(ids)
         input_ids += ids
         if n == 1:
@@ -52,14 +68,14 @@ def layout_batch(
         qsl.append(qsl[-1] + n)
         seq_lens.append(s + n)
         tables[i, : len(bt)] = bt
-    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seqs))]
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(nd + len(seqs))]
 
     def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dt, device=device)
 
     meta = AttentionMetadata(
         num_tokens=len(input_ids),
-        num_seqs=len(seqs),
+        num_seqs=nd + len(seqs),
         num_decodes=num_decodes,
         query_start_loc=t(qsl, torch.int32),
         seq_lens=t(seq_lens, torch.int32),

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gpu.attention.base import AttentionMetadata
-from scheduler.contract import ScheduledRequest
 
 log = logging.getLogger(__name__)
 
@@ -111,22 +110,19 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def run(
-        self, decodes: list[ScheduledRequest], tables: list[list[int]]
+        self, token_ids: list[int], positions: list[int], tables: list[list[int]]
     ) -> torch.Tensor:  # [n, hidden]
-        """One decode step through the bucket's graph (or its eager equivalent); `tables`
-        are the decodes' block tables, in order."""
-        n = len(decodes)
+        """One decode step through the bucket's graph (or its eager equivalent): row i
+        feeds token_ids[i] at positions[i] through block table tables[i]."""
+        n = len(token_ids)
         b = self.bucket(n)
         assert b is not None
         bs = self.block_size
-        ids, pos, slots, lens = [], [], [], []
+        ids, pos = list(token_ids), list(positions)
+        slots = [bt[s // bs] * bs + s % bs for s, bt in zip(pos, tables, strict=True)]
+        lens = [s + 1 for s in pos]
         table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
-        for i, (r, bt) in enumerate(zip(decodes, tables, strict=True)):
-            s = r.start_pos
-            ids.append(r.input_ids[0])
-            pos.append(s)
-            slots.append(bt[s // bs] * bs + s % bs)
-            lens.append(s + 1)
+        for i, bt in enumerate(tables):
             table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
         pad = b - n
         ids += [0] * pad

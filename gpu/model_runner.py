@@ -27,12 +27,14 @@ from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
 from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
 from scheduler.contract import (
+    DecodeColumns,
     KVBlockPayload,
     ModelOutput,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
     apply_block_delta,
+    apply_decode_deltas,
 )
 from scheduler.faults import FaultPlan
 
@@ -279,27 +281,31 @@ class ModelRunner:
         if so.load_kv:
             self._load_kv(so.load_kv)
         out = ModelOutput(req_ids=[], sampled_token_ids=[], errors=errors)
+        dec = self._valid_decodes(so.decodes, errors)
         scheduled = self._valid_inputs(so.scheduled, errors)
+        if self.spec is not None and dec.req_ids:
+            # The speculative path walks requests one by one anyway: give it objects.
+            scheduled, dec = dec.as_requests() + scheduled, DecodeColumns()
         if self.faults is not None:
-            self.faults.check_forward(so.step, [self._prompt_of(r.req_id) for r in scheduled])
-        if scheduled:
+            rids = [*dec.req_ids, *(r.req_id for r in scheduled)]
+            self.faults.check_forward(so.step, [self._prompt_of(rid) for rid in rids])
+        if scheduled or dec.req_ids:
             graphs = self.graphs
             verify: list[tuple[ScheduledRequest, int]] = []
             if self.spec is not None:
                 self.spec.before_step(self, scheduled, so.copy_blocks)
-            if (
-                graphs is not None
-                and all(len(r.input_ids) == 1 and not r.num_draft for r in scheduled)
-                and not any(
-                    self.requests[r.req_id].params.prompt_logprobs is not None for r in scheduled
+            if graphs is not None and self._graph_fits(graphs, dec, scheduled):
+                # The graph's hidden row i is decode row i, then scheduled request i - nd.
+                n = len(dec.req_ids) + len(scheduled)
+                samples = self._sample_rows(scheduled, range(len(dec), n), errors, dec)
+                tables = self.block_tables
+                hidden = graphs.run(
+                    [*dec.token_ids, *(r.input_ids[0] for r in scheduled)],
+                    [*dec.positions, *(r.start_pos for r in scheduled)],
+                    [tables[rid] for rid in (*dec.req_ids, *(r.req_id for r in scheduled))],
                 )
-                and graphs.bucket(len(scheduled)) is not None
-            ):
-                # The graph's hidden row i is scheduled request i.
-                samples = self._sample_rows(scheduled, range(len(scheduled)), errors)
-                hidden = graphs.run(scheduled, [self.block_tables[r.req_id] for r in scheduled])
             else:
-                inputs = self._prepare(scheduled, errors)
+                inputs = self._prepare(scheduled, errors, dec)
                 samples, verify = inputs.samples, inputs.verify
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 for pr in inputs.prompt_rows:
@@ -321,6 +327,19 @@ class ModelRunner:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0
         return out
+
+    def _graph_fits(
+        self, graphs: DecodeGraphs, dec: DecodeColumns, scheduled: list[ScheduledRequest]
+    ) -> bool:
+        """A step the decode graphs can run: one-token queries only, no prompt logprobs
+        (decode columns never ask for them), a captured size."""
+        return (
+            all(len(r.input_ids) == 1 and not r.num_draft for r in scheduled)
+            and not any(
+                self.requests[r.req_id].params.prompt_logprobs is not None for r in scheduled
+            )
+            and graphs.bucket(len(dec.req_ids) + len(scheduled)) is not None
+        )
 
     def _apply_request_changes(self, so: SchedulerOutput) -> dict[str, str]:
         """Drop finished requests' state and register new ones; a new request that cannot
@@ -344,6 +363,23 @@ class ModelRunner:
     def _prompt_of(self, req_id: str) -> list[int]:
         st = self.requests.get(req_id)
         return st.token_ids[: st.prompt_len] if st is not None else []
+
+    def _valid_decodes(self, d: DecodeColumns, errors: dict[str, str]) -> DecodeColumns:
+        """`_valid_inputs` for the decode columns: the tables brought up to this step, and
+        the rows that would poison the batch dropped (and reported), in bulk."""
+        if not d.req_ids:
+            return d
+        bad = apply_decode_deltas(self.block_tables, d, self.block_size)
+        vocab = self.config.vocab_size
+        if min(d.token_ids) < 0 or max(d.token_ids) >= vocab:
+            bad = sorted({*bad, *(i for i, t in enumerate(d.token_ids) if not 0 <= t < vocab)})
+        for rid in (d.req_ids[i] for i in bad):
+            log.warning("request %s dropped from step: a bad decode row", rid)
+            errors[rid] = "bad step input: its block table or token id does not fit the runner"
+        if not bad and not d.delta_rows:
+            return d
+        skip = set(bad)
+        return d.select([i for i in range(len(d.req_ids)) if i not in skip])
 
     def _valid_inputs(
         self, scheduled: list[ScheduledRequest], errors: dict[str, str]
@@ -423,13 +459,15 @@ class ModelRunner:
         reqs: list[ScheduledRequest],
         last_rows: Sequence[int],
         errors: dict[str, str] | None = None,
+        dec: DecodeColumns | None = None,
     ) -> SampleRows:
-        """Which hidden rows feed the sampler: each sampling request's last fed token, once
-        for it and once for each request forked from it (n > 1).  Requests that already
-        failed this step (see `errors`) take no row."""
-        rows: list[int] = []
-        states: list[RequestSamplingState] = []
-        ids: list[str] = []
+        """Which hidden rows feed the sampler: the decode rows (hidden rows 0..), then
+        each sampling request's last fed token, once for it and once for each request
+        forked from it (n > 1).  Requests that already failed this step (see `errors`)
+        take no row."""
+        ids: list[str] = list(dec.req_ids) if dec is not None else []
+        rows: list[int] = list(range(len(ids)))
+        states: list[RequestSamplingState] = [self.requests[rid] for rid in ids]
         for r, row in zip(reqs, last_rows, strict=True):
             if r.sample and not r.num_draft:  # verify chunks sample in spec_decode
                 for rid in (r.req_id, *r.fork_ids):
@@ -441,29 +479,35 @@ class ModelRunner:
         return SampleRows(torch.tensor(rows, dtype=torch.int64, device=self.device), states, ids)
 
     def _prepare(
-        self, scheduled: list[ScheduledRequest], errors: dict[str, str] | None = None
+        self,
+        scheduled: list[ScheduledRequest],
+        errors: dict[str, str] | None = None,
+        dec: DecodeColumns | None = None,
     ) -> StepInputs:
-        # Decodes first: backends batch the one-token queries together.  A verify chunk
-        # (a decode plus its draft tokens) is a short prefill chunk.
+        # Decodes first (the columns, then the others): backends batch the one-token
+        # queries together.  A verify chunk (a decode plus its drafts) is a short prefill.
         ordered = [r for r in scheduled if len(r.input_ids) + r.num_draft == 1]
         ordered += [r for r in scheduled if len(r.input_ids) + r.num_draft != 1]
+        tables = self.block_tables
         batch = layout_batch(
-            [
-                (r.input_ids + r.draft_ids, r.start_pos, self.block_tables[r.req_id])
-                for r in ordered
-            ],
+            [(r.input_ids + r.draft_ids, r.start_pos, tables[r.req_id]) for r in ordered],
             self.block_size,
             self.device,
+            None
+            if dec is None or not dec.req_ids
+            else (dec.token_ids, dec.positions, [tables[rid] for rid in dec.req_ids]),
         )
         # Each request samples from its last known token's row; a verify chunk's draft
         # rows follow it.
-        last_rows = [batch.query_start[i] + len(r.input_ids) - 1 for i, r in enumerate(ordered)]
+        nd = len(dec.req_ids) if dec is not None else 0
+        qs = batch.query_start[nd:]
+        last_rows = [qs[i] + len(r.input_ids) - 1 for i, r in enumerate(ordered)]
         return StepInputs(
             input_ids=batch.input_ids,
             positions=batch.positions,
             meta=batch.meta,
-            samples=self._sample_rows(ordered, last_rows, errors),
-            prompt_rows=self._prompt_rows(ordered, batch.query_start),
+            samples=self._sample_rows(ordered, last_rows, errors, dec),
+            prompt_rows=self._prompt_rows(ordered, qs),
             verify=[(r, row) for r, row in zip(ordered, last_rows, strict=True) if r.num_draft],
         )
 

@@ -9,6 +9,12 @@ Block tables travel as deltas: the runner keeps each request's table from step t
 and a `ScheduledRequest` carries only what changed (`num_kept_blocks`, `new_block_ids`),
 so a step's size grows with the blocks it touches, not with the contexts it holds.  The
 runner must apply every step it is given, in order (the engine stops on a runner error).
+
+Plain decodes (one known token in, one sampled token out, nothing else asked: no grammar,
+logprobs, fork or draft) travel column-wise in `DecodeColumns`: three flat lists, and
+table deltas only for the rows that crossed a block boundary.  At a thousand running
+requests a step is then a few list comprehensions on both sides rather than a thousand
+objects built, encoded, decoded and walked.
 """
 
 from __future__ import annotations
@@ -60,6 +66,57 @@ class ScheduledRequest(msgspec.Struct, gc=False, kw_only=True, array_like=True):
     num_draft: int = 0
 
 
+# `ScheduledRequest.num_kept_blocks` of a row whose table did not change this step (only
+# `SchedulerOutput.all_scheduled` writes it: a decode column row without a delta).
+KEEP_TABLE = -1
+
+
+class DecodeColumns(msgspec.Struct, gc=False, array_like=True):
+    """A step's plain decodes, column-wise (row i of each list is one request).  Each row
+    feeds `token_ids[i]` at `positions[i]` and samples one token; in ModelOutput these
+    rows come first, in this order.  A row's block table is the runner's copy unchanged,
+    except for the rows named in `delta_rows`, whose tables are cut to `delta_kept[k]`
+    entries and extended by `delta_blocks[k]` as ScheduledRequest's delta rule says."""
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    positions: list[int] = msgspec.field(default_factory=list)
+    delta_rows: list[int] = msgspec.field(default_factory=list)
+    delta_kept: list[int] = msgspec.field(default_factory=list)
+    delta_blocks: list[list[int]] = msgspec.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def as_requests(self) -> list[ScheduledRequest]:
+        """The rows as ScheduledRequests (for paths that walk requests one by one); a
+        row without a delta gets num_kept_blocks=KEEP_TABLE."""
+        deltas = dict(zip(self.delta_rows, zip(self.delta_kept, self.delta_blocks)))
+        out = []
+        for i, (rid, tok, pos) in enumerate(zip(self.req_ids, self.token_ids, self.positions)):
+            kept, new = deltas.get(i, (KEEP_TABLE, []))
+            out.append(
+                ScheduledRequest(
+                    req_id=rid,
+                    input_ids=[tok],
+                    start_pos=pos,
+                    new_block_ids=list(new),
+                    num_kept_blocks=kept,
+                    sample=True,
+                )
+            )
+        return out
+
+    def select(self, keep: list[int]) -> DecodeColumns:
+        """The rows `keep` (indices, ascending), deltas dropped: for a runner that has
+        already applied them."""
+        return DecodeColumns(
+            req_ids=[self.req_ids[i] for i in keep],
+            token_ids=[self.token_ids[i] for i in keep],
+            positions=[self.positions[i] for i in keep],
+        )
+
+
 class KVBlockPayload(msgspec.Struct, gc=False, kw_only=True):
     """The K and V of every layer for one block, as raw bytes (Redis prefix tier)."""
 
@@ -70,8 +127,9 @@ class KVBlockPayload(msgspec.Struct, gc=False, kw_only=True):
 class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
     step: int
     new_requests: list[NewRequestData]
-    scheduled: list[ScheduledRequest]
+    scheduled: list[ScheduledRequest]  # everything that is not a plain decode
     finished_req_ids: list[str]
+    decodes: DecodeColumns = msgspec.field(default_factory=DecodeColumns)
     # (src, dst): copy a block's KV before the forward (copy-on-write of a shared block).
     copy_blocks: list[tuple[int, int]] = msgspec.field(default_factory=list)
     # KV to write into blocks before the forward (blocks loaded from the Redis tier).
@@ -84,12 +142,24 @@ class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(r.input_ids) + r.num_draft for r in self.scheduled)
+        return len(self.decodes.req_ids) + sum(
+            len(r.input_ids) + r.num_draft for r in self.scheduled
+        )
+
+    @property
+    def num_scheduled_requests(self) -> int:
+        return len(self.decodes.req_ids) + len(self.scheduled)
+
+    def all_scheduled(self) -> list[ScheduledRequest]:
+        """Every scheduled request as a ScheduledRequest, decode columns first: for
+        consumers where a step's size does not matter (tests, logs)."""
+        return self.decodes.as_requests() + self.scheduled
 
     @property
     def is_empty(self) -> bool:
         return (
             not self.scheduled
+            and not self.decodes.req_ids
             and not self.copy_blocks
             and not self.load_kv
             and not self.save_kv_blocks
@@ -134,6 +204,8 @@ def apply_block_delta(tables: dict[str, list[int]], sr: ScheduledRequest) -> lis
     and return it; None when the runner holds fewer entries than the step keeps (it lost
     the request's table), so the request cannot run."""
     kept = sr.num_kept_blocks
+    if kept == KEEP_TABLE:
+        return tables.get(sr.req_id)
     if kept == 0:
         # A copy: the runner edits its tables in place, and the step stays as sent.
         table = tables[sr.req_id] = list(sr.new_block_ids)
@@ -144,3 +216,32 @@ def apply_block_delta(tables: dict[str, list[int]], sr: ScheduledRequest) -> lis
     del table[kept:]
     table += sr.new_block_ids
     return table
+
+
+def apply_decode_deltas(
+    tables: dict[str, list[int]], d: DecodeColumns, block_size: int
+) -> list[int]:
+    """Bring a runner's copies of the decode rows' tables up to this step; returns the
+    rows (ascending) that cannot run: their table is missing or shorter than the kept
+    entries, or does not reach their position."""
+    bad: set[int] = set()
+    rids = d.req_ids
+    for row, kept, new in zip(d.delta_rows, d.delta_kept, d.delta_blocks, strict=True):
+        rid = rids[row]
+        if kept == 0:
+            tables[rid] = list(new)
+            continue
+        table = tables.get(rid)
+        if table is None or len(table) < kept:
+            bad.add(row)
+            continue
+        del table[kept:]
+        table += new
+    get = tables.get
+    # One pass over every row, but only a look-up and a length each.
+    short = (
+        i
+        for i, (rid, pos) in enumerate(zip(rids, d.positions, strict=True))
+        if (t := get(rid)) is None or len(t) <= pos // block_size
+    )
+    return sorted(bad.union(short))

@@ -13,6 +13,7 @@ from scheduler.block_pool import BlockHash
 from scheduler.contract import ModelOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import RequestRejected, RequestUpdate, Scheduler
+from scheduler.scheduler_types import StepUpdates
 from scheduler.stream import RequestStream
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,15 @@ class EngineCore:
         self._lookups.add(task)
         task.add_done_callback(self._lookups.discard)
 
-    def _dispatch(self, updates: list[RequestUpdate]) -> None:
+    def _dispatch(self, updates: list[RequestUpdate] | StepUpdates) -> None:
+        streams = self.streams
+        if isinstance(updates, StepUpdates):
+            # Decode rows that took a token and go on: a token each, no update object.
+            for req, tok in zip(updates.decode_reqs, updates.decode_tokens, strict=True):
+                stream = streams.get(req.group_id)
+                if stream is not None:
+                    stream.put_token(req.req_id, tok)
+            updates = updates.updates
         by_group: dict[str, list[RequestUpdate]] = {}
         for u in updates:
             by_group.setdefault(u.group_id, []).append(u)

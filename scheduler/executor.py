@@ -24,14 +24,15 @@ class ExecutorError(RuntimeError):
 
 
 def describe_step(so: SchedulerOutput) -> str:
+    scheduled = so.all_scheduled()
     reqs = ", ".join(
         f"{r.req_id}[pos {r.start_pos}+{len(r.input_ids)}, blocks {r.num_kept_blocks}"
         f"+{len(r.new_block_ids)}]"
-        for r in so.scheduled[:16]
+        for r in scheduled[:16]
     )
-    more = f" (+{len(so.scheduled) - 16} more)" if len(so.scheduled) > 16 else ""
+    more = f" (+{len(scheduled) - 16} more)" if len(scheduled) > 16 else ""
     return (
-        f"step {so.step}: {len(so.scheduled)} requests, {so.num_scheduled_tokens} tokens, "
+        f"step {so.step}: {len(scheduled)} requests, {so.num_scheduled_tokens} tokens, "
         f"{len(so.new_requests)} new, {len(so.copy_blocks)} block copies, "
         f"{len(so.load_kv)} KV loads: {reqs}{more}"
     )

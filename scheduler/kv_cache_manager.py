@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.block_pool import Block, BlockEvent, BlockPool
+from scheduler.block_pool import Block, BlockEvent, BlockPool, hash_block
 from scheduler.request import Request
 
 
@@ -133,6 +133,31 @@ class KVCacheManager:
         self.req_blocks[req.req_id] = blocks
         self._cache_full_blocks(req, blocks, total)
         return fresh
+
+    def append_decode_slot(self, req: Request, pos: int) -> bool:
+        """A columnar decode at a block edge (scheduler/columnar.py): a block for position
+        `pos` if it has none (the caller checked the pool has one), and the prefix-cache
+        entry of the block it fills.  Returns whether the table grew."""
+        bs = self.block_size
+        blocks = self.req_blocks[req.req_id]
+        grew = len(blocks) * bs <= pos
+        if grew:
+            (b,) = self.pool.allocate(1) or ()
+            blocks.append(b)
+            self.req_block_ids[req.req_id].append(b.block_id)
+        if (pos + 1) % bs == 0 and self.enable_prefix_caching:
+            i, rid, hashes = pos // bs, req.req_id, req.block_hashes
+            if self.num_cached_blocks.get(rid, 0) == i == len(hashes):
+                # The usual case, one block filled after a chain kept up to date: hashed
+                # and cached here without the general loop.
+                parent = hashes[-1] if i else None
+                h = hash_block(parent, req.token_ids[i * bs : pos + 1], req.cache_salt)
+                hashes.append(h)
+                self.pool.cache(blocks[i], h, parent)
+                self.num_cached_blocks[rid] = i + 1
+            else:
+                self._cache_full_blocks(req, blocks, pos + 1)
+        return grew
 
     def _copy_on_write(
         self,

@@ -34,6 +34,20 @@ FINISH_REASONS = {
 
 
 class Request:
+    # Slots, hot ones first: the columnar path reads a few fields of a thousand requests
+    # a step, and with slots they sit in the object itself (one or two cache lines)
+    # rather than in a separate values array, which matters once long contexts spread
+    # the requests over a large heap.
+    __slots__ = (  # noqa: RUF023 (the order is the layout)
+        "status", "columnar", "num_computed_tokens", "token_ids", "req_id", "stop_ids",
+        "length_limit", "group_id", "sample_index", "prompt_len", "num_cached_tokens",
+        "first_scheduled_time", "plain", "params", "max_tokens", "cache_salt",
+        "block_hashes", "fork_ids", "registered", "num_preemptions", "finish_reason",
+        "stop_token_id", "arrival_time", "publish_prefix", "remote_start",
+        "remote_payloads", "grammar", "prompt_logprobs", "prompt_logprobs_sent",
+        "spec_accepted", "spec_trials", "__weakref__",
+    )  # fmt: skip
+
     def __init__(
         self,
         req_id: str,
@@ -85,6 +99,14 @@ class Request:
         # per verify step (scheduler/spec.py); their ratio estimates the per-token rate.
         self.spec_accepted = 1.0
         self.spec_trials = 1.0
+        # The columnar decode path (scheduler/contract.py, DecodeColumns): `plain` says the
+        # request never needs more than a token per step (no grammar, no logprobs);
+        # `columnar` that it is, right now, a decode whose last block is its own and
+        # whose table the runner holds as is, so a step needs no per-request object.
+        self.plain = grammar is None and params.logprobs is None
+        self.columnar = False
+        # Length at which it ends (max_tokens or max_model_len): set by the scheduler.
+        self.length_limit = self.prompt_len + max_tokens
 
     @property
     def spec_rate(self) -> float:

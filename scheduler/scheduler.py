@@ -15,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockEvent
+from scheduler.columnar import ColumnarDecodes
 from scheduler.contract import (
+    DecodeColumns,
     KVBlockPayload,
     ModelOutput,
     NewRequestData,
@@ -30,6 +32,7 @@ from scheduler.scheduler_types import (
     RequestUpdate,
     SchedulerConfig,
     SchedulerStats,
+    StepUpdates,
 )
 from scheduler.spec import SpecDecoder
 from scheduler.structured import GrammarMatcher, bitmasks
@@ -47,9 +50,11 @@ class _StepPlan:
     load_kv: list[KVBlockPayload] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
     preempted: bool = False
+    decodes: DecodeColumns | None = None  # the columnar rows (scheduler/columnar.py)
+    decode_ids: set[str] | None = None  # their ids, built only if a preemption asks
 
 
-class Scheduler(PrefixTierSupport):
+class Scheduler(ColumnarDecodes, PrefixTierSupport):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -107,8 +112,10 @@ class Scheduler(PrefixTierSupport):
         parent.fork_ids = [r.req_id for r in group[1:]]
         for child in group[1:]:
             child.status = RequestStatus.WAITING_FOR_PARENT
+        limit = self.config.max_model_len
         for r in group:
             self.requests[r.req_id] = r
+            r.length_limit = min(r.prompt_len + r.max_tokens, limit)
         self.groups[parent.group_id] = group
         self.waiting.append(parent)
 
@@ -149,20 +156,25 @@ class Scheduler(PrefixTierSupport):
         return self._step_output(step)
 
     def _schedule_running(self, step: _StepPlan) -> None:
-        # Decodes first, then partly computed prompts: a long prompt never delays a decode.
-        order: list[Request] = []
-        chunks: list[Request] = []
-        for r in self.running:
-            (order if len(r.token_ids) - r.num_computed_tokens == 1 else chunks).append(r)
-        order += chunks
-        allocate = self.kv.allocate_slots
-        running = RequestStatus.RUNNING
         spec = self.spec
         # vLLM's rule: no speculation while more requests than disable_by_batch_size are
         # running or queued (a batch ramping up through its prefills counts already).
         speculate = spec is not None and spec.enabled_for_step(
             len(self.running) + len(self.waiting)
         )
+        rest = self.running
+        # Plain decodes in bulk first (a speculating step proposes drafts for each).
+        if not speculate and (taken := self._schedule_columnar(step.budget)) is not None:
+            step.decodes, rest = taken
+            step.budget -= len(step.decodes.req_ids)
+        # Decodes first, then partly computed prompts: a long prompt never delays a decode.
+        order: list[Request] = []
+        chunks: list[Request] = []
+        for r in rest:
+            (order if len(r.token_ids) - r.num_computed_tokens == 1 else chunks).append(r)
+        order += chunks
+        allocate = self.kv.allocate_slots
+        running = RequestStatus.RUNNING
         copies, scheduled, new_reqs, done = step.copies, step.scheduled, step.new_reqs, step.done
         for req in order:
             if step.budget <= 0:
@@ -183,7 +195,7 @@ class Scheduler(PrefixTierSupport):
                 assert spec is not None
                 drafts, num_draft = spec.plan(req, self._spec_room(req, step.budget))
             while allocate(req, n + num_draft, copies) is None:
-                victim = self._newest_unscheduled(done)
+                victim = self._newest_unscheduled(step)
                 self._preempt(victim)
                 step.preempted = True
                 if victim is req:
@@ -247,6 +259,7 @@ class Scheduler(PrefixTierSupport):
             step=self.step_id,
             new_requests=step.new_reqs,
             scheduled=step.scheduled,
+            decodes=step.decodes or DecodeColumns(),
             finished_req_ids=finished,
             copy_blocks=step.copies,
             load_kv=step.load_kv,
@@ -287,6 +300,12 @@ class Scheduler(PrefixTierSupport):
             sample=sample,
         )
         scheduled.append(sr)
+        # From the next step on it can take the columnar path: a plain decode whose last
+        # block (just allocated, or copied on write) is its own.
+        req.columnar = (
+            sample and n == 1 and req.plain and not num_draft and not req.fork_ids
+            and s >= req.prompt_len
+        )  # fmt: skip
         if num_draft:
             sr.draft_ids, sr.num_draft = drafts or [], num_draft
         if req.publish_prefix and s < req.prompt_len:
@@ -317,9 +336,13 @@ class Scheduler(PrefixTierSupport):
             sample_index=req.sample_index,
         )
 
-    def _newest_unscheduled(self, done: set[str]) -> Request:
+    def _newest_unscheduled(self, step: _StepPlan) -> Request:
+        done = step.done
+        if step.decodes is not None and step.decode_ids is None:
+            step.decode_ids = set(step.decodes.req_ids)
+        cols = step.decode_ids or ()
         for r in reversed(self.running):
-            if r.req_id not in done:
+            if r.req_id not in done and r.req_id not in cols:
                 return r
         raise AssertionError("nothing left to preempt")  # pragma: no cover
 
@@ -328,15 +351,15 @@ class Scheduler(PrefixTierSupport):
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
+        req.columnar = False
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # ---------------------------------------------------------------- update
-    def update_from_output(self, so: SchedulerOutput, mo: ModelOutput) -> list[RequestUpdate]:
+    def update_from_output(self, so: SchedulerOutput, mo: ModelOutput) -> StepUpdates:
         """Advance every scheduled request by what the step computed and sampled."""
-        sampled = {rid: i for i, rid in enumerate(mo.req_ids)}
         toks, logprobs, prompt_lps = mo.sampled_token_ids, mo.logprobs, mo.prompt_logprobs
         requests, running = self.requests, RequestStatus.RUNNING
         updates: list[RequestUpdate] = []
@@ -345,6 +368,13 @@ class Scheduler(PrefixTierSupport):
             req = self.requests.get(rid)
             if req is not None and not req.status.finished:
                 self._fail(req, why, updates)
+        go_reqs: list[Request] = []
+        go_toks: list[int] = []
+        if so.decodes.req_ids:
+            go_reqs, go_toks, sampled = self._update_columnar(so, mo, updates)
+            sampled = sampled or {}
+        else:
+            sampled = {rid: i for i, rid in enumerate(mo.req_ids)}
         for sr in so.scheduled:
             req = requests.get(sr.req_id)
             if req is None or req.status != running:
@@ -366,7 +396,7 @@ class Scheduler(PrefixTierSupport):
                 self._fork_children(req, sr, mo, sampled, updates)
             i = sampled[req.req_id]
             updates.append(self._append_token(req, toks[i], logprobs and logprobs[i]))
-        return updates
+        return StepUpdates(updates, go_reqs, go_toks)
 
     def _fork_children(
         self,
@@ -431,13 +461,18 @@ class Scheduler(PrefixTierSupport):
             if self._push_token(req, tok) is not None:
                 break  # a stop token or the length limit: the rest is discarded
         if not req.status.finished:
+            req.columnar = False  # the runner's table loses its rejected drafts' blocks
             self.kv.trim(req, req.num_computed_tokens)
         return self._update(req, toks, out_lps if req.params.logprobs is not None else None)
 
     def _push_token(self, req: Request, tok: int) -> RequestStatus | None:
         """Append one generated token; finish the request if it ends here."""
-        grammar = req.grammar
         req.token_ids.append(tok)
+        return self._check_end(req, tok)
+
+    def _check_end(self, req: Request, tok: int) -> RequestStatus | None:
+        """Finish the request if its last token, `tok`, ends it."""
+        grammar = req.grammar
         n_out = len(req.token_ids) - req.prompt_len
         status = None
         if grammar is not None and grammar.terminated:

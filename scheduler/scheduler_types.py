@@ -3,12 +3,17 @@ stats, and the rejection it raises (scheduler/scheduler.py holds the policy)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from scheduler.contract import TokenLogprobs
 from scheduler.spec import SpecStats
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
 
 
 class RequestRejected(ValueError):
@@ -53,6 +58,46 @@ class RequestUpdate(msgspec.Struct, gc=False, kw_only=True):
     error: str | None = None
     first_scheduled_time: float | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token
+
+
+class StepUpdates:
+    """What one step produced: full updates (first tokens, ends, errors, logprobs...),
+    and the columnar decode rows that took one token and go on, as two parallel lists
+    (the engine hands each stream its token; nothing per row is built here).  Iterating
+    gives every update as a RequestUpdate, for callers that want one shape."""
+
+    __slots__ = ("decode_reqs", "decode_tokens", "updates")
+
+    def __init__(
+        self,
+        updates: list[RequestUpdate],
+        decode_reqs: list[Request] | None = None,
+        decode_tokens: list[int] | None = None,
+    ) -> None:
+        self.updates = updates
+        self.decode_reqs = decode_reqs or []
+        self.decode_tokens = decode_tokens or []
+
+    def __len__(self) -> int:
+        return len(self.updates) + len(self.decode_reqs)
+
+    def __iter__(self) -> Iterator[RequestUpdate]:
+        for req, tok in zip(self.decode_reqs, self.decode_tokens, strict=True):
+            yield token_update(req, tok)
+        yield from self.updates
+
+
+def token_update(req: Request, tok: int) -> RequestUpdate:
+    """The RequestUpdate of a decode row that took `tok` and goes on."""
+    return RequestUpdate(
+        req_id=req.req_id,
+        group_id=req.group_id,
+        sample_index=req.sample_index,
+        new_token_ids=[tok],
+        num_prompt_tokens=req.prompt_len,
+        num_cached_tokens=req.num_cached_tokens,
+        first_scheduled_time=req.first_scheduled_time,
+    )
 
 
 @dataclass

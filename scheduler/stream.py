@@ -10,11 +10,38 @@ import asyncio
 
 from scheduler.scheduler import RequestUpdate
 
+# A decode token without an update object: (req_id, token).  The stream fills in the rest
+# from the last full update of that sequence, which always comes first (a sequence's
+# first token is never a columnar decode).
+TokenOnly = tuple[str, int]
 
-def merge_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
-    """Fold several updates of the same sequence into one, keeping sequence order."""
+
+def merge_updates(
+    updates: list[RequestUpdate | TokenOnly], last: dict[str, RequestUpdate] | None = None
+) -> list[RequestUpdate]:
+    """Fold several updates of the same sequence into one, keeping sequence order.
+    `last`: each sequence's latest full update, for the token-only entries."""
     merged: dict[str, RequestUpdate] = {}
     for u in updates:
+        if type(u) is tuple:
+            rid, tok = u
+            m = merged.get(rid)
+            if m is not None:
+                m.new_token_ids.append(tok)
+                continue
+            assert last is not None, "a token-only update needs its sequence's last update"
+            b = last[rid]
+            merged[rid] = RequestUpdate(
+                req_id=rid,
+                group_id=b.group_id,
+                sample_index=b.sample_index,
+                new_token_ids=[tok],
+                num_prompt_tokens=b.num_prompt_tokens,
+                num_cached_tokens=b.num_cached_tokens,
+                first_scheduled_time=b.first_scheduled_time,
+            )
+            continue
+        assert isinstance(u, RequestUpdate)
         m = merged.get(u.req_id)
         if m is None:
             merged[u.req_id] = RequestUpdate(
@@ -46,7 +73,8 @@ class RequestStream:
     def __init__(self, group_id: str, n: int = 1) -> None:
         self.group_id = group_id
         self.n = n
-        self._pending: list[RequestUpdate] = []
+        self._pending: list[RequestUpdate | TokenOnly] = []
+        self._last: dict[str, RequestUpdate] = {}  # each sequence's latest full update
         self._event = asyncio.Event()
         self._live = n  # sequences not finished yet
         self.error: BaseException | None = None
@@ -58,7 +86,15 @@ class RequestStream:
     def put(self, updates: list[RequestUpdate]) -> None:
         """Engine side: never blocks."""
         self._pending.extend(updates)
-        self._live -= sum(1 for u in updates if u.finish_reason is not None)
+        for u in updates:
+            self._last[u.req_id] = u
+            if u.finish_reason is not None:
+                self._live -= 1
+        self._event.set()
+
+    def put_token(self, req_id: str, tok: int) -> None:
+        """Engine side: one decode token of a sequence that goes on."""
+        self._pending.append((req_id, tok))
         self._event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -74,4 +110,4 @@ class RequestStream:
             self._event.clear()
             await self._event.wait()
         pending, self._pending = self._pending, []
-        return merge_updates(pending)
+        return merge_updates(pending, self._last)

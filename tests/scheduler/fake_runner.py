@@ -11,7 +11,12 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from scheduler.contract import ModelOutput, SchedulerOutput, apply_block_delta
+from scheduler.contract import (
+    ModelOutput,
+    SchedulerOutput,
+    apply_block_delta,
+    apply_decode_deltas,
+)
 
 
 def next_token(context: list[int], sample_index: int, vocab: int) -> int:
@@ -55,7 +60,15 @@ class FakeRunner:
         bs = self.bs
         for src, dst in so.copy_blocks:
             self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
-        # Write every request's tokens first (as a real backend writes K/V before attention).
+        # Write every request's tokens first (as a real backend writes K/V before attention),
+        # the decode columns' first.
+        d = so.decodes
+        assert not apply_decode_deltas(self.tables, d, bs), "a decode row cannot run"
+        for rid, tok, p in zip(d.req_ids, d.token_ids, d.positions, strict=True):
+            assert rid in self.known, f"{rid} decoded before registration"
+            table = self.tables[rid]
+            self.slots[table[p // bs] * bs + p % bs] = tok
+            self.tokens_computed += 1
         for r in so.scheduled:
             assert r.req_id in self.known, f"{r.req_id} scheduled before registration"
             assert len(r.draft_ids) == r.num_draft  # the scheduler proposes (n-gram)
@@ -67,6 +80,9 @@ class FakeRunner:
                 self.slots[table[p // bs] * bs + p % bs] = tok
             self.tokens_computed += len(r.input_ids) + r.num_draft
         out = ModelOutput(req_ids=[], sampled_token_ids=[])
+        for rid, p in zip(d.req_ids, d.positions, strict=True):
+            out.req_ids.append(rid)
+            out.sampled_token_ids.append(self._next(rid, p + 1))
         for r in so.scheduled:
             if not r.sample:
                 continue
@@ -92,3 +108,10 @@ class FakeRunner:
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append(next_token(ctx, self.known[rid], self.vocab))  # type: ignore[arg-type]
         return out
+
+    def _next(self, rid: str, end: int) -> int:
+        """The "model's" token after positions [0, end) of `rid`, read through its table."""
+        bs, table = self.bs, self.tables[rid]
+        ctx = [self.slots[table[p // bs] * bs + p % bs] for p in range(end)]
+        assert None not in ctx, f"{rid} read an unwritten slot"
+        return next_token(ctx, self.known[rid], self.vocab)  # type: ignore[arg-type]

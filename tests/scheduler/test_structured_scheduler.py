@@ -58,9 +58,9 @@ def req(rid: str, grammar=None, max_tokens: int = 10) -> Request:
 
 def step(s: Scheduler, tokens: dict[str, int]):
     so = s.schedule()
-    ids = [r.req_id for r in so.scheduled if r.sample]
+    ids = [r.req_id for r in so.all_scheduled() if r.sample]
     mo = ModelOutput(req_ids=ids, sampled_token_ids=[tokens[i] for i in ids])
-    return so, s.update_from_output(so, mo)
+    return so, list(s.update_from_output(so, mo))
 
 
 def test_masks_only_for_constrained_rows_and_grammar_stop():
