@@ -100,19 +100,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", s.to(dev, dtype))  # [N]
         self.bias = None if linear is None or linear.bias is None else linear.bias.detach()
         self.float_out = float_out
-        self.gemv = dev.type == "cpu" and cpu_kernels.int8_gemv_supports(self.in_features)
-        self.scale_f32 = s.to(dev) if self.gemv else None
+        gemv = dev.type == "cpu" and cpu_kernels.int8_gemv_supports(self.in_features)
+        # The decode GEMV writes x's dtype (float32 logits for the lm_head) itself.
+        out = torch.float32 if float_out else None
+        self.gemv = cpu_kernels.Int8Gemv(self.qweight, s, self.bias, out) if gemv else None
         # (torch 2.13's 16-bit CPU kernel crashes when in_features is not a multiple of 16.)
         k_ok = dtype == torch.float32 or self.in_features % 16 == 0
         self.packed_op = k_ok and _probed("int8", dev, dtype, _int8_probe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.gemv and x2.shape[0] <= cpu_kernels.INT8_GEMV_MAX_ROWS:
-            y = cpu_kernels.int8_gemv(x2, self.qweight, self.scale_f32)
-            if not self.float_out:
-                y = y.to(x.dtype)
-        elif self.packed_op and not self.gemv:
+        if self.gemv is not None and x2.shape[0] <= cpu_kernels.INT8_GEMV_MAX_ROWS:
+            return self.gemv(x2).view(*x.shape[:-1], self.out_features)
+        if self.packed_op and self.gemv is None:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         else:
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale

@@ -136,7 +136,7 @@ def load() -> ctypes.CDLL | None:
     for fn in (lib.ps_add_rms_norm, lib.ps_silu_mul, lib.ps_rope):
         fn.restype = None
     log.info("CPU attention kernels: %s build", isa(lib))
-    lib.ps_int8_gemv.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.ps_int8_gemv.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, p, i32, i64, i32]
     lib.ps_int8_gemv.restype = None
     _lib = lib
     return lib
@@ -272,24 +272,55 @@ def int8_gemv_supports(in_features: int) -> bool:
 
 
 def int8_gemv(
-    x: torch.Tensor,  # [M, K] float32 or bfloat16
+    x: torch.Tensor,  # [M, K] float32 or bfloat16, unit column stride
     qweight: torch.Tensor,  # [N, K] int8
     scale: torch.Tensor,  # [N] float32
-) -> torch.Tensor:  # [M, N] float32
-    """x @ (qweight * scale[:, None]).T with the weight read as int8 (int8_gemv.cpp)."""
+    bias: torch.Tensor | None = None,  # [N] float32 or bfloat16, added before rounding
+    out_dtype: torch.dtype | None = None,  # float32 or bfloat16; default x's
+) -> torch.Tensor:  # [M, N]
+    """x @ (qweight * scale[:, None]).T (+ bias) with the weight read as int8 (int8_gemv.cpp)."""
     lib = load()
     assert lib is not None and qweight.dtype == torch.int8 and scale.dtype == torch.float32
     assert qweight.is_contiguous() and scale.is_contiguous()
-    m, k = x.shape
-    n = qweight.shape[0]
-    assert qweight.shape[1] == k and k % lib.ps_int8_lanes() == 0
-    xf = x.to(torch.float32).contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    lib.ps_int8_gemv(
-        xf.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return y
+    n, k = qweight.shape
+    assert x.dim() == 2 and x.shape[1] == k and k % lib.ps_int8_lanes() == 0
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    return Int8Gemv(qweight, scale, bias, out_dtype)(x)
+
+
+class Int8Gemv:
+    """One int8 weight's decode GEMV with its pointers bound once: the call runs every
+    projection of every decode step, so its Python share is kept to the ctypes call."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype | None,
+    ) -> None:
+        lib = load()
+        assert lib is not None
+        self._fn = lib.ps_int8_gemv
+        self._w = (qweight, scale, bias)  # keeps the pointers below alive
+        self._n, self._k = qweight.shape
+        self._args = (
+            qweight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            0 if bias is None else _is_bf16(bias), self._n,
+        )  # fmt: skip
+        self._out_dtype = out_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self._n, dtype=self._out_dtype or x.dtype)
+        self._fn(
+            x.data_ptr(), _is_bf16(x), x.stride(0), m, self._k, *self._args, y.data_ptr(),
+            _is_bf16(y), self._n, torch.get_num_threads(),
+        )  # fmt: skip
+        return y
 
 
 def _quant_kind(values: torch.Tensor) -> int:

@@ -39,6 +39,41 @@ inline vf widen(const int8_t* p) {
 #endif
 }
 
+inline uint16_t to_bf16(float x) {  // round to nearest even (-ffast-math: no NaNs)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The activations as given: row j, column c.
+struct In {
+  const void* x;
+  int64_t xs;
+  int bf16;
+  float at(int64_t j, int64_t c) const {
+    return bf16 ? ps::to_f(static_cast<const uint16_t*>(x)[j * xs + c])
+                : static_cast<const float*>(x)[j * xs + c];
+  }
+};
+
+// Where results go: y[j, i] = v (+ bias[i]), in y's dtype.
+struct Out {
+  void* y;
+  int64_t ys;
+  int bf16;
+  const void* bias;
+  int bias_bf16;
+  void put(int64_t j, int64_t i, float v) const {
+    if (bias != nullptr)
+      v += bias_bf16 ? ps::to_f(static_cast<const uint16_t*>(bias)[i])
+                     : static_cast<const float*>(bias)[i];
+    if (bf16)
+      static_cast<uint16_t*>(y)[j * ys + i] = to_bf16(v);
+    else
+      static_cast<float*>(y)[j * ys + i] = v;
+  }
+};
+
 inline float hsum(vf v) {
   float s = 0.0f;
   for (int i = 0; i < kW; ++i) s += v[i];
@@ -48,7 +83,7 @@ inline float hsum(vf v) {
 // NR weight rows against MB activation rows: NR x MB accumulators live in registers.
 template <int NR, int MB>
 void tile(const float* x, int64_t k, const int8_t* q, const float* scale, int64_t n_row,
-          float* y, int64_t n) {
+          const Out& o, int64_t j0) {
   vf acc[NR][MB] = {};
   for (int64_t c = 0; c < k; c += kW) {
     vf xv[MB];
@@ -59,17 +94,17 @@ void tile(const float* x, int64_t k, const int8_t* q, const float* scale, int64_
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < MB; ++j) y[j * n + n_row + r] = hsum(acc[r][j]) * scale[n_row + r];
+    for (int j = 0; j < MB; ++j) o.put(j0 + j, n_row + r, hsum(acc[r][j]) * scale[n_row + r]);
 }
 
 template <int MB>
 void rows(const float* x, int64_t k, const int8_t* q, const float* scale, int64_t lo,
-          int64_t hi, float* y, int64_t n) {
+          int64_t hi, const Out& o, int64_t j0) {
   // Enough independent FMA chains to hide their latency, within the 32 vector registers.
   constexpr int NR = MB <= 2 ? 8 : 4;
   int64_t i = lo;
-  for (; i + NR <= hi; i += NR) tile<NR, MB>(x, k, q, scale, i, y, n);
-  for (; i < hi; ++i) tile<1, MB>(x, k, q, scale, i, y, n);
+  for (; i + NR <= hi; i += NR) tile<NR, MB>(x, k, q, scale, i, o, j0);
+  for (; i < hi; ++i) tile<1, MB>(x, k, q, scale, i, o, j0);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -84,7 +119,7 @@ constexpr int kFlush = 256;
 
 template <int NR, int MB>
 void tile_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale,
-               const float* xs, int64_t n_row, float* y, int64_t n) {
+               const float* xs, int64_t n_row, const Out& o, int64_t j0) {
   float sum[NR][MB] = {};
   for (int64_t c0 = 0; c0 < k; c0 += 32 * kFlush) {
     const int64_t c1 = std::min(k, c0 + 32 * kFlush);
@@ -104,27 +139,27 @@ void tile_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale,
       for (int j = 0; j < MB; ++j) sum[r][j] += static_cast<float>(_mm512_reduce_add_epi32(acc[r][j]));
   }
   for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < MB; ++j) y[j * n + n_row + r] = sum[r][j] * xs[j] * scale[n_row + r];
+    for (int j = 0; j < MB; ++j) o.put(j0 + j, n_row + r, sum[r][j] * xs[j] * scale[n_row + r]);
 }
 
 template <int MB>
 void rows_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale, const float* xs,
-               int64_t lo, int64_t hi, float* y, int64_t n) {
+               int64_t lo, int64_t hi, const Out& o, int64_t j0) {
   constexpr int NR = MB <= 2 ? 8 : 4;
   int64_t i = lo;
-  for (; i + NR <= hi; i += NR) tile_vnni<NR, MB>(x, k, q, scale, xs, i, y, n);
-  for (; i < hi; ++i) tile_vnni<1, MB>(x, k, q, scale, xs, i, y, n);
+  for (; i + NR <= hi; i += NR) tile_vnni<NR, MB>(x, k, q, scale, xs, i, o, j0);
+  for (; i < hi; ++i) tile_vnni<1, MB>(x, k, q, scale, xs, i, o, j0);
 }
 
 // Rows of x to 16-bit fixed point: xq = round(x / xs), xs = max|x| / 32767.
-void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* xq, float* xs) {
+void quantize_rows(const In& x, int64_t m, int64_t k, int16_t* xq, float* xs) {
   for (int64_t j = 0; j < m; ++j) {
     float amax = 0.0f;
-    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::abs(x[j * k + c]));
+    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::abs(x.at(j, c)));
     xs[j] = amax > 0.0f ? amax / 32767.0f : 1.0f;
     const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
     for (int64_t c = 0; c < k; ++c)
-      xq[j * k + c] = static_cast<int16_t>(std::lrint(x[j * k + c] * inv));
+      xq[j * k + c] = static_cast<int16_t>(std::lrint(x.at(j, c) * inv));
   }
 }
 #else
@@ -145,44 +180,54 @@ int ps_int8_lanes() {
 #endif
 }
 
-void ps_int8_gemv(const float* x, int64_t m, int64_t k, const int8_t* q, const float* scale,
-                  int64_t n, float* y, int nthreads) {
+void ps_int8_gemv(const void* x, int x_bf16, int64_t xs, int64_t m, int64_t k, const int8_t* q,
+                  const float* scale, const void* bias, int bias_bf16, int64_t n, void* y,
+                  int y_bf16, int64_t ys, int nthreads) {
   constexpr int64_t kChunk = 64;  // weight rows per work item (a multiple of 8)
   const int64_t items = (n + kChunk - 1) / kChunk;
+  const In in{x, xs, x_bf16};
+  const Out o{y, ys, y_bf16, bias, bias_bf16};
   // Waking a second thread costs more than a small matrix takes on one.
   if (n * k < (int64_t{1} << 18)) nthreads = 1;
 #if PS_INT8_VNNI
   std::vector<int16_t> xq(m * k);
-  std::vector<float> xs(m);
-  quantize_rows(x, m, k, xq.data(), xs.data());
+  std::vector<float> xsc(m);
+  quantize_rows(in, m, k, xq.data(), xsc.data());
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t it = 0; it < items; ++it) {
     const int64_t lo = it * kChunk, hi = std::min(n, lo + kChunk);
     for (int64_t j = 0; j < m; j += 4) {
       const int16_t* xj = xq.data() + j * k;
-      const float* sj = xs.data() + j;
-      float* yj = y + j * n;
+      const float* sj = xsc.data() + j;
       switch (std::min<int64_t>(4, m - j)) {
-        case 1: rows_vnni<1>(xj, k, q, scale, sj, lo, hi, yj, n); break;
-        case 2: rows_vnni<2>(xj, k, q, scale, sj, lo, hi, yj, n); break;
-        case 3: rows_vnni<3>(xj, k, q, scale, sj, lo, hi, yj, n); break;
-        default: rows_vnni<4>(xj, k, q, scale, sj, lo, hi, yj, n); break;
+        case 1: rows_vnni<1>(xj, k, q, scale, sj, lo, hi, o, j); break;
+        case 2: rows_vnni<2>(xj, k, q, scale, sj, lo, hi, o, j); break;
+        case 3: rows_vnni<3>(xj, k, q, scale, sj, lo, hi, o, j); break;
+        default: rows_vnni<4>(xj, k, q, scale, sj, lo, hi, o, j); break;
       }
     }
   }
   return;
 #endif
+  // The float path reads dense float32 rows.
+  std::vector<float> xf;
+  const float* xd = static_cast<const float*>(x);
+  if (x_bf16 || xs != k) {
+    xf.resize(m * k);
+    for (int64_t j = 0; j < m; ++j)
+      for (int64_t c = 0; c < k; ++c) xf[j * k + c] = in.at(j, c);
+    xd = xf.data();
+  }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t it = 0; it < items; ++it) {
     const int64_t lo = it * kChunk, hi = std::min(n, lo + kChunk);
     for (int64_t j = 0; j < m; j += 4) {
-      const float* xj = x + j * k;
-      float* yj = y + j * n;
+      const float* xj = xd + j * k;
       switch (std::min<int64_t>(4, m - j)) {
-        case 1: rows<1>(xj, k, q, scale, lo, hi, yj, n); break;
-        case 2: rows<2>(xj, k, q, scale, lo, hi, yj, n); break;
-        case 3: rows<3>(xj, k, q, scale, lo, hi, yj, n); break;
-        default: rows<4>(xj, k, q, scale, lo, hi, yj, n); break;
+        case 1: rows<1>(xj, k, q, scale, lo, hi, o, j); break;
+        case 2: rows<2>(xj, k, q, scale, lo, hi, o, j); break;
+        case 3: rows<3>(xj, k, q, scale, lo, hi, o, j); break;
+        default: rows<4>(xj, k, q, scale, lo, hi, o, j); break;
       }
     }
   }

@@ -73,6 +73,34 @@ def test_int8_gemv_kernel_matches_reference():
         assert (err <= bound).all(), float((err / bound).max())
 
 
+def test_int8_gemv_reads_and_writes_the_model_dtype():
+    """bf16 / strided activations read as they are, the bias added and the result rounded
+    once, in the kernel: the float32 result plus bias, then rounded (the add may be fused
+    into the scaling's multiply: one float32 rounding apart, so one bf16 step at most)."""
+    from gpu import cpu_kernels
+
+    if not cpu_kernels.int8_gemv_supports(64):
+        pytest.skip("no compiled CPU kernels")
+    g = torch.Generator().manual_seed(6)
+    q, s = quantize_int8(torch.randn(203, 128, generator=g))
+    for m in range(1, cpu_kernels.INT8_GEMV_MAX_ROWS + 1, 2):  # odd rows: every tile tail
+        wide = torch.randn(m, 160, generator=g).to(torch.bfloat16)
+        x = wide[:, 16:144]  # a row stride other than k
+        f32 = cpu_kernels.int8_gemv(x.float(), q, s)
+        assert f32.dtype == torch.float32
+        assert torch.equal(cpu_kernels.int8_gemv(x, q, s, out_dtype=torch.float32), f32)
+        assert torch.equal(cpu_kernels.int8_gemv(x, q, s), f32.to(torch.bfloat16))
+        for bias_dtype in (torch.float32, torch.bfloat16):
+            b = torch.randn(203, generator=g).to(bias_dtype)
+            with_bias = f32 + b.float()
+            got = cpu_kernels.int8_gemv(x, q, s, b)
+            assert got.dtype == torch.bfloat16
+            ref = with_bias.to(torch.bfloat16).float()
+            torch.testing.assert_close(got.float(), ref, atol=1e-6, rtol=2**-8)
+            got = cpu_kernels.int8_gemv(x.float(), q, s, b, torch.float32)
+            torch.testing.assert_close(got, with_bias, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_int8_runner_quantizes_projections_and_lm_head(tied):
     path = tiny_checkpoint("qwen2", tie_word_embeddings=tied)
