@@ -96,14 +96,17 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         q, s = quantize_int8(w)
         dev = w.device
-        self.register_buffer("qweight", q.to(dev))  # [N, K] int8
+        gemv = dev.type == "cpu" and cpu_kernels.int8_gemv_supports(self.in_features)
+        # [N, K] int8; for the CPU GEMV its packed layout instead (cpu_kernels.int8_pack), the
+        # same bytes, which the prefill path unpacks as it widens them.
+        self.register_buffer("qweight", cpu_kernels.int8_pack(q) if gemv else q.to(dev))
         self.register_buffer("scale", s.to(dev, dtype))  # [N]
         self.bias = None if linear is None or linear.bias is None else linear.bias.detach()
         self.float_out = float_out
-        gemv = dev.type == "cpu" and cpu_kernels.int8_gemv_supports(self.in_features)
         # The decode GEMV writes x's dtype (float32 logits for the lm_head) itself.
         out = torch.float32 if float_out else None
-        self.gemv = cpu_kernels.Int8Gemv(self.qweight, s, self.bias, out) if gemv else None
+        n, k = self.out_features, self.in_features
+        self.gemv = cpu_kernels.Int8Gemv(self.qweight, n, k, s, self.bias, out) if gemv else None
         # (torch 2.13's 16-bit CPU kernel crashes when in_features is not a multiple of 16.)
         k_ok = dtype == torch.float32 or self.in_features % 16 == 0
         self.packed_op = k_ok and _probed("int8", dev, dtype, _int8_probe)
@@ -115,12 +118,18 @@ class Int8Linear(nn.Module):
         if self.packed_op and self.gemv is None:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         else:
-            y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale
+            y = F.linear(x2, self._dequant_rows(x.dtype)) * self.scale
         if self.bias is not None:
             y = y + self.bias
         if self.float_out:
             y = y.float()
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _dequant_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int8 values as [N, K] of `dtype` (the scale is applied after the matmul)."""
+        if self.gemv is None:
+            return self.qweight.to(dtype)
+        return cpu_kernels.int8_unpack(self.qweight, self.out_features, self.in_features, dtype)
 
 
 def quantize_model_int8(model: nn.Module, dtype: torch.dtype) -> int:

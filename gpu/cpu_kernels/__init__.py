@@ -138,6 +138,8 @@ def load() -> ctypes.CDLL | None:
     log.info("CPU attention kernels: %s build", isa(lib))
     lib.ps_int8_gemv.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, p, i32, i64, i32]
     lib.ps_int8_gemv.restype = None
+    lib.ps_int8_pack.argtypes = [p, i64, i64, p]
+    lib.ps_int8_pack.restype = None
     _lib = lib
     return lib
 
@@ -271,6 +273,31 @@ def int8_gemv_supports(in_features: int) -> bool:
     return lanes > 0 and in_features % lanes == 0
 
 
+INT8_TILE = 8  # rows per tile of int8_pack's layout (kTile in int8_gemv.cpp)
+
+
+def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> the GEMV's layout, N * K bytes: tiles of INT8_TILE rows interleaved
+    in 32-byte column groups (one sequential stream per tile), the N % INT8_TILE last rows
+    row-major."""
+    lib = load()
+    assert lib is not None and qweight.dtype == torch.int8 and qweight.dim() == 2
+    q = qweight.contiguous()
+    out = torch.empty(q.numel(), dtype=torch.int8)
+    lib.ps_int8_pack(q.data_ptr(), q.shape[0], q.shape[1], out.data_ptr())
+    return out
+
+
+def int8_unpack(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """int8_pack's inverse, widened to `dtype` in the same pass: [N, K]."""
+    out = torch.empty(n, k, dtype=dtype)
+    nt = n // INT8_TILE * INT8_TILE
+    tiles = packed[: nt * k].view(nt // INT8_TILE, k // 32, INT8_TILE, 32).permute(0, 2, 1, 3)
+    out[:nt].view(nt // INT8_TILE, INT8_TILE, k // 32, 32).copy_(tiles)
+    out[nt:].copy_(packed[nt * k :].view(n - nt, k))
+    return out
+
+
 def int8_gemv(
     x: torch.Tensor,  # [M, K] float32 or bfloat16, unit column stride
     qweight: torch.Tensor,  # [N, K] int8
@@ -278,7 +305,8 @@ def int8_gemv(
     bias: torch.Tensor | None = None,  # [N] float32 or bfloat16, added before rounding
     out_dtype: torch.dtype | None = None,  # float32 or bfloat16; default x's
 ) -> torch.Tensor:  # [M, N]
-    """x @ (qweight * scale[:, None]).T (+ bias) with the weight read as int8 (int8_gemv.cpp)."""
+    """x @ (qweight * scale[:, None]).T (+ bias) with the weight read as int8 (int8_gemv.cpp).
+    Packs the weight on every call: layers keep an Int8Gemv instead."""
     lib = load()
     assert lib is not None and qweight.dtype == torch.int8 and scale.dtype == torch.float32
     assert qweight.is_contiguous() and scale.is_contiguous()
@@ -286,7 +314,7 @@ def int8_gemv(
     assert x.dim() == 2 and x.shape[1] == k and k % lib.ps_int8_lanes() == 0
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
-    return Int8Gemv(qweight, scale, bias, out_dtype)(x)
+    return Int8Gemv(int8_pack(qweight), n, k, scale, bias, out_dtype)(x)
 
 
 class Int8Gemv:
@@ -295,19 +323,22 @@ class Int8Gemv:
 
     def __init__(
         self,
-        qweight: torch.Tensor,
-        scale: torch.Tensor,
+        packed: torch.Tensor,  # int8_pack(qweight [N, K])
+        n: int,
+        k: int,
+        scale: torch.Tensor,  # [N] float32
         bias: torch.Tensor | None,
         out_dtype: torch.dtype | None,
     ) -> None:
         lib = load()
-        assert lib is not None
+        assert lib is not None and packed.numel() == n * k and packed.is_contiguous()
+        assert scale.dtype == torch.float32 and scale.is_contiguous()
         self._fn = lib.ps_int8_gemv
-        self._w = (qweight, scale, bias)  # keeps the pointers below alive
-        self._n, self._k = qweight.shape
+        self._w = (packed, scale, bias)  # keeps the pointers below alive
+        self._n, self._k = n, k
         self._args = (
-            qweight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
-            0 if bias is None else _is_bf16(bias), self._n,
+            packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            0 if bias is None else _is_bf16(bias), n,
         )  # fmt: skip
         self._out_dtype = out_dtype
 

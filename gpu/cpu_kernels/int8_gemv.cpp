@@ -80,31 +80,52 @@ inline float hsum(vf v) {
   return s;
 }
 
+// The weight's layout (ps_int8_pack): rows in tiles of kTile, each tile's rows interleaved
+// in 32-byte column groups (tile t: [k / 32][kTile][32]), so that a tile streams from one
+// sequential run of memory.  Read row by row, the tile's kTile rows of a few cache lines
+// each were too short a stream for the hardware prefetchers: the kernel read memory at
+// half the bandwidth that one long stream gets.  The n % kTile last rows stay row-major.
+// Weight (r, c) of a tile at `w`: w + (c / 32) * cs + r * rs + c % 32.
+constexpr int64_t kTile = 8;
+constexpr int64_t kTileCs = 32 * kTile;  // a packed tile's column-group stride
+
 // NR weight rows against MB activation rows: NR x MB accumulators live in registers.
 template <int NR, int MB>
-void tile(const float* x, int64_t k, const int8_t* q, const float* scale, int64_t n_row,
-          const Out& o, int64_t j0) {
+void tile(const float* x, int64_t k, const int8_t* w, int64_t cs, int64_t rs,
+          const float* scale, int64_t n_row, const Out& o, int64_t j0) {
   vf acc[NR][MB] = {};
   for (int64_t c = 0; c < k; c += kW) {
     vf xv[MB];
     for (int j = 0; j < MB; ++j) xv[j] = ps::loadv(x + j * k + c);
     for (int r = 0; r < NR; ++r) {
-      const vf w = widen(q + (n_row + r) * k + c);
-      for (int j = 0; j < MB; ++j) acc[r][j] += w * xv[j];
+      const vf wv = widen(w + (c >> 5) * cs + r * rs + (c & 31));
+      for (int j = 0; j < MB; ++j) acc[r][j] += wv * xv[j];
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < MB; ++j) o.put(j0 + j, n_row + r, hsum(acc[r][j]) * scale[n_row + r]);
 }
 
+// Rows lo..hi (lo a multiple of kTile) of the packed weight: whole tiles below n_tiled,
+// then row-major rows.  MB > 2 takes a tile in two halves of 4 rows, to stay within the
+// 32 vector registers with enough independent FMA chains to hide their latency.
+#define PS_INT8_ROWS(TILE, ...)                                                   \
+  int64_t i = lo;                                                                 \
+  for (; i < hi && i < n_tiled; i += kTile) {                                     \
+    const int8_t* t = q + i * k;                                                  \
+    if constexpr (MB <= 2) {                                                      \
+      TILE<8, MB>(__VA_ARGS__, t, kTileCs, 32, scale, i, o, j0);                  \
+    } else {                                                                      \
+      TILE<4, MB>(__VA_ARGS__, t, kTileCs, 32, scale, i, o, j0);                  \
+      TILE<4, MB>(__VA_ARGS__, t + 128, kTileCs, 32, scale, i + 4, o, j0);        \
+    }                                                                             \
+  }                                                                               \
+  for (; i < hi; ++i) TILE<1, MB>(__VA_ARGS__, q + i * k, 32, k, scale, i, o, j0);
+
 template <int MB>
 void rows(const float* x, int64_t k, const int8_t* q, const float* scale, int64_t lo,
-          int64_t hi, const Out& o, int64_t j0) {
-  // Enough independent FMA chains to hide their latency, within the 32 vector registers.
-  constexpr int NR = MB <= 2 ? 8 : 4;
-  int64_t i = lo;
-  for (; i + NR <= hi; i += NR) tile<NR, MB>(x, k, q, scale, i, o, j0);
-  for (; i < hi; ++i) tile<1, MB>(x, k, q, scale, i, o, j0);
+          int64_t hi, int64_t n_tiled, const Out& o, int64_t j0) {
+  PS_INT8_ROWS(tile, x, k)
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -118,8 +139,8 @@ void rows(const float* x, int64_t k, const int8_t* q, const float* scale, int64_
 constexpr int kFlush = 256;
 
 template <int NR, int MB>
-void tile_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale,
-               const float* xs, int64_t n_row, const Out& o, int64_t j0) {
+void tile_vnni(const int16_t* x, const float* xs, int64_t k, const int8_t* w, int64_t cs,
+               int64_t rs, const float* scale, int64_t n_row, const Out& o, int64_t j0) {
   float sum[NR][MB] = {};
   for (int64_t c0 = 0; c0 < k; c0 += 32 * kFlush) {
     const int64_t c1 = std::min(k, c0 + 32 * kFlush);
@@ -129,10 +150,11 @@ void tile_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale,
     for (int64_t c = c0; c < c1; c += 32) {
       __m512i xv[MB];
       for (int j = 0; j < MB; ++j) xv[j] = _mm512_loadu_si512(x + j * k + c);
+      const int8_t* wc = w + (c >> 5) * cs;
       for (int r = 0; r < NR; ++r) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n_row + r) * k + c));
-        const __m512i w = _mm512_cvtepi8_epi16(b);
-        for (int j = 0; j < MB; ++j) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], w, xv[j]);
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * rs));
+        const __m512i wv = _mm512_cvtepi8_epi16(b);
+        for (int j = 0; j < MB; ++j) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], wv, xv[j]);
       }
     }
     for (int r = 0; r < NR; ++r)
@@ -144,11 +166,8 @@ void tile_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale,
 
 template <int MB>
 void rows_vnni(const int16_t* x, int64_t k, const int8_t* q, const float* scale, const float* xs,
-               int64_t lo, int64_t hi, const Out& o, int64_t j0) {
-  constexpr int NR = MB <= 2 ? 8 : 4;
-  int64_t i = lo;
-  for (; i + NR <= hi; i += NR) tile_vnni<NR, MB>(x, k, q, scale, xs, i, o, j0);
-  for (; i < hi; ++i) tile_vnni<1, MB>(x, k, q, scale, xs, i, o, j0);
+               int64_t lo, int64_t hi, int64_t n_tiled, const Out& o, int64_t j0) {
+  PS_INT8_ROWS(tile_vnni, x, xs, k)
 }
 
 // Rows of x to 16-bit fixed point: xq = round(x / xs), xs = max|x| / 32767.
@@ -174,12 +193,23 @@ extern "C" {
 // generic code is scalarised there), so the layer keeps torch's paths.
 int ps_int8_lanes() {
 #if defined(__AVX2__) || defined(__AVX512F__)
-  return PS_INT8_VNNI ? 32 : kW;
+  return 32;  // the packed layout's column groups
 #else
   return 0;
 #endif
 }
 
+// q [n, k] row-major -> the packed layout above (out: n * k bytes).
+void ps_int8_pack(const int8_t* q, int64_t n, int64_t k, int8_t* out) {
+  const int64_t n_tiled = n / kTile * kTile;
+  for (int64_t i = 0; i < n_tiled; ++i)
+    for (int64_t c = 0; c < k; c += 32)
+      std::memcpy(out + (i / kTile) * kTile * k + (c / 32) * kTileCs + (i % kTile) * 32,
+                  q + i * k + c, 32);
+  std::memcpy(out + n_tiled * k, q + n_tiled * k, (n - n_tiled) * k);
+}
+
+// The weight is ps_int8_pack's layout.
 void ps_int8_gemv(const void* x, int x_bf16, int64_t xs, int64_t m, int64_t k, const int8_t* q,
                   const float* scale, const void* bias, int bias_bf16, int64_t n, void* y,
                   int y_bf16, int64_t ys, int nthreads) {
@@ -187,6 +217,7 @@ void ps_int8_gemv(const void* x, int x_bf16, int64_t xs, int64_t m, int64_t k, c
   const int64_t items = (n + kChunk - 1) / kChunk;
   const In in{x, xs, x_bf16};
   const Out o{y, ys, y_bf16, bias, bias_bf16};
+  const int64_t n_tiled = n / kTile * kTile;
   // Waking a second thread costs more than a small matrix takes on one.
   if (n * k < (int64_t{1} << 18)) nthreads = 1;
 #if PS_INT8_VNNI
@@ -200,10 +231,10 @@ void ps_int8_gemv(const void* x, int x_bf16, int64_t xs, int64_t m, int64_t k, c
       const int16_t* xj = xq.data() + j * k;
       const float* sj = xsc.data() + j;
       switch (std::min<int64_t>(4, m - j)) {
-        case 1: rows_vnni<1>(xj, k, q, scale, sj, lo, hi, o, j); break;
-        case 2: rows_vnni<2>(xj, k, q, scale, sj, lo, hi, o, j); break;
-        case 3: rows_vnni<3>(xj, k, q, scale, sj, lo, hi, o, j); break;
-        default: rows_vnni<4>(xj, k, q, scale, sj, lo, hi, o, j); break;
+        case 1: rows_vnni<1>(xj, k, q, scale, sj, lo, hi, n_tiled, o, j); break;
+        case 2: rows_vnni<2>(xj, k, q, scale, sj, lo, hi, n_tiled, o, j); break;
+        case 3: rows_vnni<3>(xj, k, q, scale, sj, lo, hi, n_tiled, o, j); break;
+        default: rows_vnni<4>(xj, k, q, scale, sj, lo, hi, n_tiled, o, j); break;
       }
     }
   }
@@ -224,10 +255,10 @@ void ps_int8_gemv(const void* x, int x_bf16, int64_t xs, int64_t m, int64_t k, c
     for (int64_t j = 0; j < m; j += 4) {
       const float* xj = xd + j * k;
       switch (std::min<int64_t>(4, m - j)) {
-        case 1: rows<1>(xj, k, q, scale, lo, hi, o, j); break;
-        case 2: rows<2>(xj, k, q, scale, lo, hi, o, j); break;
-        case 3: rows<3>(xj, k, q, scale, lo, hi, o, j); break;
-        default: rows<4>(xj, k, q, scale, lo, hi, o, j); break;
+        case 1: rows<1>(xj, k, q, scale, lo, hi, n_tiled, o, j); break;
+        case 2: rows<2>(xj, k, q, scale, lo, hi, n_tiled, o, j); break;
+        case 3: rows<3>(xj, k, q, scale, lo, hi, n_tiled, o, j); break;
+        default: rows<4>(xj, k, q, scale, lo, hi, n_tiled, o, j); break;
       }
     }
   }

@@ -73,6 +73,21 @@ def test_int8_gemv_kernel_matches_reference():
         assert (err <= bound).all(), float((err / bound).max())
 
 
+def test_int8_pack_round_trips():
+    from gpu import cpu_kernels
+
+    if not cpu_kernels.int8_gemv_supports(64):
+        pytest.skip("no compiled CPU kernels")
+    g = torch.Generator().manual_seed(7)
+    for n in (3, 8, 21, 64):  # no whole tile, tiles only, tiles and a remainder
+        q = torch.randint(-127, 128, (n, 96), generator=g, dtype=torch.int8)
+        packed = cpu_kernels.int8_pack(q)
+        assert packed.numel() == q.numel()
+        assert torch.equal(packed.view(n, 96), q) == (n < 8)  # only a remainder: row-major
+        for dtype in (torch.int8, torch.bfloat16):
+            assert torch.equal(cpu_kernels.int8_unpack(packed, n, 96, dtype), q.to(dtype))
+
+
 def test_int8_gemv_reads_and_writes_the_model_dtype():
     """bf16 / strided activations read as they are, the bias added and the result rounded
     once, in the kernel: the float32 result plus bias, then rounded (the add may be fused
