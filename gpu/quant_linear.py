@@ -33,6 +33,7 @@ from gpu.cpu_linear import swap_linears
 log = logging.getLogger(__name__)
 
 INT8_MAX = 127.0
+_GEMV_MAX_ROWS = cpu_kernels.INT8_GEMV_MAX_ROWS
 # Nibble i of a packed AWQ int32 holds column AWQ_ORDER[i] of its group of 8.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _INT4_INNER_K_TILES = 2  # torch's int4 packing parameter (2, 4 or 8)
@@ -112,8 +113,10 @@ class Int8Linear(nn.Module):
         self.packed_op = k_ok and _probed("int8", dev, dtype, _int8_probe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= _GEMV_MAX_ROWS:
+            return self.gemv(x)  # the decode step's case, kept to one call
         x2 = x.reshape(-1, self.in_features)
-        if self.gemv is not None and x2.shape[0] <= cpu_kernels.INT8_GEMV_MAX_ROWS:
+        if self.gemv is not None and x2.shape[0] <= _GEMV_MAX_ROWS:
             return self.gemv(x2).view(*x.shape[:-1], self.out_features)
         if self.packed_op and self.gemv is None:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)

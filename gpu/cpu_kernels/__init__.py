@@ -140,6 +140,8 @@ def load() -> ctypes.CDLL | None:
     lib.ps_int8_gemv.restype = None
     lib.ps_int8_pack.argtypes = [p, i64, i64, p]
     lib.ps_int8_pack.restype = None
+    lib.ps_int8_unpack.argtypes = [p, i64, i64, p, i32, i32]
+    lib.ps_int8_unpack.restype = None
     _lib = lib
     return lib
 
@@ -290,11 +292,15 @@ def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 def int8_unpack(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """int8_pack's inverse, widened to `dtype` in the same pass: [N, K]."""
+    assert packed.dtype == torch.int8 and packed.numel() == n * k and packed.is_contiguous()
+    if dtype not in (torch.float32, torch.bfloat16):
+        return int8_unpack(packed, n, k, torch.float32).to(dtype)
+    lib = load()
+    assert lib is not None
     out = torch.empty(n, k, dtype=dtype)
-    nt = n // INT8_TILE * INT8_TILE
-    tiles = packed[: nt * k].view(nt // INT8_TILE, k // 32, INT8_TILE, 32).permute(0, 2, 1, 3)
-    out[:nt].view(nt // INT8_TILE, INT8_TILE, k // 32, 32).copy_(tiles)
-    out[nt:].copy_(packed[nt * k :].view(n - nt, k))
+    lib.ps_int8_unpack(
+        packed.data_ptr(), n, k, out.data_ptr(), _is_bf16(out), torch.get_num_threads()
+    )
     return out
 
 
@@ -345,13 +351,19 @@ class Int8Gemv:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
+        dtype = x.dtype
+        x_bf16 = _BF16_FLAG[dtype]  # also rejects other dtypes
+        out_dtype = self._out_dtype or dtype
         m = x.shape[0]
-        y = torch.empty(m, self._n, dtype=self._out_dtype or x.dtype)
+        y = torch.empty(m, self._n, dtype=out_dtype)
         self._fn(
-            x.data_ptr(), _is_bf16(x), x.stride(0), m, self._k, *self._args, y.data_ptr(),
-            _is_bf16(y), self._n, torch.get_num_threads(),
+            x.data_ptr(), x_bf16, x.stride(0), m, self._k, *self._args, y.data_ptr(),
+            _BF16_FLAG[out_dtype], self._n, torch.get_num_threads(),
         )  # fmt: skip
         return y
+
+
+_BF16_FLAG = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _quant_kind(values: torch.Tensor) -> int:

@@ -209,6 +209,31 @@ void ps_int8_pack(const int8_t* q, int64_t n, int64_t k, int8_t* out) {
   std::memcpy(out + n_tiled * k, q + n_tiled * k, (n - n_tiled) * k);
 }
 
+// ps_int8_pack's inverse, widened to float32 or bfloat16 (exact: |q| <= 127) as it goes:
+// the prefill path's weight, in one pass over it.
+void ps_int8_unpack(const int8_t* packed, int64_t n, int64_t k, void* out, int out_bf16,
+                    int nthreads) {
+  const int64_t n_tiled = n / kTile * kTile;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < k; c += 32) {
+      const int8_t* src = i < n_tiled
+          ? packed + (i / kTile) * kTile * k + (c / 32) * kTileCs + (i % kTile) * 32
+          : packed + i * k + c;
+      for (int e = 0; e < 32; ++e) {
+        const float v = static_cast<float>(src[e]);
+        if (out_bf16) {
+          uint32_t u;
+          std::memcpy(&u, &v, 4);
+          static_cast<uint16_t*>(out)[i * k + c + e] = static_cast<uint16_t>(u >> 16);
+        } else {
+          static_cast<float*>(out)[i * k + c + e] = v;
+        }
+      }
+    }
+  }
+}
+
 // The weight is ps_int8_pack's layout.
 void ps_int8_gemv(const void* x, int x_bf16, int64_t xs, int64_t m, int64_t k, const int8_t* q,
                   const float* scale, const void* bias, int bias_bf16, int64_t n, void* y,
