@@ -5,10 +5,15 @@
 // slower with float32 activations on AMD EPYC), which throws away the halved bytes.  Here
 // each weight vector is widened int8 -> float32 once and multiplied into up to 4 activation
 // rows held in float32, so the arithmetic stays exact weight-only quantization (no
-// activation rounding) and the loop streams int8 at memory speed.  Rows of the weight are
-// split over threads.
+// activation rounding; the VNNI path below rounds them to 16 bits) and the loop streams
+// int8 at memory speed, from a layout packed at load (ps_int8_pack).  Rows of the weight
+// are split over threads.
 //
-// x [m, k] float32, q [n, k] int8, scale [n] float32, y [m, n] float32; k % kW == 0.
+// x [m, k] float32 or bfloat16 (row stride xs), q [n, k] int8 packed, scale [n] float32,
+// bias [n] (optional) float32 or bfloat16, y [m, n] float32 or bfloat16 (row stride ys);
+// k % 32 == 0.  Activations are read and results written in the model's dtype here, with
+// the bias added before the one rounding: converting them with ATen ops around the call
+// cost two more parallel regions per projection and step.
 
 #include <algorithm>
 #include <cmath>
@@ -189,11 +194,12 @@ void quantize_rows(const In& x, int64_t m, int64_t k, int16_t* xq, float* xs) {
 
 extern "C" {
 
-// Inner dimension multiple the kernel needs; 0: no vector int8 widening on this CPU (the
-// generic code is scalarised there), so the layer keeps torch's paths.
+// Inner dimension multiple the kernel needs (the packed layout's column groups); 0: no
+// vector int8 widening on this CPU (the generic code is scalarised there), so the layer
+// keeps torch's paths.
 int ps_int8_lanes() {
 #if defined(__AVX2__) || defined(__AVX512F__)
-  return 32;  // the packed layout's column groups
+  return 32;
 #else
   return 0;
 #endif
