@@ -29,7 +29,7 @@ from tests.checkpoints import tiny_checkpoint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("bias", "k"), [(False, 256), (True, 200)])
+@pytest.mark.parametrize(("bias", "k"), [(False, 256), (True, 200), (True, 96)])
 def test_int8_layer_matches_dequantized_reference(dtype, bias, k):
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(k, 72, bias=bias)
@@ -52,6 +52,8 @@ def test_int8_layer_matches_dequantized_reference(dtype, bias, k):
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         assert got.shape == (rows, 4, 72)
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+        # [tokens, features] as the model passes them (the GEMV's direct path): the same.
+        assert torch.equal(layer(x.reshape(-1, k)), layer(x).reshape(-1, 72))
 
 
 def test_int8_gemv_kernel_matches_reference():
