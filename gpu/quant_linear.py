@@ -33,6 +33,7 @@ from gpu.cpu_linear import swap_linears
 log = logging.getLogger(__name__)
 
 INT8_MAX = 127.0
+_GEMV_MAX_ROWS = cpu_kernels.INT8_GEMV_MAX_ROWS
 # Nibble i of a packed AWQ int32 holds column AWQ_ORDER[i] of its group of 8.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _INT4_INNER_K_TILES = 2  # torch's int4 packing parameter (2, 4 or 8)
@@ -96,31 +97,42 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         q, s = quantize_int8(w)
         dev = w.device
-        self.register_buffer("qweight", q.to(dev))  # [N, K] int8
+        gemv = dev.type == "cpu" and cpu_kernels.int8_gemv_supports(self.in_features)
+        # [N, K] int8; for the CPU GEMV its packed layout instead (cpu_kernels.int8_pack), the
+        # same bytes, which the prefill path unpacks as it widens them.
+        self.register_buffer("qweight", cpu_kernels.int8_pack(q) if gemv else q.to(dev))
         self.register_buffer("scale", s.to(dev, dtype))  # [N]
         self.bias = None if linear is None or linear.bias is None else linear.bias.detach()
         self.float_out = float_out
-        self.gemv = dev.type == "cpu" and cpu_kernels.int8_gemv_supports(self.in_features)
-        self.scale_f32 = s.to(dev) if self.gemv else None
+        # The decode GEMV writes x's dtype (float32 logits for the lm_head) itself.
+        out = torch.float32 if float_out else None
+        n, k = self.out_features, self.in_features
+        self.gemv = cpu_kernels.Int8Gemv(self.qweight, n, k, s, self.bias, out) if gemv else None
         # (torch 2.13's 16-bit CPU kernel crashes when in_features is not a multiple of 16.)
         k_ok = dtype == torch.float32 or self.in_features % 16 == 0
         self.packed_op = k_ok and _probed("int8", dev, dtype, _int8_probe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= _GEMV_MAX_ROWS:
+            return self.gemv(x)  # the decode step's case, kept to one call
         x2 = x.reshape(-1, self.in_features)
-        if self.gemv and x2.shape[0] <= cpu_kernels.INT8_GEMV_MAX_ROWS:
-            y = cpu_kernels.int8_gemv(x2, self.qweight, self.scale_f32)
-            if not self.float_out:
-                y = y.to(x.dtype)
-        elif self.packed_op and not self.gemv:
+        if self.gemv is not None and x2.shape[0] <= _GEMV_MAX_ROWS:
+            return self.gemv(x2).view(*x.shape[:-1], self.out_features)
+        if self.packed_op and self.gemv is None:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         else:
-            y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale
+            y = F.linear(x2, self._dequant_rows(x.dtype)) * self.scale
         if self.bias is not None:
             y = y + self.bias
         if self.float_out:
             y = y.float()
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _dequant_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int8 values as [N, K] of `dtype` (the scale is applied after the matmul)."""
+        if self.gemv is None:
+            return self.qweight.to(dtype)
+        return cpu_kernels.int8_unpack(self.qweight, self.out_features, self.in_features, dtype)
 
 
 def quantize_model_int8(model: nn.Module, dtype: torch.dtype) -> int:

@@ -136,8 +136,12 @@ def load() -> ctypes.CDLL | None:
     for fn in (lib.ps_add_rms_norm, lib.ps_silu_mul, lib.ps_rope):
         fn.restype = None
     log.info("CPU attention kernels: %s build", isa(lib))
-    lib.ps_int8_gemv.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.ps_int8_gemv.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, p, i32, i64, i32]
     lib.ps_int8_gemv.restype = None
+    lib.ps_int8_pack.argtypes = [p, i64, i64, p]
+    lib.ps_int8_pack.restype = None
+    lib.ps_int8_unpack.argtypes = [p, i64, i64, p, i32, i32]
+    lib.ps_int8_unpack.restype = None
     _lib = lib
     return lib
 
@@ -271,25 +275,95 @@ def int8_gemv_supports(in_features: int) -> bool:
     return lanes > 0 and in_features % lanes == 0
 
 
+INT8_TILE = 8  # rows per tile of int8_pack's layout (kTile in int8_gemv.cpp)
+
+
+def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> the GEMV's layout, N * K bytes: tiles of INT8_TILE rows interleaved
+    in 32-byte column groups (one sequential stream per tile), the N % INT8_TILE last rows
+    row-major."""
+    lib = load()
+    assert lib is not None and qweight.dtype == torch.int8 and qweight.dim() == 2
+    q = qweight.contiguous()
+    out = torch.empty(q.numel(), dtype=torch.int8)
+    lib.ps_int8_pack(q.data_ptr(), q.shape[0], q.shape[1], out.data_ptr())
+    return out
+
+
+def int8_unpack(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """int8_pack's inverse, widened to `dtype` in the same pass: [N, K]."""
+    assert packed.dtype == torch.int8 and packed.numel() == n * k and packed.is_contiguous()
+    if dtype not in (torch.float32, torch.bfloat16):
+        return int8_unpack(packed, n, k, torch.float32).to(dtype)
+    lib = load()
+    assert lib is not None
+    out = torch.empty(n, k, dtype=dtype)
+    lib.ps_int8_unpack(
+        packed.data_ptr(), n, k, out.data_ptr(), _is_bf16(out), torch.get_num_threads()
+    )
+    return out
+
+
 def int8_gemv(
-    x: torch.Tensor,  # [M, K] float32 or bfloat16
+    x: torch.Tensor,  # [M, K] float32 or bfloat16, unit column stride
     qweight: torch.Tensor,  # [N, K] int8
     scale: torch.Tensor,  # [N] float32
-) -> torch.Tensor:  # [M, N] float32
-    """x @ (qweight * scale[:, None]).T with the weight read as int8 (int8_gemv.cpp)."""
+    bias: torch.Tensor | None = None,  # [N] float32 or bfloat16, added before rounding
+    out_dtype: torch.dtype | None = None,  # float32 or bfloat16; default x's
+) -> torch.Tensor:  # [M, N]
+    """x @ (qweight * scale[:, None]).T (+ bias) with the weight read as int8 (int8_gemv.cpp).
+    Packs the weight on every call: layers keep an Int8Gemv instead."""
     lib = load()
     assert lib is not None and qweight.dtype == torch.int8 and scale.dtype == torch.float32
     assert qweight.is_contiguous() and scale.is_contiguous()
-    m, k = x.shape
-    n = qweight.shape[0]
-    assert qweight.shape[1] == k and k % lib.ps_int8_lanes() == 0
-    xf = x.to(torch.float32).contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    lib.ps_int8_gemv(
-        xf.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return y
+    n, k = qweight.shape
+    assert x.dim() == 2 and x.shape[1] == k and k % lib.ps_int8_lanes() == 0
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    return Int8Gemv(int8_pack(qweight), n, k, scale, bias, out_dtype)(x)
+
+
+class Int8Gemv:
+    """One int8 weight's decode GEMV with its pointers bound once: the call runs every
+    projection of every decode step, so its Python share is kept to the ctypes call."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,  # int8_pack(qweight [N, K])
+        n: int,
+        k: int,
+        scale: torch.Tensor,  # [N] float32
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype | None,
+    ) -> None:
+        lib = load()
+        assert lib is not None and packed.numel() == n * k and packed.is_contiguous()
+        assert scale.dtype == torch.float32 and scale.is_contiguous()
+        self._fn = lib.ps_int8_gemv
+        self._w = (packed, scale, bias)  # keeps the pointers below alive
+        self._n, self._k = n, k
+        self._args = (
+            packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            0 if bias is None else _is_bf16(bias), n,
+        )  # fmt: skip
+        self._out_dtype = out_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        dtype = x.dtype
+        x_bf16 = _BF16_FLAG[dtype]  # also rejects other dtypes
+        out_dtype = self._out_dtype or dtype
+        m = x.shape[0]
+        y = torch.empty(m, self._n, dtype=out_dtype)
+        self._fn(
+            x.data_ptr(), x_bf16, x.stride(0), m, self._k, *self._args, y.data_ptr(),
+            _BF16_FLAG[out_dtype], self._n, torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+
+_BF16_FLAG = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _quant_kind(values: torch.Tensor) -> int:

@@ -29,7 +29,7 @@ from tests.checkpoints import tiny_checkpoint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("bias", "k"), [(False, 256), (True, 200)])
+@pytest.mark.parametrize(("bias", "k"), [(False, 256), (True, 200), (True, 96)])
 def test_int8_layer_matches_dequantized_reference(dtype, bias, k):
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(k, 72, bias=bias)
@@ -52,6 +52,8 @@ def test_int8_layer_matches_dequantized_reference(dtype, bias, k):
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         assert got.shape == (rows, 4, 72)
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+        # [tokens, features] as the model passes them (the GEMV's direct path): the same.
+        assert torch.equal(layer(x.reshape(-1, k)), layer(x).reshape(-1, 72))
 
 
 def test_int8_gemv_kernel_matches_reference():
@@ -71,6 +73,49 @@ def test_int8_gemv_kernel_matches_reference():
         bound = step / 2 * w.abs().sum(1).double() + 1e-5 * ref.abs() + 1e-6
         err = (cpu_kernels.int8_gemv(x, q, s).double() - ref).abs()
         assert (err <= bound).all(), float((err / bound).max())
+
+
+def test_int8_pack_round_trips():
+    from gpu import cpu_kernels
+
+    if not cpu_kernels.int8_gemv_supports(64):
+        pytest.skip("no compiled CPU kernels")
+    g = torch.Generator().manual_seed(7)
+    for n in (3, 8, 21, 64):  # no whole tile, tiles only, tiles and a remainder
+        q = torch.randint(-127, 128, (n, 96), generator=g, dtype=torch.int8)
+        packed = cpu_kernels.int8_pack(q)
+        assert packed.numel() == q.numel()
+        assert torch.equal(packed.view(n, 96), q) == (n < 8)  # only a remainder: row-major
+        for dtype in (torch.int8, torch.bfloat16):
+            assert torch.equal(cpu_kernels.int8_unpack(packed, n, 96, dtype), q.to(dtype))
+
+
+def test_int8_gemv_reads_and_writes_the_model_dtype():
+    """bf16 / strided activations read as they are, the bias added and the result rounded
+    once, in the kernel: the float32 result plus bias, then rounded (the add may be fused
+    into the scaling's multiply: one float32 rounding apart, so one bf16 step at most)."""
+    from gpu import cpu_kernels
+
+    if not cpu_kernels.int8_gemv_supports(64):
+        pytest.skip("no compiled CPU kernels")
+    g = torch.Generator().manual_seed(6)
+    q, s = quantize_int8(torch.randn(203, 128, generator=g))
+    for m in range(1, cpu_kernels.INT8_GEMV_MAX_ROWS + 1, 2):  # odd rows: every tile tail
+        wide = torch.randn(m, 160, generator=g).to(torch.bfloat16)
+        x = wide[:, 16:144]  # a row stride other than k
+        f32 = cpu_kernels.int8_gemv(x.float(), q, s)
+        assert f32.dtype == torch.float32
+        assert torch.equal(cpu_kernels.int8_gemv(x, q, s, out_dtype=torch.float32), f32)
+        assert torch.equal(cpu_kernels.int8_gemv(x, q, s), f32.to(torch.bfloat16))
+        for bias_dtype in (torch.float32, torch.bfloat16):
+            b = torch.randn(203, generator=g).to(bias_dtype)
+            with_bias = f32 + b.float()
+            got = cpu_kernels.int8_gemv(x, q, s, b)
+            assert got.dtype == torch.bfloat16
+            ref = with_bias.to(torch.bfloat16).float()
+            torch.testing.assert_close(got.float(), ref, atol=1e-6, rtol=2**-8)
+            got = cpu_kernels.int8_gemv(x.float(), q, s, b, torch.float32)
+            torch.testing.assert_close(got, with_bias, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])
