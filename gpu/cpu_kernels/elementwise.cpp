@@ -55,8 +55,8 @@ inline float round_as(float x) {
 // cores are shared a join waits for whichever thread lost its core, for up to a scheduler
 // slice: measured at load ~3.7 on 2 cores, a batch-64 decode step of the `mid` preset was
 // 196 vs 216 and 624 vs 920 ms in two runs (medians, steps alternated) with these
-// single-threaded.  SiLU * up
-// (64 x 2816, and exp per element: ~120 us on one core) stays threaded.
+// single-threaded.  SiLU * up (64 x 2816, and exp per element: ~120 us on one core) stays
+// threaded.
 constexpr int64_t kParallelElems = 1 << 17;
 
 inline int threads_for(int64_t elems, int nthreads, int rows) {
