@@ -207,7 +207,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         if self.tp is None:
-            x = self.embed_tokens(input_ids)
+            # Fused CPU path: a plain row copy, not an ATen index_select (an OpenMP region)
+            x = cpu_kernels.gather_rows(self.embed_tokens.weight, input_ids) if self.fused else None
+            if x is None:
+                x = self.embed_tokens(input_ids)
         else:
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         if self.fused:

@@ -51,6 +51,13 @@ class SampleRows:
     rows: torch.Tensor  # [R] index into the step's hidden states
     states: list[RequestSamplingState]
     ids: list[str]
+    # rows are 0 .. R-1 (every row samples, once, in order: e.g. an all-decode step), so
+    # the first R hidden rows are the sampled ones as they lie, without a gather.
+    leading: bool = False
+
+    def hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [R, H]
+        n = self.rows.shape[0]
+        return hidden[:n] if self.leading else hidden.index_select(0, self.rows)
 
 
 @dataclass
@@ -314,9 +321,7 @@ class ModelRunner:
                 argmax_only = not so.grammar_bitmasks and all(
                     st.plain_greedy for st in samples.states
                 )
-                logits = self.model.compute_logits(
-                    hidden.index_select(0, samples.rows), float32=not argmax_only
-                )
+                logits = self.model.compute_logits(samples.hidden(hidden), float32=not argmax_only)
                 if so.grammar_bitmasks:
                     self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)
@@ -476,7 +481,8 @@ class ModelRunner:
                     rows.append(row)
                     states.append(self.requests[rid])
                     ids.append(rid)
-        return SampleRows(torch.tensor(rows, dtype=torch.int64, device=self.device), states, ids)
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return SampleRows(idx, states, ids, leading=rows == list(range(len(rows))))
 
     def _prepare(
         self,

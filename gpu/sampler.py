@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu import cpu_kernels
 from scheduler.contract import NewRequestData, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 
@@ -37,6 +38,19 @@ _TOP_P_WINDOW = 256
 _MASS_UNIT = float(1 << 30)  # top-p counts mass in units of 2**-30 (see _quantized)
 # torch.Generator.manual_seed takes a 64-bit value; request seeds are unbounded Python ints.
 _SEED_MASK = (1 << 64) - 1
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """torch.argmax(x, -1); on CPU through the compiled kernel where there is one (ATen's
+    bf16 argmax is several times slower, and an OpenMP region on every call)."""
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and cpu_kernels.available()
+    ):
+        return cpu_kernels.argmax(x)
+    return x.argmax(-1)
 
 
 class RequestSamplingState:
@@ -363,7 +377,7 @@ class Sampler:
             # A padded lm_head: the columns past the vocabulary are not tokens.
             logits = logits[:, : self.vocab_size]
         if all(r.plain_greedy for r in rows):  # any dtype: widening never moves an argmax
-            return SamplerOutput(token_ids=logits.argmax(-1).tolist(), logprobs=None)
+            return SamplerOutput(token_ids=argmax_rows(logits).tolist(), logprobs=None)
         if logits.dtype != torch.float32:
             logits = logits.float()
         return self._sample(logits, rows)
@@ -388,10 +402,10 @@ class Sampler:
 
         tokens = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
         if len(greedy) == num_rows:
-            tokens = x.argmax(-1)
+            tokens = argmax_rows(x)
         elif greedy:
             g = torch.tensor(greedy, device=dev)
-            tokens.index_copy_(0, g, x.index_select(0, g).argmax(-1))
+            tokens.index_copy_(0, g, argmax_rows(x.index_select(0, g)))
 
         # Random rows, unseeded first: their noise is then one contiguous batched draw.
         rand = unseeded + seeded

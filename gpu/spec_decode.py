@@ -31,7 +31,7 @@ from gpu.attention import create_attention_backend
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.loader import load_model
-from gpu.sampler import _MIN_TEMPERATURE, RequestSamplingState, Sampler
+from gpu.sampler import _MIN_TEMPERATURE, RequestSamplingState, Sampler, argmax_rows
 from scheduler.contract import ModelOutput, ScheduledRequest, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def verify_drafts(
     for st, d in zip(states, drafts, strict=True):
         views += [_view(st, d[:j]) for j in range(len(d) + 1)]
     x = sampler.processed_logits(logits, views)  # [rows, V]
-    argmax = x.argmax(-1).tolist()
+    argmax = argmax_rows(x).tolist()
     rand_rows = [i for i, v in enumerate(views) if not v.greedy]
     probs: dict[int, torch.Tensor] = {}
     if rand_rows:

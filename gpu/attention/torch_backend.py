@@ -113,11 +113,18 @@ class TorchAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        out = torch.empty_like(q)
+        kernel = self._use_cpu_kernel(q)
+        # One compiled call for the K/V store where it takes these tensors (two or more
+        # ATen ops, each an OpenMP region, otherwise).
+        slots = meta.slot_mapping
+        if not (kernel and cpu_kernels.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)):
+            write_kv_reference(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         sc = (k_scale, v_scale)
-        if nd:
+        if nd and kernel:  # the kernel reads q and writes out at their strides: no copies
+            self._decode(q[:nd], k_cache, v_cache, meta, sc, out=out[:nd])
+        elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, sc)
         if meta.num_seqs > nd:
             self._prefill_all(q, k, v, k_cache, v_cache, meta, out, sc)
@@ -159,12 +166,13 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        out: torch.Tensor | None = None,  # kernel path: written in place
     ) -> torch.Tensor:
         b = q.shape[0]
         if self._use_cpu_kernel(q):
             return cpu_kernels.decode_attention(
                 q, k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], self.scale,
-                k_scale=sc[0], v_scale=sc[1],
+                k_scale=sc[0], v_scale=sc[1], out=out,
             )  # fmt: skip
         bs = meta.block_size
         max_len = max(meta.seq_lens_cpu[:b])

@@ -4,7 +4,7 @@
 which the torch path cannot do without first gathering (and transposing) every sequence's
 blocks into a dense copy; prefill is a flash-attention style kernel several times faster
 than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8`
-(int8_gemv.cpp).  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
+(int8_gemv.cpp).  `write_kv` and `argmax` replace a step's small ATen ops (step_ops.cpp).  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
 
@@ -30,7 +30,13 @@ log = logging.getLogger(__name__)
 # Compiled together into one shared library.
 _SRCS = [
     Path(__file__).with_name(n)
-    for n in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "int8_gemv.cpp")
+    for n in (
+        "paged_decode.cpp",
+        "paged_prefill.cpp",
+        "elementwise.cpp",
+        "int8_gemv.cpp",
+        "step_ops.cpp",
+    )
 ]
 _HEADERS = [Path(__file__).with_name("simd.h")]
 _lib: ctypes.CDLL | None = None
@@ -117,14 +123,14 @@ def load() -> ctypes.CDLL | None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     for name in ("ps_decode_f32", "ps_decode_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         fn.restype = None
     for name in ("ps_prefill_f32", "ps_prefill_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         fn.restype = None
-    lib.ps_decode_quant.argtypes = [i32, i32, p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32,
-                                    i32, f32, i32]  # fmt: skip
+    lib.ps_decode_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, i64, i32, i32,
+                                    i32, i32, i32, f32, i32]  # fmt: skip
     lib.ps_decode_quant.restype = None
     lib.ps_prefill_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, p, i64, i32,
                                      i32, i32, i32, i32, f32, i32]  # fmt: skip
@@ -142,6 +148,12 @@ def load() -> ctypes.CDLL | None:
     lib.ps_int8_pack.restype = None
     lib.ps_int8_unpack.argtypes = [p, i64, i64, p, i32, i32]
     lib.ps_int8_unpack.restype = None
+    lib.ps_write_kv.argtypes = [i32, i32, p, i64, p, i64, p, p, p, p, p, i32, i32, i32, i32]
+    lib.ps_argmax.argtypes = [i32, p, i64, i32, i32, p, i32]
+    for fn in (lib.ps_write_kv, lib.ps_argmax):
+        fn.restype = None
+    lib.ps_gather_rows.argtypes = [p, i64, i64, p, i64, p, i64, i32]
+    lib.ps_gather_rows.restype = i64
     _lib = lib
     return lib
 
@@ -167,7 +179,7 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 def decode_attention(
-    q: torch.Tensor,  # [B, Hq, D]
+    q: torch.Tensor,  # [B, Hq, D]: heads x dim dense, any token stride
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
@@ -176,10 +188,12 @@ def decode_attention(
     num_threads: int | None = None,  # default: torch.get_num_threads()
     k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] bf16
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [B, Hq, D], written in place (any token stride)
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence against its whole paged context (zeros where the
     context is empty).  With scales, the cache holds int8 / fp8 values (gpu.kv_quant),
-    dequantized as each row is loaded."""
+    dequantized as each row is loaded.  q may be a view into the fused qkv projection and
+    out one into the step's output: the kernel reads and writes them at their strides."""
     lib = load()
     assert lib is not None
     assert q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -188,24 +202,31 @@ def decode_attention(
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     assert hq % hkv == 0 and hq // hkv <= lib.ps_max_group() and d <= lib.ps_max_dim()
-    q = q.contiguous()
+    if not _rows_dense(q):
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty((b, hq, d), dtype=q.dtype)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    dst = out if _rows_dense(out) else torch.empty((b, hq, d), dtype=q.dtype)
     tables = block_tables.contiguous()
     lens = seq_lens.contiguous()
-    out = torch.empty_like(q)
+    nt = num_threads or torch.get_num_threads()
     if k_scale is not None and v_scale is not None:
         lib.ps_decode_quant(
-            _quant_kind(k_cache), int(q.dtype == torch.bfloat16), q.data_ptr(),
+            _quant_kind(k_cache), int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0),
             k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
-            tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
-            k_cache.shape[1], scale, num_threads or torch.get_num_threads(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), dst.data_ptr(),
+            dst.stride(0), b, hq, hkv, d, k_cache.shape[1], scale, nt,
         )  # fmt: skip
-        return out
-    fn = lib.ps_decode_bf16 if q.dtype == torch.bfloat16 else lib.ps_decode_f32
-    fn(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.stride(0), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, k_cache.shape[1],
-        scale, num_threads or torch.get_num_threads(),
-    )  # fmt: skip
+    else:
+        fn = lib.ps_decode_bf16 if q.dtype == torch.bfloat16 else lib.ps_decode_f32
+        fn(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), dst.data_ptr(),
+            dst.stride(0), b, hq, hkv, d, k_cache.shape[1], scale, nt,
+        )  # fmt: skip
+    if dst is not out:
+        out.copy_(dst)
     return out
 
 
@@ -450,3 +471,96 @@ def rope_(
         k.shape[1], pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[2],
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+# ---- a step's small ops (step_ops.cpp) -----------------------------------------------
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D], each token's heads x dim dense (any token stride)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; negative: not stored
+    k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] bf16
+    v_scale: torch.Tensor | None = None,
+) -> bool:
+    """Store the step's K/V rows at their slots in one call, as write_kv_reference does
+    (quantized caches: values and scales exactly as gpu.kv_quant.quantize makes them).
+    False, having written nothing, where the kernel does not take these tensors (the
+    caller then runs the torch ops)."""
+    lib = load()
+    quant = k_scale is not None and v_scale is not None
+    if (
+        lib is None
+        or k.dtype not in (torch.float32, torch.bfloat16)
+        or v.dtype != k.dtype
+        or (not quant and k_cache.dtype != k.dtype)
+        or (quant and k_cache.dtype not in (torch.int8, torch.uint8))
+        or v_cache.dtype != k_cache.dtype
+        or k.device.type != "cpu"
+        or slot_mapping.dtype != torch.int64
+        or not (_rows_dense(k) and _rows_dense(v))
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k.shape[1:] != k_cache.shape[2:]
+        or v.shape != k.shape
+    ):
+        return False
+    sc: tuple[int | None, int | None] = (None, None)
+    if quant:
+        assert k_scale is not None and v_scale is not None
+        assert k_scale.is_contiguous() and v_scale.is_contiguous()
+        assert k_scale.dtype == v_scale.dtype == torch.bfloat16
+        sc = (k_scale.data_ptr(), v_scale.data_ptr())
+    slots = slot_mapping.contiguous()
+    t, hkv, d = k.shape
+    lib.ps_write_kv(
+        _quant_kind(k_cache) if quant else -1, int(k.dtype == torch.bfloat16), k.data_ptr(),
+        k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *sc,
+        slots.data_ptr(), t, hkv, d, torch.get_num_threads(),
+    )  # fmt: skip
+    return True
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] float32 / bfloat16 -> [R] int64
+    """torch.argmax(x, -1): the first index of each row's maximum, a NaN counting as the
+    maximum.  One pass on the calling thread (ATen's bf16 argmax is several times slower,
+    and an OpenMP region each call)."""
+    lib = load()
+    assert lib is not None and x.dim() == 2 and x.device.type == "cpu"
+    rows, cols = x.shape
+    if cols == 0 and rows:
+        raise IndexError("argmax of an empty row")  # as torch.argmax refuses it
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows and cols:
+        lib.ps_argmax(
+            _is_bf16(x), x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+    """table[idx] for a [N, H] table and [T] int64 indices (the embedding lookup), as
+    F.embedding gives it; None (nothing done) where an index is out of range or the tensors
+    are not what the kernel takes, so the caller's torch op raises or runs instead."""
+    lib = load()
+    if (
+        lib is None
+        or table.dim() != 2
+        or table.stride(1) != 1
+        or table.device.type != "cpu"
+        or idx.dim() != 1
+        or idx.dtype != torch.int64
+    ):
+        return None
+    idx = idx.contiguous()
+    out = torch.empty((idx.shape[0], table.shape[1]), dtype=table.dtype)
+    es = table.element_size()
+    bad = lib.ps_gather_rows(
+        table.data_ptr(), table.stride(0) * es, table.shape[0], idx.data_ptr(), idx.shape[0],
+        out.data_ptr(), table.shape[1] * es, torch.get_num_threads(),
+    )  # fmt: skip
+    return out if bad < 0 else None

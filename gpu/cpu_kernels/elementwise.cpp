@@ -50,7 +50,14 @@ inline float round_as(float x) {
   }
 }
 
-constexpr int64_t kParallelElems = 1 << 16;  // below this, one thread: a fork costs more
+// Below this, one thread.  A decode step's norms and rotary (64 rows x 1024: 65k elements;
+// 82k) take ~30 us on one core and ~20 us on two when the machine is quiet, but when its
+// cores are shared a join waits for whichever thread lost its core, for up to a scheduler
+// slice: measured at load ~3.7 on 2 cores, a batch-64 decode step of the `mid` preset was
+// 196 vs 216 and 624 vs 920 ms in two runs (medians, steps alternated) with these
+// single-threaded.  SiLU * up (64 x 2816, and exp per element: ~120 us on one core) stays
+// threaded.
+constexpr int64_t kParallelElems = 1 << 17;
 
 inline int threads_for(int64_t elems, int nthreads, int rows) {
   return elems < kParallelElems ? 1 : std::max(1, std::min(nthreads, rows));

@@ -5,7 +5,9 @@
 // straight from the paged cache, and never pads.
 //
 // Layout (as the Python side and the Triton kernels use it):
-//   q, out       [num_seqs, num_heads, head_dim]              contiguous
+//   q, out       [num_seqs, num_heads, head_dim]   heads x dim dense, any token stride (qs,
+//                os elements: q is a view into the fused qkv projection, out a view into
+//                the step's output rows; neither is copied)
 //   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim] contiguous
 //   block_tables [num_seqs, table_stride] int32
 //   seq_lens     [num_seqs] int32   (context length including the new token)
@@ -570,6 +572,7 @@ struct Args {
   T* out;
   int nseq, nheads, nkv, dim, bs;
   float scale;
+  int64_t qs, os;  // token strides of q and out, in elements
   const uint16_t* ks = nullptr;  // quantized: [num_blocks, bs, nkv] bf16 scales of kc / vc
   const uint16_t* vs = nullptr;
 };
@@ -708,7 +711,7 @@ void run_item(const Args<T, C>& a, const Item& it, const Item* next, Work<C>& w)
   };
 
   const T* qsrc =
-      a.q + (static_cast<int64_t>(it.seq) * a.nheads + static_cast<int64_t>(it.h0) * G) * dim;
+      a.q + static_cast<int64_t>(it.seq) * a.qs + static_cast<int64_t>(it.h0) * G * dim;
   const float c = a.scale * 1.4426950408889634f;  // softmax in base 2
   float* o = reinterpret_cast<float*>(w.o.data());
   float* s = reinterpret_cast<float*>(w.s.data());
@@ -896,7 +899,7 @@ void decode(const Args<T, C>& a, int nthreads) {
   for (int s = 0; s < a.nseq; ++s) {
     const int len = a.lens[s];
     if (len <= 0) {
-      std::memset(a.out + static_cast<int64_t>(s) * a.nheads * dim, 0, sizeof(T) * a.nheads * dim);
+      std::memset(a.out + static_cast<int64_t>(s) * a.os, 0, sizeof(T) * a.nheads * dim);
       continue;
     }
     const int np = (len + chunk - 1) / chunk;
@@ -958,7 +961,7 @@ void decode(const Args<T, C>& a, int nthreads) {
           part[nr * dp + nr + r] = hsum(w.lsum[r]);
         }
       } else {
-        T* dst = a.out + (static_cast<int64_t>(it.seq) * a.nheads + it.h0 * G) * dim;
+        T* dst = a.out + static_cast<int64_t>(it.seq) * a.os + it.h0 * G * dim;
         for (int r = 0; r < nr; ++r)
           store_row(dst + r * dim, o + r * dp, 1.0f / hsum(w.lsum[r]), dim);
       }
@@ -973,7 +976,7 @@ void decode(const Args<T, C>& a, int nthreads) {
         const Split& sp = splits[i];
         const int nr = (sp.h1 - sp.h0) * G;
         float* acc = reinterpret_cast<float*>(w.o.data());
-        T* dst = a.out + (static_cast<int64_t>(sp.seq) * a.nheads + sp.h0 * G) * dim;
+        T* dst = a.out + static_cast<int64_t>(sp.seq) * a.os + sp.h0 * G * dim;
         for (int r = 0; r < nr; ++r) {
           float mmax = kNeg;
           for (int k = 0; k < sp.nparts; ++k)
@@ -1015,32 +1018,38 @@ const char* ps_isa() {
 #endif
 }
 
-void ps_decode_f32(const float* q, const float* kc, const float* vc, const int32_t* tables,
-                   int64_t tstride, const int32_t* lens, float* out, int nseq, int nheads,
-                   int nkv, int dim, int bs, float scale, int nthreads) {
-  decode<float>({q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale},
-                nthreads);
+// qs / os: token strides of q and out (elements); each token's heads x dim are dense.
+void ps_decode_f32(const float* q, int64_t qs, const float* kc, const float* vc,
+                   const int32_t* tables, int64_t tstride, const int32_t* lens, float* out,
+                   int64_t os, int nseq, int nheads, int nkv, int dim, int bs, float scale,
+                   int nthreads) {
+  decode<float>(
+      {q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale, qs, os},
+      nthreads);
 }
 
-void ps_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+void ps_decode_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc,
                     const int32_t* tables, int64_t tstride, const int32_t* lens, uint16_t* out,
-                    int nseq, int nheads, int nkv, int dim, int bs, float scale, int nthreads) {
-  decode<uint16_t>({q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale},
-                   nthreads);
+                    int64_t os, int nseq, int nheads, int nkv, int dim, int bs, float scale,
+                    int nthreads) {
+  decode<uint16_t>(
+      {q, kc, vc, tables, tstride, lens, out, nseq, nheads, nkv, dim, bs, scale, qs, os},
+      nthreads);
 }
 
 // Quantized cache (kind 0: int8, 1: fp8 e4m3) with per-(slot, kv head) scales ks / vs;
 // q and out are bf16 when bf16 != 0, else fp32.
-void ps_decode_quant(int kind, int bf16, const void* q, const void* kc, const void* vc,
-                     const uint16_t* ks, const uint16_t* vs, const int32_t* tables, int64_t tstride,
-                     const int32_t* lens, void* out, int nseq, int nheads, int nkv, int dim, int bs,
-                     float scale, int nthreads) {
+void ps_decode_quant(int kind, int bf16, const void* q, int64_t qs, const void* kc,
+                     const void* vc, const uint16_t* ks, const uint16_t* vs,
+                     const int32_t* tables, int64_t tstride, const int32_t* lens, void* out,
+                     int64_t os, int nseq, int nheads, int nkv, int dim, int bs, float scale,
+                     int nthreads) {
   auto run = [&](auto tq, auto tc) {
     using T = decltype(tq);
     using C = decltype(tc);
     Args<T, C> a{static_cast<const T*>(q), static_cast<const C*>(kc), static_cast<const C*>(vc),
                  tables, tstride, lens, static_cast<T*>(out), nseq, nheads, nkv, dim, bs, scale,
-                 ks, vs};
+                 qs, os, ks, vs};
     decode<T, C>(a, nthreads);
   };
   if (bf16)
