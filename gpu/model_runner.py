@@ -10,14 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gpu import cpu_features, cpu_kernels
 from gpu.attention import create_attention_backend
-from gpu.attention.base import AttentionMetadata
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
@@ -25,6 +23,7 @@ from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, sto
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
+from gpu.step_rows import PromptRows, SampleRows, StepInputs
 from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
 from scheduler.contract import (
     DecodeColumns,
@@ -42,45 +41,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on CPU unless told otherwise
 DEFAULT_GPU_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
-
-
-@dataclass
-class SampleRows:
-    """Where each sampled request reads its logits, and its sampling state."""
-
-    rows: torch.Tensor  # [R] index into the step's hidden states
-    states: list[RequestSamplingState]
-    ids: list[str]
-    # rows are 0 .. R-1 (every row samples, once, in order: e.g. an all-decode step), so
-    # the first R hidden rows are the sampled ones as they lie, without a gather.
-    leading: bool = False
-
-    def hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [R, H]
-        n = self.rows.shape[0]
-        return hidden[:n] if self.leading else hidden.index_select(0, self.rows)
-
-
-@dataclass
-class PromptRows:
-    """Hidden rows whose next token is a known prompt token (prompt_logprobs)."""
-
-    req_id: str
-    rows: list[int]  # index into the step's hidden states
-    targets: list[int]  # the prompt token each row predicts
-    top_n: int
-
-
-@dataclass
-class StepInputs:
-    """Device tensors of one step."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    samples: SampleRows
-    prompt_rows: list[PromptRows]
-    # Verify chunks: each request with draft tokens, and the row of its last known token.
-    verify: list[tuple[ScheduledRequest, int]]
 
 
 class ModelRunner:

@@ -1,0 +1,51 @@
+"""The rows of one step the runner passes between its phases: which hidden rows sample
+(and with what state), which score prompt tokens, and the step's device tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu.attention.base import AttentionMetadata
+from gpu.sampler import RequestSamplingState
+from scheduler.contract import ScheduledRequest
+
+
+@dataclass
+class SampleRows:
+    """Where each sampled request reads its logits, and its sampling state."""
+
+    rows: torch.Tensor  # [R] index into the step's hidden states
+    states: list[RequestSamplingState]
+    ids: list[str]
+    # rows are 0 .. R-1 (every row samples, once, in order: e.g. an all-decode step), so
+    # the first R hidden rows are the sampled ones as they lie, without a gather.
+    leading: bool = False
+
+    def hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [R, H]
+        n = self.rows.shape[0]
+        return hidden[:n] if self.leading else hidden.index_select(0, self.rows)
+
+
+@dataclass
+class PromptRows:
+    """Hidden rows whose next token is a known prompt token (prompt_logprobs)."""
+
+    req_id: str
+    rows: list[int]  # index into the step's hidden states
+    targets: list[int]  # the prompt token each row predicts
+    top_n: int
+
+
+@dataclass
+class StepInputs:
+    """Device tensors of one step."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    samples: SampleRows
+    prompt_rows: list[PromptRows]
+    # Verify chunks: each request with draft tokens, and the row of its last known token.
+    verify: list[tuple[ScheduledRequest, int]]
