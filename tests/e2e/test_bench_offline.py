@@ -6,16 +6,23 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.offline import workloads
+from bench.offline import rep_work, workloads
 from bench.run import main
 from tests.checkpoints import tiny_checkpoint
 
 
 def test_warm_up_prompts_share_no_first_block_with_timed_ones():
-    args = argparse.Namespace(n=64, prompt_min=32, prompt_max=512, out_min=16, out_max=256)
+    args = argparse.Namespace(
+        n=64, prompt_min=32, prompt_max=512, out_min=16, out_max=256, offline_reps=3
+    )
     work, warm = workloads(args, 49152)
     assert len(work) == 64 and len(warm) >= 4
-    assert not {tuple(w.prompt[:16]) for w in warm} & {tuple(w.prompt[:16]) for w in work}
+    heads = [{tuple(w.prompt[:16]) for w in rep_work(work, r, 49152)} for r in range(3)]
+    assert not {tuple(w.prompt[:16]) for w in warm} & set().union(*heads)
+    # Each timed run its own prompts (no run is another's prefix-cache hit), same shape.
+    assert not heads[0] & heads[1] and not heads[1] & heads[2] and not heads[0] & heads[2]
+    shape = [[(len(w.prompt), w.max_tokens) for w in rep_work(work, r, 49152)] for r in range(3)]
+    assert shape[0] == shape[1] == shape[2]
 
 
 def test_offline_section_rows_in_both_dtypes(tmp_path, monkeypatch):
