@@ -341,8 +341,8 @@ class ModelRunner:
         for rid in (d.req_ids[i] for i in bad):
             log.warning("request %s dropped from step: a bad decode row", rid)
             errors[rid] = "bad step input: its block table or token id does not fit the runner"
-        if not bad and not d.delta_rows:
-            return d
+        if not bad:
+            return d  # (its deltas stay: applying one again leaves the table as it is)
         skip = set(bad)
         return d.select([i for i in range(len(d.req_ids)) if i not in skip])
 

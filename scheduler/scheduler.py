@@ -33,6 +33,7 @@ from scheduler.scheduler_types import (
     SchedulerConfig,
     SchedulerStats,
     StepUpdates,
+    request_update,
 )
 from scheduler.spec import SpecDecoder
 from scheduler.structured import GrammarMatcher, bitmasks
@@ -506,19 +507,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
         lps: list[TokenLogprobs | None] | None = None,
         error: str | None = None,
     ) -> RequestUpdate:
-        return RequestUpdate(
-            req_id=req.req_id,
-            group_id=req.group_id,
-            sample_index=req.sample_index,
-            new_token_ids=toks,
-            logprobs=lps,
-            finish_reason=req.finish_reason,
-            stop_token_id=req.stop_token_id,
-            num_prompt_tokens=req.prompt_len,
-            num_cached_tokens=req.num_cached_tokens,
-            error=error,
-            first_scheduled_time=req.first_scheduled_time,
-        )
+        return request_update(req, toks, lps, error)
 
     def _fail(self, req: Request, why: str, updates: list[RequestUpdate]) -> None:
         """End a request with an error; children still waiting for it (n > 1) end too,

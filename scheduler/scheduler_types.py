@@ -83,19 +83,28 @@ class StepUpdates:
 
     def __iter__(self) -> Iterator[RequestUpdate]:
         for req, tok in zip(self.decode_reqs, self.decode_tokens, strict=True):
-            yield token_update(req, tok)
+            yield request_update(req, [tok])
         yield from self.updates
 
 
-def token_update(req: Request, tok: int) -> RequestUpdate:
-    """The RequestUpdate of a decode row that took `tok` and goes on."""
+def request_update(
+    req: Request,
+    toks: list[int],
+    lps: list[TokenLogprobs | None] | None = None,
+    error: str | None = None,
+) -> RequestUpdate:
+    """A sequence's RequestUpdate carrying `toks`, with its state as it stands now."""
     return RequestUpdate(
         req_id=req.req_id,
         group_id=req.group_id,
         sample_index=req.sample_index,
-        new_token_ids=[tok],
+        new_token_ids=toks,
+        logprobs=lps,
+        finish_reason=req.finish_reason,
+        stop_token_id=req.stop_token_id,
         num_prompt_tokens=req.prompt_len,
         num_cached_tokens=req.num_cached_tokens,
+        error=error,
         first_scheduled_time=req.first_scheduled_time,
     )
 
