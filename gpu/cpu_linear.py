@@ -6,6 +6,13 @@ decode batch sizes, and 2.5-4x in float32 (the default CPU dtype), where the pac
 also reaches oneDNN's faster kernels.  The ops are the ones torch's own CPU compiler
 (inductor) emits for frozen linear layers; when they are missing or disagree with
 `F.linear` on a probe, the model keeps plain `nn.Linear`.
+
+Prefill-sized float32 products on CPUs without AVX-512 go to MKL's sgemm instead (through
+`F.linear` on the plain weight, kept beside the packed one): on a 2-core AMD EPYC (Zen 3,
+AVX2 only) oneDNN's AVX2 kernel reaches 115-150 GFLOP/s on 2,048-row chunks where MKL
+reaches 150-180, while at decode sizes (<= 64 rows) oneDNN's packed kernel is the faster
+one by 20-100%.  The price is a second copy of each projection's weight, so it is limited to
+float32 without AVX-512 (where it was measured) unless PAGESTREAM_PREFILL_GEMM says otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpu import cpu_features
+from gpu.cpu_features import CpuFeatures
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +46,30 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
 
 
-class PackedLinear(nn.Module):
-    """A drop-in for nn.Linear whose weight is pre-reordered for oneDNN."""
+# Rows from which MKL's sgemm beats oneDNN's packed kernel where it is used (measured on
+# Zen 3: level around 256-512 rows, MKL ahead by 15-40% from 1,024).
+MKL_FROM_ROWS = 512
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | None:
+    """The row count from which a projection runs on MKL's sgemm; None: always oneDNN.
+    PAGESTREAM_PREFILL_GEMM: auto (float32 on a CPU without AVX-512), mkl (any float32
+    model), onednn (never)."""
+    choice = os.environ.get("PAGESTREAM_PREFILL_GEMM", "auto")
+    if choice not in ("auto", "mkl", "onednn"):
+        raise ValueError(f"PAGESTREAM_PREFILL_GEMM must be auto, mkl or onednn, not {choice!r}")
+    if dtype != torch.float32 or choice == "onednn" or not torch.backends.mkl.is_available():
+        return None
+    if choice == "auto" and "avx512f" in (cpu or cpu_features.detect()).flags:
+        return None
+    return MKL_FROM_ROWS
+
+
+class PackedLinear(nn.Module):
+    """A drop-in for nn.Linear whose weight is pre-reordered for oneDNN; with `mkl_from`,
+    products of at least that many rows run on the plain weight (MKL) instead."""
+
+    def __init__(self, linear: nn.Linear, mkl_from: int | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -47,8 +77,12 @@ class PackedLinear(nn.Module):
         # that state_dict() and .to() must not touch.
         self.packed = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.mkl_from = mkl_from
+        self.plain = None if mkl_from is None else linear.weight.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.numel() >= self.mkl_from * self.in_features:
+            return F.linear(x, self.plain, self.bias)
         return packed_linear(x, self.packed, self.bias)
 
 
@@ -82,7 +116,10 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
     (Quantized layers are not nn.Linear and keep their own kernels.)"""
     if not packing_available(dtype):
         return 0
-    return swap_linears(model, PackedLinear)
+    mkl_from = mkl_from_rows(dtype)
+    if mkl_from is not None:
+        log.info("float32 projections of >= %d rows run on MKL's sgemm", mkl_from)
+    return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from))
 
 
 def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

@@ -255,3 +255,14 @@ def test_runner_caches_sampling_params_and_drops_finished():
         SchedulerOutput(step=3, new_requests=[], scheduled=[], finished_req_ids=["x"])
     )
     assert "x" not in runner.requests and "x" not in runner.block_tables
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2-bias"])
+def test_prefill_through_mkl_matches(case, monkeypatch):
+    """Float32 prefill chunks of MKL_FROM_ROWS rows or more run on MKL's sgemm (on CPUs
+    without AVX-512 by default): forced here, with a low threshold, on any CPU."""
+    from gpu import cpu_linear
+
+    monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", "mkl")
+    monkeypatch.setattr(cpu_linear, "MKL_FROM_ROWS", 32)
+    test_varlen_prefill_logits_match(case)
