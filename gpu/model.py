@@ -16,7 +16,14 @@ from torch import nn
 from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
-from gpu.cpu_linear import pack_model_linears, pack_weight, packed_linear, packing_available
+from gpu.cpu_linear import (
+    PackedLinear,
+    Scratch,
+    pack_model_linears,
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
 from gpu.tp import TPGroup, vocab_parallel_embed
 
 
@@ -274,6 +281,10 @@ class CausalLM(nn.Module):
         if not packing_available(dtype):
             return 0
         n = pack_model_linears(self, dtype)
+        scratch = Scratch()
+        for layer in self.layers:
+            if isinstance(layer.mlp.gate_up_proj, PackedLinear):
+                layer.mlp.gate_up_proj.scratch = scratch  # each dead once SiLU * up ran
         if self.lm_head_int8 is not None:
             return n
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight

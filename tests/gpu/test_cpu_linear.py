@@ -69,3 +69,23 @@ def test_model_keeps_plain_weights_only_where_mkl_is_used(monkeypatch):
         r = ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=16)
         layers = [m for m in r.model.modules() if isinstance(m, PackedLinear)]
         assert layers and all((m.plain is not None) == plain for m in layers)
+
+
+@needs_packing
+def test_scratch_output_is_reused_and_exact():
+    """Layers sharing a Scratch write their MKL outputs into one buffer (their outputs are
+    dead before the next such layer runs); results equal F.linear at every size."""
+    torch.manual_seed(1)
+    lins = [nn.Linear(32, 48, bias=b) for b in (False, True)]
+    layers = [PackedLinear(lin, mkl_from=4) for lin in lins]
+    scratch = cpu_linear.Scratch()
+    for layer in layers:
+        layer.scratch = scratch
+    outs = []
+    for rows in (6, 20, 5):
+        for lin, layer in zip(lins, layers, strict=True):
+            x = torch.randn(rows, 32)
+            y = layer(x)
+            torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+            outs.append(y.data_ptr())
+    assert len(set(outs)) <= 2  # one buffer (regrown once for 20 rows), no fresh outputs
