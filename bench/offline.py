@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
+from bench.offline_worker import DTYPES, ENGINES
 from bench.roofline import floor_row
 from bench.vllm_env import vllm_env as vllm_env_for
 from bench.workloads import Item, mixed
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class WorkerEngine:
@@ -85,9 +84,7 @@ def local_engine(kind: str, path: Path, dtype: str, args: argparse.Namespace,
     spec = {"engine": kind, "model": str(path), "dtype": dtype, "threads": args.threads,
             "budget": args.budget, "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
     cmd = [sys.executable, "-m", "bench.offline_worker"]
-    label = {"pagestream": "pagestream LLM.generate",
-             "transformers": "transformers generate() (padded batch)"}[kind]  # fmt: skip
-    return WorkerEngine(cmd, spec, dict(os.environ), label, kind)
+    return WorkerEngine(cmd, spec, dict(os.environ), ENGINES[kind].label, kind)
 
 
 def vllm_engine(path: Path, dtype: str, args: argparse.Namespace, warm: list[Item],

@@ -22,7 +22,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 class PagestreamEngine:
     label = "pagestream LLM.generate"
-    short = "pagestream"
 
     def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item]):
         from service.llm import LLM
@@ -59,7 +58,6 @@ class TransformersEngine:
     request asked for count as useful)."""
 
     label = "transformers generate() (padded batch)"
-    short = "transformers"
     note = ""
 
     def __init__(self, path: Path, dtype: str, args: argparse.Namespace, warm: list[Item]):
@@ -91,13 +89,15 @@ class TransformersEngine:
         del self.hf
 
 
+ENGINES = {"pagestream": PagestreamEngine, "transformers": TransformersEngine}
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
     torch.set_num_threads(spec["threads"])
     args = argparse.Namespace(threads=spec["threads"], budget=spec.get("budget"))
     warm = [Item(p, m) for p, m in spec["warm"]]
-    kind = {"pagestream": PagestreamEngine, "transformers": TransformersEngine}[spec["engine"]]
-    engine = kind(Path(spec["model"]), spec["dtype"], args, warm)
+    engine = ENGINES[spec["engine"]](Path(spec["model"]), spec["dtype"], args, warm)
     print("READY {}", flush=True)
     for line in sys.stdin:
         if not line.startswith("run "):
