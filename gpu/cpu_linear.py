@@ -13,6 +13,12 @@ AVX2 only) oneDNN's AVX2 kernel reaches 115-150 GFLOP/s on 2,048-row chunks wher
 reaches 150-180, while at decode sizes (<= 64 rows) oneDNN's packed kernel is the faster
 one by 20-100%.  The price is a second copy of each projection's weight, so it is limited to
 float32 without AVX-512 (where it was measured) unless PAGESTREAM_PREFILL_GEMM says otherwise.
+
+Below that, on the same CPUs, float32 products run on pagestream's own AVX2 kernel
+(gpu/cpu_kernels/sgemm.cpp) instead of oneDNN's: with the weights streaming from memory, as
+in a decode step, it measured 1.5-2x oneDNN's packed kernel at 1-16 rows and 1.0-1.4x at
+32-128 on the `mid` model's projections (PAGESTREAM_DECODE_GEMM=onednn turns it off).  It packs its own copy of the weight,
+which replaces oneDNN's, and its rows do not depend on the batch they came in.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu import cpu_features
+from gpu import cpu_features, cpu_kernels
 from gpu.cpu_features import CpuFeatures
 
 log = logging.getLogger(__name__)
@@ -65,21 +71,42 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
     return MKL_FROM_ROWS
 
 
-class PackedLinear(nn.Module):
-    """A drop-in for nn.Linear whose weight is pre-reordered for oneDNN; with `mkl_from`,
-    products of at least that many rows run on the plain weight (MKL) instead."""
+def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
+    """Products below the MKL threshold run on pagestream's sgemm (sgemm.cpp) rather than
+    oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU without AVX-512, where it was
+    measured), sgemm (any float32 model), onednn (never)."""
+    choice = os.environ.get("PAGESTREAM_DECODE_GEMM", "auto")
+    if choice not in ("auto", "sgemm", "onednn"):
+        raise ValueError(f"PAGESTREAM_DECODE_GEMM must be auto, sgemm or onednn, not {choice!r}")
+    if dtype != torch.float32 or choice == "onednn" or not cpu_kernels.sgemm_available():
+        return False
+    return choice == "sgemm" or "avx512f" not in (cpu or cpu_features.detect()).flags
 
-    def __init__(self, linear: nn.Linear, mkl_from: int | None = None) -> None:
+
+class PackedLinear(nn.Module):
+    """A drop-in for nn.Linear whose weight is pre-reordered once: for oneDNN, or with
+    `sgemm` for pagestream's kernel; with `mkl_from`, products of at least that many rows
+    run on the plain weight (MKL) instead."""
+
+    def __init__(self, linear: nn.Linear, mkl_from: int | None = None, sgemm: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        # Plain attributes, not parameters: the packed layout is an opaque oneDNN tensor
-        # that state_dict() and .to() must not touch.
-        self.packed = pack_weight(linear.weight)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # Plain attributes, not parameters: the packed layouts are opaque tensors that
+        # state_dict() and .to() must not touch.
+        self.sgemm = sgemm
+        self.packed = cpu_kernels.sgemm_pack(linear.weight) if sgemm else pack_weight(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.mkl_from = mkl_from
         self.plain = None if mkl_from is None else linear.weight.detach()
         self.scratch: Scratch | None = None  # see Scratch
+
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor, sgemm: bool = False) -> PackedLinear:
+        """For a bare weight (the lm_head): no bias, no MKL path."""
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        return cls(linear, sgemm=sgemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None and x.numel() >= self.mkl_from * self.in_features:
@@ -89,6 +116,10 @@ class PackedLinear(nn.Module):
             if self.bias is None:
                 return torch.mm(x, self.plain.t(), out=out)
             return torch.addmm(self.bias, x, self.plain.t(), out=out)
+        if self.sgemm:
+            y = cpu_kernels.sgemm(x.reshape(-1, self.in_features), self.packed,
+                                  self.out_features, self.bias)  # fmt: skip
+            return y.view(*x.shape[:-1], self.out_features)
         return packed_linear(x, self.packed, self.bias)
 
 
@@ -140,7 +171,10 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
     mkl_from = mkl_from_rows(dtype)
     if mkl_from is not None:
         log.info("float32 projections of >= %d rows run on MKL's sgemm", mkl_from)
-    return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from))
+    sgemm = use_sgemm(dtype)
+    if sgemm:
+        log.info("float32 projections of fewer rows run on pagestream's AVX2 sgemm")
+    return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from, sgemm))
 
 
 def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

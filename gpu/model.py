@@ -20,9 +20,8 @@ from gpu.cpu_linear import (
     PackedLinear,
     Scratch,
     pack_model_linears,
-    pack_weight,
-    packed_linear,
     packing_available,
+    use_sgemm,
 )
 from gpu.tp import TPGroup, vocab_parallel_embed
 
@@ -200,7 +199,7 @@ class CausalLM(nn.Module):
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
         # than an alias) keeps state_dict() and assign-loading simple.
         self.lm_head_weight: nn.Parameter | None = None
-        self.lm_head_packed: torch.Tensor | None = None  # set by pack_for_cpu()
+        self.lm_head_packed: PackedLinear | None = None  # set by pack_for_cpu()
         # --quantization int8: the logits GEMM reads an int8 copy (gpu/quant_linear.py).
         self.lm_head_int8: nn.Module | None = None
         if not config.tie_word_embeddings:
@@ -266,7 +265,7 @@ class CausalLM(nn.Module):
         if self.lm_head_int8 is not None:
             logits = self.lm_head_int8(hidden)  # float32 straight out of the int8 kernel
         elif self.lm_head_packed is not None:
-            logits = packed_linear(hidden, self.lm_head_packed, None)
+            logits = self.lm_head_packed(hidden)
         else:
             w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
             logits = F.linear(hidden, w)
@@ -288,7 +287,7 @@ class CausalLM(nn.Module):
         if self.lm_head_int8 is not None:
             return n
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        self.lm_head_packed = pack_weight(w)
+        self.lm_head_packed = PackedLinear.of_weight(w, use_sgemm(dtype))
         if self.lm_head_weight is not None:
             self.lm_head_weight = None  # only the packed copy is used from now on
         return n

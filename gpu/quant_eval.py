@@ -92,8 +92,9 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
     proj = 0
     head = getattr(model, "lm_head_int8", None)
+    packed_head = getattr(model, "lm_head_packed", None)
     for m in model.modules():
-        if m is head:
+        if m is head or m is packed_head:
             continue
         if isinstance(m, Int8Linear):
             proj += m.qweight.nbytes + m.scale.nbytes
@@ -109,10 +110,9 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     other = sum(p.nbytes for n, p in model.named_parameters() if "proj" not in n)
     if head is not None:  # the int8 lm_head copy (the tied embedding is counted above)
         other += head.qweight.nbytes + head.scale.nbytes
-    packed_head = getattr(model, "lm_head_packed", None)
     if packed_head is not None:
         cfg = model.config  # type: ignore[attr-defined]
-        other += cfg.vocab_size * cfg.hidden_size * elem(packed_head.dtype)
+        other += cfg.vocab_size * cfg.hidden_size * elem(packed_head.packed.dtype)
     return proj, other
 
 

@@ -4,7 +4,9 @@
 which the torch path cannot do without first gathering (and transposing) every sequence's
 blocks into a dense copy; prefill is a flash-attention style kernel several times faster
 than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8`
-(int8_gemv.cpp).  `write_kv` and `argmax` replace a step's small ATen ops (step_ops.cpp).  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
+(int8_gemv.cpp).  `write_kv` and `argmax` replace a step's small ATen ops (step_ops.cpp).
+`sgemm` is the float32 decode-sized projection on AVX2-only CPUs (sgemm.cpp, used by
+gpu/cpu_linear.py).  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
 
@@ -36,6 +38,7 @@ _SRCS = [
         "elementwise.cpp",
         "int8_gemv.cpp",
         "step_ops.cpp",
+        "sgemm.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name("simd.h")]
@@ -154,6 +157,13 @@ def load() -> ctypes.CDLL | None:
         fn.restype = None
     lib.ps_gather_rows.argtypes = [p, i64, i64, p, i64, p, i64, i32]
     lib.ps_gather_rows.restype = i64
+    lib.ps_sgemm_available.restype = i32
+    lib.ps_sgemm_packed_size.argtypes = [i64, i64]
+    lib.ps_sgemm_packed_size.restype = i64
+    lib.ps_sgemm_pack.argtypes = [p, i64, i64, p, i32]
+    lib.ps_sgemm_pack.restype = None
+    lib.ps_sgemm.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+    lib.ps_sgemm.restype = None
     _lib = lib
     return lib
 
@@ -282,6 +292,51 @@ def prefill_attention(
     if dst is not out:
         lo, hi = int(qsl[0]), int(qsl[-1])
         out[lo:hi] = dst[lo:hi]
+    return out
+
+
+def sgemm_available() -> bool:
+    """The float32 small-row GEMM (sgemm.cpp) is built: it needs AVX2 and FMA."""
+    lib = load()
+    return lib is not None and bool(lib.ps_sgemm_available())
+
+
+def sgemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 (nn.Linear's weight) -> sgemm's panel layout (flat, N rounded up
+    to 16 columns)."""
+    lib = load()
+    assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(lib.ps_sgemm_packed_size(n, k), dtype=torch.float32)
+    lib.ps_sgemm_pack(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def sgemm(
+    x: torch.Tensor,  # [M, K] float32, unit column stride
+    packed: torch.Tensor,  # sgemm_pack(weight)
+    n: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+    out: torch.Tensor | None = None,  # [M, N] float32, unit column stride
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the packed layout."""
+    lib = load()
+    assert lib is not None and x.dtype == torch.float32 and x.dim() == 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert packed.numel() == lib.ps_sgemm_packed_size(n, k)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == torch.float32
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
+    lib.ps_sgemm(
+        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
     return out
 
 

@@ -1,5 +1,6 @@
-"""The CPU projections: oneDNN's packed weight at decode sizes, MKL's sgemm on the plain
-weight from MKL_FROM_ROWS rows where that is the faster kernel (float32 without AVX-512)."""
+"""The CPU projections: oneDNN's packed weight, or pagestream's sgemm (float32 without
+AVX-512), at decode sizes; MKL's sgemm on the plain weight from MKL_FROM_ROWS rows where that
+is the faster kernel (float32 without AVX-512)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu import cpu_linear
+from gpu import cpu_kernels, cpu_linear
 from gpu.cpu_features import CpuFeatures
-from gpu.cpu_linear import PackedLinear, mkl_from_rows
+from gpu.cpu_linear import PackedLinear, mkl_from_rows, use_sgemm
 
 AVX2 = CpuFeatures("test CPU", frozenset({"avx2"}))
 AVX512 = CpuFeatures("test CPU", frozenset({"avx2", "avx512f", "avx512_bf16"}))
@@ -20,9 +21,15 @@ needs_packing = pytest.mark.skipif(
 )
 
 
+needs_sgemm = pytest.mark.skipif(
+    not cpu_kernels.sgemm_available(), reason="sgemm.cpp needs AVX2 + FMA"
+)
+
+
 @pytest.fixture(autouse=True)
 def _auto(monkeypatch):
     monkeypatch.delenv("PAGESTREAM_PREFILL_GEMM", raising=False)
+    monkeypatch.delenv("PAGESTREAM_DECODE_GEMM", raising=False)
 
 
 def test_mkl_only_for_float32_without_avx512_unless_asked(monkeypatch):
@@ -67,8 +74,9 @@ def test_model_keeps_plain_weights_only_where_mkl_is_used(monkeypatch):
     for choice, plain in (("onednn", False), ("mkl", torch.backends.mkl.is_available())):
         monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", choice)
         r = ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=16)
-        layers = [m for m in r.model.modules() if isinstance(m, PackedLinear)]
+        layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
         assert layers and all((m.plain is not None) == plain for m in layers)
+        assert r.model.lm_head_packed.plain is None  # logits rows never reach MKL's sizes
 
 
 @needs_packing
@@ -89,3 +97,74 @@ def test_scratch_output_is_reused_and_exact():
             torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
             outs.append(y.data_ptr())
     assert len(set(outs)) <= 2  # one buffer (regrown once for 20 rows), no fresh outputs
+
+
+def test_sgemm_only_for_float32_without_avx512_unless_asked(monkeypatch):
+    built = cpu_kernels.sgemm_available()
+    assert use_sgemm(torch.float32, AVX2) == built
+    assert not use_sgemm(torch.float32, AVX512)
+    assert not use_sgemm(torch.bfloat16, AVX2)
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "sgemm")
+    assert use_sgemm(torch.float32, AVX512) == built
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "onednn")
+    assert not use_sgemm(torch.float32, AVX2)
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "fast")
+    with pytest.raises(ValueError, match="PAGESTREAM_DECODE_GEMM"):
+        use_sgemm(torch.float32, AVX2)
+
+
+@needs_sgemm
+@pytest.mark.parametrize("n", [1, 16, 37, 100])
+@pytest.mark.parametrize("k", [1, 9, 256, 600])
+def test_sgemm_matches_float64_at_every_tile_shape(n, k):
+    """Rows 1-3 take the wide tiles, 4+ the 6-row ones with a partial last tile; columns
+    not a multiple of 16 end in a partial panel; k crosses the 256-deep blocks."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    packed = cpu_kernels.sgemm_pack(w)
+    for m in (1, 2, 3, 4, 6, 11, 40):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, b):
+            got = cpu_kernels.sgemm(x, packed, n, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            torch.testing.assert_close(got.double(), ref, atol=1e-4 * k**0.5, rtol=1e-4)
+
+
+@needs_sgemm
+def test_sgemm_rows_do_not_depend_on_the_batch():
+    """A row's output is the same bit for bit whatever rows share its call, and reads x and
+    writes y at their row strides (views into wider tensors)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 520, generator=g)
+    packed = cpu_kernels.sgemm_pack(w)
+    wide = torch.randn(30, 600, generator=g)
+    x = wide[:, 40:560]  # row stride 600
+    full = cpu_kernels.sgemm(x, packed, 200)
+    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 8), (3, 30)):
+        out = torch.full((hi - lo, 210), -1.0)
+        got = cpu_kernels.sgemm(x[lo:hi], packed, 200, out=out[:, 5:205])
+        assert torch.equal(got, full[lo:hi])
+        assert (out[:, :5] == -1).all() and (out[:, 205:] == -1).all()  # nothing outside
+
+
+@needs_sgemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_on_sgemm_below_mkl(monkeypatch, bias):
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 40, bias=bias)
+    layer = PackedLinear(lin, mkl_from=8, sgemm=True)
+    calls = []
+    real = cpu_kernels.sgemm
+    monkeypatch.setattr(
+        cpu_kernels, "sgemm", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)
+    )
+    for shape in ((1, 64), (7, 64), (8, 64), (2, 3, 64)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(
+            layer(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5
+        )
+    assert calls == [1, 7, 6]  # 8 rows went to MKL; the 3-d input as 6 rows
+    head = PackedLinear.of_weight(lin.weight, sgemm=True)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(head(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)

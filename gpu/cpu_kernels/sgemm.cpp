@@ -1,0 +1,209 @@
+// float32 GEMM for decode-sized products on AVX2 CPUs: y = x . w^T (+ bias), x [m, k],
+// w [n, k] (nn.Linear), m from 1 to a few hundred rows.
+//
+// Why by hand: on an AVX2-only AMD EPYC (Zen 3) oneDNN's packed float32 kernel reaches
+// ~100 GFLOP/s of the two cores' ~190 at 32-64 rows, and 5-6 GFLOP/s (a third of the
+// memory's speed) at one row, with the weights streaming from DRAM as they do in a decode
+// step.  This is the BLIS layout: the weight packed once at load into panels of 16 columns
+// (kKC rows of k at a time, each row of a panel one 64-byte line), a 6 x 16 register tile
+// of accumulators (12 of the 16 ymm registers) fed by two panel loads and six broadcasts per
+// k, each panel kept in L1 while every 6-row tile of x passes over it, and the next panel
+// prefetched while the first tile computes.  Panels are split over threads; each thread
+// finishes all of k for a panel before the next, so its output tile never leaves L1.
+// With 1-3 rows a tile spans 2-4 panels instead, so enough independent FMAs are in flight
+// to run at the memory's speed.
+//
+// Every output element is one sequential sum over k, bias first, whatever m is and
+// wherever its row falls in a tile: a row's result does not depend on its batch.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <omp.h>
+#define PS_SGEMM 1
+#else
+#define PS_SGEMM 0
+#endif
+
+namespace {
+
+constexpr int kNR = 16;   // columns per panel: two ymm registers
+constexpr int kKC = 256;  // k per block: a panel block is 16 KB, half of L1
+constexpr int kMR = 6;    // rows per register tile
+
+inline int64_t panels(int64_t n) { return (n + kNR - 1) / kNR; }
+
+#if PS_SGEMM
+
+// MR rows x NP consecutive panels over kc values of k; c is read back unless `first`
+// (then it starts from the bias, or zero).  pf: NP panels to prefetch, one line per k.
+template <int MR, int NP, bool PF>
+void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, int64_t cs,
+                 bool first, const float* bias, const float* pf) {
+  const int64_t ps = static_cast<int64_t>(kc) * kNR;
+  __m256 acc[MR][2 * NP];
+#pragma GCC unroll 8
+  for (int j = 0; j < 2 * NP; ++j) {
+    const int col = (j / 2) * kNR + (j % 2) * 8;
+    const __m256 init = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) acc[r][j] = first ? init : _mm256_loadu_ps(c + r * cs + col);
+  }
+#pragma GCC unroll 4
+  for (int kk = 0; kk < kc; ++kk) {
+    if (PF) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + j * ps + kk * kNR), _MM_HINT_T0);
+    }
+    __m256 bv[2 * NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      bv[2 * j] = _mm256_loadu_ps(b + j * ps + kk * kNR);
+      bv[2 * j + 1] = _mm256_loadu_ps(b + j * ps + kk * kNR + 8);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r * as + kk);
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * NP; ++j) acc[r][j] = _mm256_fmadd_ps(ar, bv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NP; ++j)
+      _mm256_storeu_ps(c + r * cs + (j / 2) * kNR + (j % 2) * 8, acc[r][j]);
+}
+
+using Kernel = void (*)(int, const float*, int64_t, const float*, float*, int64_t, bool,
+                        const float*, const float*);
+
+// [rows][prefetch]: one panel per tile.
+constexpr Kernel kNarrow[kMR + 1][2] = {
+    {nullptr, nullptr},
+    {tile_kernel<1, 1, false>, tile_kernel<1, 1, true>},
+    {tile_kernel<2, 1, false>, tile_kernel<2, 1, true>},
+    {tile_kernel<3, 1, false>, tile_kernel<3, 1, true>},
+    {tile_kernel<4, 1, false>, tile_kernel<4, 1, true>},
+    {tile_kernel<5, 1, false>, tile_kernel<5, 1, true>},
+    {tile_kernel<6, 1, false>, tile_kernel<6, 1, true>},
+};
+// 1-3 rows: 4, 3, 2 panels per tile (8-12 accumulators).
+constexpr int kWidePanels[4] = {0, 4, 3, 2};
+constexpr Kernel kWide[4][2] = {
+    {nullptr, nullptr},
+    {tile_kernel<1, 4, false>, tile_kernel<1, 4, true>},
+    {tile_kernel<2, 3, false>, tile_kernel<2, 3, true>},
+    {tile_kernel<3, 2, false>, tile_kernel<3, 2, true>},
+};
+
+// One tile at output column `col`; a tile reaching past n goes through a local buffer.
+void run_tile(Kernel kern, int mr, int np, int kc, const float* a, int64_t as, const float* b,
+              float* y, int64_t ys, int64_t col, int64_t n, bool first, const float* bias,
+              const float* pf) {
+  const int tw = np * kNR;
+  const int64_t w = std::min<int64_t>(tw, n - col);
+  if (w == tw) {
+    kern(kc, a, as, b, y + col, ys, first, bias ? bias + col : nullptr, pf);
+    return;
+  }
+  alignas(32) float tmp[kMR * 4 * kNR];
+  alignas(32) float btmp[4 * kNR];
+  if (bias)
+    for (int j = 0; j < tw; ++j) btmp[j] = j < w ? bias[col + j] : 0.0f;
+  if (!first)
+    for (int r = 0; r < mr; ++r) std::memcpy(tmp + r * tw, y + r * ys + col, 4 * w);
+  kern(kc, a, as, b, tmp, tw, first, bias ? btmp : nullptr, pf);
+  for (int r = 0; r < mr; ++r) std::memcpy(y + r * ys + col, tmp + r * tw, 4 * w);
+}
+
+#endif  // PS_SGEMM
+
+}  // namespace
+
+extern "C" {
+
+int ps_sgemm_available() { return PS_SGEMM; }
+
+int64_t ps_sgemm_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * k; }
+
+// w [n, k] -> for each block of kKC values of k (the last may be shorter), every panel's
+// kc x 16 floats in turn; columns past n are zeros.
+void ps_sgemm_pack(const float* w, int64_t n, int64_t k, float* out, int nthreads) {
+  const int64_t np = panels(n);
+  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+    const int64_t kc = std::min<int64_t>(kKC, k - k0);
+    float* blk = out + k0 * np * kNR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < np; ++p)
+      for (int64_t kk = 0; kk < kc; ++kk)
+        for (int j = 0; j < kNR; ++j) {
+          const int64_t col = p * kNR + j;
+          blk[(p * kc + kk) * kNR + j] = col < n ? w[col * k + k0 + kk] : 0.0f;
+        }
+  }
+}
+
+// x [m, k] (row stride xs), packed weight from ps_sgemm_pack, bias [n] or null,
+// y [m, n] (row stride ys).
+void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
+              const float* bias, float* y, int64_t ys, int nthreads) {
+#if PS_SGEMM
+  if (m <= 0 || n <= 0) return;
+  const int64_t np = panels(n);
+  const bool wide = m <= 3;
+  const int group = wide ? kWidePanels[m] : 1;  // panels per tile
+  const int64_t ngroups = (np + group - 1) / group;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
+  // Where block k0 of panel p starts (every block but the last is kKC deep).
+  auto block = [&](int64_t k0, int64_t p) {
+    return wp + k0 * np * kNR + p * std::min<int64_t>(kKC, k - k0) * kNR;
+  };
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    // Whole groups per thread, so a thread's last group is short only at the very end.
+    const int64_t g0 = ngroups * t / nt, g1 = ngroups * (t + 1) / nt;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * group;
+      const int pg = static_cast<int>(std::min<int64_t>(group, np - p));
+      for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+        const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
+        const float* b = block(k0, p);
+        // The next block of this group, else the first of the next group.
+        const float* pf = k0 + kKC < k ? block(k0 + kKC, p) : g + 1 < g1 ? block(0, p + group)
+                                                                           : nullptr;
+        const bool first = k0 == 0;
+        if (wide) {
+          if (pg == group) {
+            run_tile(kWide[m][pf != nullptr], static_cast<int>(m), group, kc, x + k0, xs, b, y,
+                     ys, p * kNR, n, first, bias, pf);
+          } else {  // the last few panels, one at a time
+            for (int j = 0; j < pg; ++j)
+              run_tile(kNarrow[m][0], static_cast<int>(m), 1, kc, x + k0, xs,
+                       b + static_cast<int64_t>(j) * kc * kNR, y, ys, (p + j) * kNR, n, first,
+                       bias, nullptr);
+          }
+          continue;
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += kMR) {
+          const int mr = static_cast<int>(std::min<int64_t>(kMR, m - r0));
+          // The first tile pulls the next block in; the others find this one in L1.
+          const float* tpf = r0 == 0 ? pf : nullptr;
+          run_tile(kNarrow[mr][tpf != nullptr], mr, 1, kc, x + r0 * xs + k0, xs, b,
+                   y + r0 * ys, ys, p * kNR, n, first, bias, tpf);
+        }
+      }
+    }
+  }
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
+      (void)nthreads;
+#endif
+}
+
+}  // extern "C"
