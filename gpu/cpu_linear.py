@@ -19,6 +19,13 @@ Below that, on the same CPUs, float32 products run on pagestream's own AVX2 kern
 in a decode step, it measured 1.5-2x oneDNN's packed kernel at 1-16 rows and 1.0-1.4x at
 32-128 on the `mid` model's projections (PAGESTREAM_DECODE_GEMM=onednn turns it off).  It packs its own copy of the weight,
 which replaces oneDNN's, and its rows do not depend on the batch they came in.
+
+On CPUs with AMX tiles, bfloat16 products of up to AMX_MAX_ROWS rows run on pagestream's
+AMX kernel (gpu/cpu_kernels/amx_gemm.cpp): on a 2-core Xeon with AMX it measured 1.15-1.36x
+oneDNN's packed kernel (itself on AMX) over the `mid` model's projections at 1-96 rows,
+level near 128, 0.74x at 256.  Larger products (prefill) stay on oneDNN, so the layer keeps
+both copies of the weight: twice the projection memory, the price of the faster decode.
+PAGESTREAM_DECODE_GEMM=onednn turns it off.
 """
 
 from __future__ import annotations
@@ -71,24 +78,53 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
     return MKL_FROM_ROWS
 
 
+# Rows up to which the AMX kernel runs a bf16 product (measured on a 2-core Xeon with AMX:
+# ahead of oneDNN by 15-36% at 1-96 rows, level near 128, behind from there).
+AMX_MAX_ROWS = 96
+
+
+def _decode_gemm() -> str:
+    choice = os.environ.get("PAGESTREAM_DECODE_GEMM", "auto")
+    if choice not in ("auto", "sgemm", "amx", "onednn"):
+        raise ValueError(
+            f"PAGESTREAM_DECODE_GEMM must be auto, sgemm, amx or onednn, not {choice!r}"
+        )
+    return choice
+
+
 def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
     """Products below the MKL threshold run on pagestream's sgemm (sgemm.cpp) rather than
     oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU without AVX-512, where it was
-    measured), sgemm (any float32 model), onednn (never)."""
-    choice = os.environ.get("PAGESTREAM_DECODE_GEMM", "auto")
-    if choice not in ("auto", "sgemm", "onednn"):
-        raise ValueError(f"PAGESTREAM_DECODE_GEMM must be auto, sgemm or onednn, not {choice!r}")
-    if dtype != torch.float32 or choice == "onednn" or not cpu_kernels.sgemm_available():
+    measured), sgemm (any float32 model), amx / onednn (never)."""
+    choice = _decode_gemm()
+    if dtype != torch.float32 or choice in ("onednn", "amx") or not cpu_kernels.sgemm_available():
         return False
     return choice == "sgemm" or "avx512f" not in (cpu or cpu_features.detect()).flags
+
+
+def use_amx(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
+    """bf16 products of up to AMX_MAX_ROWS rows run on pagestream's AMX kernel
+    (amx_gemm.cpp).  PAGESTREAM_DECODE_GEMM: auto or amx (bf16 where the CPU has AMX and
+    the kernel is built), sgemm / onednn (never)."""
+    choice = _decode_gemm()
+    if dtype != torch.bfloat16 or choice in ("onednn", "sgemm"):
+        return False
+    return "amx_bf16" in (cpu or cpu_features.detect()).flags and cpu_kernels.amx_available()
 
 
 class PackedLinear(nn.Module):
     """A drop-in for nn.Linear whose weight is pre-reordered once: for oneDNN, or with
     `sgemm` for pagestream's kernel; with `mkl_from`, products of at least that many rows
-    run on the plain weight (MKL) instead."""
+    run on the plain weight (MKL) instead; with `amx` (bf16), products of up to
+    AMX_MAX_ROWS rows run on pagestream's AMX kernel from a copy in its own layout."""
 
-    def __init__(self, linear: nn.Linear, mkl_from: int | None = None, sgemm: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        mkl_from: int | None = None,
+        sgemm: bool = False,
+        amx: bool = False,
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -100,15 +136,25 @@ class PackedLinear(nn.Module):
         self.mkl_from = mkl_from
         self.plain = None if mkl_from is None else linear.weight.detach()
         self.scratch: Scratch | None = None  # see Scratch
+        # The AMX kernel reads k in tiles of 32 (every model dimension we know is a multiple).
+        amx = amx and linear.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
+        self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
+        self.amx_bias = None if self.bias is None or not amx else self.bias.float()
 
     @classmethod
-    def of_weight(cls, weight: torch.Tensor, sgemm: bool = False) -> PackedLinear:
+    def of_weight(
+        cls, weight: torch.Tensor, sgemm: bool = False, amx: bool = False
+    ) -> PackedLinear:
         """For a bare weight (the lm_head): no bias, no MKL path."""
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls(linear, sgemm=sgemm)
+        return cls(linear, sgemm=sgemm, amx=amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None and x.numel() <= AMX_MAX_ROWS * self.in_features:
+            y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
+                                     self.out_features, self.amx_bias)  # fmt: skip
+            return y.view(*x.shape[:-1], self.out_features)
         if self.plain is not None and x.numel() >= self.mkl_from * self.in_features:
             if self.scratch is None or x.dim() != 2:
                 return F.linear(x, self.plain, self.bias)
@@ -174,7 +220,10 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
     sgemm = use_sgemm(dtype)
     if sgemm:
         log.info("float32 projections of fewer rows run on pagestream's AVX2 sgemm")
-    return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from, sgemm))
+    amx = use_amx(dtype)
+    if amx:
+        log.info("bf16 projections of <= %d rows run on pagestream's AMX kernel", AMX_MAX_ROWS)
+    return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from, sgemm, amx))
 
 
 def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

@@ -21,6 +21,7 @@ from gpu.cpu_linear import (
     Scratch,
     pack_model_linears,
     packing_available,
+    use_amx,
     use_sgemm,
 )
 from gpu.tp import TPGroup, vocab_parallel_embed
@@ -287,7 +288,7 @@ class CausalLM(nn.Module):
         if self.lm_head_int8 is not None:
             return n
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        self.lm_head_packed = PackedLinear.of_weight(w, use_sgemm(dtype))
+        self.lm_head_packed = PackedLinear.of_weight(w, use_sgemm(dtype), use_amx(dtype))
         if self.lm_head_weight is not None:
             self.lm_head_weight = None  # only the packed copy is used from now on
         return n

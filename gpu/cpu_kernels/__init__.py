@@ -5,8 +5,9 @@ which the torch path cannot do without first gathering (and transposing) every s
 blocks into a dense copy; prefill is a flash-attention style kernel several times faster
 than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8`
 (int8_gemv.cpp).  `write_kv` and `argmax` replace a step's small ATen ops (step_ops.cpp).
-`sgemm` is the float32 decode-sized projection on AVX2-only CPUs (sgemm.cpp, used by
-gpu/cpu_linear.py).  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
+`sgemm` is the float32 decode-sized projection on AVX2-only CPUs (sgemm.cpp) and
+`amx_gemm` the bfloat16 one on CPUs with AMX tiles (amx_gemm.cpp), both used by
+gpu/cpu_linear.py.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
 
@@ -39,6 +40,7 @@ _SRCS = [
         "int8_gemv.cpp",
         "step_ops.cpp",
         "sgemm.cpp",
+        "amx_gemm.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name("simd.h")]
@@ -164,6 +166,13 @@ def load() -> ctypes.CDLL | None:
     lib.ps_sgemm_pack.restype = None
     lib.ps_sgemm.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
     lib.ps_sgemm.restype = None
+    lib.ps_amx_available.restype = i32
+    lib.ps_amx_packed_size.argtypes = [i64, i64]
+    lib.ps_amx_packed_size.restype = i64
+    lib.ps_amx_pack.argtypes = [p, i64, i64, p, i32]
+    lib.ps_amx_pack.restype = None
+    lib.ps_amx_gemm.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+    lib.ps_amx_gemm.restype = None
     _lib = lib
     return lib
 
@@ -333,6 +342,53 @@ def sgemm(
     if bias is not None:
         assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
     lib.ps_sgemm(
+        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def amx_available() -> bool:
+    """The bf16 AMX GEMM (amx_gemm.cpp) is built and the kernel lets this process use the
+    tile registers."""
+    lib = load()
+    return lib is not None and bool(lib.ps_amx_available())
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bfloat16 (nn.Linear's weight, K a multiple of 32) -> the AMX panel layout
+    (flat, N rounded up to 16 columns)."""
+    lib = load()
+    assert lib is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    assert k % 32 == 0, k
+    out = torch.empty(lib.ps_amx_packed_size(n, k), dtype=torch.bfloat16)
+    lib.ps_amx_pack(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def amx_gemm(
+    x: torch.Tensor,  # [M, K] bfloat16, unit column stride
+    packed: torch.Tensor,  # amx_pack(weight)
+    n: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+    out: torch.Tensor | None = None,  # [M, N] bfloat16, unit column stride
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) on AMX tiles, float32 accumulation, rounded once to bf16."""
+    lib = load()
+    assert lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert packed.numel() == lib.ps_amx_packed_size(n, k) and k % 32 == 0
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == torch.bfloat16
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
+    lib.ps_amx_gemm(
         x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
         torch.get_num_threads(),

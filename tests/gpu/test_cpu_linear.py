@@ -1,6 +1,6 @@
 """The CPU projections: oneDNN's packed weight, or pagestream's sgemm (float32 without
-AVX-512), at decode sizes; MKL's sgemm on the plain weight from MKL_FROM_ROWS rows where that
-is the faster kernel (float32 without AVX-512)."""
+AVX-512) or AMX kernel (bf16 with AMX), at decode sizes; MKL's sgemm on the plain weight from
+MKL_FROM_ROWS rows where that is the faster kernel (float32 without AVX-512)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from torch import nn
 
 from gpu import cpu_kernels, cpu_linear
 from gpu.cpu_features import CpuFeatures
-from gpu.cpu_linear import PackedLinear, mkl_from_rows, use_sgemm
+from gpu.cpu_linear import AMX_MAX_ROWS, PackedLinear, mkl_from_rows, use_amx, use_sgemm
 
 AVX2 = CpuFeatures("test CPU", frozenset({"avx2"}))
 AVX512 = CpuFeatures("test CPU", frozenset({"avx2", "avx512f", "avx512_bf16"}))
+AMX = CpuFeatures("test CPU", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
 
 needs_packing = pytest.mark.skipif(
     not cpu_linear.packing_available(torch.float32), reason="no packed oneDNN linear here"
@@ -23,6 +24,11 @@ needs_packing = pytest.mark.skipif(
 
 needs_sgemm = pytest.mark.skipif(
     not cpu_kernels.sgemm_available(), reason="sgemm.cpp needs AVX2 + FMA"
+)
+
+
+needs_amx = pytest.mark.skipif(
+    not cpu_kernels.amx_available(), reason="amx_gemm.cpp needs AMX tiles (and the kernel's leave)"
 )
 
 
@@ -168,3 +174,100 @@ def test_packed_linear_on_sgemm_below_mkl(monkeypatch, bias):
     head = PackedLinear.of_weight(lin.weight, sgemm=True)
     x = torch.randn(3, 64)
     torch.testing.assert_close(head(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
+
+
+def test_amx_only_for_bf16_on_amx_cpus_unless_turned_off(monkeypatch):
+    built = cpu_kernels.amx_available()
+    assert use_amx(torch.bfloat16, AMX) == built
+    assert not use_amx(torch.bfloat16, AVX512)  # AVX512-BF16 alone: oneDNN
+    assert not use_amx(torch.float32, AMX)
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "amx")
+    assert use_amx(torch.bfloat16, AMX) == built
+    assert not use_sgemm(torch.float32, AVX2)
+    for choice in ("onednn", "sgemm"):
+        monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
+        assert not use_amx(torch.bfloat16, AMX)
+
+
+def _bf16(*shape: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).bfloat16()
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [16, 37, 100, 1000])
+@pytest.mark.parametrize("k", [32, 96, 1024])
+def test_amx_matches_float64_at_every_tile_shape(n, k):
+    """1 row tile takes four panels a pass, 2+ two (the third and fourth row tiles in a
+    second pass); rows not a multiple of 16 end in a padded tile, columns in a partial
+    panel; an odd panel count ends in a one-panel pass."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = _bf16(n, k, g=g)
+    b = torch.randn(n, generator=g)
+    packed = cpu_kernels.amx_pack(w)
+    for m in (1, 5, 16, 17, 32, 33, 48, 63, 64, 65, 100):
+        x = _bf16(m, k, g=g)
+        for bias in (None, b):
+            got = cpu_kernels.amx_gemm(x, packed, n, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            # float32 accumulation, one bf16 rounding of the result (2^-8 relative)
+            torch.testing.assert_close(got.double(), ref, atol=1e-4 * k**0.5, rtol=2**-8)
+
+
+@needs_amx
+def test_amx_rows_do_not_depend_on_the_batch():
+    """A row's output is the same bit for bit whatever rows share its call, and reads x and
+    writes y at their row strides (views into wider tensors)."""
+    g = torch.Generator().manual_seed(3)
+    w = _bf16(200, 512, g=g)
+    packed = cpu_kernels.amx_pack(w)
+    x = _bf16(70, 600, g=g)[:, 40:552]  # row stride 600
+    full = cpu_kernels.amx_gemm(x, packed, 200)
+    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (0, 70)):
+        out = torch.full((hi - lo, 210), -1.0, dtype=torch.bfloat16)
+        got = cpu_kernels.amx_gemm(x[lo:hi], packed, 200, out=out[:, 5:205])
+        assert torch.equal(got, full[lo:hi])
+        assert (out[:, :5] == -1).all() and (out[:, 205:] == -1).all()  # nothing outside
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_on_amx_up_to_max_rows(monkeypatch, bias):
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 48, bias=bias).bfloat16()
+    layer = PackedLinear(lin, amx=True)
+    assert layer.amx is not None and layer.packed is not None  # oneDNN's copy for prefill
+    calls = []
+    real = cpu_kernels.amx_gemm
+    monkeypatch.setattr(
+        cpu_kernels, "amx_gemm", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)
+    )
+    for shape in ((1, 64), (AMX_MAX_ROWS, 64), (AMX_MAX_ROWS + 1, 64), (2, 3, 64)):
+        x = torch.randn(*shape).bfloat16()
+        ref = F.linear(
+            x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
+        )
+        torch.testing.assert_close(layer(x).float(), ref, atol=2e-2, rtol=2**-7)
+    assert calls == [1, AMX_MAX_ROWS, 6]  # the 3-d input as 6 rows; 97 rows on oneDNN
+    head = PackedLinear.of_weight(lin.weight, amx=True)
+    assert head.amx is not None
+    # k not a multiple of 32: oneDNN only
+    assert PackedLinear(nn.Linear(40, 16).bfloat16(), amx=True).amx is None
+    assert PackedLinear(lin.float(), amx=True).amx is None  # float32: never
+
+
+@needs_amx
+def test_bf16_model_runs_its_decode_projections_on_amx_and_matches_onednn(monkeypatch):
+    """The tiny checkpoint's bf16 decode logits on AMX are oneDNN's up to bf16 rounding."""
+    from gpu.model_runner import ModelRunner
+    from tests.checkpoints import tiny_checkpoint
+
+    path = tiny_checkpoint("llama")
+    logits = {}
+    for choice in ("amx", "onednn"):
+        monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
+        r = ModelRunner(path, dtype="bfloat16", device="cpu", num_kv_blocks=16)
+        layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
+        assert layers and all((m.amx is not None) == (choice == "amx") for m in layers)
+        h = torch.randn(5, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        logits[choice] = r.model.compute_logits(h.bfloat16())
+    torch.testing.assert_close(logits["amx"], logits["onednn"], atol=3e-2, rtol=2**-7)
