@@ -1,20 +1,22 @@
 // bfloat16 GEMM on AMX tiles for decode-sized products: y = x . w^T (+ bias), x [m, k],
 // w [n, k] (nn.Linear), bf16 in and out, float32 accumulation.
 //
-// Why by hand: on a 2-core Xeon with AMX, oneDNN's packed bf16 kernel (brgemm, AMX) runs the
-// `mid` model's projections at 600-700 GFLOP/s with 32-64 rows -- the weights then stream at
-// 11-16 GB/s, a third of what the cores read from L3/DRAM -- so a decode step spends most of
-// its time in GEMMs that are neither compute- nor bandwidth-bound.  With AMX one tile
-// product (16 rows x 32 k x 16 columns) takes 16 cycles, so a 1 KB weight tile feeding 1-4
-// row tiles costs 16-64 cycles: enough to stay at the memory's speed up to 64 rows.
+// Why by hand: on a 2-core Xeon with AMX, oneDNN's packed bf16 kernel (brgemm, AMX) runs
+// the `mid` model's decode projections with the weights streaming at 16-22 GB/s (1-38
+// rows), where two threads read memory at 22-36 GB/s; the products are far from AMX's
+// compute limit (a tile product, 16 rows x 32 k x 16 columns, takes 16 cycles), so the
+// kernel's job is to keep the weight stream moving.  Measured: 28-29 GB/s at 1-16 rows,
+// ~20 at 38-48, 17 at 64 (oneDNN 22 / 16 / 14); see gpu/cpu_linear.py for the routing.
 //
 // Layout: the weight is packed once at load into panels of 16 output columns, each panel
 // k/32 consecutive 1 KB tiles in the VNNI order tdpbf16ps reads (tile row r holds k pairs
-// 2r, 2r+1 for each of the 16 columns), so a panel is one sequential stream.  Row tiles of
-// x are loaded straight from x (a short last one from a zero-padded copy).  The register
-// plan depends on the row tiles: 1 row tile x 4 panels, 2 x 2, or 3-4 x 1 (C tiles 0-3,
-// A tiles 4-5, B tiles 6-7), so several tile products are always independent.  Panels
-// are split over threads; a thread does all of k for a panel group before the next.
+// 2r, 2r+1 for each of the 16 columns), so a panel is one sequential stream.  x is copied
+// per call into tile order (1 KB per 16 rows x 32 k, zero rows past m).  One row tile runs
+// against 4 panels a pass, more row tiles 2 x 2 (C tiles 0-3, A 4-5, B 6-7), so several
+// tile products are always independent; row tiles past the second take further passes over
+// the same panels, which then come from L2.  Panels are split over threads; a thread does
+// all of k for a panel group before the next.  Past ~96 rows oneDNN's blocking wins (the
+// caller routes those to it).
 //
 // Every output element is the same sum over k in the same order whatever m is and
 // wherever its row falls in a tile: a row's result does not depend on its batch.
@@ -89,11 +91,11 @@ inline void store_tile(const float* c, int rows, int cols, const float* bias, ui
 
 // One pass: MT row tiles of packed x (a, tile t of k at a + t * kTile, the next row tile
 // kt tiles on) x NB panels starting at b (panel stride ps values) over kt tiles of k;
-// results into cbuf[(ni * MT + mi) * 256].  pf: the next pass's panels, pulled toward L2
-// a few tiles ahead of use (null: none).
+// results into cbuf[(ni * MT + mi) * 256].  prefetch: pull the panels toward L2 a few
+// tiles ahead of use (the first pass over them; later passes find them in L2).
 template <int MT, int NB>
 void tile_pass(const uint16_t* a, const uint16_t* b, int64_t ps, int64_t kt, float* cbuf,
-               const uint16_t* pf) {
+               bool prefetch) {
   static_assert(MT * NB <= 4 && MT <= 2, "four C tiles, two A tiles");
   _tile_zero(0);
   if constexpr (MT * NB > 1) _tile_zero(1);
@@ -103,8 +105,8 @@ void tile_pass(const uint16_t* a, const uint16_t* b, int64_t ps, int64_t kt, flo
   for (int64_t t = 0; t < kt; ++t) {
     const uint16_t* bt = b + t * kTile;
     const uint16_t* at = a + t * kTile;
-    if (pf) {
-      // This pass's own panels 8 tiles ahead, so the loads below find them in L2.
+    if (prefetch) {
+      // 8 tiles ahead; distances of 0-32 tiles and an L1 hint measured within 5% of this.
       for (int j = 0; j < NB; ++j)
         for (int l = 0; l < 1024; l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(bt + j * ps + 8 * kTile) + l, _MM_HINT_T1);
@@ -143,15 +145,13 @@ void tile_pass(const uint16_t* a, const uint16_t* b, int64_t ps, int64_t kt, flo
       }
     }
   }
-  (void)pf;
   _tile_stored(0, cbuf, 64);
   if constexpr (MT * NB > 1) _tile_stored(1, cbuf + 256, 64);
   if constexpr (MT * NB > 2) _tile_stored(2, cbuf + 512, 64);
   if constexpr (MT * NB > 3) _tile_stored(3, cbuf + 768, 64);
 }
 
-using PassFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*,
-                        const uint16_t*);
+using PassFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*, bool);
 
 PassFn pass_for(int mt, int nb) {
   if (nb == 4) return tile_pass<1, 4>;
@@ -240,7 +240,7 @@ void ps_amx_gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint
         for (int64_t i0 = 0; i0 < tiles; i0 += 2) {
           const int mt = static_cast<int>(std::min<int64_t>(2, tiles - i0));
           pass_for(mt, step)(xw + i0 * kt * kTile, wp + p * ps, ps, kt, cbuf,
-                             i0 == 0 ? wp : nullptr);
+                             i0 == 0);
           for (int ni = 0; ni < step; ++ni) {
             const int64_t col = (p + ni) * kN;
             const int cols = static_cast<int>(std::min<int64_t>(kN, n - col));
