@@ -151,7 +151,8 @@ class PackedLinear(nn.Module):
         return cls(linear, sgemm=sgemm, amx=amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx is not None and x.numel() <= AMX_MAX_ROWS * self.in_features:
+        amx = self.amx is not None and x.dtype == torch.bfloat16
+        if amx and x.numel() <= AMX_MAX_ROWS * self.in_features:
             y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
                                      self.out_features, self.amx_bias)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)

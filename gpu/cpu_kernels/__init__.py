@@ -160,19 +160,14 @@ def load() -> ctypes.CDLL | None:
     lib.ps_gather_rows.argtypes = [p, i64, i64, p, i64, p, i64, i32]
     lib.ps_gather_rows.restype = i64
     lib.ps_sgemm_available.restype = i32
-    lib.ps_sgemm_packed_size.argtypes = [i64, i64]
-    lib.ps_sgemm_packed_size.restype = i64
-    lib.ps_sgemm_pack.argtypes = [p, i64, i64, p, i32]
-    lib.ps_sgemm_pack.restype = None
-    lib.ps_sgemm.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
-    lib.ps_sgemm.restype = None
     lib.ps_amx_available.restype = i32
-    lib.ps_amx_packed_size.argtypes = [i64, i64]
-    lib.ps_amx_packed_size.restype = i64
-    lib.ps_amx_pack.argtypes = [p, i64, i64, p, i32]
-    lib.ps_amx_pack.restype = None
-    lib.ps_amx_gemm.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
-    lib.ps_amx_gemm.restype = None
+    for gemm in ("sgemm", "amx_gemm"):  # the same calling convention (see _packed_gemm)
+        getattr(lib, f"ps_{gemm}_packed_size").argtypes = [i64, i64]
+        getattr(lib, f"ps_{gemm}_packed_size").restype = i64
+        getattr(lib, f"ps_{gemm}_pack").argtypes = [p, i64, i64, p, i32]
+        getattr(lib, f"ps_{gemm}_pack").restype = None
+        getattr(lib, f"ps_{gemm}").argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+        getattr(lib, f"ps_{gemm}").restype = None
     _lib = lib
     return lib
 
@@ -310,16 +305,51 @@ def sgemm_available() -> bool:
     return lib is not None and bool(lib.ps_sgemm_available())
 
 
+def _pack(kernel: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] `dtype` (nn.Linear's weight) -> the panel layout of ps_{kernel}_pack."""
+    lib = load()
+    assert lib is not None and weight.dtype == dtype and weight.dim() == 2
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(getattr(lib, f"ps_{kernel}_packed_size")(n, k), dtype=dtype)
+    getattr(lib, f"ps_{kernel}_pack")(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _packed_gemm(
+    kernel: str,
+    dtype: torch.dtype,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ weight.T (+ float32 bias) through ps_{kernel}: x [M, K] and out [M, N] in `dtype`
+    with unit column stride (any row stride)."""
+    lib = load()
+    assert lib is not None and x.dtype == dtype and x.dim() == 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert packed.numel() == getattr(lib, f"ps_{kernel}_packed_size")(n, k)
+    if out is None:
+        out = torch.empty(m, n, dtype=dtype)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == dtype
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
+    getattr(lib, f"ps_{kernel}")(
+        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def sgemm_pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] float32 (nn.Linear's weight) -> sgemm's panel layout (flat, N rounded up
     to 16 columns)."""
-    lib = load()
-    assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
-    w = weight.detach().contiguous()
-    n, k = w.shape
-    out = torch.empty(lib.ps_sgemm_packed_size(n, k), dtype=torch.float32)
-    lib.ps_sgemm_pack(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
-    return out
+    return _pack("sgemm", weight, torch.float32)
 
 
 def sgemm(
@@ -330,23 +360,7 @@ def sgemm(
     out: torch.Tensor | None = None,  # [M, N] float32, unit column stride
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) through the packed layout."""
-    lib = load()
-    assert lib is not None and x.dtype == torch.float32 and x.dim() == 2
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    assert packed.numel() == lib.ps_sgemm_packed_size(n, k)
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == torch.float32
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
-    lib.ps_sgemm(
-        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    return _packed_gemm("sgemm", torch.float32, x, packed, n, bias, out)
 
 
 def amx_available() -> bool:
@@ -359,41 +373,20 @@ def amx_available() -> bool:
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bfloat16 (nn.Linear's weight, K a multiple of 32) -> the AMX panel layout
     (flat, N rounded up to 16 columns)."""
-    lib = load()
-    assert lib is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2
-    w = weight.detach().contiguous()
-    n, k = w.shape
-    assert k % 32 == 0, k
-    out = torch.empty(lib.ps_amx_packed_size(n, k), dtype=torch.bfloat16)
-    lib.ps_amx_pack(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
-    return out
+    assert weight.shape[-1] % 32 == 0, weight.shape
+    return _pack("amx_gemm", weight, torch.bfloat16)
 
 
 def amx_gemm(
-    x: torch.Tensor,  # [M, K] bfloat16, unit column stride
+    x: torch.Tensor,  # [M, K] bfloat16, unit column stride, K a multiple of 32
     packed: torch.Tensor,  # amx_pack(weight)
     n: int,
     bias: torch.Tensor | None = None,  # [N] float32
     out: torch.Tensor | None = None,  # [M, N] bfloat16, unit column stride
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) on AMX tiles, float32 accumulation, rounded once to bf16."""
-    lib = load()
-    assert lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    assert packed.numel() == lib.ps_amx_packed_size(n, k) and k % 32 == 0
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == torch.bfloat16
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
-    lib.ps_amx_gemm(
-        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    assert x.shape[-1] % 32 == 0, x.shape
+    return _packed_gemm("amx_gemm", torch.bfloat16, x, packed, n, bias, out)
 
 
 # Up to this many activation rows the int8 GEMV below is used; more rows (prefill) are

@@ -174,11 +174,11 @@ int ps_amx_available() {
 }
 
 // bf16 values of the packed weight: n rounded up to 16 columns, k a multiple of 32.
-int64_t ps_amx_packed_size(int64_t n, int64_t k) { return panels(n) * kN * k; }
+int64_t ps_amx_gemm_packed_size(int64_t n, int64_t k) { return panels(n) * kN * k; }
 
 // w [n, k] bf16 (raw bits) -> panels of k/32 tiles, tile row r = k pairs (2r, 2r+1) of the
 // panel's 16 columns; columns past n are zero.
-void ps_amx_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
+void ps_amx_gemm_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
   const int64_t np = panels(n), kt = k / kK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t p = 0; p < np; ++p)
@@ -193,8 +193,8 @@ void ps_amx_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nth
     }
 }
 
-// x [m, k] bf16 (row stride xs values), packed weight from ps_amx_pack, bias [n] float32 or
-// null, y [m, n] bf16 (row stride ys).  k must be a multiple of 32.
+// x [m, k] bf16 (row stride xs values), packed weight from ps_amx_gemm_pack, bias [n]
+// float32 or null, y [m, n] bf16 (row stride ys).  k must be a multiple of 32.
 void ps_amx_gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                  int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads) {
 #if PS_AMX
