@@ -153,7 +153,7 @@ def _offline_bars(ax: Any, groups: list[dict[str, Any]], names: list[str]) -> No
             # The most any engine computing exact logits could reach: the workload's FLOPs
             # at the GEMM rate measured in the same run (bench/roofline.py).
             ax.hlines(g["floor_tok_s"], gi - 0.45, gi + 0.45, colors="black", linestyles="--",
-                      linewidth=1, label=None if gi else "GEMM-peak ceiling")  # fmt: skip
+                      linewidth=1, label=None if gi else "ceiling (FLOPs or bytes)")  # fmt: skip
 
 
 def _footer(fig: Any, cpu: str) -> None:

@@ -7,6 +7,11 @@ GEMM reaches on this machine (measured here, at the bench's thread count and dty
 a floor on the seconds no engine that computes exact logits can beat.  When pagestream and
 vLLM both sit near that floor, their ratio cannot move far from 1.0x whatever either does
 outside the GEMMs; the row says how close each engine is.
+
+FLOPs are not the only floor: a forward step reads every weight once, and a request's
+tokens come one step after another, so the run takes at least as many steps as its longest
+output, and each generated token reads its context's K/V.  Where the FLOPs are cheap (AMX),
+those bytes at the memory's measured read speed bind instead; the row takes the larger.
 """
 
 from __future__ import annotations
@@ -47,6 +52,55 @@ def workload_flops(cfg: ModelConfig, work: list[Item]) -> WorkloadFlops:
         lm_head=2.0 * h * cfg.vocab_size * sampled,
         attention=float(attn_per_key) * keys * cfg.num_layers,
     )
+
+
+@dataclass(frozen=True)
+class WorkloadBytes:
+    weights: float  # every projection and the lm_head, read once per forward step
+    kv: float  # each generated token's read of its context's K/V (all layers)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv
+
+
+def workload_bytes(cfg: ModelConfig, work: list[Item], dtype: torch.dtype) -> WorkloadBytes:
+    """Bytes any engine must read: the weights once per step of the fewest steps the run
+    can take (its longest output: the first token comes with the prompt's last chunk, each
+    later one needs the step before it), and for every token fed back after its prompt the
+    K/V of the positions before it."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * inter
+    weights = (per_layer * cfg.num_layers + cfg.vocab_size * h) * elem
+    kv_per_position = 2 * cfg.kv_size * cfg.num_layers * elem
+    # Generated token j (0-based) of an item is fed at position len(prompt) + j and reads
+    # the len(prompt) + j positions before it; the last sampled token is never fed.
+    positions = sum(
+        len(w.prompt) * (w.max_tokens - 1) + (w.max_tokens - 1) * (w.max_tokens - 2) // 2
+        for w in work
+    )
+    steps = max((w.max_tokens for w in work), default=0)
+    return WorkloadBytes(weights=float(weights) * steps, kv=float(kv_per_position) * positions)
+
+
+def read_rate(threads: int, nbytes: float, reps: int = 5) -> float:
+    """Best bytes/s a sum reads over a buffer of `nbytes` (the weights: what each step
+    rereads, so whatever of them the caches hold between steps, they hold here too) on
+    `threads`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(max(int(nbytes), 2**20) // 4)
+        x.sum()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        return x.numel() * 4 / best
+    finally:
+        torch.set_num_threads(old)
 
 
 def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 30) -> float:
@@ -93,20 +147,27 @@ def floor_row(
     """A table row (padded to `width` cells) for the GEMM floor, and a sentence on it."""
     f = workload_flops(cfg, work)
     rate = gemm_rate(cfg, dtype, threads)
+    b = workload_bytes(cfg, work, dtype)
+    steps = max((w.max_tokens for w in work), default=1)
+    bw = read_rate(threads, b.weights / max(1, steps))
     # Attention runs in other kernels at a lower rate; counting it at the GEMM rate keeps
-    # the floor a floor.
-    seconds = f.total / rate
+    # the floor a floor.  Either limit alone is a floor, so the larger one is too.
+    compute, memory = f.total / rate, b.total / bw
+    seconds = max(compute, memory)
     useful = sum(w.max_tokens for w in work)
+    binds = "FLOPs at the GEMM peak" if compute >= memory else "bytes at the memory's read rate"
     row = [
-        "ceiling: workload FLOPs at the GEMM peak measured here",
+        f"ceiling: the workload's {binds} measured here",
         f"{seconds:.1f}",
         f"{useful / seconds:.0f}",
     ]
     row += [""] * (width - len(row))
     note = (
-        f"Floor: {f.total / 1e12:.2f} TFLOP (projections {f.projections / 1e12:.2f}, lm_head "
-        f"{f.lm_head / 1e12:.2f}, attention {f.attention / 1e12:.2f}) at the best rate of "
-        f"oneDNN's packed {str(dtype).removeprefix('torch.')} GEMM here, "
-        f"{rate / 1e9:.0f} GFLOP/s on {threads} threads."
+        f"Floor: the larger of {f.total / 1e12:.2f} TFLOP (projections {f.projections / 1e12:.2f}, "
+        f"lm_head {f.lm_head / 1e12:.2f}, attention {f.attention / 1e12:.2f}) at the best rate "
+        f"of oneDNN's packed {str(dtype).removeprefix('torch.')} GEMM here, "
+        f"{rate / 1e9:.0f} GFLOP/s on {threads} threads ({compute:.1f} s), and "
+        f"{b.total / 1e9:.1f} GB read (weights once per step of the longest output "
+        f"{b.weights / 1e9:.1f}, K/V {b.kv / 1e9:.1f}) at {bw / 1e9:.1f} GB/s ({memory:.1f} s)."
     )
     return row, note

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.roofline import floor_row, gemm_rate, workload_flops
+from bench.roofline import floor_row, gemm_rate, workload_bytes, workload_flops
 from bench.workloads import Item
 from gpu.config import ModelConfig
 
@@ -45,4 +45,17 @@ def test_floor_row_is_consistent() -> None:
     row, note = floor_row(cfg, work, torch.float32, 1, 5)
     assert len(row) == 5 and row[0].startswith("ceiling")
     seconds, tok_s = float(row[1]), float(row[2])
-    assert seconds >= 0 and tok_s > 0 and "GFLOP/s" in note
+    assert seconds >= 0 and tok_s > 0 and "GFLOP/s" in note and "GB/s" in note
+
+
+def test_bytes_by_hand() -> None:
+    cfg = _cfg()  # q 64, kv 32, 2 layers
+    work = [Item(prompt=[1, 2, 3], max_tokens=3), Item(prompt=[4], max_tokens=1)]
+    b = workload_bytes(cfg, work, torch.bfloat16)
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128
+    # 3 steps at the least (the longest output), each reading every weight in 2 bytes.
+    assert b.weights == (per_layer * 2 + 100 * 64) * 2 * 3
+    # The first item feeds 2 generated tokens, at positions 3 and 4: 3 + 4 positions read;
+    # the second feeds none.  K and V, 32 values each, 2 layers, 2 bytes.
+    assert b.kv == (3 + 4) * 2 * 32 * 2 * 2
+    assert b.total == b.weights + b.kv

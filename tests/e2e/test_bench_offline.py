@@ -49,5 +49,6 @@ def test_offline_section_rows_in_both_dtypes(tmp_path, monkeypatch):
         assert [e["name"] for e in g["engines"]] == ["transformers", "pagestream"]
         assert all(len(e["seconds"]) == len(e["tok_s"]) == 2 for e in g["engines"])
         assert g["floor_tok_s"] > 0 and "TFLOP" in g["floor_note"]
-    assert text.count("ceiling: workload FLOPs") == 2 and "GFLOP/s on" in text
+    assert text.count("ceiling: the workload's") == 2  # one floor row per dtype
+    assert "GFLOP/s on" in text and "GB/s (" in text
     assert (tmp_path / "offline_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
