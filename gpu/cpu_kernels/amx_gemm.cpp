@@ -204,9 +204,12 @@ void ps_amx_gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint
   // x in tile order: row tile i, k tile t at (i * kt + t) * kTile, 1 KB each, rows past m
   // zero.  A tile load then reads 16 consecutive lines (x's own rows are k apart, which
   // costs a tile load 16 scattered lines), and the last row tile needs no guard.
+  // On a 64-byte line boundary: a tile row straddling two lines costs its load 2-5% at
+  // 48-96 rows (measured against a deliberately misaligned copy).
   thread_local std::vector<uint16_t> xa;
-  xa.resize(tiles * kt * kTile);
-  uint16_t* xw = xa.data();
+  xa.resize(tiles * kt * kTile + 32);
+  const auto base = reinterpret_cast<uintptr_t>(xa.data());
+  uint16_t* xw = reinterpret_cast<uint16_t*>((base + 63) & ~uintptr_t(63));
   const int nb = tiles == 1 ? 4 : 2;  // panels per pass
   const int64_t groups = (np + nb - 1) / nb;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, groups)));
