@@ -25,7 +25,8 @@ AMX kernel (gpu/cpu_kernels/amx_gemm.cpp): on a 2-core Xeon with AMX it measured
 oneDNN's packed kernel (itself on AMX) over the `mid` model's projections at 1-96 rows,
 level near 128, 0.74x at 256.  Larger products (prefill) stay on oneDNN, so the layer keeps
 both copies of the weight: twice the projection memory, the price of the faster decode.
-PAGESTREAM_DECODE_GEMM=onednn turns it off.
+Under auto the copy is made only where it fits AMX_COPY_MEMORY_SHARE of the memory
+available; PAGESTREAM_DECODE_GEMM=amx forces it, =onednn turns it off.
 """
 
 from __future__ import annotations
@@ -210,9 +211,47 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and _ops_available() and _probe(dtype)
 
 
-def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
+# Under PAGESTREAM_DECODE_GEMM=auto the AMX copy of the weights is made only when it takes
+# at most this share of the memory available at load: it doubles the projections' memory,
+# and a replica sized for one copy must not run out of memory for a faster decode.
+AMX_COPY_MEMORY_SHARE = 0.25
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def amx_copy_fits(extra_bytes: int, available: int | None = None) -> bool:
+    """The AMX layout's copy of `extra_bytes` of weights may be made: always when
+    PAGESTREAM_DECODE_GEMM=amx, under auto when it fits AMX_COPY_MEMORY_SHARE of the memory
+    available (unknown memory: yes)."""
+    if _decode_gemm() == "amx":
+        return True
+    available = _mem_available() if available is None else available
+    return available is None or extra_bytes <= AMX_COPY_MEMORY_SHARE * available
+
+
+def amx_copy_bytes(model: nn.Module, extra: int = 0) -> int:
+    """Bytes the AMX copies of `model`'s bf16 linears (those whose k tiles by 32) would
+    take, plus `extra` (the lm_head's, which is not an nn.Linear)."""
+    return extra + sum(
+        m.weight.nbytes
+        for m in model.modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.in_features % 32 == 0
+    )
+
+
+def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool | None = None) -> int:
     """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
-    (Quantized layers are not nn.Linear and keep their own kernels.)"""
+    (Quantized layers are not nn.Linear and keep their own kernels.)  amx: whether the
+    decode rows take the AMX kernel (None: use_amx and amx_copy_fits decide)."""
     if not packing_available(dtype):
         return 0
     mkl_from = mkl_from_rows(dtype)
@@ -221,7 +260,8 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype) -> int:
     sgemm = use_sgemm(dtype)
     if sgemm:
         log.info("float32 projections of fewer rows run on pagestream's AVX2 sgemm")
-    amx = use_amx(dtype)
+    if amx is None:
+        amx = use_amx(dtype) and amx_copy_fits(amx_copy_bytes(model))
     if amx:
         log.info("bf16 projections of <= %d rows run on pagestream's AMX kernel", AMX_MAX_ROWS)
     return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from, sgemm, amx))

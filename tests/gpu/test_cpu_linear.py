@@ -271,3 +271,29 @@ def test_bf16_model_runs_its_decode_projections_on_amx_and_matches_onednn(monkey
         h = torch.randn(5, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
         logits[choice] = r.model.compute_logits(h.bfloat16())
     torch.testing.assert_close(logits["amx"], logits["onednn"], atol=3e-2, rtol=2**-7)
+
+
+def test_amx_copy_only_where_it_fits_the_memory_unless_forced(monkeypatch):
+    """auto makes the second (AMX) copy only within AMX_COPY_MEMORY_SHARE of the memory
+    available; PAGESTREAM_DECODE_GEMM=amx always."""
+    share = cpu_linear.AMX_COPY_MEMORY_SHARE
+    assert cpu_linear.amx_copy_fits(100, available=int(100 / share))
+    assert not cpu_linear.amx_copy_fits(101, available=int(100 / share))
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "amx")
+    assert cpu_linear.amx_copy_fits(10**15, available=1)
+    model = nn.Sequential(nn.Linear(64, 16), nn.Linear(40, 8)).bfloat16()
+    assert cpu_linear.amx_copy_bytes(model, extra=7) == 64 * 16 * 2 + 7  # k=40: no copy
+    assert cpu_linear.amx_copy_bytes(model.float()) == 0
+
+
+@needs_amx
+def test_bf16_model_keeps_one_copy_when_the_amx_copy_does_not_fit(monkeypatch, caplog):
+    from gpu.model_runner import ModelRunner
+    from tests.checkpoints import tiny_checkpoint
+
+    monkeypatch.setattr(cpu_linear, "_mem_available", lambda: 1024)
+    with caplog.at_level("WARNING"):
+        r = ModelRunner(tiny_checkpoint("llama"), dtype="bfloat16", device="cpu", num_kv_blocks=16)
+    layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.amx is None for m in layers) and r.model.lm_head_packed.amx is None
+    assert "stay on oneDNN" in caplog.text
