@@ -58,6 +58,7 @@ def workload_flops(cfg: ModelConfig, work: list[Item]) -> WorkloadFlops:
 class WorkloadBytes:
     weights: float  # every projection and the lm_head, read once per forward step
     kv: float  # each generated token's read of its context's K/V (all layers)
+    steps: int  # the fewest forward steps the run can take
 
     @property
     def total(self) -> float:
@@ -81,7 +82,7 @@ def workload_bytes(cfg: ModelConfig, work: list[Item], dtype: torch.dtype) -> Wo
         for w in work
     )
     steps = max((w.max_tokens for w in work), default=0)
-    return WorkloadBytes(weights=float(weights) * steps, kv=float(kv_per_position) * positions)
+    return WorkloadBytes(float(weights) * steps, float(kv_per_position) * positions, steps)
 
 
 def read_rate(threads: int, nbytes: float, reps: int = 5) -> float:
@@ -148,8 +149,7 @@ def floor_row(
     f = workload_flops(cfg, work)
     rate = gemm_rate(cfg, dtype, threads)
     b = workload_bytes(cfg, work, dtype)
-    steps = max((w.max_tokens for w in work), default=1)
-    bw = read_rate(threads, b.weights / max(1, steps))
+    bw = read_rate(threads, b.weights / max(1, b.steps))
     # Attention runs in other kernels at a lower rate; counting it at the GEMM rate keeps
     # the floor a floor.  Either limit alone is a floor, so the larger one is too.
     compute, memory = f.total / rate, b.total / bw

@@ -248,10 +248,27 @@ def amx_copy_bytes(model: nn.Module, extra: int = 0) -> int:
     )
 
 
-def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool | None = None) -> int:
+def decode_on_amx(model: nn.Module, dtype: torch.dtype, extra_bytes: int = 0) -> bool:
+    """Whether `model`'s bf16 decode products take the AMX kernel: use_amx, and its copy of
+    the linears (plus `extra_bytes`, the lm_head's) fits the memory (amx_copy_fits); a
+    refusal for memory is logged as a warning."""
+    if not use_amx(dtype):
+        return False
+    need = amx_copy_bytes(model, extra_bytes)
+    if amx_copy_fits(need):
+        return True
+    log.warning(
+        "bf16 decode GEMMs stay on oneDNN: the AMX kernel's copy of the weights (%.1f GiB) "
+        "exceeds %d%% of the memory available (PAGESTREAM_DECODE_GEMM=amx forces it)",
+        need / 2**30, int(100 * AMX_COPY_MEMORY_SHARE),
+    )  # fmt: skip
+    return False
+
+
+def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool = False) -> int:
     """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
-    (Quantized layers are not nn.Linear and keep their own kernels.)  amx: whether the
-    decode rows take the AMX kernel (None: use_amx and amx_copy_fits decide)."""
+    (Quantized layers are not nn.Linear and keep their own kernels.)  amx: the decode rows
+    take the AMX kernel (decode_on_amx decides)."""
     if not packing_available(dtype):
         return 0
     mkl_from = mkl_from_rows(dtype)
@@ -260,8 +277,6 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool | None = 
     sgemm = use_sgemm(dtype)
     if sgemm:
         log.info("float32 projections of fewer rows run on pagestream's AVX2 sgemm")
-    if amx is None:
-        amx = use_amx(dtype) and amx_copy_fits(amx_copy_bytes(model))
     if amx:
         log.info("bf16 projections of <= %d rows run on pagestream's AMX kernel", AMX_MAX_ROWS)
     return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from, sgemm, amx))

@@ -7,7 +7,6 @@ it needs logits for.  Projections are fused (qkv, gate_up) so each layer issues 
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -18,19 +17,14 @@ from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
 from gpu.cpu_linear import (
-    AMX_COPY_MEMORY_SHARE,
     PackedLinear,
     Scratch,
-    amx_copy_bytes,
-    amx_copy_fits,
+    decode_on_amx,
     pack_model_linears,
     packing_available,
-    use_amx,
     use_sgemm,
 )
 from gpu.tp import TPGroup, vocab_parallel_embed
-
-log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -288,14 +282,7 @@ class CausalLM(nn.Module):
             return 0
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         head = 0 if self.lm_head_int8 is not None else w.nbytes
-        amx = use_amx(dtype)
-        if amx and not amx_copy_fits(amx_copy_bytes(self, head)):
-            log.warning(
-                "bf16 decode GEMMs stay on oneDNN: the AMX kernel's copy of the weights (%.1f "
-                "GiB) exceeds %d%% of the memory available (PAGESTREAM_DECODE_GEMM=amx forces "
-                "it)", amx_copy_bytes(self, head) / 2**30, int(100 * AMX_COPY_MEMORY_SHARE),
-            )  # fmt: skip
-            amx = False
+        amx = decode_on_amx(self, dtype, head)
         n = pack_model_linears(self, dtype, amx)
         scratch = Scratch()
         for layer in self.layers:

@@ -58,4 +58,5 @@ def test_bytes_by_hand() -> None:
     # The first item feeds 2 generated tokens, at positions 3 and 4: 3 + 4 positions read;
     # the second feeds none.  K and V, 32 values each, 2 layers, 2 bytes.
     assert b.kv == (3 + 4) * 2 * 32 * 2 * 2
+    assert b.steps == 3
     assert b.total == b.weights + b.kv
