@@ -7,18 +7,16 @@ also reaches oneDNN's faster kernels.  The ops are the ones torch's own CPU comp
 (inductor) emits for frozen linear layers; when they are missing or disagree with
 `F.linear` on a probe, the model keeps plain `nn.Linear`.
 
-Prefill-sized float32 products on CPUs without AVX-512 go to MKL's sgemm instead (through
-`F.linear` on the plain weight, kept beside the packed one): on a 2-core AMD EPYC (Zen 3,
-AVX2 only) oneDNN's AVX2 kernel reaches 115-150 GFLOP/s on 2,048-row chunks where MKL
-reaches 150-180, while at decode sizes (<= 64 rows) oneDNN's packed kernel is the faster
-one by 20-100%.  The price is a second copy of each projection's weight, so it is limited to
-float32 without AVX-512 (where it was measured) unless PAGESTREAM_PREFILL_GEMM says otherwise.
-
-Below that, on the same CPUs, float32 products run on pagestream's own AVX2 kernel
-(gpu/cpu_kernels/sgemm.cpp) instead of oneDNN's: with the weights streaming from memory, as
-in a decode step, it measured 1.5-2x oneDNN's packed kernel at 1-16 rows and 1.0-1.4x at
-32-128 on the `mid` model's projections (PAGESTREAM_DECODE_GEMM=onednn turns it off).  It packs its own copy of the weight,
-which replaces oneDNN's, and its rows do not depend on the batch they came in.
+On CPUs without AVX-512, float32 products of every size run on pagestream's own AVX2
+kernel (gpu/cpu_kernels/sgemm.cpp) instead of oneDNN's: on a 2-core AMD EPYC (Zen 3, AVX2
+only), with the weights streaming from memory as in a step, it measured 1.5x oneDNN's
+packed kernel at 4-16 rows, 1.15-1.3x at 32-1,024, and 1.1-1.15x MKL's sgemm on prefill
+chunks of 1,024-2,048 rows (146-156 GFLOP/s of the two cores' ~156).  It packs its own copy
+of the weight, which replaces oneDNN's, and a row's result does not depend on the batch it
+came in (every size runs the same sums).  PAGESTREAM_DECODE_GEMM=onednn turns it off; then
+products of 512+ rows go to MKL's sgemm (through the plain weight, kept beside the packed
+one: oneDNN's AVX2 kernel reaches 115-150 GFLOP/s there, MKL 130-180), as they do with
+PAGESTREAM_PREFILL_GEMM=mkl on any float32 CPU.
 
 On CPUs with AMX tiles, bfloat16 products of up to AMX_MAX_ROWS rows run on pagestream's
 AMX kernel (gpu/cpu_kernels/amx_gemm.cpp): on a 2-core Xeon with AMX it measured 1.15-1.36x
@@ -66,15 +64,17 @@ MKL_FROM_ROWS = 512
 
 
 def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | None:
-    """The row count from which a projection runs on MKL's sgemm; None: always oneDNN.
-    PAGESTREAM_PREFILL_GEMM: auto (float32 on a CPU without AVX-512), mkl (any float32
-    model), onednn (never)."""
+    """The row count from which a projection runs on MKL's sgemm; None: never.
+    PAGESTREAM_PREFILL_GEMM: auto (float32 on a CPU without AVX-512 where pagestream's
+    sgemm is not built: with it, the sgemm takes every size), mkl (any float32 model),
+    onednn (never)."""
     choice = os.environ.get("PAGESTREAM_PREFILL_GEMM", "auto")
     if choice not in ("auto", "mkl", "onednn"):
         raise ValueError(f"PAGESTREAM_PREFILL_GEMM must be auto, mkl or onednn, not {choice!r}")
     if dtype != torch.float32 or choice == "onednn" or not torch.backends.mkl.is_available():
         return None
-    if choice == "auto" and "avx512f" in (cpu or cpu_features.detect()).flags:
+    cpu = cpu or cpu_features.detect()
+    if choice == "auto" and ("avx512f" in cpu.flags or use_sgemm(dtype, cpu)):
         return None
     return MKL_FROM_ROWS
 
@@ -157,16 +157,18 @@ class PackedLinear(nn.Module):
             y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
                                      self.out_features, self.amx_bias)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
-        if self.plain is not None and x.numel() >= self.mkl_from * self.in_features:
-            if self.scratch is None or x.dim() != 2:
-                return F.linear(x, self.plain, self.bias)
+        out = None
+        if self.scratch is not None and x.dim() == 2:
             out = self.scratch.take(x.shape[0], self.out_features, x.dtype)
+        if self.plain is not None and x.numel() >= self.mkl_from * self.in_features:
+            if out is None:
+                return F.linear(x, self.plain, self.bias)
             if self.bias is None:
                 return torch.mm(x, self.plain.t(), out=out)
             return torch.addmm(self.bias, x, self.plain.t(), out=out)
         if self.sgemm:
             y = cpu_kernels.sgemm(x.reshape(-1, self.in_features), self.packed,
-                                  self.out_features, self.bias)  # fmt: skip
+                                  self.out_features, self.bias, out)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
         return packed_linear(x, self.packed, self.bias)
 

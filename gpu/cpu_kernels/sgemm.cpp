@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -33,6 +34,7 @@ namespace {
 constexpr int kNR = 16;   // columns per panel: two ymm registers
 constexpr int kKC = 256;  // k per block: a panel block is 16 KB, half of L1
 constexpr int kMR = 6;    // rows per register tile
+constexpr int kMC = 120;  // rows per block of packed x: 120 x kKC floats, 120 KB of L2
 
 inline int64_t panels(int64_t n) { return (n + kNR - 1) / kNR; }
 
@@ -40,9 +42,12 @@ inline int64_t panels(int64_t n) { return (n + kNR - 1) / kNR; }
 
 // MR rows x NP consecutive panels over kc values of k; c is read back unless `first`
 // (then it starts from the bias, or zero).  pf: NP panels to prefetch, one line per k.
-template <int MR, int NP, bool PF>
+template <int MR, int NP, bool PF, bool PACKED>
 void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, int64_t cs,
                  bool first, const float* bias, const float* pf) {
+  // x row r at k: a[r * as + kk]; packed (see pack_rows): a[kk * MR + r], one contiguous
+  // stream, so no row of x shares an L1 set with the others (rows k floats apart alias).
+  const int64_t rs = PACKED ? 1 : as, ks = PACKED ? MR : 1;
   const int64_t ps = static_cast<int64_t>(kc) * kNR;
   __m256 acc[MR][2 * NP];
 #pragma GCC unroll 8
@@ -67,7 +72,7 @@ void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, i
     }
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      const __m256 ar = _mm256_broadcast_ss(a + r * as + kk);
+      const __m256 ar = _mm256_broadcast_ss(a + r * rs + kk * ks);
 #pragma GCC unroll 8
       for (int j = 0; j < 2 * NP; ++j) acc[r][j] = _mm256_fmadd_ps(ar, bv[j], acc[r][j]);
     }
@@ -82,24 +87,28 @@ void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, i
 using Kernel = void (*)(int, const float*, int64_t, const float*, float*, int64_t, bool,
                         const float*, const float*);
 
-// [rows][prefetch]: one panel per tile.
+// [rows][prefetch]: one panel per tile, x packed.
 constexpr Kernel kNarrow[kMR + 1][2] = {
     {nullptr, nullptr},
-    {tile_kernel<1, 1, false>, tile_kernel<1, 1, true>},
-    {tile_kernel<2, 1, false>, tile_kernel<2, 1, true>},
-    {tile_kernel<3, 1, false>, tile_kernel<3, 1, true>},
-    {tile_kernel<4, 1, false>, tile_kernel<4, 1, true>},
-    {tile_kernel<5, 1, false>, tile_kernel<5, 1, true>},
-    {tile_kernel<6, 1, false>, tile_kernel<6, 1, true>},
+    {tile_kernel<1, 1, false, true>, tile_kernel<1, 1, true, true>},
+    {tile_kernel<2, 1, false, true>, tile_kernel<2, 1, true, true>},
+    {tile_kernel<3, 1, false, true>, tile_kernel<3, 1, true, true>},
+    {tile_kernel<4, 1, false, true>, tile_kernel<4, 1, true, true>},
+    {tile_kernel<5, 1, false, true>, tile_kernel<5, 1, true, true>},
+    {tile_kernel<6, 1, false, true>, tile_kernel<6, 1, true, true>},
 };
 // 1-3 rows: 4, 3, 2 panels per tile (8-12 accumulators).
 constexpr int kWidePanels[4] = {0, 4, 3, 2};
 constexpr Kernel kWide[4][2] = {
     {nullptr, nullptr},
-    {tile_kernel<1, 4, false>, tile_kernel<1, 4, true>},
-    {tile_kernel<2, 3, false>, tile_kernel<2, 3, true>},
-    {tile_kernel<3, 2, false>, tile_kernel<3, 2, true>},
+    {tile_kernel<1, 4, false, false>, tile_kernel<1, 4, true, false>},
+    {tile_kernel<2, 3, false, false>, tile_kernel<2, 3, true, false>},
+    {tile_kernel<3, 2, false, false>, tile_kernel<3, 2, true, false>},
 };
+// The last few panels of a wide product, one at a time (x not packed).
+constexpr Kernel kNarrowRows[4] = {nullptr, tile_kernel<1, 1, false, false>,
+                                   tile_kernel<2, 1, false, false>,
+                                   tile_kernel<3, 1, false, false>};
 
 // One tile at output column `col`; a tile reaching past n goes through a local buffer.
 void run_tile(Kernel kern, int mr, int np, int kc, const float* a, int64_t as, const float* b,
@@ -119,6 +128,67 @@ void run_tile(Kernel kern, int mr, int np, int kc, const float* a, int64_t as, c
     for (int r = 0; r < mr; ++r) std::memcpy(tmp + r * tw, y + r * ys + col, 4 * w);
   kern(kc, a, as, b, tmp, tw, first, bias ? btmp : nullptr, pf);
   for (int r = 0; r < mr; ++r) std::memcpy(y + r * ys + col, tmp + r * tw, 4 * w);
+}
+
+// A block of mb rows as register tiles (row offset, rows): tiles of kMR, and where the
+// last would be 1-2 rows, the last two as 4 + 3 or 4 + 4 instead (a 1-2 row tile keeps
+// too few FMAs in flight to hide their latency).  Returns the count.
+int plan_tiles(int mb, int (*tiles)[2]) {
+  int q = mb / kMR, rem = mb % kMR, n = 0, r0 = 0;
+  if (rem > 0 && rem < 3 && q > 0) --q, rem += kMR;
+  for (int i = 0; i < q; ++i, r0 += kMR) tiles[n][0] = r0, tiles[n++][1] = kMR;
+  if (rem > kMR) {
+    tiles[n][0] = r0, tiles[n++][1] = 4, r0 += 4, rem -= 4;
+  }
+  if (rem > 0) tiles[n][0] = r0, tiles[n++][1] = rem;
+  return n;
+}
+
+// One tile's mr rows of x (stride xs) into the packed layout of a block of mb rows
+// starting r0 rows in: for each k block (k0, kc) the tile's kc x mr floats, k-major, at
+// ap + k0 * mb + r0 * kc.
+void pack_rows(const float* x, int64_t xs, int mr, int r0, int64_t mb, int64_t k, float* ap) {
+  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+    const int64_t kc = std::min<int64_t>(kKC, k - k0);
+    float* dst = ap + k0 * mb + r0 * kc;
+    for (int64_t kk = 0; kk < kc; ++kk)
+      for (int r = 0; r < mr; ++r) dst[kk * mr + r] = x[r * xs + k0 + kk];
+  }
+}
+
+// 1-3 rows: each tile spans 2-4 panels, x read in place (it is a few KB).
+template <typename Block>
+void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
+               const float* bias, float* y, int64_t ys, int nthreads, Block block) {
+  const int64_t np = panels(n);
+  const int group = kWidePanels[m];
+  const int64_t ngroups = (np + group - 1) / group;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    // Whole groups per thread, so a thread's last group is short only at the very end.
+    const int64_t g0 = ngroups * t / nt, g1 = ngroups * (t + 1) / nt;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * group;
+      const int pg = static_cast<int>(std::min<int64_t>(group, np - p));
+      for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+        const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
+        const float* b = block(k0, p);
+        const float* pf = k0 + kKC < k ? block(k0 + kKC, p) : g + 1 < g1 ? block(0, p + group)
+                                                                           : nullptr;
+        if (pg == group) {
+          run_tile(kWide[m][pf != nullptr], static_cast<int>(m), group, kc, x + k0, xs, b, y,
+                   ys, p * kNR, n, k0 == 0, bias, pf);
+        } else {  // the last few panels, one at a time
+          for (int j = 0; j < pg; ++j)
+            run_tile(kNarrowRows[m], static_cast<int>(m), 1, kc, x + k0, xs,
+                     b + static_cast<int64_t>(j) * kc * kNR, y, ys, (p + j) * kNR, n, k0 == 0,
+                     bias, nullptr);
+        }
+      }
+    }
+  }
 }
 
 #endif  // PS_SGEMM
@@ -155,49 +225,49 @@ void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
 #if PS_SGEMM
   if (m <= 0 || n <= 0) return;
   const int64_t np = panels(n);
-  const bool wide = m <= 3;
-  const int group = wide ? kWidePanels[m] : 1;  // panels per tile
-  const int64_t ngroups = (np + group - 1) / group;
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
   // Where block k0 of panel p starts (every block but the last is kKC deep).
   auto block = [&](int64_t k0, int64_t p) {
     return wp + k0 * np * kNR + p * std::min<int64_t>(kKC, k - k0) * kNR;
   };
+  if (m <= 3) {
+    wide_gemm(x, xs, m, k, wp, n, bias, y, ys, nthreads, block);
+    return;
+  }
+  // Rows in blocks of at most kMC, as even as they come: one block's packed x per k block
+  // (kMC x kKC floats) stays in L2 while every panel of the thread passes over it.
+  const int64_t nblk = (m + kMC - 1) / kMC;
+  const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
+  std::vector<float> apbuf(static_cast<size_t>(mc * k) + 16);
+  float* ap = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(apbuf.data()) + 63) & ~63);
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, np)));
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num();
-    // Whole groups per thread, so a thread's last group is short only at the very end.
-    const int64_t g0 = ngroups * t / nt, g1 = ngroups * (t + 1) / nt;
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p = g * group;
-      const int pg = static_cast<int>(std::min<int64_t>(group, np - p));
-      for (int64_t k0 = 0; k0 < k; k0 += kKC) {
-        const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
-        const float* b = block(k0, p);
-        // The next block of this group, else the first of the next group.
-        const float* pf = k0 + kKC < k ? block(k0 + kKC, p) : g + 1 < g1 ? block(0, p + group)
-                                                                           : nullptr;
-        const bool first = k0 == 0;
-        if (wide) {
-          if (pg == group) {
-            run_tile(kWide[m][pf != nullptr], static_cast<int>(m), group, kc, x + k0, xs, b, y,
-                     ys, p * kNR, n, first, bias, pf);
-          } else {  // the last few panels, one at a time
-            for (int j = 0; j < pg; ++j)
-              run_tile(kNarrow[m][0], static_cast<int>(m), 1, kc, x + k0, xs,
-                       b + static_cast<int64_t>(j) * kc * kNR, y, ys, (p + j) * kNR, n, first,
-                       bias, nullptr);
+    const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+    int tiles[kMC / 2 + 2][2];
+    for (int64_t m0 = 0; m0 < m; m0 += mc) {
+      const int64_t mb = std::min<int64_t>(mc, m - m0);
+      const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
+#pragma omp for schedule(static)
+      for (int i = 0; i < ntiles; ++i) pack_rows(x + (m0 + tiles[i][0]) * xs, xs, tiles[i][1],
+                                                 tiles[i][0], mb, k, ap);
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+          const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
+          const float* b = block(k0, p);
+          // The next block of this panel, else the first of the next panel.
+          const float* pf = k0 + kKC < k ? block(k0 + kKC, p) : p + 1 < p1 ? block(0, p + 1)
+                                                                         : nullptr;
+          for (int i = 0; i < ntiles; ++i) {
+            const int r0 = tiles[i][0], mr = tiles[i][1];
+            // The first tile pulls the next block in; the others find this one in L1.
+            const float* tpf = i == 0 ? pf : nullptr;
+            run_tile(kNarrow[mr][tpf != nullptr], mr, 1, kc, ap + k0 * mb + r0 * kc, 0, b,
+                     y + (m0 + r0) * ys, ys, p * kNR, n, k0 == 0, bias, tpf);
           }
-          continue;
-        }
-        for (int64_t r0 = 0; r0 < m; r0 += kMR) {
-          const int mr = static_cast<int>(std::min<int64_t>(kMR, m - r0));
-          // The first tile pulls the next block in; the others find this one in L1.
-          const float* tpf = r0 == 0 ? pf : nullptr;
-          run_tile(kNarrow[mr][tpf != nullptr], mr, 1, kc, x + r0 * xs + k0, xs, b,
-                   y + r0 * ys, ys, p * kNR, n, first, bias, tpf);
         }
       }
+#pragma omp barrier  // every thread is done with ap before the next block packs into it
     }
   }
 #else

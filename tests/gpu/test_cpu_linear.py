@@ -38,9 +38,17 @@ def _auto(monkeypatch):
     monkeypatch.delenv("PAGESTREAM_DECODE_GEMM", raising=False)
 
 
-def test_mkl_only_for_float32_without_avx512_unless_asked(monkeypatch):
+def test_mkl_only_for_float32_without_avx512_or_sgemm_unless_asked(monkeypatch):
     mkl = torch.backends.mkl.is_available()
+    # Where pagestream's sgemm is built it takes every size on an AVX2 CPU.
+    if cpu_kernels.sgemm_available():
+        assert mkl_from_rows(torch.float32, AVX2) is None
+    monkeypatch.setattr(cpu_kernels, "sgemm_available", lambda: False)
     assert mkl_from_rows(torch.float32, AVX2) == (cpu_linear.MKL_FROM_ROWS if mkl else None)
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "onednn")
+    assert mkl_from_rows(torch.float32, AVX2) == (cpu_linear.MKL_FROM_ROWS if mkl else None)
+    monkeypatch.delenv("PAGESTREAM_DECODE_GEMM")
     assert mkl_from_rows(torch.float32, AVX512) is None
     assert mkl_from_rows(torch.bfloat16, AVX2) is None  # MKL has no bf16 sgemm
     monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", "mkl")
@@ -123,13 +131,14 @@ def test_sgemm_only_for_float32_without_avx512_unless_asked(monkeypatch):
 @pytest.mark.parametrize("n", [1, 16, 37, 100])
 @pytest.mark.parametrize("k", [1, 9, 256, 600])
 def test_sgemm_matches_float64_at_every_tile_shape(n, k):
-    """Rows 1-3 take the wide tiles, 4+ the 6-row ones with a partial last tile; columns
-    not a multiple of 16 end in a partial panel; k crosses the 256-deep blocks."""
+    """Rows 1-3 take the wide tiles, 4+ the 6-row ones with a partial last tile (1-2 left
+    over: 4 + 3 or 4 + 4), 121+ more than one block of packed rows; columns not a multiple
+    of 16 end in a partial panel; k crosses the 256-deep blocks."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
     packed = cpu_kernels.sgemm_pack(w)
-    for m in (1, 2, 3, 4, 6, 11, 40):
+    for m in (1, 2, 3, 4, 6, 7, 8, 11, 40, 121, 250):
         x = torch.randn(m, k, generator=g)
         for bias in (None, b):
             got = cpu_kernels.sgemm(x, packed, n, bias)
@@ -144,10 +153,11 @@ def test_sgemm_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(200, 520, generator=g)
     packed = cpu_kernels.sgemm_pack(w)
-    wide = torch.randn(30, 600, generator=g)
+    wide = torch.randn(300, 600, generator=g)
     x = wide[:, 40:560]  # row stride 600
     full = cpu_kernels.sgemm(x, packed, 200)
-    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 8), (3, 30)):
+    # Edge tiles, tiles of every height, and blocks of packed rows that split differently.
+    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 8), (3, 30), (0, 121), (7, 300), (150, 160)):
         out = torch.full((hi - lo, 210), -1.0)
         got = cpu_kernels.sgemm(x[lo:hi], packed, 200, out=out[:, 5:205])
         assert torch.equal(got, full[lo:hi])
