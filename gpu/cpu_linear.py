@@ -94,13 +94,21 @@ def _decode_gemm() -> str:
 
 
 def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
-    """Products below the MKL threshold run on pagestream's sgemm (sgemm.cpp) rather than
-    oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU without AVX-512, where it was
-    measured), sgemm (any float32 model), amx / onednn (never)."""
+    """Projections run on pagestream's sgemm (sgemm.cpp) rather than oneDNN.
+    PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU without AVX-512; bfloat16 on a CPU
+    without AVX512-BF16 or AMX, where oneDNN emulates bf16 products: where each was
+    measured), sgemm (any float32 or bf16 model), amx / onednn (never)."""
     choice = _decode_gemm()
-    if dtype != torch.float32 or choice in ("onednn", "amx") or not cpu_kernels.sgemm_available():
+    if dtype not in (torch.float32, torch.bfloat16) or choice in ("onednn", "amx"):
         return False
-    return choice == "sgemm" or "avx512f" not in (cpu or cpu_features.detect()).flags
+    if not cpu_kernels.sgemm_available():
+        return False
+    if choice == "sgemm":
+        return True
+    flags = (cpu or cpu_features.detect()).flags
+    if dtype == torch.float32:
+        return "avx512f" not in flags
+    return not {"avx512_bf16", "amx_bf16"} & flags
 
 
 def use_amx(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
@@ -134,13 +142,14 @@ class PackedLinear(nn.Module):
         self.sgemm = sgemm
         self.packed = cpu_kernels.sgemm_pack(linear.weight) if sgemm else pack_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        # pagestream's kernels add a float32 bias (exact for a bf16 one).
+        self.bias_f32 = None if self.bias is None else self.bias.float()
         self.mkl_from = mkl_from
         self.plain = None if mkl_from is None else linear.weight.detach()
         self.scratch: Scratch | None = None  # see Scratch
         # The AMX kernel reads k in tiles of 32 (every model dimension we know is a multiple).
         amx = amx and linear.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
         self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
-        self.amx_bias = None if self.bias is None or not amx else self.bias.float()
 
     @classmethod
     def of_weight(
@@ -155,7 +164,7 @@ class PackedLinear(nn.Module):
         amx = self.amx is not None and x.dtype == torch.bfloat16
         if amx and x.numel() <= AMX_MAX_ROWS * self.in_features:
             y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
-                                     self.out_features, self.amx_bias)  # fmt: skip
+                                     self.out_features, self.bias_f32)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
         out = None
         if self.scratch is not None and x.dim() == 2:
@@ -168,7 +177,7 @@ class PackedLinear(nn.Module):
             return torch.addmm(self.bias, x, self.plain.t(), out=out)
         if self.sgemm:
             y = cpu_kernels.sgemm(x.reshape(-1, self.in_features), self.packed,
-                                  self.out_features, self.bias, out)  # fmt: skip
+                                  self.out_features, self.bias_f32, out)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
         return packed_linear(x, self.packed, self.bias)
 
@@ -267,18 +276,27 @@ def decode_on_amx(model: nn.Module, dtype: torch.dtype, extra_bytes: int = 0) ->
     return False
 
 
+def linears_packable(dtype: torch.dtype) -> bool:
+    """pack_model_linears will swap a `dtype` model's linears: oneDNN packs them, or
+    pagestream's sgemm takes them (also where oneDNN has no packed kernel for the dtype:
+    bf16 on AVX2-only CPUs, where torch's own bf16 product runs at ~18 GFLOP/s)."""
+    if os.environ.get("PAGESTREAM_PACK_LINEAR", "1") == "0":
+        return False
+    return use_sgemm(dtype) or packing_available(dtype)
+
+
 def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool = False) -> int:
     """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
     (Quantized layers are not nn.Linear and keep their own kernels.)  amx: the decode rows
     take the AMX kernel (decode_on_amx decides)."""
-    if not packing_available(dtype):
+    if not linears_packable(dtype):
         return 0
     mkl_from = mkl_from_rows(dtype)
     if mkl_from is not None:
         log.info("float32 projections of >= %d rows run on MKL's sgemm", mkl_from)
     sgemm = use_sgemm(dtype)
     if sgemm:
-        log.info("float32 projections of fewer rows run on pagestream's AVX2 sgemm")
+        log.info("%s projections run on pagestream's AVX2 sgemm", str(dtype).split(".")[-1])
     if amx:
         log.info("bf16 projections of <= %d rows run on pagestream's AMX kernel", AMX_MAX_ROWS)
     return swap_linears(model, lambda lin: PackedLinear(lin, mkl_from, sgemm, amx))

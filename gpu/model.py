@@ -20,8 +20,8 @@ from gpu.cpu_linear import (
     PackedLinear,
     Scratch,
     decode_on_amx,
+    linears_packable,
     pack_model_linears,
-    packing_available,
     use_sgemm,
 )
 from gpu.tp import TPGroup, vocab_parallel_embed
@@ -278,7 +278,7 @@ class CausalLM(nn.Module):
     def pack_for_cpu(self) -> int:
         """Reorder every projection's weights for oneDNN once (CPU)."""
         dtype = self.embed_tokens.weight.dtype
-        if not packing_available(dtype):
+        if not linears_packable(dtype):
             return 0
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         head = 0 if self.lm_head_int8 is not None else w.nbytes

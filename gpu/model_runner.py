@@ -141,7 +141,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
             packed = self.model.pack_for_cpu()
-            log.info("CPU: %d projections use pre-packed oneDNN weights", packed)
+            log.info("CPU: %d projections use weights packed at load", packed)
             if self.model.fuse_for_cpu():
                 log.info("CPU: residual adds, RMSNorm, rotary and SiLU*up run fused")
 

@@ -161,7 +161,7 @@ def load() -> ctypes.CDLL | None:
     lib.ps_gather_rows.restype = i64
     lib.ps_sgemm_available.restype = i32
     lib.ps_amx_available.restype = i32
-    for gemm in ("sgemm", "amx_gemm"):  # the same calling convention (see _packed_gemm)
+    for gemm in ("sgemm", "sgemm_bf16", "amx_gemm"):  # one calling convention: _packed_gemm
         getattr(lib, f"ps_{gemm}_packed_size").argtypes = [i64, i64]
         getattr(lib, f"ps_{gemm}_packed_size").restype = i64
         getattr(lib, f"ps_{gemm}_pack").argtypes = [p, i64, i64, p, i32]
@@ -300,7 +300,8 @@ def prefill_attention(
 
 
 def sgemm_available() -> bool:
-    """The float32 small-row GEMM (sgemm.cpp) is built: it needs AVX2 and FMA."""
+    """The AVX2 float32 GEMM (sgemm.cpp, also over bf16 weights) is built: it needs AVX2
+    and FMA."""
     lib = load()
     return lib is not None and bool(lib.ps_sgemm_available())
 
@@ -346,21 +347,28 @@ def _packed_gemm(
     return out
 
 
+def _sgemm_kernel(dtype: torch.dtype) -> str:
+    assert dtype in (torch.float32, torch.bfloat16), dtype
+    return "sgemm" if dtype == torch.float32 else "sgemm_bf16"
+
+
 def sgemm_pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float32 (nn.Linear's weight) -> sgemm's panel layout (flat, N rounded up
-    to 16 columns)."""
-    return _pack("sgemm", weight, torch.float32)
+    """[N, K] float32 or bfloat16 (nn.Linear's weight) -> sgemm's panel layout in that
+    dtype (flat, N rounded up to 16 columns)."""
+    return _pack(_sgemm_kernel(weight.dtype), weight, weight.dtype)
 
 
 def sgemm(
-    x: torch.Tensor,  # [M, K] float32, unit column stride
+    x: torch.Tensor,  # [M, K] float32 or bfloat16 (the weight's), unit column stride
     packed: torch.Tensor,  # sgemm_pack(weight)
     n: int,
     bias: torch.Tensor | None = None,  # [N] float32
-    out: torch.Tensor | None = None,  # [M, N] float32, unit column stride
+    out: torch.Tensor | None = None,  # [M, N] x's dtype, unit column stride
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) through the packed layout."""
-    return _packed_gemm("sgemm", torch.float32, x, packed, n, bias, out)
+    """x @ weight.T (+ bias) through the packed layout; bf16 is computed in float32 and
+    rounded once."""
+    assert packed.dtype == x.dtype, (packed.dtype, x.dtype)
+    return _packed_gemm(_sgemm_kernel(x.dtype), x.dtype, x, packed, n, bias, out)
 
 
 def amx_available() -> bool:

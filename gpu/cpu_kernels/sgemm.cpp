@@ -1,5 +1,7 @@
-// float32 GEMM for decode-sized products on AVX2 CPUs: y = x . w^T (+ bias), x [m, k],
-// w [n, k] (nn.Linear), m from 1 to a few hundred rows.
+// float32 GEMM on AVX2 CPUs: y = x . w^T (+ bias), x [m, k], w [n, k] (nn.Linear), from one
+// row (decode) to thousands (prefill).  A bfloat16 variant (ps_sgemm_bf16) reads bf16
+// weights and x, computes in float32 and rounds y to bf16: on CPUs without AVX512-BF16 or
+// AMX, oneDNN's bf16 product is emulated and runs several times slower than float32.
 //
 // Why by hand: on an AVX2-only AMD EPYC (Zen 3) oneDNN's packed float32 kernel reaches
 // ~100 GFLOP/s of the two cores' ~190 at 32-64 rows, and 5-6 GFLOP/s (a third of the
@@ -11,7 +13,9 @@
 // prefetched while the first tile computes.  Panels are split over threads; each thread
 // finishes all of k for a panel before the next, so its output tile never leaves L1.
 // With 1-3 rows a tile spans 2-4 panels instead, so enough independent FMAs are in flight
-// to run at the memory's speed.
+// to run at the memory's speed.  From 4 rows, x is first copied per block of up to kMC rows
+// into the order the tiles read it (k-major, a tile's rows side by side), so its rows -- k
+// floats apart, which for k = 1,024 is one L1 set -- do not evict each other.
 //
 // Every output element is one sequential sum over k, bias first, whatever m is and
 // wherever its row falls in a tile: a row's result does not depend on its batch.
@@ -40,11 +44,19 @@ inline int64_t panels(int64_t n) { return (n + kNR - 1) / kNR; }
 
 #if PS_SGEMM
 
+// Eight weights as floats: bf16 is the high half of a float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // MR rows x NP consecutive panels over kc values of k; c is read back unless `first`
-// (then it starts from the bias, or zero).  pf: NP panels to prefetch, one line per k.
-template <int MR, int NP, bool PF, bool PACKED>
-void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, int64_t cs,
-                 bool first, const float* bias, const float* pf) {
+// (then it starts from the bias, or zero).  pf: NP panels to prefetch, one line per k
+// (float32 weights) or every other k (bf16: two k rows to a line).
+template <typename WT, int MR, int NP, bool PF, bool PACKED>
+void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int64_t cs,
+                 bool first, const float* bias, const WT* pf) {
   // x row r at k: a[r * as + kk]; packed (see pack_rows): a[kk * MR + r], one contiguous
   // stream, so no row of x shares an L1 set with the others (rows k floats apart alias).
   const int64_t rs = PACKED ? 1 : as, ks = PACKED ? MR : 1;
@@ -59,7 +71,7 @@ void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, i
   }
 #pragma GCC unroll 4
   for (int kk = 0; kk < kc; ++kk) {
-    if (PF) {
+    if (PF && (sizeof(WT) == 4 || kk % 2 == 0)) {
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(pf + j * ps + kk * kNR), _MM_HINT_T0);
@@ -67,8 +79,8 @@ void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, i
     __m256 bv[2 * NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
-      bv[2 * j] = _mm256_loadu_ps(b + j * ps + kk * kNR);
-      bv[2 * j + 1] = _mm256_loadu_ps(b + j * ps + kk * kNR + 8);
+      bv[2 * j] = load8(b + j * ps + kk * kNR);
+      bv[2 * j + 1] = load8(b + j * ps + kk * kNR + 8);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
@@ -84,36 +96,41 @@ void tile_kernel(int kc, const float* a, int64_t as, const float* b, float* c, i
       _mm256_storeu_ps(c + r * cs + (j / 2) * kNR + (j % 2) * 8, acc[r][j]);
 }
 
-using Kernel = void (*)(int, const float*, int64_t, const float*, float*, int64_t, bool,
-                        const float*, const float*);
+template <typename WT>
+using Kernel = void (*)(int, const float*, int64_t, const WT*, float*, int64_t, bool,
+                        const float*, const WT*);
 
-// [rows][prefetch]: one panel per tile, x packed.
-constexpr Kernel kNarrow[kMR + 1][2] = {
-    {nullptr, nullptr},
-    {tile_kernel<1, 1, false, true>, tile_kernel<1, 1, true, true>},
-    {tile_kernel<2, 1, false, true>, tile_kernel<2, 1, true, true>},
-    {tile_kernel<3, 1, false, true>, tile_kernel<3, 1, true, true>},
-    {tile_kernel<4, 1, false, true>, tile_kernel<4, 1, true, true>},
-    {tile_kernel<5, 1, false, true>, tile_kernel<5, 1, true, true>},
-    {tile_kernel<6, 1, false, true>, tile_kernel<6, 1, true, true>},
+template <typename WT>
+struct Kernels {
+  // [rows][prefetch]: one panel per tile, x packed.
+  static constexpr Kernel<WT> narrow[kMR + 1][2] = {
+      {nullptr, nullptr},
+      {tile_kernel<WT, 1, 1, false, true>, tile_kernel<WT, 1, 1, true, true>},
+      {tile_kernel<WT, 2, 1, false, true>, tile_kernel<WT, 2, 1, true, true>},
+      {tile_kernel<WT, 3, 1, false, true>, tile_kernel<WT, 3, 1, true, true>},
+      {tile_kernel<WT, 4, 1, false, true>, tile_kernel<WT, 4, 1, true, true>},
+      {tile_kernel<WT, 5, 1, false, true>, tile_kernel<WT, 5, 1, true, true>},
+      {tile_kernel<WT, 6, 1, false, true>, tile_kernel<WT, 6, 1, true, true>},
+  };
+  // 1-3 rows: 4, 3, 2 panels per tile (8-12 accumulators), x read in place.
+  static constexpr Kernel<WT> wide[4][2] = {
+      {nullptr, nullptr},
+      {tile_kernel<WT, 1, 4, false, false>, tile_kernel<WT, 1, 4, true, false>},
+      {tile_kernel<WT, 2, 3, false, false>, tile_kernel<WT, 2, 3, true, false>},
+      {tile_kernel<WT, 3, 2, false, false>, tile_kernel<WT, 3, 2, true, false>},
+  };
+  // The last few panels of a wide product, one at a time.
+  static constexpr Kernel<WT> narrow_rows[4] = {
+      nullptr, tile_kernel<WT, 1, 1, false, false>, tile_kernel<WT, 2, 1, false, false>,
+      tile_kernel<WT, 3, 1, false, false>};
 };
-// 1-3 rows: 4, 3, 2 panels per tile (8-12 accumulators).
 constexpr int kWidePanels[4] = {0, 4, 3, 2};
-constexpr Kernel kWide[4][2] = {
-    {nullptr, nullptr},
-    {tile_kernel<1, 4, false, false>, tile_kernel<1, 4, true, false>},
-    {tile_kernel<2, 3, false, false>, tile_kernel<2, 3, true, false>},
-    {tile_kernel<3, 2, false, false>, tile_kernel<3, 2, true, false>},
-};
-// The last few panels of a wide product, one at a time (x not packed).
-constexpr Kernel kNarrowRows[4] = {nullptr, tile_kernel<1, 1, false, false>,
-                                   tile_kernel<2, 1, false, false>,
-                                   tile_kernel<3, 1, false, false>};
 
 // One tile at output column `col`; a tile reaching past n goes through a local buffer.
-void run_tile(Kernel kern, int mr, int np, int kc, const float* a, int64_t as, const float* b,
+template <typename WT>
+void run_tile(Kernel<WT> kern, int mr, int np, int kc, const float* a, int64_t as, const WT* b,
               float* y, int64_t ys, int64_t col, int64_t n, bool first, const float* bias,
-              const float* pf) {
+              const WT* pf) {
   const int tw = np * kNR;
   const int64_t w = std::min<int64_t>(tw, n - col);
   if (w == tw) {
@@ -121,7 +138,7 @@ void run_tile(Kernel kern, int mr, int np, int kc, const float* a, int64_t as, c
     return;
   }
   alignas(32) float tmp[kMR * 4 * kNR];
-  alignas(32) float btmp[4 * kNR];
+  alignas(32) float btmp[4 * kNR] = {};
   if (bias)
     for (int j = 0; j < tw; ++j) btmp[j] = j < w ? bias[col + j] : 0.0f;
   if (!first)
@@ -157,8 +174,8 @@ void pack_rows(const float* x, int64_t xs, int mr, int r0, int64_t mb, int64_t k
 }
 
 // 1-3 rows: each tile spans 2-4 panels, x read in place (it is a few KB).
-template <typename Block>
-void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
+template <typename WT, typename Block>
+void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n,
                const float* bias, float* y, int64_t ys, int nthreads, Block block) {
   const int64_t np = panels(n);
   const int group = kWidePanels[m];
@@ -174,15 +191,15 @@ void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp
       const int pg = static_cast<int>(std::min<int64_t>(group, np - p));
       for (int64_t k0 = 0; k0 < k; k0 += kKC) {
         const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
-        const float* b = block(k0, p);
-        const float* pf = k0 + kKC < k ? block(k0 + kKC, p) : g + 1 < g1 ? block(0, p + group)
-                                                                           : nullptr;
+        const WT* b = block(k0, p);
+        const WT* pf = k0 + kKC < k ? block(k0 + kKC, p) : g + 1 < g1 ? block(0, p + group)
+                                                                        : nullptr;
         if (pg == group) {
-          run_tile(kWide[m][pf != nullptr], static_cast<int>(m), group, kc, x + k0, xs, b, y,
+          run_tile<WT>(Kernels<WT>::wide[m][pf != nullptr], static_cast<int>(m), group, kc, x + k0, xs, b, y,
                    ys, p * kNR, n, k0 == 0, bias, pf);
         } else {  // the last few panels, one at a time
           for (int j = 0; j < pg; ++j)
-            run_tile(kNarrowRows[m], static_cast<int>(m), 1, kc, x + k0, xs,
+            run_tile<WT>(Kernels<WT>::narrow_rows[m], static_cast<int>(m), 1, kc, x + k0, xs,
                      b + static_cast<int64_t>(j) * kc * kNR, y, ys, (p + j) * kNR, n, k0 == 0,
                      bias, nullptr);
         }
@@ -191,38 +208,10 @@ void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp
   }
 }
 
-#endif  // PS_SGEMM
-
-}  // namespace
-
-extern "C" {
-
-int ps_sgemm_available() { return PS_SGEMM; }
-
-int64_t ps_sgemm_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * k; }
-
-// w [n, k] -> for each block of kKC values of k (the last may be shorter), every panel's
-// kc x 16 floats in turn; columns past n are zeros.
-void ps_sgemm_pack(const float* w, int64_t n, int64_t k, float* out, int nthreads) {
-  const int64_t np = panels(n);
-  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
-    const int64_t kc = std::min<int64_t>(kKC, k - k0);
-    float* blk = out + k0 * np * kNR;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < np; ++p)
-      for (int64_t kk = 0; kk < kc; ++kk)
-        for (int j = 0; j < kNR; ++j) {
-          const int64_t col = p * kNR + j;
-          blk[(p * kc + kk) * kNR + j] = col < n ? w[col * k + k0 + kk] : 0.0f;
-        }
-  }
-}
-
-// x [m, k] (row stride xs), packed weight from ps_sgemm_pack, bias [n] or null,
-// y [m, n] (row stride ys).
-void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
-              const float* bias, float* y, int64_t ys, int nthreads) {
-#if PS_SGEMM
+// x [m, k] (row stride xs), packed weight, bias [n] or null, y [m, n] (row stride ys).
+template <typename WT>
+void gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n,
+          const float* bias, float* y, int64_t ys, int nthreads) {
   if (m <= 0 || n <= 0) return;
   const int64_t np = panels(n);
   // Where block k0 of panel p starts (every block but the last is kKC deep).
@@ -254,15 +243,15 @@ void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
       for (int64_t p = p0; p < p1; ++p) {
         for (int64_t k0 = 0; k0 < k; k0 += kKC) {
           const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
-          const float* b = block(k0, p);
+          const WT* b = block(k0, p);
           // The next block of this panel, else the first of the next panel.
-          const float* pf = k0 + kKC < k ? block(k0 + kKC, p) : p + 1 < p1 ? block(0, p + 1)
-                                                                         : nullptr;
+          const WT* pf = k0 + kKC < k ? block(k0 + kKC, p) : p + 1 < p1 ? block(0, p + 1)
+                                                                      : nullptr;
           for (int i = 0; i < ntiles; ++i) {
             const int r0 = tiles[i][0], mr = tiles[i][1];
             // The first tile pulls the next block in; the others find this one in L1.
-            const float* tpf = i == 0 ? pf : nullptr;
-            run_tile(kNarrow[mr][tpf != nullptr], mr, 1, kc, ap + k0 * mb + r0 * kc, 0, b,
+            const WT* tpf = i == 0 ? pf : nullptr;
+            run_tile<WT>(Kernels<WT>::narrow[mr][tpf != nullptr], mr, 1, kc, ap + k0 * mb + r0 * kc, 0, b,
                      y + (m0 + r0) * ys, ys, p * kNR, n, k0 == 0, bias, tpf);
           }
         }
@@ -270,6 +259,104 @@ void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
 #pragma omp barrier  // every thread is done with ap before the next block packs into it
     }
   }
+}
+
+
+// Grow-only float32 scratch of the calling thread (the bf16 product's x and y in float32).
+float* scratch(std::vector<float>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename WT>
+void pack(const WT* w, int64_t n, int64_t k, WT* out, int nthreads) {
+  const int64_t np = panels(n);
+  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+    const int64_t kc = std::min<int64_t>(kKC, k - k0);
+    WT* blk = out + k0 * np * kNR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < np; ++p)
+      for (int64_t kk = 0; kk < kc; ++kk)
+        for (int j = 0; j < kNR; ++j) {
+          const int64_t col = p * kNR + j;
+          blk[(p * kc + kk) * kNR + j] = col < n ? w[col * k + k0 + kk] : WT(0);
+        }
+  }
+}
+
+#endif  // PS_SGEMM
+
+}  // namespace
+
+extern "C" {
+
+int ps_sgemm_available() { return PS_SGEMM; }
+
+int64_t ps_sgemm_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * k; }
+
+// w [n, k] -> for each block of kKC values of k (the last may be shorter), every panel's
+// kc x 16 values in turn; columns past n are zeros.  The bf16 layout is the same, in bf16.
+void ps_sgemm_pack(const float* w, int64_t n, int64_t k, float* out, int nthreads) {
+#if PS_SGEMM
+  pack(w, n, k, out, nthreads);
+#else
+  (void)w, (void)n, (void)k, (void)out, (void)nthreads;
+#endif
+}
+
+void ps_sgemm_bf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
+#if PS_SGEMM
+  pack(w, n, k, out, nthreads);
+#else
+  (void)w, (void)n, (void)k, (void)out, (void)nthreads;
+#endif
+}
+
+int64_t ps_sgemm_bf16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * k; }
+
+// x [m, k] (row stride xs), packed weight from ps_sgemm_pack, bias [n] or null,
+// y [m, n] (row stride ys).
+void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
+              const float* bias, float* y, int64_t ys, int nthreads) {
+#if PS_SGEMM
+  gemm(x, xs, m, k, wp, n, bias, y, ys, nthreads);
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
+      (void)nthreads;
+#endif
+}
+
+// The same in bfloat16: x [m, k] and y [m, n] bf16, packed weight from ps_sgemm_bf16_pack,
+// bias [n] float32 or null.  x is widened into float32 first and y computed in float32,
+// then rounded to bf16 once (as a bf16 GEMM with float32 accumulation does).
+void ps_sgemm_bf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                   int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads) {
+#if PS_SGEMM
+  if (m <= 0 || n <= 0) return;
+  thread_local std::vector<float> xbuf, ybuf;
+  float* xf = scratch(xbuf, m * k);
+  float* yf = scratch(ybuf, m * n);
+  const int nt = std::max(1, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = from_bf16(x[r * xs + i]);
+  gemm(xf, k, m, k, wp, n, bias, yf, n, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < n; ++j) y[r * ys + j] = to_bf16(yf[r * n + j]);
 #else
   (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
       (void)nthreads;

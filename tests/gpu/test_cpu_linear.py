@@ -1,6 +1,7 @@
 """The CPU projections: oneDNN's packed weight, or pagestream's sgemm (float32 without
-AVX-512) or AMX kernel (bf16 with AMX), at decode sizes; MKL's sgemm on the plain weight from
-MKL_FROM_ROWS rows where that is the faster kernel (float32 without AVX-512)."""
+AVX-512, bf16 without native bf16; every size) or AMX kernel (bf16 with AMX, decode sizes);
+MKL's sgemm on the plain weight from MKL_FROM_ROWS rows where asked (or where the sgemm is
+not built on a float32 CPU without AVX-512)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gpu.cpu_linear import AMX_MAX_ROWS, PackedLinear, mkl_from_rows, use_amx, u
 AVX2 = CpuFeatures("test CPU", frozenset({"avx2"}))
 AVX512 = CpuFeatures("test CPU", frozenset({"avx2", "avx512f", "avx512_bf16"}))
 AMX = CpuFeatures("test CPU", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
+AVX512_NO_BF16 = CpuFeatures("test CPU", frozenset({"avx2", "avx512f"}))
 
 needs_packing = pytest.mark.skipif(
     not cpu_linear.packing_available(torch.float32), reason="no packed oneDNN linear here"
@@ -113,13 +115,19 @@ def test_scratch_output_is_reused_and_exact():
     assert len(set(outs)) <= 2  # one buffer (regrown once for 20 rows), no fresh outputs
 
 
-def test_sgemm_only_for_float32_without_avx512_unless_asked(monkeypatch):
+def test_sgemm_where_onednn_has_no_native_kernel_unless_asked(monkeypatch):
     built = cpu_kernels.sgemm_available()
     assert use_sgemm(torch.float32, AVX2) == built
     assert not use_sgemm(torch.float32, AVX512)
-    assert not use_sgemm(torch.bfloat16, AVX2)
+    # bf16 wherever the CPU has no bf16 product (oneDNN emulates it), AVX-512 or not.
+    assert use_sgemm(torch.bfloat16, AVX2) == built
+    assert use_sgemm(torch.bfloat16, AVX512_NO_BF16) == built
+    assert not use_sgemm(torch.bfloat16, AVX512)
+    assert not use_sgemm(torch.bfloat16, AMX)
+    assert not use_sgemm(torch.float16, AVX2)
     monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "sgemm")
     assert use_sgemm(torch.float32, AVX512) == built
+    assert use_sgemm(torch.bfloat16, AMX) == built
     monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "onednn")
     assert not use_sgemm(torch.float32, AVX2)
     monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "fast")
@@ -165,6 +173,31 @@ def test_sgemm_rows_do_not_depend_on_the_batch():
 
 
 @needs_sgemm
+@pytest.mark.parametrize("n, k", [(37, 600), (200, 9), (300, 1024)])
+def test_sgemm_bf16_is_the_float32_product_rounded_once(n, k):
+    """bf16 weights and x, float32 sums, y rounded to bf16 once: against the float32
+    product of the same bf16 values, only a sum's last bit (another order) may differ."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    packed = cpu_kernels.sgemm_pack(w)
+    assert packed.dtype == torch.bfloat16
+    for m in (1, 2, 3, 4, 7, 40, 130):
+        wide = torch.randn(m, k + 8, generator=g).bfloat16()
+        x = wide[:, 3 : 3 + k]  # a row stride that is not k
+        for bias in (None, b):
+            got = cpu_kernels.sgemm(x, packed, n, bias)
+            assert got.dtype == torch.bfloat16
+            ref = F.linear(x.float(), w.float(), bias).bfloat16()
+            torch.testing.assert_close(got.float(), ref.float(), atol=1e-2 * k**0.5, rtol=8e-3)
+            assert (got != ref).float().mean() < 0.01
+    out = torch.full((5, n + 4), 7.0).bfloat16()
+    full = cpu_kernels.sgemm(x[:5], packed, n, b)
+    cpu_kernels.sgemm(x[:5], packed, n, b, out=out[:, 2 : 2 + n])
+    assert torch.equal(out[:, 2 : 2 + n], full) and (out[:, :2] == 7).all()
+
+
+@needs_sgemm
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_on_sgemm_below_mkl(monkeypatch, bias):
     torch.manual_seed(2)
@@ -184,6 +217,19 @@ def test_packed_linear_on_sgemm_below_mkl(monkeypatch, bias):
     head = PackedLinear.of_weight(lin.weight, sgemm=True)
     x = torch.randn(3, 64)
     torch.testing.assert_close(head(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
+
+
+@needs_sgemm
+def test_bf16_packed_linear_on_sgemm():
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 40, bias=True).bfloat16()
+    layer = PackedLinear(lin, sgemm=True)
+    for shape in ((1, 64), (9, 64), (2, 3, 64)):
+        x = torch.randn(*shape).bfloat16()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], 40)
+        ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+        torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=1e-2)
 
 
 def test_amx_only_for_bf16_on_amx_cpus_unless_turned_off(monkeypatch):
