@@ -115,9 +115,10 @@ async def check_quantized(model: str, kv_cache_dtype: str, work, results, n: int
     prefix sharing, one sample each).  Scales per token and head make a token's stored
     K/V independent of what it was batched with, so batching must not change a token."""
     # The roomy engine's steps reach 512+ rows, where float32 projections on a CPU without
-    # AVX-512 switch from oneDNN to MKL (gpu/cpu_linear.py): another rounding in the last
-    # bits, which a quantized cache can amplify into another token.  The oracle must run
-    # the kernels the engine under test runs (its steps stay far below 512 rows).
+    # AVX-512 may switch to MKL (gpu/cpu_linear.py: where pagestream's sgemm is off):
+    # another rounding in the last bits, which a quantized cache can amplify into another
+    # token.  The oracle must run the kernels the engine under test runs (its steps stay
+    # far below 512 rows).
     with mock.patch.dict(os.environ, {"PAGESTREAM_PREFILL_GEMM": "onednn"}):
         engine = make_engine(
             model, num_kv_blocks=1024, max_num_batched_tokens=4096, max_model_len=512,
