@@ -166,20 +166,21 @@ class PackedLinear(nn.Module):
             y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
                                      self.out_features, self.bias_f32)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
+        mkl = self.plain is not None and x.numel() >= self.mkl_from * self.in_features
+        if not (mkl or self.sgemm):
+            return packed_linear(x, self.packed, self.bias)  # oneDNN allocates its own
         out = None
         if self.scratch is not None and x.dim() == 2:
             out = self.scratch.take(x.shape[0], self.out_features, x.dtype)
-        if self.plain is not None and x.numel() >= self.mkl_from * self.in_features:
+        if mkl:
             if out is None:
                 return F.linear(x, self.plain, self.bias)
             if self.bias is None:
                 return torch.mm(x, self.plain.t(), out=out)
             return torch.addmm(self.bias, x, self.plain.t(), out=out)
-        if self.sgemm:
-            y = cpu_kernels.sgemm(x.reshape(-1, self.in_features), self.packed,
-                                  self.out_features, self.bias_f32, out)  # fmt: skip
-            return y.view(*x.shape[:-1], self.out_features)
-        return packed_linear(x, self.packed, self.bias)
+        y = cpu_kernels.sgemm(x.reshape(-1, self.in_features), self.packed,
+                              self.out_features, self.bias_f32, out)  # fmt: skip
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 class Scratch:

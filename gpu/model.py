@@ -276,7 +276,8 @@ class CausalLM(nn.Module):
         return logits if self.tp is None else self.tp.gather_last_dim(logits)
 
     def pack_for_cpu(self) -> int:
-        """Reorder every projection's weights for oneDNN once (CPU)."""
+        """Pack every projection's weights once for the CPU kernel that runs it
+        (gpu/cpu_linear.py); returns how many linears were swapped."""
         dtype = self.embed_tokens.weight.dtype
         if not linears_packable(dtype):
             return 0

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -147,6 +148,28 @@ void run_tile(Kernel<WT> kern, int mr, int np, int kc, const float* a, int64_t a
   for (int r = 0; r < mr; ++r) std::memcpy(y + r * ys + col, tmp + r * tw, 4 * w);
 }
 
+// Grow-only float32 scratch of the calling thread, 64-byte aligned: the packed x of every
+// call, and the bf16 product's float32 y (a fresh vector per call would be zeroed, and past
+// glibc's mmap threshold mapped and faulted in, every call).
+float* scratch(std::vector<float>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n + 16) buf.resize(n + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+inline float to_f32(float f) { return f; }
+inline float to_f32(uint16_t h) {  // bfloat16 -> float: the high half of an fp32
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // A block of mb rows as register tiles (row offset, rows): tiles of kMR, and where the
 // last would be 1-2 rows, the last two as 4 + 3 or 4 + 4 instead (a 1-2 row tile keeps
 // too few FMAs in flight to hide their latency).  Returns the count.
@@ -161,15 +184,16 @@ int plan_tiles(int mb, int (*tiles)[2]) {
   return n;
 }
 
-// One tile's mr rows of x (stride xs) into the packed layout of a block of mb rows
-// starting r0 rows in: for each k block (k0, kc) the tile's kc x mr floats, k-major, at
-// ap + k0 * mb + r0 * kc.
-void pack_rows(const float* x, int64_t xs, int mr, int r0, int64_t mb, int64_t k, float* ap) {
+// One tile's mr rows of x (stride xs; float32, or bf16 widened here) into the packed layout
+// of a block of mb rows starting r0 rows in: for each k block (k0, kc) the tile's kc x mr
+// floats, k-major, at ap + k0 * mb + r0 * kc.
+template <typename XT>
+void pack_rows(const XT* x, int64_t xs, int mr, int r0, int64_t mb, int64_t k, float* ap) {
   for (int64_t k0 = 0; k0 < k; k0 += kKC) {
     const int64_t kc = std::min<int64_t>(kKC, k - k0);
     float* dst = ap + k0 * mb + r0 * kc;
     for (int64_t kk = 0; kk < kc; ++kk)
-      for (int r = 0; r < mr; ++r) dst[kk * mr + r] = x[r * xs + k0 + kk];
+      for (int r = 0; r < mr; ++r) dst[kk * mr + r] = to_f32(x[r * xs + k0 + kk]);
   }
 }
 
@@ -208,26 +232,34 @@ void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* wp, i
   }
 }
 
-// x [m, k] (row stride xs), packed weight, bias [n] or null, y [m, n] (row stride ys).
-template <typename WT>
-void gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n,
+// x [m, k] (row stride xs; float32 or bf16), packed weight, bias [n] or null, y [m, n]
+// float32 (row stride ys).
+template <typename WT, typename XT>
+void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n,
           const float* bias, float* y, int64_t ys, int nthreads) {
+  thread_local std::vector<float> xbuf;
   if (m <= 0 || n <= 0) return;
   const int64_t np = panels(n);
   // Where block k0 of panel p starts (every block but the last is kKC deep).
   auto block = [&](int64_t k0, int64_t p) {
     return wp + k0 * np * kNR + p * std::min<int64_t>(kKC, k - k0) * kNR;
   };
-  if (m <= 3) {
-    wide_gemm(x, xs, m, k, wp, n, bias, y, ys, nthreads, block);
+  if (m <= 3) {  // x read in place; bf16 rows are widened first (a few KB)
+    if constexpr (std::is_same_v<XT, float>) {
+      wide_gemm(x, xs, m, k, wp, n, bias, y, ys, nthreads, block);
+    } else {
+      float* xf = scratch(xbuf, m * k);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < k; ++i) xf[r * k + i] = to_f32(x[r * xs + i]);
+      wide_gemm(static_cast<const float*>(xf), k, m, k, wp, n, bias, y, ys, nthreads, block);
+    }
     return;
   }
   // Rows in blocks of at most kMC, as even as they come: one block's packed x per k block
   // (kMC x kKC floats) stays in L2 while every panel of the thread passes over it.
   const int64_t nblk = (m + kMC - 1) / kMC;
   const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
-  std::vector<float> apbuf(static_cast<size_t>(mc * k) + 16);
-  float* ap = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(apbuf.data()) + 63) & ~63);
+  float* ap = scratch(xbuf, mc * k);
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, np)));
 #pragma omp parallel num_threads(nt)
   {
@@ -261,25 +293,6 @@ void gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_
   }
 }
 
-
-// Grow-only float32 scratch of the calling thread (the bf16 product's x and y in float32).
-float* scratch(std::vector<float>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
-inline float from_bf16(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 template <typename WT>
 void pack(const WT* w, int64_t n, int64_t k, WT* out, int nthreads) {
@@ -340,21 +353,16 @@ void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
 }
 
 // The same in bfloat16: x [m, k] and y [m, n] bf16, packed weight from ps_sgemm_bf16_pack,
-// bias [n] float32 or null.  x is widened into float32 first and y computed in float32,
-// then rounded to bf16 once (as a bf16 GEMM with float32 accumulation does).
+// bias [n] float32 or null.  x is widened as it is packed and y computed in float32, then
+// rounded to bf16 once (as a bf16 GEMM with float32 accumulation does).
 void ps_sgemm_bf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                    int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads) {
 #if PS_SGEMM
   if (m <= 0 || n <= 0) return;
-  thread_local std::vector<float> xbuf, ybuf;
-  float* xf = scratch(xbuf, m * k);
+  thread_local std::vector<float> ybuf;
   float* yf = scratch(ybuf, m * n);
-  const int nt = std::max(1, nthreads);
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = from_bf16(x[r * xs + i]);
-  gemm(xf, k, m, k, wp, n, bias, yf, n, nthreads);
-#pragma omp parallel for num_threads(nt) schedule(static)
+  gemm(x, xs, m, k, wp, n, bias, yf, n, nthreads);
+#pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static)
   for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < n; ++j) y[r * ys + j] = to_bf16(yf[r * n + j]);
 #else
