@@ -6,7 +6,8 @@ vLLM runs from its own venv (`--vllm-python`, or $VLLM_PYTHON); without one only
 pagestream's rows are printed.  Nothing here imports vllm: its server is a subprocess.
 
 Each server is warmed on requests disjoint from the timed ones (another seed's random
-token ids), then every load runs once against it.  The verdict row
+token ids), then every load runs once against it, each on prompts of its own seed (no load
+is a prefix-cache hit of another), the same prompts for both servers.  The verdict row
 picks the highest rate at which vLLM keeps p99 TPOT under `--serve-tpot-slo` ms and compares
 output tokens/s and p99 TTFT there.
 """
@@ -105,6 +106,14 @@ def _loads(args: argparse.Namespace) -> list[tuple[str, float]]:
     return rates + conc
 
 
+WARMUP_SEED = 1000
+
+
+def load_plan(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+    """(kind, x, seed) per timed load: seeds 1, 2, ... (the warm-up's is WARMUP_SEED)."""
+    return [(kind, x, 1 + i) for i, (kind, x) in enumerate(_loads(args))]
+
+
 def _config(args: argparse.Namespace, url: str, kind: str, x: float, seed: int = 1):
     from bench.serve import BenchConfig
 
@@ -130,7 +139,7 @@ def _warm_up(args: argparse.Namespace, url: str, name: str) -> None:
 
     if args.cmp_warmup <= 0:
         return
-    cfg = _config(args, url, "conc", 4, seed=1000)
+    cfg = _config(args, url, "conc", 4, seed=WARMUP_SEED)
     cfg.num_prompts = args.cmp_warmup
     r = asyncio.run(run_benchmark(cfg))
     if r["failed"]:
@@ -160,9 +169,9 @@ def run_server(
                 tail = Path(log.name).read_text(errors="replace")[-1500:]
                 raise RuntimeError(f"{name} did not start ({e}); log tail:\n{tail}") from e
             _warm_up(args, url, name)
-            for kind, x in _loads(args):
+            for kind, x, seed in load_plan(args):
                 cpu0 = tree_cpu_seconds(proc.pid)
-                r = _one_load(args, url, name, kind, x)
+                r = _one_load(args, url, name, kind, x, seed)
                 cpu1 = tree_cpu_seconds(proc.pid)
                 toks = r["total_output_tokens"]
                 if cpu0 is not None and cpu1 is not None and toks:
@@ -176,10 +185,15 @@ def run_server(
 Results = dict[str, dict[tuple[str, float], dict[str, Any]]]
 
 
-def _one_load(args: argparse.Namespace, url: str, name: str, kind: str, x: float) -> dict[str, Any]:
+def _one_load(
+    args: argparse.Namespace, url: str, name: str, kind: str, x: float, seed: int
+) -> dict[str, Any]:
+    """One load, its prompts from its own seed: with one seed for all, every load after
+    the first replayed the first one's prompts, and both servers' prefix caches answered
+    them (TTFT at 1 req/s read 100 ms where a cold 160-token prefill takes ~330)."""
     from bench.serve import run_benchmark
 
-    r = asyncio.run(run_benchmark(_config(args, url, kind, x)))
+    r = asyncio.run(run_benchmark(_config(args, url, kind, x, seed=seed)))
     if r["failed"]:
         errs = sorted({e for e in r["errors"] if e})
         raise RuntimeError(f"{name} at {kind} {x:g}: {r['failed']} failed: {errs[:2]}")

@@ -236,3 +236,32 @@ def test_offline_table_rows_from_records():
     assert rows[2][0].startswith("vLLM compiled FAILED") and rows[2][1:] == ["", "", "", "-"]
     rows = table_rows(OFFLINE["dtypes"][0]["engines"], 1000, None)
     assert all(len(r) == 4 for r in rows) and rows[2][3] == f"{11.0 / 3.35:.2f}x"
+
+
+def test_every_load_has_its_own_prompts_and_none_is_the_warm_ups():
+    """A load replaying another's prompts measures the prefix cache, not the server."""
+    import argparse
+
+    from bench.serve_vllm import WARMUP_SEED, _config, load_plan
+    from bench.serve_workload import random_requests
+
+    args = argparse.Namespace(
+        cmp_rates="0.5,1,2", cmp_concurrency="1,4", cmp_prompts=48, cmp_input=160,
+        cmp_output=96, cmp_range=0.33, cmp_warmup=4,
+    )  # fmt: skip
+    plan = load_plan(args)
+    assert [(k, x) for k, x, _ in plan] == [
+        ("rate", 0.5), ("rate", 1.0), ("rate", 2.0), ("conc", 1.0), ("conc", 4.0)
+    ]  # fmt: skip
+
+    def heads(kind: str, x: float, seed: int, n: int | None = None) -> set[tuple[int, ...]]:
+        c = _config(args, "http://x", kind, x, seed=seed)
+        reqs = random_requests(
+            n or c.num_prompts, c.input_len, c.output_len, c.range_ratio, 49152, 0, c.seed
+        )
+        return {tuple(r.prompt[:16]) for r in reqs}
+
+    sets = [heads(k, x, s) for k, x, s in plan] + [heads("conc", 4, WARMUP_SEED, 4)]
+    for i, a in enumerate(sets):
+        for b in sets[i + 1 :]:
+            assert not a & b
