@@ -216,9 +216,13 @@ def verdict(ours: dict, theirs: dict, slo_ms: float) -> tuple[float | None, bool
         if k[0] == "rate" and theirs[k]["p99_tpot_ms"] < slo_ms and k in ours
     ]
     if not ok:
-        return None, False, (
-            f"vLLM's p99 TPOT passed {slo_ms:g} ms at every rate tried "
-            "(on a slower CPU, lower --cmp-rates)"
+        return (
+            None,
+            False,
+            (
+                f"vLLM's p99 TPOT passed {slo_ms:g} ms at every rate tried "
+                "(on a slower CPU, lower --cmp-rates)"
+            ),
         )
     rate = ok[-1]
     a, b = ours[("rate", rate)], theirs[("rate", rate)]

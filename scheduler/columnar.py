@@ -66,29 +66,11 @@ class ColumnarDecodes:
             token_ids=[r.token_ids[-1] for r in reqs],
             positions=positions,
         )
-        if edge and not self._grow_edges(reqs, positions, edge, cols):
+        if edge and not self.kv.grow_decode_edges(reqs, positions, edge, cols):
             return None
         self._col_step, self._col_reqs = self.step_id + 1, reqs
         rest = [r for r in running if not r.columnar] if len(reqs) < len(running) else []
         return cols, rest
-
-    def _grow_edges(
-        self, reqs: list[Request], positions: list[int], edge: list[int], cols: DecodeColumns
-    ) -> bool:
-        """Blocks for the edge rows that need one (all or none), and their table deltas."""
-        kv, bs = self.kv, self.block_size
-        tables = kv.req_blocks
-        need = [i for i in edge if len(tables[reqs[i].req_id]) * bs <= positions[i]]
-        if len(need) > kv.pool.num_free:
-            return False
-        for i in edge:
-            req = reqs[i]
-            if kv.append_decode_slot(req, positions[i]):
-                kept, new = kv.take_table_delta(req.req_id)
-                cols.delta_rows.append(i)
-                cols.delta_kept.append(kept)
-                cols.delta_blocks.append(new)
-        return True
 
     def _update_columnar(
         self, so: SchedulerOutput, mo: ModelOutput, updates: list[RequestUpdate]

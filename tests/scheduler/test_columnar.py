@@ -216,3 +216,23 @@ def test_grammar_and_logprob_requests_stay_on_the_general_path():
         so, _ = step(s)
     assert so.decodes.req_ids == ["plain"] and [r.req_id for r in so.scheduled] == ["lp"]
     assert s.requests["plain"].status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_blocks_filled_by_columnar_decodes_are_prefix_hits_for_a_later_prompt(block_size):
+    """The edge work of the columnar path (a block for each row starting one, a cache
+    entry for each row filling one) registers what the general path would: a prompt that
+    repeats a finished request's whole sequence hits every full block of it."""
+    bs = block_size
+    cfg = SchedulerConfig(num_kv_blocks=96 // bs, block_size=bs, max_num_batched_tokens=64,
+                          max_model_len=64)  # fmt: skip
+    s, runner = Scheduler(cfg), FakeRunner(96 // bs, bs)
+    prompt = [5, 6, 7]
+    run = drive(s, runner, {0: [make_group("a", prompt, 17), make_group("b", [9, 8], 12)]})
+    assert sum(len(so.decodes.req_ids) for so in run.steps) >= 20  # the columnar path ran
+    seq = prompt + run.outputs["a"]
+    again = drive(s, runner, {0: [make_group("c", [*seq, 3], 2)]})
+    assert again.outputs["c"] == reference_generate([*seq, 3], 2, 1000, None)
+    # The last sampled token was never fed back, so its KV (and its block) do not exist.
+    assert s.kv.prefix_hits == (len(seq) - 1) // bs * bs
+    assert_all_free(s, runner)
