@@ -69,15 +69,21 @@ async def connection_middleware(
         # Closed connections stay here until pruned (a protocol takes no weak reference,
         # and aiohttp offers no close hook), each holding its parser and buffers: prune
         # whenever the table doubles past what was live last time, so what it holds stays
-        # proportional to the connections really open (a soak test measures it).
-        for p in [p for p, n in conns.items() if n == 0 and p.transport is None]:
-            del conns[p]
-        state.connections_prune_at = 2 * len(conns) + 64
+        # proportional to the connections really open, and once traffic stops
+        # (_trim_when_idle), so an idle server holds none (a soak test measures it).
+        prune_closed_connections(state)
     conns[proto] = conns.get(proto, 0) + 1
     try:
         return await handler(request)
     finally:
         conns[proto] -= 1
+
+
+def prune_closed_connections(state: ServerState) -> None:
+    conns = state.connections
+    for p in [p for p, n in conns.items() if n == 0 and p.transport is None]:
+        del conns[p]
+    state.connections_prune_at = 2 * len(conns) + 64
 
 
 def close_idle_connections(state: ServerState) -> int:
@@ -231,18 +237,19 @@ async def _trim_when_idle(state: ServerState) -> None:
     """After a burst of traffic, hand the allocator's free pages back to the OS once the
     engine has gone idle.  A storm's steps allocate and free many short-lived tensors and
     buffers across threads; glibc keeps the freed memory in its heaps, so without this
-    RSS ratchets up to each burst's high-water mark (the soak test measures it)."""
+    RSS ratchets up to each burst's high-water mark (the soak test measures it).  The
+    burst's closed connections are dropped first, so their buffers are among what goes
+    back."""
     trim = _malloc_trim()
-    if trim is None:
-        return
     trimmed_at = -1
     while True:
         await asyncio.sleep(TRIM_IDLE_SECONDS)
         engine = state.engine
         if engine is None or state.inflight or not engine.core.idle.is_set():
             continue
+        prune_closed_connections(state)  # a few idle entries: cheap every tick
         steps = engine.core.num_steps
-        if steps != trimmed_at:
+        if steps != trimmed_at and trim is not None:
             trimmed_at = steps
             await asyncio.to_thread(trim, 0)
 

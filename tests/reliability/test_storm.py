@@ -47,6 +47,22 @@ class Server:
         with urllib.request.urlopen(self.url + "/debug/state" + q, timeout=30) as r:
             return json.loads(r.read())
 
+    def settled_state(self, timeout: float = 20.0) -> dict[str, Any]:
+        """state(gc=True) once the live-object count has held still for two seconds:
+        handlers of clients that vanished mid-stream linger until their send times out
+        (5 s here, --send-timeout) and hold their connection's objects until then (~1,700
+        for a storm's 30 sockets and 100 streams); a leak does not go away with time."""
+        deadline = time.monotonic() + timeout
+        counts = [self.state(gc=True)["gc_objects"]]
+        while True:
+            time.sleep(1.0)
+            s = self.state(gc=True)
+            counts.append(s["gc_objects"])
+            if max(counts[-3:]) - min(counts[-3:]) < 20 and len(counts) >= 3:
+                return s
+            if time.monotonic() > deadline:
+                return s
+
     def wait_quiet(self, timeout: float = 30.0) -> dict[str, Any]:
         """Until nothing runs, waits or is held (the last steps may still be landing)."""
         keys = ("running", "waiting", "remote_pending", "requests", "groups", "streams",
@@ -142,7 +158,7 @@ async def test_soak_memory_objects_and_tasks_return_to_baseline(server):
         await storm(server.url, sse_streams=SSE_STREAMS, seed=90 + k)
     base = server.wait_quiet()
     time.sleep(3)  # the server trims its allocator once idle for 2 s
-    base_gc = server.state(gc=True)
+    base_gc = server.settled_state()
     rounds, requests, rss = 4, 0, []
     for k in range(rounds):
         res = await storm(server.url, sse_streams=SSE_STREAMS, seed=101 + k)
@@ -150,7 +166,7 @@ async def test_soak_memory_objects_and_tasks_return_to_baseline(server):
         requests += res.requests
         rss.append(server.wait_quiet()["rss_bytes"] >> 20)
     time.sleep(3)  # the server trims its allocator once idle for 2 s
-    end = server.state(gc=True)
+    end = server.settled_state()
     grown_mb = (end["rss_bytes"] - base_gc["rss_bytes"]) / 2**20
     per_1000 = grown_mb * 1000 / requests
     print(f"soak: {requests} requests, RSS {base_gc['rss_bytes'] >> 20} -> "
