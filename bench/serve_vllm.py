@@ -114,7 +114,7 @@ def load_plan(args: argparse.Namespace) -> list[tuple[str, float, int]]:
     return [(kind, x, 1 + i) for i, (kind, x) in enumerate(_loads(args))]
 
 
-def _config(args: argparse.Namespace, url: str, kind: str, x: float, seed: int = 1):
+def _config(args: argparse.Namespace, url: str, kind: str, x: float, seed: int):
     from bench.serve import BenchConfig
 
     closed = kind == "conc"

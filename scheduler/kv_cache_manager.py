@@ -152,17 +152,14 @@ class KVCacheManager:
             fresh = self.pool.allocate(len(need))
             if fresh is None:
                 return False
-            synced = self.num_synced_blocks
             for i, b in zip(need, fresh, strict=True):
                 rid = reqs[i].req_id
                 tables[rid].append(b)
-                ids = id_tables[rid]
-                ids.append(b.block_id)
-                kept = synced.get(rid, 0)
-                synced[rid] = len(ids)
+                id_tables[rid].append(b.block_id)
+                kept, new = self.take_table_delta(rid)
                 cols.delta_rows.append(i)
                 cols.delta_kept.append(kept)
-                cols.delta_blocks.append(ids[kept:])
+                cols.delta_blocks.append(new)
         fills = [i for i in edge if (positions[i] + 1) % bs == 0]
         if fills and self.enable_prefix_caching:
             cached, pool = self.num_cached_blocks, self.pool
