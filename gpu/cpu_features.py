@@ -20,6 +20,9 @@ FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"
 class CpuFeatures:
     model: str
     flags: frozenset[str]  # the subset of FLAGS_OF_INTEREST present
+    # "family 26 model 2": VMs often name only the brand ("AMD EPYC"), which is the same
+    # string for a Zen 3, a Zen 4 and a Zen 5, whose figures differ by 2x.
+    family: str = ""
 
     @property
     def native_bf16(self) -> bool:
@@ -35,19 +38,28 @@ class CpuFeatures:
 
     def describe(self) -> str:
         have = [f for f in FLAGS_OF_INTEREST if f in self.flags]
-        return f"{self.model} ({', '.join(have) or 'none of ' + '/'.join(FLAGS_OF_INTEREST)})"
+        name = f"{self.model}, {self.family}" if self.family else self.model
+        return f"{name} ({', '.join(have) or 'none of ' + '/'.join(FLAGS_OF_INTEREST)})"
 
 
 def parse_cpuinfo(text: str) -> CpuFeatures:
     model, flags = "", frozenset[str]()
+    ids: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
+        if key in ("cpu family", "model") and key not in ids:
+            ids[key] = value.strip()
         if key == "model name" and not model:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:  # x86 / arm64 spelling
             flags = frozenset(value.split()) & frozenset(FLAGS_OF_INTEREST)
-    return CpuFeatures(model or platform.processor() or platform.machine(), flags)
+    family = (
+        f"family {ids['cpu family']} model {ids['model']}"
+        if "cpu family" in ids and "model" in ids
+        else ""
+    )
+    return CpuFeatures(model or platform.processor() or platform.machine(), flags, family)
 
 
 @functools.cache

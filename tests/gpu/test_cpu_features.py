@@ -11,6 +11,8 @@ from gpu.cpu_features import CpuFeatures, detect, parse_cpuinfo
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
 model name\t: AMD EPYC 9R14
 flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni sha_ni
 processor\t: 1
@@ -29,6 +31,10 @@ def test_parse_cpuinfo_keeps_model_and_flags_of_interest():
     assert f.flags == {"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}
     assert f.native_bf16 and f.isa == "avx512-bf16"
     assert "avx512_bf16" in f.describe() and "AMD EPYC 9R14" in f.describe()
+    # VMs may name only the brand: family and model tell a Zen 4 from a Zen 5.
+    assert f.family == "family 25 model 17"
+    assert f.describe().startswith("AMD EPYC 9R14, family 25 model 17 (avx2")
+    assert parse_cpuinfo("model name\t: X\nflags\t: avx2\n").describe() == "X (avx2)"
 
 
 def test_auto_dtype_on_cpu_is_what_the_cpu_computes_natively():
