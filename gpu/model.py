@@ -22,6 +22,7 @@ from gpu.cpu_linear import (
     decode_on_amx,
     linears_packable,
     pack_model_linears,
+    use_dpbf16,
     use_sgemm,
 )
 from gpu.tp import TPGroup, vocab_parallel_embed
@@ -291,7 +292,7 @@ class CausalLM(nn.Module):
                 layer.mlp.gate_up_proj.scratch = scratch  # each dead once SiLU * up ran
         if self.lm_head_int8 is not None:
             return n
-        self.lm_head_packed = PackedLinear.of_weight(w, use_sgemm(dtype), amx)
+        self.lm_head_packed = PackedLinear.of_weight(w, use_sgemm(dtype), amx, use_dpbf16(dtype))
         if self.lm_head_weight is not None:
             self.lm_head_weight = None  # only the packed copy is used from now on
         return n

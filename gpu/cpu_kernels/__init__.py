@@ -6,7 +6,8 @@ blocks into a dense copy; prefill is a flash-attention style kernel several time
 than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8`
 (int8_gemv.cpp).  `write_kv` and `argmax` replace a step's small ATen ops (step_ops.cpp).
 `sgemm` is the float32 decode-sized projection on AVX2-only CPUs (sgemm.cpp) and
-`amx_gemm` the bfloat16 one on CPUs with AMX tiles (amx_gemm.cpp), both used by
+`amx_gemm` the bfloat16 one on CPUs with AMX tiles (amx_gemm.cpp), `dpbf16_gemm` every
+bfloat16 projection on CPUs with AVX512-BF16 but no AMX (dpbf16_gemm.cpp), all used by
 gpu/cpu_linear.py.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
@@ -41,6 +42,7 @@ _SRCS = [
         "step_ops.cpp",
         "sgemm.cpp",
         "amx_gemm.cpp",
+        "dpbf16_gemm.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name("simd.h")]
@@ -161,7 +163,13 @@ def load() -> ctypes.CDLL | None:
     lib.ps_gather_rows.restype = i64
     lib.ps_sgemm_available.restype = i32
     lib.ps_amx_available.restype = i32
-    for gemm in ("sgemm", "sgemm_bf16", "amx_gemm"):  # one calling convention: _packed_gemm
+    lib.ps_dpbf16_available.restype = i32
+    for gemm in (
+        "sgemm",
+        "sgemm_bf16",
+        "amx_gemm",
+        "dpbf16",
+    ):  # one calling convention: _packed_gemm
         getattr(lib, f"ps_{gemm}_packed_size").argtypes = [i64, i64]
         getattr(lib, f"ps_{gemm}_packed_size").restype = i64
         getattr(lib, f"ps_{gemm}_pack").argtypes = [p, i64, i64, p, i32]
@@ -395,6 +403,30 @@ def amx_gemm(
     """x @ weight.T (+ bias) on AMX tiles, float32 accumulation, rounded once to bf16."""
     assert x.shape[-1] % 32 == 0, x.shape
     return _packed_gemm("amx_gemm", torch.bfloat16, x, packed, n, bias, out)
+
+
+def dpbf16_available() -> bool:
+    """The AVX512-BF16 GEMM (dpbf16_gemm.cpp) is built: it needs AVX512F/BW and
+    AVX512-BF16."""
+    lib = load()
+    return lib is not None and bool(lib.ps_dpbf16_available())
+
+
+def dpbf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bfloat16 (nn.Linear's weight) -> dpbf16_gemm's layout of k pairs in groups of
+    panels (flat, N rounded up to 16 columns, K to even)."""
+    return _pack("dpbf16", weight, torch.bfloat16)
+
+
+def dpbf16_gemm(
+    x: torch.Tensor,  # [M, K] bfloat16, unit column stride
+    packed: torch.Tensor,  # dpbf16_pack(weight)
+    n: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+    out: torch.Tensor | None = None,  # [M, N] bfloat16, unit column stride
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) on vdpbf16ps, float32 accumulation, rounded once to bf16."""
+    return _packed_gemm("dpbf16", torch.bfloat16, x, packed, n, bias, out)
 
 
 # Up to this many activation rows the int8 GEMV below is used; more rows (prefill) are

@@ -1,5 +1,6 @@
 """The CPU projections: oneDNN's packed weight, or pagestream's sgemm (float32 without
-AVX-512, bf16 without native bf16; every size) or AMX kernel (bf16 with AMX, decode sizes);
+AVX-512, bf16 without native bf16; every size), AMX kernel (bf16 with AMX, decode sizes)
+or AVX512-BF16 kernel (bf16 with AVX512-BF16 and no AMX; every size);
 MKL's sgemm on the plain weight from MKL_FROM_ROWS rows where asked (or where the sgemm is
 not built on a float32 CPU without AVX-512)."""
 
@@ -12,7 +13,14 @@ from torch import nn
 
 from gpu import cpu_kernels, cpu_linear
 from gpu.cpu_features import CpuFeatures
-from gpu.cpu_linear import AMX_MAX_ROWS, PackedLinear, mkl_from_rows, use_amx, use_sgemm
+from gpu.cpu_linear import (
+    AMX_MAX_ROWS,
+    PackedLinear,
+    mkl_from_rows,
+    use_amx,
+    use_dpbf16,
+    use_sgemm,
+)
 
 AVX2 = CpuFeatures("test CPU", frozenset({"avx2"}))
 AVX512 = CpuFeatures("test CPU", frozenset({"avx2", "avx512f", "avx512_bf16"}))
@@ -31,6 +39,11 @@ needs_sgemm = pytest.mark.skipif(
 
 needs_amx = pytest.mark.skipif(
     not cpu_kernels.amx_available(), reason="amx_gemm.cpp needs AMX tiles (and the kernel's leave)"
+)
+
+
+needs_dpbf16 = pytest.mark.skipif(
+    not cpu_kernels.dpbf16_available(), reason="dpbf16_gemm.cpp needs AVX512-BF16"
 )
 
 
@@ -353,3 +366,98 @@ def test_bf16_model_keeps_one_copy_when_the_amx_copy_does_not_fit(monkeypatch, c
     layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
     assert layers and all(m.amx is None for m in layers) and r.model.lm_head_packed.amx is None
     assert "stay on oneDNN" in caplog.text
+
+
+def test_dpbf16_for_bf16_on_avx512_bf16_cpus_without_amx_unless_turned_off(monkeypatch):
+    built = cpu_kernels.dpbf16_available()
+    assert use_dpbf16(torch.bfloat16, AVX512) == built
+    assert not use_dpbf16(torch.bfloat16, AMX)  # AMX: the tiles' kernels
+    assert not use_dpbf16(torch.bfloat16, AVX512_NO_BF16)  # no vdpbf16ps: the sgemm
+    assert not use_dpbf16(torch.bfloat16, AVX2)
+    assert not use_dpbf16(torch.float32, AVX512)
+    assert not use_sgemm(torch.bfloat16, AVX512)
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "dpbf16")
+    assert use_dpbf16(torch.bfloat16, AMX) == built
+    assert not use_amx(torch.bfloat16, AMX) and not use_sgemm(torch.bfloat16, AVX2)
+    for choice in ("onednn", "sgemm", "amx"):
+        monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
+        assert not use_dpbf16(torch.bfloat16, AVX512)
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("n", [1, 16, 37, 100, 1000])
+@pytest.mark.parametrize("k", [1, 9, 256, 600])
+def test_dpbf16_matches_float64_at_every_tile_shape(n, k):
+    """Row tiles of 6 (the last two 4 + 3 or 4 + 4 where 1-2 rows are left), groups of 1-4
+    panels at the end of n, columns in a partial panel, an odd k's padded pair, k past one
+    block (256), rows past one packed block (120)."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = _bf16(n, k, g=g)
+    b = torch.randn(n, generator=g)
+    packed = cpu_kernels.dpbf16_pack(w)
+    for m in (1, 2, 3, 4, 7, 8, 13, 38, 121, 250):
+        x = _bf16(m, k, g=g)
+        for bias in (None, b):
+            got = cpu_kernels.dpbf16_gemm(x, packed, n, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            torch.testing.assert_close(got.double(), ref, atol=1e-4 * k**0.5, rtol=2**-8)
+
+
+@needs_dpbf16
+def test_dpbf16_rows_do_not_depend_on_the_batch():
+    """A row's output is the same bit for bit whatever rows share its call, and x and y are
+    read and written at their row strides (views into wider tensors, odd offsets)."""
+    g = torch.Generator().manual_seed(5)
+    w = _bf16(200, 512, g=g)
+    packed = cpu_kernels.dpbf16_pack(w)
+    x = _bf16(130, 601, g=g)[:, 41:553]  # row stride 601: rows not 4-byte aligned
+    full = cpu_kernels.dpbf16_gemm(x, packed, 200)
+    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (0, 121), (0, 130)):
+        out = torch.full((hi - lo, 210), -1.0, dtype=torch.bfloat16)
+        got = cpu_kernels.dpbf16_gemm(x[lo:hi], packed, 200, out=out[:, 5:205])
+        assert torch.equal(got, full[lo:hi])
+        assert (out[:, :5] == -1).all() and (out[:, 205:] == -1).all()  # nothing outside
+
+
+@needs_dpbf16
+def test_packed_linear_on_dpbf16_every_size(monkeypatch):
+    torch.manual_seed(6)
+    lin = nn.Linear(64, 40, bias=True).bfloat16()
+    layer = PackedLinear(lin, dpbf16=True)
+    assert layer.dpbf16 and not layer.sgemm
+    calls = []
+    real = cpu_kernels.dpbf16_gemm
+    monkeypatch.setattr(
+        cpu_kernels,
+        "dpbf16_gemm",
+        lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw),
+    )
+    for shape in ((1, 64), (9, 64), (700, 64), (2, 3, 64)):
+        x = torch.randn(*shape).bfloat16()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], 40)
+        ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+        torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=2**-7)
+    assert calls == [1, 9, 700, 6]  # prefill-sized products too; the 3-d input as 6 rows
+    assert PackedLinear.of_weight(lin.weight, dpbf16=True).dpbf16
+    assert not PackedLinear(nn.Linear(64, 40), dpbf16=True).dpbf16  # float32: never
+
+
+@needs_dpbf16
+def test_bf16_model_on_dpbf16_matches_onednn(monkeypatch):
+    """The tiny checkpoint's bf16 logits on the AVX512-BF16 kernel are oneDNN's up to bf16
+    rounding, for a prefill-sized batch of hidden states."""
+    from gpu.model_runner import ModelRunner
+    from tests.checkpoints import tiny_checkpoint
+
+    path = tiny_checkpoint("llama")
+    logits = {}
+    for choice in ("dpbf16", "onednn"):
+        monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
+        r = ModelRunner(path, dtype="bfloat16", device="cpu", num_kv_blocks=16)
+        layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
+        assert layers and all(m.dpbf16 == (choice == "dpbf16") for m in layers)
+        assert r.model.lm_head_packed.dpbf16 == (choice == "dpbf16")
+        h = torch.randn(300, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        logits[choice] = r.model.compute_logits(h.bfloat16())
+    torch.testing.assert_close(logits["dpbf16"], logits["onednn"], atol=3e-2, rtol=2**-7)

@@ -1,0 +1,304 @@
+// bfloat16 GEMM on AVX512-BF16 CPUs without AMX: y = x . w^T (+ bias), x [m, k], w [n, k]
+// (nn.Linear), bf16 in and out, float32 accumulation (vdpbf16ps), from one row (decode) to
+// thousands (prefill).
+//
+// Why by hand: on a 2-core AMD EPYC (Zen 5, AVX512-BF16, no AMX) oneDNN's packed bf16
+// kernel runs the `mid` model's decode-step GEMMs (16-64 rows, 217 MB of weights streaming
+// from memory) at 55-65% of the cores' vdpbf16ps peak, against ~90% on prefill chunks: at
+// decode sizes each weight block serves few rows, and the time goes to waiting for it.
+// This kernel is the BLIS layout of sgemm.cpp with the products two k at a time, and it
+// keeps the weight stream ahead of the arithmetic.  The weight is packed once at load into
+// groups of 4 panels of 16 columns, each group's k blocks one after another in memory (a
+// thread's share of the weight is one sequential stream), each k pair of a panel one
+// 64-byte line (16 columns x 2 bf16, the pair order vdpbf16ps reads).  x is copied per call
+// per block of up to kMC rows into pairs, one k block of a row after another.  A 6-row x
+// 4-panel register tile holds 24 zmm accumulators fed per k pair by 4 panel loads and 6
+// broadcasts of x pairs.  A thread runs every row tile of a block of x over a group's k
+// block (32 KB) while it sits in L1, and every tile prefetches its share of the block two
+// ahead, spread over its k pairs: a burst of prefetches from the first tile alone (as
+// sgemm.cpp does) overflows the core's outstanding misses and left the stream 15-30%
+// slower at 16-64 rows.  Partial sums between k blocks live in a per-thread float32 tile
+// buffer, and the last k block rounds straight to bf16 into y, so no float32 y is written
+// and read back.
+//
+// Every output element is the bias plus one sequential sum over the k pairs, whatever m is
+// and wherever its row falls in a tile: a row's result does not depend on its batch.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#define PS_DPBF16 1
+#else
+#define PS_DPBF16 0
+#endif
+
+namespace {
+
+constexpr int kNR = 16;   // columns per panel: one zmm of float32
+constexpr int kNP = 4;    // panels per register tile (64 columns)
+constexpr int kKC = 256;  // k per block: a group's block is 4 x 128 pairs x 64 B = 32 KB
+constexpr int kMR = 6;    // rows per register tile
+constexpr int kMC = 120;  // rows per block of packed x: 120 x kKC bf16, 60 KB of L2
+
+inline int64_t panels(int64_t n) { return (n + kNR - 1) / kNR; }
+inline int64_t pairs(int64_t k) { return (k + 1) / 2; }
+
+#if PS_DPBF16
+
+// MR rows x NP consecutive panels over kp k pairs.  a: the tile's packed x pairs, a[r * kp
+// + kk]; b: the first panel's block (panel j at b + j * ps); c: float32 partial sums (stride
+// kNP * kNR), read back unless `first` (then the sums start from the bias, or zero); on the
+// `last` k block the sums are rounded to bf16 into y (stride ys; `w` valid columns).  PF:
+// prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs.
+template <int MR, int NP, bool PF>
+void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, int64_t ps, float* c,
+                 bool first, bool last, const float* bias, uint16_t* y, int64_t ys, int w,
+                 const uint32_t* pf, int64_t npf) {
+  constexpr int cs = kNP * kNR;
+  const int64_t lpk = (npf + kp - 1) / kp;
+  __m512 acc[MR][NP];
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    // Masked: the bias ends at n, which the last panel may pass.
+    const int valid = std::max(0, std::min(kNR, w - j * kNR));
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 init = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kNR) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) acc[r][j] = first ? init : _mm512_loadu_ps(c + r * cs + j * kNR);
+  }
+#pragma GCC unroll 2
+  for (int kk = 0; kk < kp; ++kk) {
+    if (PF) {  // npf lines from pf, a few per k pair
+      for (int64_t l = kk * lpk; l < kk * lpk + lpk && l < npf; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + l * kNR), _MM_HINT_T0);
+    }
+    __m512bh bv[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * ps + kk * kNR);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * kp + kk]));
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], ar, bv[j]);
+    }
+  }
+  if (!last) {
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * cs + j * kNR, acc[r][j]);
+    return;
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const int valid = std::min(kNR, w - j * kNR);
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);  // round to nearest even
+      _mm256_mask_storeu_epi16(y + r * ys + j * kNR, mask, h);
+    }
+  }
+}
+
+using Kernel = void (*)(int, const uint32_t*, const uint32_t*, int64_t, float*, bool, bool,
+                        const float*, uint16_t*, int64_t, int, const uint32_t*, int64_t);
+
+template <int MR, int NP>
+constexpr Kernel kern(bool pf) {
+  return pf ? tile_kernel<MR, NP, true> : tile_kernel<MR, NP, false>;
+}
+
+template <int MR>
+Kernel pick_np(int np, bool pf) {
+  switch (np) {
+    case 1: return kern<MR, 1>(pf);
+    case 2: return kern<MR, 2>(pf);
+    case 3: return kern<MR, 3>(pf);
+    default: return kern<MR, 4>(pf);
+  }
+}
+
+Kernel pick(int mr, int np, bool pf) {
+  switch (mr) {
+    case 1: return pick_np<1>(np, pf);
+    case 2: return pick_np<2>(np, pf);
+    case 3: return pick_np<3>(np, pf);
+    case 4: return pick_np<4>(np, pf);
+    case 5: return pick_np<5>(np, pf);
+    default: return pick_np<6>(np, pf);
+  }
+}
+
+// A block of mb rows as register tiles (row offset, rows): tiles of kMR, and where the last
+// would be 1-2 rows, the last two as 4 + 3 or 4 + 4 instead (a 1-2 row tile keeps too few
+// products in flight to hide their latency).  Returns the count.
+int plan_tiles(int mb, int (*tiles)[2]) {
+  int q = mb / kMR, rem = mb % kMR, n = 0, r0 = 0;
+  if (rem > 0 && rem < 3 && q > 0) --q, rem += kMR;
+  for (int i = 0; i < q; ++i, r0 += kMR) tiles[n][0] = r0, tiles[n++][1] = kMR;
+  if (rem > kMR) {
+    tiles[n][0] = r0, tiles[n++][1] = 4, r0 += 4, rem -= 4;
+  }
+  if (rem > 0) tiles[n][0] = r0, tiles[n++][1] = rem;
+  return n;
+}
+
+// The k pair (2i, 2i + 1) of row p as one 32-bit word, low half first (vdpbf16ps's order);
+// an odd k's last pair is padded with zero.
+inline uint32_t pair_at(const uint16_t* row, int64_t i, int64_t k) {
+  const uint32_t lo = row[2 * i];
+  const uint32_t hi = 2 * i + 1 < k ? row[2 * i + 1] : 0;
+  return lo | (hi << 16);
+}
+
+// One tile's mr rows of x (stride xs) into the packed pairs of a block of mb rows starting
+// r0 rows in: for each k block (first pair q0, kp pairs), the tile's rows' kp words each,
+// row after row, at ap + q0 * mb + r0 * kp.  Rows kp words (512 B) apart fall in different
+// L1 sets, where x's own rows, k * 2 bytes apart, alias for k = 2,048 or 4,096; and the copy
+// is one memcpy a row, not a transpose (which cost 4-6% of the narrow projections' time).
+void pack_rows(const uint16_t* x, int64_t xs, int mr, int r0, int64_t mb, int64_t k,
+               uint32_t* ap) {
+  const int64_t kpt = pairs(k), whole = k / 2;  // pairs with both halves in x
+  for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
+    const int64_t kp = std::min<int64_t>(kKC / 2, kpt - q0);
+    const int64_t kw = std::max<int64_t>(0, std::min<int64_t>(kp, whole - q0));
+    uint32_t* dst = ap + q0 * mb + r0 * kp;
+    for (int r = 0; r < mr; ++r) {
+      const uint16_t* row = x + r * xs + 2 * q0;
+      // A pair is the 32-bit word at row + 2i (little endian: element 2i in the low half);
+      // memcpy, as a bf16 view's rows need not be 4-byte aligned.
+      std::memcpy(dst + r * kp, row, 4 * kw);
+      for (int64_t kk = kw; kk < kp; ++kk) dst[r * kp + kk] = pair_at(x + r * xs, q0 + kk, k);
+    }
+  }
+}
+
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {  // grow-only, 64-byte aligned
+  if (static_cast<int64_t>(buf.size()) < n + 64) buf.resize(n + 64);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
+
+void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
+          const float* bias, uint16_t* y, int64_t ys, int nthreads) {
+  thread_local std::vector<uint32_t> xbuf;
+  if (m <= 0 || n <= 0) return;
+  const int64_t np = panels(n), kpt = pairs(k);
+  const int64_t ngroups = (np + kNP - 1) / kNP;
+  // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
+  // a thread's groups are one sequential stream; panel j of it is j * kp * kNR further.
+  auto block = [&](int64_t q0, int64_t g) {
+    const int64_t gp = std::min<int64_t>(kNP, np - g * kNP);
+    return wp + g * kNP * kNR * kpt + q0 * gp * kNR;
+  };
+  const int64_t nblk = (m + kMC - 1) / kMC;
+  const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
+  uint32_t* ap = scratch(xbuf, mc * kpt);
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
+#pragma omp parallel num_threads(nt)
+  {
+    thread_local std::vector<float> cbuf;
+    float* c = scratch(cbuf, static_cast<int64_t>(kMC) * kNP * kNR);
+    const int t = omp_get_thread_num();
+    const int64_t g0 = ngroups * t / nt, g1 = ngroups * (t + 1) / nt;
+    const uint32_t* wend = g1 < ngroups ? block(0, g1) : wp + np * kNR * kpt;  // share's end
+    int tiles[kMC / 2 + 2][2];
+    for (int64_t m0 = 0; m0 < m; m0 += mc) {
+      const int64_t mb = std::min<int64_t>(mc, m - m0);
+      const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
+#pragma omp for schedule(static)
+      for (int i = 0; i < ntiles; ++i)
+        pack_rows(x + (m0 + tiles[i][0]) * xs, xs, tiles[i][1], tiles[i][0], mb, k, ap);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p = g * kNP;
+        const int gp = static_cast<int>(std::min<int64_t>(kNP, np - p));
+        const int64_t col = p * kNR;
+        const int w = static_cast<int>(std::min<int64_t>(kNP * kNR, n - col));
+        for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
+          const int kp = static_cast<int>(std::min<int64_t>(kKC / 2, kpt - q0));
+          const uint32_t* b = block(q0, g);
+          const bool first = q0 == 0, last = q0 + kKC / 2 >= kpt;
+          // What follows this block in memory is what the thread reads next: the tiles
+          // prefetch two blocks' worth ahead in that stream, each its share of a block's
+          // lines, up to the end of the thread's groups.
+          const int64_t lines = static_cast<int64_t>(gp) * kp;
+          const uint32_t* ahead = b + 2 * lines * kNR;
+          for (int i = 0; i < ntiles; ++i) {
+            const int r0 = tiles[i][0], mr = tiles[i][1];
+            const int64_t l0 = lines * i / ntiles, l1 = lines * (i + 1) / ntiles;
+            const uint32_t* tpf = ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
+            const int64_t npf = tpf ? std::min<int64_t>(l1 - l0, (wend - tpf) / kNR) : 0;
+            pick(mr, gp, tpf != nullptr)(kp, ap + q0 * mb + r0 * kp, b,
+                                        static_cast<int64_t>(kp) * kNR,
+                                        c + static_cast<int64_t>(r0) * kNP * kNR, first, last,
+                                        bias ? bias + col : nullptr, y + (m0 + r0) * ys + col,
+                                        ys, w, tpf, npf);
+          }
+        }
+      }
+#pragma omp barrier  // every thread is done with ap before the next block packs into it
+    }
+  }
+}
+
+void pack(const uint16_t* w, int64_t n, int64_t k, uint32_t* out, int nthreads) {
+  const int64_t np = panels(n), kpt = pairs(k), ngroups = (np + kNP - 1) / kNP;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t g = 0; g < ngroups; ++g) {
+    const int64_t gp = std::min<int64_t>(kNP, np - g * kNP);
+    uint32_t* dst = out + g * kNP * kNR * kpt;
+    for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
+      const int64_t kp = std::min<int64_t>(kKC / 2, kpt - q0);
+      for (int64_t j = 0; j < gp; ++j)
+        for (int64_t kk = 0; kk < kp; ++kk)
+          for (int c = 0; c < kNR; ++c) {
+            const int64_t col = (g * kNP + j) * kNR + c;
+            *dst++ = col < n ? pair_at(w + col * k, q0 + kk, k) : 0u;
+          }
+    }
+  }
+}
+
+#endif  // PS_DPBF16
+
+}  // namespace
+
+extern "C" {
+
+int ps_dpbf16_available() { return PS_DPBF16; }
+
+// In bf16 values (two per packed word).
+int64_t ps_dpbf16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * pairs(k) * 2; }
+
+// w [n, k] bf16 -> for each group of 4 panels (the last may have fewer), its blocks of kKC
+// values of k in turn (the last may be shorter), each block its panels' k pairs x 16
+// columns in turn, each entry the pair (2i, 2i + 1) of one column; columns past n and an
+// odd k's last half pair are zeros.
+void ps_dpbf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
+#if PS_DPBF16
+  pack(w, n, k, reinterpret_cast<uint32_t*>(out), nthreads);
+#else
+  (void)w, (void)n, (void)k, (void)out, (void)nthreads;
+#endif
+}
+
+// x [m, k] bf16 (row stride xs), packed weight from ps_dpbf16_pack, bias [n] float32 or
+// null, y [m, n] bf16 (row stride ys), each element rounded once from its float32 sum.
+void ps_dpbf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+               int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads) {
+#if PS_DPBF16
+  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, bias, y, ys, nthreads);
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
+      (void)nthreads;
+#endif
+}
+
+}  // extern "C"
