@@ -45,7 +45,7 @@ _SRCS = [
         "dpbf16_gemm.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name("simd.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "gemm_tiles.h")]
 _lib: ctypes.CDLL | None = None
 _tried = False
 

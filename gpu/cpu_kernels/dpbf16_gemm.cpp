@@ -29,6 +29,8 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm_tiles.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -136,19 +138,7 @@ Kernel pick(int mr, int np, bool pf) {
   }
 }
 
-// A block of mb rows as register tiles (row offset, rows): tiles of kMR, and where the last
-// would be 1-2 rows, the last two as 4 + 3 or 4 + 4 instead (a 1-2 row tile keeps too few
-// products in flight to hide their latency).  Returns the count.
-int plan_tiles(int mb, int (*tiles)[2]) {
-  int q = mb / kMR, rem = mb % kMR, n = 0, r0 = 0;
-  if (rem > 0 && rem < 3 && q > 0) --q, rem += kMR;
-  for (int i = 0; i < q; ++i, r0 += kMR) tiles[n][0] = r0, tiles[n++][1] = kMR;
-  if (rem > kMR) {
-    tiles[n][0] = r0, tiles[n++][1] = 4, r0 += 4, rem -= 4;
-  }
-  if (rem > 0) tiles[n][0] = r0, tiles[n++][1] = rem;
-  return n;
-}
+inline int plan_tiles(int mb, int (*tiles)[2]) { return ps::plan_row_tiles(mb, kMR, tiles); }
 
 // The k pair (2i, 2i + 1) of row p as one 32-bit word, low half first (vdpbf16ps's order);
 // an odd k's last pair is padded with zero.

@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemm_tiles.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include <omp.h>
@@ -170,19 +172,7 @@ inline float to_f32(uint16_t h) {  // bfloat16 -> float: the high half of an fp3
   return f;
 }
 
-// A block of mb rows as register tiles (row offset, rows): tiles of kMR, and where the
-// last would be 1-2 rows, the last two as 4 + 3 or 4 + 4 instead (a 1-2 row tile keeps
-// too few FMAs in flight to hide their latency).  Returns the count.
-int plan_tiles(int mb, int (*tiles)[2]) {
-  int q = mb / kMR, rem = mb % kMR, n = 0, r0 = 0;
-  if (rem > 0 && rem < 3 && q > 0) --q, rem += kMR;
-  for (int i = 0; i < q; ++i, r0 += kMR) tiles[n][0] = r0, tiles[n++][1] = kMR;
-  if (rem > kMR) {
-    tiles[n][0] = r0, tiles[n++][1] = 4, r0 += 4, rem -= 4;
-  }
-  if (rem > 0) tiles[n][0] = r0, tiles[n++][1] = rem;
-  return n;
-}
+inline int plan_tiles(int mb, int (*tiles)[2]) { return ps::plan_row_tiles(mb, kMR, tiles); }
 
 // One tile's mr rows of x (stride xs; float32, or bf16 widened here) into the packed layout
 // of a block of mb rows starting r0 rows in: for each k block (k0, kc) the tile's kc x mr
