@@ -178,7 +178,7 @@ async def test_soak_memory_objects_and_tasks_return_to_baseline(server):
     # states of the same process differ by up to ~14 MB on a Zen 4 EPYC (0.5, 10.5, 12.4,
     # 13.8 MB in four soaks of 1,600 requests; ~4 MB elsewhere): allocator page
     # granularity, oneDNN cache churn.  Before the fixes this soak grew ~100 MB per 1000
-    # requests (160 MB here), still 10x past this bound.
+    # requests (160 MB here), still ~7x past this bound (24 MB at 1,600 requests).
     assert grown_mb < 5.0 * requests / 1000 + 16.0, f"RSS grows {per_1000:.1f} MB per 1000"
     # Live Python objects back to the warm baseline (a leak of one object per request
     # would add 1,200; the slack covers interned strings and the like).
