@@ -128,6 +128,7 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cmp-tpot-slo", type=float, default=100.0, help="serve_vllm: p99 TPOT ms")
     ap.add_argument("--cmp-max-len", type=int, default=1024, help="serve_vllm: max_model_len")
     ap.add_argument("--cmp-vllm-first", action="store_true", help="serve_vllm: vLLM first")
+    ap.add_argument("--cmp-reps", type=int, default=1, help="serve_vllm: runs per server, pooled")
     ap.add_argument(
         "--charts-dir",
         default=None,

@@ -41,6 +41,8 @@ def pagestream_cmd(args: argparse.Namespace, path: Path, port: int) -> tuple[lis
         "--dtype", args.dtype, "--threads", str(args.threads),
         "--max-model-len", str(args.cmp_max_len),
     ]  # fmt: skip
+    if getattr(args, "budget", None):  # bench.run's --budget: the server's too
+        cmd += ["--max-num-batched-tokens", str(args.budget)]
     # tcmalloc for both servers: the same allocator on each side of the comparison.
     return cmd, preload([TCMALLOC])
 
@@ -109,9 +111,16 @@ def _loads(args: argparse.Namespace) -> list[tuple[str, float]]:
 WARMUP_SEED = 1000
 
 
-def load_plan(args: argparse.Namespace) -> list[tuple[str, float, int]]:
-    """(kind, x, seed) per timed load: seeds 1, 2, ... (the warm-up's is WARMUP_SEED)."""
-    return [(kind, x, 1 + i) for i, (kind, x) in enumerate(_loads(args))]
+REP_SEED_STRIDE = 100  # repetition r's loads take seeds 1 + i + 100 r (fewer than 100 loads)
+
+
+def load_plan(args: argparse.Namespace, rep: int = 0) -> list[tuple[str, float, int]]:
+    """(kind, x, seed) per timed load: seeds 1, 2, ... in the first repetition, 101, 102,
+    ... in the second (the warm-up's is WARMUP_SEED): every repetition replays the same
+    rates on arrivals and prompts of its own, the same for both servers."""
+    loads = _loads(args)
+    assert len(loads) < REP_SEED_STRIDE and WARMUP_SEED % REP_SEED_STRIDE == 0
+    return [(kind, x, 1 + i + REP_SEED_STRIDE * rep) for i, (kind, x) in enumerate(loads)]
 
 
 def _config(args: argparse.Namespace, url: str, kind: str, x: float, seed: int):
@@ -151,8 +160,10 @@ def run_server(
     build: Callable[[argparse.Namespace, Path, int], tuple[list[str], dict]],
     args: argparse.Namespace,
     path: Path,
+    rep: int = 0,
 ) -> dict[tuple[str, float], dict[str, Any]]:
-    """Start one server, warm it, run every load, stop it; {(kind, x): result}."""
+    """Start one server, warm it, run every load of repetition `rep`, stop it;
+    {(kind, x): result}."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd, extra_env = build(args, path, port)
@@ -169,12 +180,13 @@ def run_server(
                 tail = Path(log.name).read_text(errors="replace")[-1500:]
                 raise RuntimeError(f"{name} did not start ({e}); log tail:\n{tail}") from e
             _warm_up(args, url, name)
-            for kind, x, seed in load_plan(args):
+            for kind, x, seed in load_plan(args, rep):
                 cpu0 = tree_cpu_seconds(proc.pid)
                 r = _one_load(args, url, name, kind, x, seed)
                 cpu1 = tree_cpu_seconds(proc.pid)
                 toks = r["total_output_tokens"]
                 if cpu0 is not None and cpu1 is not None and toks:
+                    r["cpu_seconds"] = cpu1 - cpu0
                     r["cpu_ms_per_token"] = (cpu1 - cpu0) * 1e3 / toks
                 out[(kind, x)] = r
         finally:
@@ -201,6 +213,45 @@ def _one_load(
     r["mean_concurrency"] = sum(r["e2els"]) / r["duration"] if r["duration"] else 0.0
     print(f"  {name} {_label((kind, x))}: {r['output_throughput']:.0f} tok/s", flush=True)
     return r
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record for several repetitions of a load: percentiles over every request of
+    all of them (a p99 of 48 requests is their second-worst; over three runs it is a
+    tail, not one arrival burst), throughput as all their tokens over all their time,
+    and each run's p99 TTFT and output tok/s beside, to show the spread."""
+    if len(runs) == 1:
+        return runs[0]
+    from bench.serve_stats import summarize
+    from bench.serve_workload import RequestResult
+
+    keys = ("input_lens", "output_lens", "ttfts", "itls", "e2els", "errors")
+    reqs = [
+        RequestResult(
+            success=not err,
+            error=err or "",
+            prompt_len=n_in,
+            output_tokens=n_out,
+            ttft=ttft,
+            itl=itl,
+            e2e=e2e,
+        )
+        for r in runs
+        for n_in, n_out, ttft, itl, e2e, err in zip(*(r[k] for k in keys), strict=True)
+    ]
+    duration = sum(r["duration"] for r in runs)
+    out = {k: v for k, v in runs[0].items() if not isinstance(v, list)}
+    out |= summarize(reqs, duration, runs[0]["percentiles"])
+    out["runs"] = len(runs)
+    out["p99_ttft_ms_runs"] = [r["p99_ttft_ms"] for r in runs]
+    out["output_throughput_runs"] = [r["output_throughput"] for r in runs]
+    out["mean_concurrency"] = sum(sum(r["e2els"]) for r in runs) / duration if duration else 0.0
+    if all("cpu_seconds" in r for r in runs) and out["total_output_tokens"]:
+        out["cpu_seconds"] = sum(r["cpu_seconds"] for r in runs)
+        out["cpu_ms_per_token"] = out["cpu_seconds"] * 1e3 / out["total_output_tokens"]
+    else:
+        out.pop("cpu_ms_per_token", None)
+    return out
 
 
 def _pair(r: dict[str, Any], m: str) -> str:
@@ -233,10 +284,21 @@ def verdict(ours: dict, theirs: dict, slo_ms: float) -> tuple[float | None, bool
         (
             f"at {rate:g} req/s (highest rate with vLLM p99 TPOT < {slo_ms:g} ms): pagestream "
             f"{a['output_throughput']:.1f} vs vLLM {b['output_throughput']:.1f} output tok/s, "
-            f"p99 TTFT {a['p99_ttft_ms']:.0f} vs {b['p99_ttft_ms']:.0f} ms: "
-            + ("MET" if met else "NOT MET")
+            f"p99 TTFT {a['p99_ttft_ms']:.0f} vs {b['p99_ttft_ms']:.0f} ms"
+            + _spread(a, b)
+            + (": MET" if met else ": NOT MET")
         ),
     )
+
+
+def _spread(a: dict, b: dict) -> str:
+    """Each repetition's own p99 TTFT, where the records pool several."""
+    if "p99_ttft_ms_runs" not in a or "p99_ttft_ms_runs" not in b:
+        return ""
+    each = ", ".join(
+        f"{x:.0f} vs {y:.0f}" for x, y in zip(a["p99_ttft_ms_runs"], b["p99_ttft_ms_runs"])
+    )
+    return f" over {a['runs']} runs pooled (each run's: {each})"
 
 
 def _label(key: tuple[str, float]) -> str:
@@ -287,20 +349,39 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         servers.append(("vLLM", vllm_cmd))
         if getattr(args, "cmp_vllm_first", False):  # alternate the order across runs
             servers.reverse()
-    results: Results = {}
+    reps = max(1, getattr(args, "cmp_reps", 1))
+    runs: dict[str, list[dict[tuple[str, float], dict[str, Any]]]] = {}
     failures = []
-    for name, build in servers:
-        try:
-            results[name] = run_server(name, build, args, path)
-        except (RuntimeError, TimeoutError, OSError) as e:  # the other server's rows still count
-            print(f"  {name}: FAILED: {e}", flush=True)
-            failures.append(f"{name} FAILED: {str(e)[-600:]}")
+    failed: set[str] = set()
+    for rep in range(reps):
+        # Alternated order (A B, B A, ...): neither server always runs on the warmer or
+        # the busier machine.
+        for name, build in servers if rep % 2 == 0 else servers[::-1]:
+            if name in failed:
+                continue
+            try:
+                runs.setdefault(name, []).append(run_server(name, build, args, path, rep))
+            except (RuntimeError, TimeoutError, OSError) as e:  # the other's rows still count
+                print(f"  {name}: FAILED: {e}", flush=True)
+                failures.append(f"{name} FAILED (repetition {rep + 1}): {str(e)[-600:]}")
+                failed.add(name)
+                runs.pop(name, None)
+    results: Results = {
+        name: {key: pool([rr[key] for rr in per]) for key in per[0]} for name, per in runs.items()
+    }
     lo, hi = (int(args.cmp_input * (1 + s * args.cmp_range)) for s in (-1, 1))
     olo, ohi = (int(args.cmp_output * (1 + s * args.cmp_range)) for s in (-1, 1))
     title = (
         f"Serving side by side ({args.dtype}, {args.threads} threads each, one server at a "
         f"time): SSE streaming completions, token-id prompts {lo}-{hi}, outputs {olo}-{ohi} "
-        f"(ignore_eos); {args.cmp_prompts} Poisson arrivals per rate, closed-loop rows keep "
+        f"(ignore_eos); {args.cmp_prompts} Poisson arrivals per rate"
+        + (
+            f" in each of {reps} repetitions (alternated server order, each its own arrivals "
+            "and prompts; percentiles over all their requests)"
+            if reps > 1
+            else ""
+        )
+        + ", closed-loop rows keep "
         f"N in flight; each server warmed on {args.cmp_warmup} disjoint requests; latency "
         "columns are p50 / p99 ms; server CPU is user + system time of the server's processes "
         "per output token (all its threads and child processes), which other jobs on the "

@@ -11,6 +11,8 @@ import time
 import zlib
 from pathlib import Path
 
+import pytest
+
 from bench import charts
 from bench.serve_vllm import rows_for, slim, tree_cpu_seconds, verdict
 
@@ -253,6 +255,10 @@ def test_every_load_has_its_own_prompts_and_none_is_the_warm_ups():
     assert [(k, x) for k, x, _ in plan] == [
         ("rate", 0.5), ("rate", 1.0), ("rate", 2.0), ("conc", 1.0), ("conc", 4.0)
     ]  # fmt: skip
+    # Repetitions replay the same loads, each on arrivals and prompts of its own.
+    again = load_plan(args, rep=1)
+    assert [(k, x) for k, x, _ in again] == [(k, x) for k, x, _ in plan]
+    plan += again
 
     def heads(kind: str, x: float, seed: int, n: int | None = None) -> set[tuple[int, ...]]:
         c = _config(args, "http://x", kind, x, seed=seed)
@@ -265,3 +271,55 @@ def test_every_load_has_its_own_prompts_and_none_is_the_warm_ups():
     for i, a in enumerate(sets):
         for b in sets[i + 1 :]:
             assert not a & b
+
+
+def test_repetitions_pool_every_request_into_one_sample():
+    """p99 over all the runs' requests, not a mean of per-run p99s; throughput as all the
+    tokens over all the time; each run's p99 kept to show the spread."""
+    import numpy as np
+
+    from bench.serve_stats import summarize
+    from bench.serve_vllm import pool
+    from bench.serve_workload import RequestResult
+
+    rng = np.random.default_rng(0)
+    runs, everyone = [], []
+    for i in range(3):
+        reqs = [
+            RequestResult(
+                success=True,
+                prompt_len=100,
+                output_tokens=int(n),
+                ttft=float(t),
+                itl=[0.05] * (int(n) - 1),
+                e2e=float(t) + 0.05 * (int(n) - 1),
+            )
+            for t, n in zip(rng.uniform(0.1, 2.0, 48), rng.integers(64, 128, 48), strict=True)
+        ]
+        everyone += reqs
+        rec = summarize(reqs, 10.0 + i, [50, 99]) | {
+            "percentiles": [50, 99],
+            "input_lens": [r.prompt_len for r in reqs],
+            "output_lens": [r.output_tokens for r in reqs],
+            "ttfts": [r.ttft for r in reqs],
+            "itls": [r.itl for r in reqs],
+            "e2els": [r.e2e for r in reqs],
+            "errors": [""] * len(reqs),
+            "cpu_seconds": 5.0,
+        }
+        runs.append(rec)
+    out = pool(runs)
+    ttfts_ms = np.array([r.ttft for r in everyone]) * 1e3
+    assert out["p99_ttft_ms"] == pytest.approx(np.percentile(ttfts_ms, 99))
+    assert out["p99_ttft_ms"] != pytest.approx(np.mean([r["p99_ttft_ms"] for r in runs]))
+    tokens = sum(r.output_tokens for r in everyone)
+    assert out["output_throughput"] == pytest.approx(tokens / 33.0)
+    assert out["completed"] == 144 and out["runs"] == 3
+    assert out["p99_ttft_ms_runs"] == [r["p99_ttft_ms"] for r in runs]
+    assert out["cpu_ms_per_token"] == pytest.approx(15.0 * 1e3 / tokens)
+    assert pool(runs[:1]) is runs[0]
+    # The verdict names every run's own p99 beside the pooled one.
+    a = {("rate", 8.0): out}
+    b = {("rate", 8.0): out | {"p99_tpot_ms": 90.0}}
+    rate, met, line = verdict(a, b, 100.0)
+    assert rate == 8.0 and met and "over 3 runs pooled" in line
