@@ -9,7 +9,8 @@ Each server is warmed on requests disjoint from the timed ones (another seed's r
 token ids), then every load runs once against it, each on prompts of its own seed (no load
 is a prefix-cache hit of another), the same prompts for both servers.  The verdict row
 picks the highest rate at which vLLM keeps p99 TPOT under `--serve-tpot-slo` ms and compares
-output tokens/s and p99 TTFT there.
+output tokens/s and p99 TTFT there.  With `--cmp-reps N` each server runs N times, in
+alternated order, and each rate's requests of all N runs are pooled into one sample.
 """
 
 from __future__ import annotations
