@@ -220,7 +220,7 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One record for several repetitions of a load: percentiles over every request of
     all of them (a p99 of 48 requests is their second-worst; over three runs it is a
     tail, not one arrival burst), throughput as all their tokens over all their time,
-    and each run's p99 TTFT and output tok/s beside, to show the spread."""
+    and each run's p99 TTFT beside, for the verdict to show the spread."""
     if len(runs) == 1:
         return runs[0]
     from bench.serve_stats import summarize
@@ -245,7 +245,6 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out |= summarize(reqs, duration, runs[0]["percentiles"])
     out["runs"] = len(runs)
     out["p99_ttft_ms_runs"] = [r["p99_ttft_ms"] for r in runs]
-    out["output_throughput_runs"] = [r["output_throughput"] for r in runs]
     out["mean_concurrency"] = sum(sum(r["e2els"]) for r in runs) / duration if duration else 0.0
     if all("cpu_seconds" in r for r in runs) and out["total_output_tokens"]:
         out["cpu_seconds"] = sum(r["cpu_seconds"] for r in runs)
