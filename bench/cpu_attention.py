@@ -155,15 +155,18 @@ class DecodeCase:
 
 
 def build_baseline(rev: str) -> ctypes.CDLL:
-    """The decode kernel of git revision `rev`, compiled as the library is."""
+    """The decode kernel of git revision `rev` (with the headers of that revision),
+    compiled as the library is.  `rev` must have the current entry point: q and out at
+    token strides (qs, os)."""
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(
-        ["git", "show", f"{rev}:gpu/cpu_kernels/paged_decode.cpp"],
-        cwd=root, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
     cxx = shutil.which("c++") or shutil.which("g++") or "c++"
     tmp = Path(tempfile.mkdtemp(prefix="pagestream-baseline-"))
-    (tmp / "decode.cpp").write_text(src)
+    for name in ("paged_decode.cpp", "simd.h"):
+        src = subprocess.run(
+            ["git", "show", f"{rev}:gpu/cpu_kernels/{name}"],
+            cwd=root, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        (tmp / ("decode.cpp" if name.endswith(".cpp") else name)).write_text(src)
     out = tmp / "decode.so"
     subprocess.run(
         [cxx, *cpu_kernels._flags(), str(tmp / "decode.cpp"), "-o", str(out)], check=True
@@ -172,7 +175,7 @@ def build_baseline(rev: str) -> ctypes.CDLL:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     for name in ("ps_decode_f32", "ps_decode_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         fn.restype = None
     return lib
 
@@ -191,9 +194,9 @@ def decode_runner(case: DecodeCase, lib: ctypes.CDLL | None, threads: int, cold:
         t = case.next_table() if cold else case.tables[0]
         fn = lib.ps_decode_bf16 if case.q.dtype == torch.bfloat16 else lib.ps_decode_f32
         fn(
-            case.q.data_ptr(), case.kc.data_ptr(), case.vc.data_ptr(), t.data_ptr(),
-            t.stride(0), case.seq_lens.data_ptr(), out.data_ptr(), b, hq, case.kc.shape[2], d,
-            case.kc.shape[1], case.scale, threads,
+            case.q.data_ptr(), case.q.stride(0), case.kc.data_ptr(), case.vc.data_ptr(),
+            t.data_ptr(), t.stride(0), case.seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
+            b, hq, case.kc.shape[2], d, case.kc.shape[1], case.scale, threads,
         )  # fmt: skip
 
     return kernel if lib is None else baseline
