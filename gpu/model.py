@@ -7,8 +7,6 @@ it needs logits for.  Projections are fused (qkv, gate_up) so each layer issues 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,6 +131,11 @@ class MLP(nn.Module):
         self.fused = False  # SiLU(gate) * up in one compiled pass (CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "gated_inter", None) is not None:
+            # Packed for the vdpbf16ps kernel (pack_model_linears, where the fused kernels
+            # are allowed): SiLU * up as the GEMM's epilogue, the same bits as silu_mul.
+            out = self.down_proj(self.gate_up_proj.silu_mul(x))
+            return out if self.tp is None else self.tp.all_reduce(out)
         gate_up = self.gate_up_proj(x)
         if self.fused:
             out = self.down_proj(cpu_kernels.silu_mul(gate_up))
@@ -249,7 +252,7 @@ class CausalLM(nn.Module):
         the compiled CPU kernels; False (the torch ops stay) where they cannot."""
         dtype = self.embed_tokens.weight.dtype
         ok = (
-            os.environ.get("PAGESTREAM_CPU_FUSED", "1") != "0"
+            cpu_kernels.fused_enabled()
             and dtype in (torch.float32, torch.bfloat16)
             and self.embed_tokens.weight.device.type == "cpu"
             and cpu_kernels.available()

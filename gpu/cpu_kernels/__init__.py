@@ -45,7 +45,7 @@ _SRCS = [
         "dpbf16_gemm.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "gemm_common.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "gemm_common.h", "activation.h")]
 # The GEMMs of one calling convention (ps_{name}, _pack_size, _pack: see _packed_gemm).
 _PACKED_GEMMS = ("sgemm", "sgemm_bf16", "amx_gemm", "dpbf16")
 _lib: ctypes.CDLL | None = None
@@ -166,6 +166,8 @@ def load() -> ctypes.CDLL | None:
     lib.ps_sgemm_available.restype = i32
     lib.ps_amx_available.restype = i32
     lib.ps_dpbf16_available.restype = i32
+    lib.ps_dpbf16_silu.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
+    lib.ps_dpbf16_silu.restype = i32
     for gemm in _PACKED_GEMMS:
         getattr(lib, f"ps_{gemm}_packed_size").argtypes = [i64, i64]
         getattr(lib, f"ps_{gemm}_packed_size").restype = i64
@@ -181,6 +183,12 @@ def isa(lib: ctypes.CDLL | None = None) -> str | None:
     """The compiled variant (avx512-bf16, avx512, avx2, generic); None without kernels."""
     lib = lib or load()
     return None if lib is None else lib.ps_isa().decode()
+
+
+def fused_enabled() -> bool:
+    """The elementwise chain may run in the compiled kernels (PAGESTREAM_CPU_FUSED, default
+    on; 0 keeps torch's ops, for comparisons)."""
+    return os.environ.get("PAGESTREAM_CPU_FUSED", "1") != "0"
 
 
 def available() -> bool:
@@ -424,6 +432,51 @@ def dpbf16_gemm(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) on vdpbf16ps, float32 accumulation, rounded once to bf16."""
     return _packed_gemm("dpbf16", torch.bfloat16, x, packed, n, bias, out)
+
+
+# Outputs per group of the gated layout: a group's 4 panels of 16 columns are 2 of gate, 2
+# of up (kNR x kNP in dpbf16_gemm.cpp).
+GATED_GROUP = 32
+
+
+def gated_order(inter: int) -> torch.Tensor:
+    """The gate_up weight's rows ([gate; up], 2 * inter) in the gated layout's order: for
+    each GATED_GROUP outputs, their gate rows, then their up rows."""
+    assert inter % GATED_GROUP == 0, inter
+    g = torch.arange(inter).view(-1, GATED_GROUP)
+    return torch.cat((g, g + inter), dim=1).reshape(-1)
+
+
+def dpbf16_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
+    """The MLP's gate_up weight [2 * inter, K] bf16 -> dpbf16_silu's layout (inter a
+    multiple of GATED_GROUP)."""
+    assert weight.shape[0] == 2 * inter, (weight.shape, inter)
+    return _pack("dpbf16", weight.detach().index_select(0, gated_order(inter)), torch.bfloat16)
+
+
+def dpbf16_silu(
+    x: torch.Tensor,  # [M, K] bfloat16, unit column stride
+    packed: torch.Tensor,  # dpbf16_gated_pack(gate_up weight, inter)
+    inter: int,
+    out: torch.Tensor | None = None,  # [M, inter] bfloat16, unit column stride
+) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) in one pass, rounded as the gate_up GEMM followed by
+    silu_mul rounds: the [M, 2 * inter] product is never written."""
+    lib = load()
+    assert lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert packed.numel() == lib.ps_dpbf16_packed_size(2 * inter, k)
+    if out is None:
+        out = torch.empty(m, inter, dtype=torch.bfloat16)
+    assert out.shape == (m, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16
+    ok = lib.ps_dpbf16_silu(
+        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 2 * inter, out.data_ptr(),
+        out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    assert ok, "dpbf16_silu needs the AVX512-BF16 build and inter % 32 == 0"
+    return out
 
 
 # Up to this many activation rows the int8 GEMV below is used; more rows (prefill) are

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "activation.h"
+
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -98,7 +100,7 @@ void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, 
     T* o = out + r * os;
     for (int j = 0; j < inter; ++j) {
       const float x = load(g, j);
-      store(o, j, round_as<T>(x / (1.0f + std::exp(-x))) * load(u, j));
+      store(o, j, round_as<T>(ps::silu(x)) * load(u, j));
     }
   }
 }

@@ -61,6 +61,18 @@ def test_silu_mul_matches_torch(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_a_very_negative_gate_is_zero_not_nan(dtype):
+    """Past gate = -88, e^-gate overflows float: the compiled SiLU once returned NaN there
+    (inf * 0 under -ffast-math) where torch gives -0."""
+    gate = torch.tensor([-89.0, -100.0, -1e4, -3e38, -88.0, -30.0, 0.0, 5.0] * 4)
+    gate_up = torch.cat((gate, torch.full_like(gate, 3.0)))[None].to(dtype)
+    got = cpu_kernels.silu_mul(gate_up).float()
+    assert not got.isnan().any()
+    want = (F.silu(gate.to(dtype)) * 3).float()[None]
+    torch.testing.assert_close(got, want, atol=1e-30, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_in_place_on_a_fused_qkv_view(dtype):
     g = torch.Generator().manual_seed(0)
     t, hq, hkv, d = 9, 4, 2, 64

@@ -461,3 +461,83 @@ def test_bf16_model_on_dpbf16_matches_onednn(monkeypatch):
         h = torch.randn(300, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
         logits[choice] = r.model.compute_logits(h.bfloat16())
     torch.testing.assert_close(logits["dpbf16"], logits["onednn"], atol=3e-2, rtol=2**-7)
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("inter", [32, 96, 2816])
+@pytest.mark.parametrize("k", [9, 256, 600])
+def test_dpbf16_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
+    """The gated epilogue gives the bits of gate_up through the plain kernel followed by the
+    compiled silu_mul: at every row-tile shape, k past a block, odd k, and x and out as
+    row-strided views (out's neighbours untouched)."""
+    g = torch.Generator().manual_seed(inter + k)
+    w = _bf16(2 * inter, k, g=g)
+    plain, gated = cpu_kernels.dpbf16_pack(w), cpu_kernels.dpbf16_gated_pack(w, inter)
+    wide = (4 * torch.randn(250, k + 7, generator=g)).bfloat16()
+    for m in (1, 2, 3, 7, 13, 38, 121, 250):
+        x = wide[:m, 3 : 3 + k]
+        want = cpu_kernels.silu_mul(cpu_kernels.dpbf16_gemm(x, plain, 2 * inter))
+        out = torch.full((m, inter + 10), -1.0, dtype=torch.bfloat16)
+        got = cpu_kernels.dpbf16_silu(x, gated, inter, out=out[:, 4 : 4 + inter])
+        assert torch.equal(got, want)
+        assert (out[:, :4] == -1).all() and (out[:, 4 + inter :] == -1).all()
+    gate, up = F.linear(wide[:5, 3 : 3 + k].float(), w.float()).split(inter, dim=-1)
+    got = cpu_kernels.dpbf16_silu(wide[:5, 3 : 3 + k], gated, inter).float()
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=0.1, rtol=2**-6)
+
+
+@needs_dpbf16
+def test_packed_gate_up_on_dpbf16_takes_the_gated_layout_where_it_can():
+    torch.manual_seed(7)
+    lin = nn.Linear(64, 2 * 96, bias=False).bfloat16()
+    layer = PackedLinear(lin, dpbf16=True, gated_inter=96)
+    ungated = PackedLinear(lin, dpbf16=True)
+    assert layer.gated_inter == 96 and ungated.gated_inter is None
+    x = torch.randn(9, 64).bfloat16()
+    # forward() still gives [gate; up] in the checkpoint's order; silu_mul() the fused op.
+    assert torch.equal(layer(x), ungated(x))
+    assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
+    assert layer.silu_mul(x.view(3, 3, 64)).shape == (3, 3, 96)
+    # Where the epilogue cannot run, the plain layout: a bias, an inter that does not tile
+    # by 32, float32, or no vdpbf16ps kernel asked for.
+    assert (
+        PackedLinear(nn.Linear(64, 192).bfloat16(), dpbf16=True, gated_inter=96).gated_inter is None
+    )
+    assert (
+        PackedLinear(
+            nn.Linear(64, 80, bias=False).bfloat16(), dpbf16=True, gated_inter=40
+        ).gated_inter
+        is None
+    )
+    assert (
+        PackedLinear(nn.Linear(64, 192, bias=False), dpbf16=True, gated_inter=96).gated_inter
+        is None
+    )
+    assert PackedLinear(lin, gated_inter=96).gated_inter is None
+
+
+@needs_dpbf16
+def test_bf16_model_on_dpbf16_runs_silu_in_the_gate_up_epilogue(monkeypatch):
+    """Every MLP of a bf16 model on the kernel takes the gated layout, and greedy output is
+    the same token for token as with the plain layout + silu_mul (gating off with the
+    fused kernels), over prefill chunks and decodes."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "dpbf16")
+    model = str(tiny_checkpoint("llama"))
+    prompts = [[5, 6, 7], list(range(40, 130)), [9] * 18]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for gate in (True, False):
+        if not gate:
+            monkeypatch.setattr(cpu_kernels, "GATED_GROUP", 10**9)  # no inter tiles by it
+        llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1, max_num_batched_tokens=32)
+        try:
+            mlps = [layer.mlp for layer in llm.engine.runner.model.layers]
+            assert all((m.gate_up_proj.gated_inter is not None) == gate for m in mlps)
+            outs[gate] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]
