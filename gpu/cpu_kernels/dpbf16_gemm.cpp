@@ -65,19 +65,6 @@ inline int64_t pairs(int64_t k) { return (k + 1) / 2; }
 // kNP * kNR), read back unless `first` (then the sums start from the bias, or zero); on the
 // `last` k block the sums are rounded to bf16 into y (stride ys; `w` valid columns).  PF:
 // prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs.
-// silu(g) * u for 16 lanes, rounded as elementwise.cpp's silu_mul rounds (g and u are bf16
-// values): silu(g) to bf16, then the product to bf16 (returned as 16 bf16).
-inline __m256i silu_mul16(__m512 g, __m512 u) {
-  alignas(64) float gv[16], uv[16], ov[16];
-  _mm512_store_ps(gv, g);
-  _mm512_store_ps(uv, u);
-  // silu_mul's expression, vectorized the same way (glibc's 16-lane expf): the same bits.
-#pragma omp simd
-  for (int i = 0; i < 16; ++i) ov[i] = ps::silu(gv[i]);
-  const __m512 sg = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_load_ps(ov)));
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sg, _mm512_load_ps(uv)));
-}
-
 inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
 template <int MR, int NP, bool PF, bool GATED = false>
@@ -120,11 +107,20 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, int64_t ps, float
     return;
   }
   if constexpr (GATED) {  // panels 0-1 gate, 2-3 up: 32 outputs a row, all valid
+    // silu(gate) * up, rounded as silu_mul rounds: gate and up to bf16 (the product's
+    // rounding), silu(gate) through silu_mul's own silu16 (the same bits; one call for the
+    // tile), rounded, times up, rounded.
     static_assert(NP == 4, "a gated group is 2 gate + 2 up panels");
+    alignas(64) float g[MR * 2 * kNR], sg[MR * 2 * kNR];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + j * kNR),
-                            silu_mul16(round_bf16(acc[r][j]), round_bf16(acc[r][j + 2])));
+      for (int j = 0; j < 2; ++j) _mm512_store_ps(g + (2 * r + j) * kNR, round_bf16(acc[r][j]));
+    ps::silu16(g, sg, MR * 2 * kNR);
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2; ++j) {
+        const __m512 s = round_bf16(_mm512_load_ps(sg + (2 * r + j) * kNR));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, round_bf16(acc[r][j + 2])));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + j * kNR), h);
+      }
     return;
   }
 #pragma GCC unroll 4
@@ -206,22 +202,94 @@ void pack_rows(const uint16_t* x, int64_t xs, int mr, int r0, int64_t mb, int64_
 
 using ps::scratch;
 
+// One block of mb packed rows (ap; y at its first row) over groups [g0, g1) of the weight:
+// every row tile of the block over each k block of a group while that block sits in the
+// caches.  wend: the end of what this thread streams (prefetches stop there).
+struct Pass {
+  const uint32_t* wp;
+  int64_t n, np, kpt;
+  const float* bias;
+  int64_t ys;
+  bool gated;
+  const uint32_t* block(int64_t q0, int64_t g) const {
+    const int64_t gp = std::min<int64_t>(kNP, np - g * kNP);
+    return wp + g * kNP * kNR * kpt + q0 * gp * kNR;
+  }
+  const uint32_t* end_of(int64_t g1) const {
+    return g1 < (np + kNP - 1) / kNP ? block(0, g1) : wp + np * kNR * kpt;
+  }
+  void run(const uint32_t* ap, int64_t mb, const int (*tiles)[2], int ntiles, int64_t g0,
+           int64_t g1, const uint32_t* wend, float* c, uint16_t* y) const {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * kNP;
+      const int gp = static_cast<int>(std::min<int64_t>(kNP, np - p));
+      const int64_t col = p * kNR;
+      const int w = static_cast<int>(std::min<int64_t>(kNP * kNR, n - col));
+      const int64_t ycol = gated ? col / 2 : col;  // a gated group writes 32 outputs
+      for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
+        const int kp = static_cast<int>(std::min<int64_t>(kKC / 2, kpt - q0));
+        const uint32_t* b = block(q0, g);
+        const bool first = q0 == 0, last = q0 + kKC / 2 >= kpt;
+        // What follows this block in memory is what the thread reads next: the tiles
+        // prefetch two blocks' worth ahead in that stream, each its share of a block's
+        // lines, up to the end of the thread's groups.
+        const int64_t lines = static_cast<int64_t>(gp) * kp;
+        const uint32_t* ahead = b + 2 * lines * kNR;
+        for (int i = 0; i < ntiles; ++i) {
+          const int r0 = tiles[i][0], mr = tiles[i][1];
+          const int64_t l0 = lines * i / ntiles, l1 = lines * (i + 1) / ntiles;
+          const uint32_t* tpf = ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
+          const int64_t npf = tpf ? std::min<int64_t>(l1 - l0, (wend - tpf) / kNR) : 0;
+          pick(mr, gp, tpf != nullptr, gated)(kp, ap + q0 * mb + r0 * kp, b,
+                                             static_cast<int64_t>(kp) * kNR,
+                                             c + static_cast<int64_t>(r0) * kNP * kNR, first,
+                                             last, bias ? bias + col : nullptr,
+                                             y + r0 * ys + ycol, ys, w, tpf, npf);
+        }
+      }
+    }
+  }
+};
+
 // gated: n = 2I columns packed by gated_order (every group 2 gate + 2 up panels), y [m, I]
 // gets silu(gate) * up.
 void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
           const float* bias, uint16_t* y, int64_t ys, int nthreads, bool gated = false) {
-  thread_local std::vector<uint32_t> xbuf;
   if (m <= 0 || n <= 0) return;
   const int64_t np = panels(n), kpt = pairs(k);
   const int64_t ngroups = (np + kNP - 1) / kNP;
-  // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
-  // a thread's groups are one sequential stream; panel j of it is j * kp * kNR further.
-  auto block = [&](int64_t q0, int64_t g) {
-    const int64_t gp = std::min<int64_t>(kNP, np - g * kNP);
-    return wp + g * kNP * kNR * kpt + q0 * gp * kNR;
-  };
+  const Pass pass{wp, n, np, kpt, bias, ys, gated};
   const int64_t nblk = (m + kMC - 1) / kMC;
   const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
+  if (nthreads > 1 && nblk >= 2 * nthreads) {
+    // As many blocks for every thread (the last may be short).
+    const int64_t nb = (nblk + nthreads - 1) / nthreads * nthreads, mcb = (m + nb - 1) / nb;
+    // Prefill-sized: each thread its own blocks of rows over the whole weight, packing its
+    // own x.  No barrier between blocks, so a thread that loses its core for a while
+    // delays only its own rows, not every block's hand-over (split by columns, both wait
+    // at each of a 2,048-row product's 18 blocks).  Each thread streams all of the weight
+    // once per block instead of its half: at 100+ rows a block the product is compute-bound
+    // either way.  Measured on a 2-core Zen 4 EPYC, 512-2,048 rows, the `mid` shapes:
+    // level to 1.1x, the column split's dips (a thread descheduled) gone.
+#pragma omp parallel num_threads(nthreads)
+    {
+      thread_local std::vector<uint32_t> xb;
+      thread_local std::vector<float> cbuf;
+      uint32_t* ap = scratch(xb, mcb * kpt);
+      float* c = scratch(cbuf, static_cast<int64_t>(kMC) * kNP * kNR);
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      int tiles[kMC / 2 + 2][2];
+      for (int64_t bi = nb * t / nt; bi < nb * (t + 1) / nt && bi * mcb < m; ++bi) {
+        const int64_t m0 = bi * mcb, mb = std::min<int64_t>(mcb, m - m0);
+        const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
+        for (int i = 0; i < ntiles; ++i)
+          pack_rows(x + (m0 + tiles[i][0]) * xs, xs, tiles[i][1], tiles[i][0], mb, k, ap);
+        pass.run(ap, mb, tiles, ntiles, 0, ngroups, pass.end_of(ngroups), c, y + m0 * ys);
+      }
+    }
+    return;
+  }
+  thread_local std::vector<uint32_t> xbuf;
   uint32_t* ap = scratch(xbuf, mc * kpt);
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
 #pragma omp parallel num_threads(nt)
@@ -230,7 +298,6 @@ void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* w
     float* c = scratch(cbuf, static_cast<int64_t>(kMC) * kNP * kNR);
     const int t = omp_get_thread_num();
     const int64_t g0 = ngroups * t / nt, g1 = ngroups * (t + 1) / nt;
-    const uint32_t* wend = g1 < ngroups ? block(0, g1) : wp + np * kNR * kpt;  // share's end
     int tiles[kMC / 2 + 2][2];
     for (int64_t m0 = 0; m0 < m; m0 += mc) {
       const int64_t mb = std::min<int64_t>(mc, m - m0);
@@ -238,34 +305,7 @@ void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* w
 #pragma omp for schedule(static)
       for (int i = 0; i < ntiles; ++i)
         pack_rows(x + (m0 + tiles[i][0]) * xs, xs, tiles[i][1], tiles[i][0], mb, k, ap);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p = g * kNP;
-        const int gp = static_cast<int>(std::min<int64_t>(kNP, np - p));
-        const int64_t col = p * kNR;
-        const int w = static_cast<int>(std::min<int64_t>(kNP * kNR, n - col));
-        const int64_t ycol = gated ? col / 2 : col;  // a gated group writes 32 outputs
-        for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
-          const int kp = static_cast<int>(std::min<int64_t>(kKC / 2, kpt - q0));
-          const uint32_t* b = block(q0, g);
-          const bool first = q0 == 0, last = q0 + kKC / 2 >= kpt;
-          // What follows this block in memory is what the thread reads next: the tiles
-          // prefetch two blocks' worth ahead in that stream, each its share of a block's
-          // lines, up to the end of the thread's groups.
-          const int64_t lines = static_cast<int64_t>(gp) * kp;
-          const uint32_t* ahead = b + 2 * lines * kNR;
-          for (int i = 0; i < ntiles; ++i) {
-            const int r0 = tiles[i][0], mr = tiles[i][1];
-            const int64_t l0 = lines * i / ntiles, l1 = lines * (i + 1) / ntiles;
-            const uint32_t* tpf = ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
-            const int64_t npf = tpf ? std::min<int64_t>(l1 - l0, (wend - tpf) / kNR) : 0;
-            pick(mr, gp, tpf != nullptr, gated)(kp, ap + q0 * mb + r0 * kp, b,
-                                               static_cast<int64_t>(kp) * kNR,
-                                               c + static_cast<int64_t>(r0) * kNP * kNR, first,
-                                               last, bias ? bias + col : nullptr,
-                                               y + (m0 + r0) * ys + ycol, ys, w, tpf, npf);
-          }
-        }
-      }
+      pass.run(ap, mb, tiles, ntiles, g0, g1, pass.end_of(g1), c, y + m0 * ys);
 #pragma omp barrier  // every thread is done with ap before the next block packs into it
     }
   }

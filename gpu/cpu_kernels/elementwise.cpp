@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "activation.h"
 
@@ -95,13 +96,19 @@ template <class T>
 void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, int nthreads) {
 #pragma omp parallel for num_threads(threads_for(int64_t(rows) * inter, nthreads, rows))
   for (int r = 0; r < rows; ++r) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int>(buf.size()) < inter) buf.resize(inter);
+    float* sv = buf.data();
     const T* g = gu + r * gs;
     const T* u = g + inter;
     T* o = out + r * os;
-    for (int j = 0; j < inter; ++j) {
-      const float x = load(g, j);
-      store(o, j, round_as<T>(ps::silu(x)) * load(u, j));
-    }
+    // silu16 over the row's whole groups of 16 (the gated GEMM epilogue's bits), then the
+    // rest one by one.
+    const int whole = inter / 16 * 16;
+    for (int j = 0; j < whole; ++j) sv[j] = load(g, j);
+    ps::silu16(sv, sv, whole);
+    for (int j = 0; j < whole; ++j) store(o, j, round_as<T>(sv[j]) * load(u, j));
+    for (int j = whole; j < inter; ++j) store(o, j, round_as<T>(ps::silu(load(g, j))) * load(u, j));
   }
 }
 

@@ -185,6 +185,29 @@ def test_sgemm_rows_do_not_depend_on_the_batch():
         assert (out[:, :5] == -1).all() and (out[:, 205:] == -1).all()  # nothing outside
 
 
+@needs_dpbf16
+@pytest.mark.parametrize("threads", [2, 3])
+def test_dpbf16_prefill_sized_products_split_by_rows_give_the_same_rows(threads):
+    """From 2 blocks of rows a thread (here 361+ rows on 2 threads) each thread takes blocks
+    of rows over the whole weight instead of a share of the columns: every row is the bits
+    it gets alone, at any thread count, and the gated epilogue too."""
+    g = torch.Generator().manual_seed(8)
+    w = _bf16(192, 300, g=g)
+    x = _bf16(1000, 300, g=g)
+    packed, gated = cpu_kernels.dpbf16_pack(w), cpu_kernels.dpbf16_gated_pack(w, 96)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (361, 480, 1000):
+            full = cpu_kernels.dpbf16_gemm(x[:m], packed, 192)
+            silu = cpu_kernels.dpbf16_silu(x[:m], gated, 96)
+            for lo, hi in ((0, 1), (7, 13), (m - 40, m)):
+                assert torch.equal(full[lo:hi], cpu_kernels.dpbf16_gemm(x[lo:hi], packed, 192))
+                assert torch.equal(silu[lo:hi], cpu_kernels.dpbf16_silu(x[lo:hi], gated, 96))
+    finally:
+        torch.set_num_threads(old)
+
+
 @needs_sgemm
 @pytest.mark.parametrize("n, k", [(37, 600), (200, 9), (300, 1024)])
 def test_sgemm_bf16_is_the_float32_product_rounded_once(n, k):
