@@ -60,13 +60,14 @@ inline int64_t pairs(int64_t k) { return (k + 1) / 2; }
 
 #if PS_DPBF16
 
+inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
 // MR rows x NP consecutive panels over kp k pairs.  a: the tile's packed x pairs, a[r * kp
 // + kk]; b: the first panel's block (panel j at b + j * ps); c: float32 partial sums (stride
 // kNP * kNR), read back unless `first` (then the sums start from the bias, or zero); on the
 // `last` k block the sums are rounded to bf16 into y (stride ys; `w` valid columns).  PF:
-// prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs.
-inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
-
+// prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs.  GATED: see
+// ps_dpbf16_silu (NP 4: panels 0-1 gate, 2-3 up).
 template <int MR, int NP, bool PF, bool GATED = false>
 void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, int64_t ps, float* c,
                  bool first, bool last, const float* bias, uint16_t* y, int64_t ys, int w,
@@ -211,6 +212,8 @@ struct Pass {
   const float* bias;
   int64_t ys;
   bool gated;
+  // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
+  // a thread's groups are one sequential stream; panel j of it is j * kp * kNR further.
   const uint32_t* block(int64_t q0, int64_t g) const {
     const int64_t gp = std::min<int64_t>(kNP, np - g * kNP);
     return wp + g * kNP * kNR * kpt + q0 * gp * kNR;
@@ -372,7 +375,7 @@ void ps_dpbf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16
 int ps_dpbf16_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                    int64_t n, uint16_t* y, int64_t ys, int nthreads) {
 #if PS_DPBF16
-  if (n % (2 * kNP * kNR / 2) != 0) return 0;
+  if (n % (kNP * kNR) != 0) return 0;  // whole groups of 32 gate + 32 up columns
   gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, nullptr, y, ys, nthreads, true);
   return 1;
 #else
