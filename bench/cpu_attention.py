@@ -168,9 +168,7 @@ def build_baseline(rev: str) -> ctypes.CDLL:
         ).stdout  # fmt: skip
         (tmp / ("decode.cpp" if name.endswith(".cpp") else name)).write_text(src)
     out = tmp / "decode.so"
-    subprocess.run(
-        [cxx, *cpu_kernels._flags(), str(tmp / "decode.cpp"), "-o", str(out)], check=True
-    )
+    cpu_kernels.compile_shared(cxx, cpu_kernels._flags(), [tmp / "decode.cpp"], out)
     lib = ctypes.CDLL(str(out))
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     for name in ("ps_decode_f32", "ps_decode_bf16"):

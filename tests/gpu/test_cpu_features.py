@@ -3,6 +3,10 @@ compiled kernels' cache key."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from gpu import cpu_kernels
@@ -75,3 +79,27 @@ def test_kernel_cache_key_differs_by_isa():
     pinned = cpu_kernels.cache_key("c++", ["-O3", "-march=x86-64-v3"], base)
     assert pinned.startswith("march-x86-64-v3-") and pinned != keys["avx512"]
     assert cpu_kernels.cache_key("c++", flags, base) == cpu_kernels.cache_key("c++", flags, base)
+
+
+def test_loading_the_kernels_keeps_subnormals() -> None:
+    """Linked with -ffast-math, the library's constructor would set flush-to-zero on the
+    loading thread: torch's float32 ops would then flush subnormals (1e-39 * 1 -> 0). Checked
+    in a fresh process, on the thread that loads it and on a thread started after."""
+    code = """
+import threading, torch
+from gpu import cpu_kernels
+x = torch.tensor([1e-39], dtype=torch.float32)
+assert (x * 1.0).item() != 0.0
+assert cpu_kernels.load() is not None
+out = {}
+t = threading.Thread(target=lambda: out.setdefault("v", (x * 1.0).item()))
+t.start(); t.join()
+print((x * 1.0).item(), out["v"])
+"""
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler: the kernels are not built")
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True
+    )
+    here, thread = map(float, r.stdout.split())
+    assert here != 0.0 and thread != 0.0, r.stdout
