@@ -171,19 +171,17 @@ class PackedLinear(nn.Module):
         # state_dict() and .to() must not touch.
         self.dpbf16 = dpbf16 and linear.weight.dtype == torch.bfloat16
         self.sgemm = sgemm and not self.dpbf16
-        # An MLP's gate_up ([gate; up] rows, gated_inter each) on the vdpbf16ps kernel is
-        # packed for silu_mul(): SiLU(gate) * up as the product's epilogue.
-        self.gated_inter = (
-            gated_inter
-            if self.dpbf16
-            and gated_inter is not None
+        # An MLP's gate_up ([gate; up] rows, gated_inter each) is packed for silu_mul():
+        # SiLU(gate) * up as the product's epilogue, on the vdpbf16ps kernel for every
+        # product (dpbf16_gated) or on the AMX kernel for decode-sized ones (amx_gated).
+        gated = (
+            gated_inter is not None
             and linear.bias is None
             and linear.out_features == 2 * gated_inter
-            and gated_inter % cpu_kernels.GATED_GROUP == 0
-            else None
         )
-        if self.gated_inter is not None:
-            self.packed = cpu_kernels.dpbf16_gated_pack(linear.weight, self.gated_inter)
+        self.dpbf16_gated = self.dpbf16 and gated and gated_inter % cpu_kernels.GATED_GROUP == 0
+        if self.dpbf16_gated:
+            self.packed = cpu_kernels.dpbf16_gated_pack(linear.weight, gated_inter)
         elif self.dpbf16:
             self.packed = cpu_kernels.dpbf16_pack(linear.weight)
         elif self.sgemm:
@@ -198,7 +196,13 @@ class PackedLinear(nn.Module):
         self.scratch: Scratch | None = None  # see Scratch
         # The AMX kernel reads k in tiles of 32 (every model dimension we know is a multiple).
         amx = amx and linear.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
-        self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
+        self.amx_gated = amx and gated and gated_inter % cpu_kernels.AMX_GATED_GROUP == 0
+        if self.amx_gated:
+            self.amx = cpu_kernels.amx_gated_pack(linear.weight, gated_inter)
+        else:
+            self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
+        # silu_mul() is there (MLP.forward takes it).
+        self.gated_inter = gated_inter if self.dpbf16_gated or self.amx_gated else None
 
     @classmethod
     def of_weight(
@@ -210,26 +214,39 @@ class PackedLinear(nn.Module):
         return cls(linear, sgemm=sgemm, amx=amx, dpbf16=dpbf16)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up of this gate_up projection, [T, gated_inter], in one pass."""
-        assert self.gated_inter is not None
+        """SiLU(gate) * up of this gate_up projection, [T, gated_inter], in one pass (on
+        the AMX kernel: up to AMX_MAX_ROWS rows; more take oneDNN's product and silu_mul)."""
+        inter = self.gated_inter
+        assert inter is not None
         x2 = x.reshape(-1, self.in_features)
-        out = None
-        if self.scratch is not None:
-            out = self.scratch.take(x2.shape[0], self.gated_inter, x.dtype)
-        y = cpu_kernels.dpbf16_silu(x2, self.packed, self.gated_inter, out)
-        return y.view(*x.shape[:-1], self.gated_inter)
+        if self.dpbf16_gated or x2.shape[0] <= AMX_MAX_ROWS:
+            out = None
+            if self.scratch is not None:
+                out = self.scratch.take(x2.shape[0], inter, x.dtype)
+            if self.dpbf16_gated:
+                y = cpu_kernels.dpbf16_silu(x2, self.packed, inter, out)
+            else:
+                y = cpu_kernels.amx_silu(x2, self.amx, inter, out)
+        else:
+            y = cpu_kernels.silu_mul(packed_linear(x2, self.packed, None))
+        return y.view(*x.shape[:-1], inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated_inter is not None:
+        amx = self.amx is not None and x.dtype == torch.bfloat16
+        amx = amx and x.numel() <= AMX_MAX_ROWS * self.in_features
+        if self.dpbf16_gated or (amx and self.amx_gated):
             # The gated layout's plain product, back in [gate; up] order (MLPs take
             # silu_mul(); this serves any other caller).
-            order = cpu_kernels.gated_order(self.gated_inter)
-            y = cpu_kernels.dpbf16_gemm(x.reshape(-1, self.in_features), self.packed,
-                                        self.out_features, None)  # fmt: skip
+            x2 = x.reshape(-1, self.in_features)
+            if self.dpbf16_gated:
+                order = cpu_kernels.gated_order(self.out_features // 2)
+                y = cpu_kernels.dpbf16_gemm(x2, self.packed, self.out_features, None)
+            else:
+                order = cpu_kernels.gated_order(self.out_features // 2, cpu_kernels.AMX_GATED_GROUP)
+                y = cpu_kernels.amx_gemm(x2, self.amx, self.out_features, None)
             y = torch.empty_like(y).index_copy_(1, order, y)
             return y.view(*x.shape[:-1], self.out_features)
-        amx = self.amx is not None and x.dtype == torch.bfloat16
-        if amx and x.numel() <= AMX_MAX_ROWS * self.in_features:
+        if amx:
             y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
                                      self.out_features, self.bias_f32)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)

@@ -187,8 +187,9 @@ def load() -> ctypes.CDLL | None:
     lib.ps_sgemm_available.restype = i32
     lib.ps_amx_available.restype = i32
     lib.ps_dpbf16_available.restype = i32
-    lib.ps_dpbf16_silu.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
-    lib.ps_dpbf16_silu.restype = i32
+    for name in ("ps_dpbf16_silu", "ps_amx_silu"):
+        getattr(lib, name).argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
+        getattr(lib, name).restype = i32
     for gemm in _PACKED_GEMMS:
         getattr(lib, f"ps_{gemm}_packed_size").argtypes = [i64, i64]
         getattr(lib, f"ps_{gemm}_packed_size").restype = i64
@@ -458,13 +459,15 @@ def dpbf16_gemm(
 # Outputs per group of the gated layout: a group's 4 panels of 16 columns are 2 of gate, 2
 # of up (kNR x kNP in dpbf16_gemm.cpp).
 GATED_GROUP = 32
+# The AMX kernel's: one 16-column panel of gate beside its panel of up.
+AMX_GATED_GROUP = 16
 
 
-def gated_order(inter: int) -> torch.Tensor:
-    """The gate_up weight's rows ([gate; up], 2 * inter) in the gated layout's order: for
-    each GATED_GROUP outputs, their gate rows, then their up rows."""
-    assert inter % GATED_GROUP == 0, inter
-    g = torch.arange(inter).view(-1, GATED_GROUP)
+def gated_order(inter: int, group: int = GATED_GROUP) -> torch.Tensor:
+    """The gate_up weight's rows ([gate; up], 2 * inter) in a gated layout's order: for
+    each `group` outputs, their gate rows, then their up rows."""
+    assert inter % group == 0, (inter, group)
+    g = torch.arange(inter).view(-1, group)
     return torch.cat((g, g + inter), dim=1).reshape(-1)
 
 
@@ -475,6 +478,35 @@ def dpbf16_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     return _pack("dpbf16", weight.detach().index_select(0, gated_order(inter)), torch.bfloat16)
 
 
+def amx_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
+    """The MLP's gate_up weight [2 * inter, K] bf16 -> amx_silu's layout (inter a multiple
+    of AMX_GATED_GROUP, K of 32); amx_gemm on it gives the product in that order."""
+    assert weight.shape[0] == 2 * inter, (weight.shape, inter)
+    return amx_pack(weight.detach().index_select(0, gated_order(inter, AMX_GATED_GROUP)))
+
+
+def _gated_gemm(
+    kernel: str, x: torch.Tensor, packed: torch.Tensor, inter: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """ps_{kernel}_silu: x [M, K] bf16 -> silu(x @ gate.T) * (x @ up.T) [M, inter]."""
+    lib = load()
+    assert lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    name = "dpbf16" if kernel == "dpbf16" else "amx_gemm"
+    assert packed.numel() == getattr(lib, f"ps_{name}_packed_size")(2 * inter, k)
+    if out is None:
+        out = torch.empty(m, inter, dtype=torch.bfloat16)
+    assert out.shape == (m, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16
+    ok = getattr(lib, f"ps_{kernel}_silu")(
+        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 2 * inter, out.data_ptr(),
+        out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    assert ok, f"{kernel}_silu: kernel not built, or inter {inter} not a whole group"
+    return out
+
+
 def dpbf16_silu(
     x: torch.Tensor,  # [M, K] bfloat16, unit column stride
     packed: torch.Tensor,  # dpbf16_gated_pack(gate_up weight, inter)
@@ -483,21 +515,17 @@ def dpbf16_silu(
 ) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) in one pass, rounded as the gate_up GEMM followed by
     silu_mul rounds: the [M, 2 * inter] product is never written."""
-    lib = load()
-    assert lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    assert packed.numel() == lib.ps_dpbf16_packed_size(2 * inter, k)
-    if out is None:
-        out = torch.empty(m, inter, dtype=torch.bfloat16)
-    assert out.shape == (m, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16
-    ok = lib.ps_dpbf16_silu(
-        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 2 * inter, out.data_ptr(),
-        out.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
-    assert ok, "dpbf16_silu needs the AVX512-BF16 build and inter % 32 == 0"
-    return out
+    return _gated_gemm("dpbf16", x, packed, inter, out)
+
+
+def amx_silu(
+    x: torch.Tensor,  # [M, K] bfloat16, unit column stride, K a multiple of 32
+    packed: torch.Tensor,  # amx_gated_pack(gate_up weight, inter)
+    inter: int,
+    out: torch.Tensor | None = None,  # [M, inter] bfloat16, unit column stride
+) -> torch.Tensor:
+    """dpbf16_silu on AMX tiles: the same bits as amx_gemm followed by silu_mul."""
+    return _gated_gemm("amx", x, packed, inter, out)
 
 
 # Up to this many activation rows the int8 GEMV below is used; more rows (prefill) are

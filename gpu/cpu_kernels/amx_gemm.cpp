@@ -11,10 +11,11 @@
 // Layout: the weight is packed once at load into panels of 16 output columns, each panel
 // k/32 consecutive 1 KB tiles in the VNNI order tdpbf16ps reads (tile row r holds k pairs
 // 2r, 2r+1 for each of the 16 columns), so a panel is one sequential stream.  x is copied
-// per call into tile order (1 KB per 16 rows x 32 k, zero rows past m).  One row tile runs
-// against 4 panels a pass, more row tiles 2 x 2 (C tiles 0-3, A 4-5, B 6-7), so several
-// tile products are always independent; row tiles past the second take further passes over
-// the same panels, which then come from L2.  Panels are split over threads; a thread does
+// per call into tile order (1 KB per 16 rows x 32 k, zero rows past m), by each thread into
+// its own copy.  One row tile runs against 4 panels a pass, more row tiles 2 x 2 (C tiles
+// 0-3, A 4-5, B 6-7), so several tile products are always independent; three row tiles go
+// through the panels once, k in chunks, the C tiles of the idle pair parked in L1; from four
+// row tiles, further passes over the same panels find them in L2.  Panels are split over threads; a thread does
 // all of k for a panel group before the next.  Past ~96 rows oneDNN's blocking wins (the
 // caller routes those to it).
 //
@@ -25,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "activation.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -76,6 +79,8 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
 // Adds the bias and rounds rows [0, rows) of a 16 x 16 float32 tile into y (columns
 // [0, cols) of the panel).
 inline void store_tile(const float* c, int rows, int cols, const float* bias, uint16_t* y,
@@ -86,6 +91,22 @@ inline void store_tile(const float* c, int rows, int cols, const float* bias, ui
     const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * kN), b);
     const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
     _mm256_mask_storeu_epi16(y + r * ys, mask, h);
+  }
+}
+
+// silu(gate) * up of rows [0, rows) of a gate and an up tile into 16 outputs of y, rounded
+// as amx_gemm + silu_mul round them: gate and up to bf16 (the product's rounding), silu
+// through the library's one silu16 (elementwise.cpp's bits), rounded, times up, rounded.
+inline void store_gated(const float* cg, const float* cu, int rows, uint16_t* y, int64_t ys) {
+  alignas(64) float g[256], sg[256];
+  for (int r = 0; r < rows; ++r)
+    _mm512_store_ps(g + r * kN, round_bf16(_mm512_load_ps(cg + r * kN)));
+  ps::silu16(g, sg, rows * kN);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_mul_ps(round_bf16(_mm512_load_ps(sg + r * kN)),
+                                   round_bf16(_mm512_load_ps(cu + r * kN)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   }
 }
 
@@ -151,12 +172,157 @@ void tile_pass(const uint16_t* a, const uint16_t* b, int64_t ps, int64_t kt, flo
   if constexpr (MT * NB > 3) _tile_stored(3, cbuf + 768, 64);
 }
 
+// All `tiles` row tiles, two at a time, against a pair of panels, k in chunks of kc tiles:
+// each chunk of the panels comes from memory once and feeds every row pair from L1, where
+// the C tiles of the other pairs wait between chunks (c: C tile of row tile mi, panel ni at
+// (ni * tiles + mi) * 256, as tile_pass lays out MT = tiles).  Each C tile still sums k in
+// order, so the results are those of tile_pass to the bit.
+void chunked_pass(const uint16_t* a, const uint16_t* b, int64_t ps, int64_t kt, int tiles,
+                  int64_t kc, float* c) {
+  const int64_t as = kt * kTile;
+  for (int64_t t0 = 0; t0 < kt; t0 += kc) {
+    const int64_t t1 = std::min(kt, t0 + kc);
+    for (int i = 0; i < tiles; i += 2) {
+      const bool two = i + 1 < tiles;
+      float* c00 = c + i * 256;             // row tile i, panel 0
+      float* c01 = c + (tiles + i) * 256;   // row tile i, panel 1
+      if (t0 == 0) {
+        _tile_zero(0);
+        _tile_zero(2);
+        if (two) {
+          _tile_zero(1);
+          _tile_zero(3);
+        }
+      } else {
+        _tile_loadd(0, c00, 64);
+        _tile_loadd(2, c01, 64);
+        if (two) {
+          _tile_loadd(1, c00 + 256, 64);
+          _tile_loadd(3, c01 + 256, 64);
+        }
+      }
+      const uint16_t* ai = a + i * as;
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint16_t* bt = b + t * kTile;
+        if (i == 0)
+          for (int j = 0; j < 2; ++j)
+            for (int l = 0; l < 1024; l += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(bt + j * ps + 8 * kTile) + l,
+                           _MM_HINT_T1);
+        _tile_loadd(4, ai + t * kTile, 64);
+        _tile_loadd(6, bt, 64);
+        _tile_loadd(7, bt + ps, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        if (two) {
+          _tile_loadd(5, ai + as + t * kTile, 64);
+          _tile_dpbf16ps(1, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c00, 64);
+      _tile_stored(2, c01, 64);
+      if (two) {
+        _tile_stored(1, c00 + 256, 64);
+        _tile_stored(3, c01 + 256, 64);
+      }
+    }
+  }
+}
+
 using PassFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*, bool);
 
 PassFn pass_for(int mt, int nb) {
   if (nb == 4) return tile_pass<1, 4>;
   if (nb == 2) return mt == 2 ? tile_pass<2, 2> : tile_pass<1, 2>;
   return mt == 2 ? tile_pass<2, 1> : tile_pass<1, 1>;
+}
+
+// ps_amx_gemm, or with `gated` ps_amx_silu (n = 2 * inter: panels 2j and 2j + 1 are
+// the gate and up halves of outputs 16j..16j+15).
+void amx_gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+              int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads, bool gated) {
+  if (m <= 0 || n <= 0) return;
+  const int64_t np = panels(n), kt = k / kK, ps = kt * kTile;
+  const int64_t tiles = (m + 15) / 16;
+  // Three row tiles (33-48 rows) go through the panels once, in chunks of 4 k tiles
+  // (2, 3 and 8 measured slower; two passes, the second from L2, ~6% slower at 38-48 rows
+  // over the `mid` model's projections; four row tiles: level either way).
+  const bool chunked = tiles == 3;
+  const int nb = tiles == 1 ? 4 : 2;  // panels per pass
+  const int64_t groups = (np + nb - 1) / nb;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, groups)));
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    // x in tile order: row tile i, k tile t at (i * kt + t) * kTile, 1 KB each, rows past m
+    // zero.  A tile load then reads 16 consecutive lines (x's own rows are k apart, which
+    // costs a tile load 16 scattered lines), and the last row tile needs no guard.
+    // On a 64-byte line boundary: a tile row straddling two lines costs its load 2-5% at
+    // 48-96 rows (measured against a deliberately misaligned copy).
+    // Each thread lays out all of x in its own copy: no barrier, and its tile loads of x
+    // stay in its own core's caches.  Sharing one copy, each thread laying out half the
+    // rows, cost 1.3-1.8x per call with the weights in L2 (half of every A tile load came
+    // from the other core) and ~3% over a decode step's projections.
+    thread_local std::vector<uint16_t> xa;
+    xa.resize(tiles * kt * kTile + 32);
+    const auto base = reinterpret_cast<uintptr_t>(xa.data());
+    uint16_t* xw = reinterpret_cast<uint16_t*>((base + 63) & ~uintptr_t(63));
+    for (int64_t row = 0; row < tiles * 16; ++row) {
+      const int64_t i = row / 16, r = row % 16;
+      for (int64_t kk = 0; kk < kt; ++kk) {
+        uint16_t* dst = xw + (i * kt + kk) * kTile + r * kK;
+        if (row < m)
+          std::memcpy(dst, x + row * xs + kk * kK, kK * sizeof(uint16_t));
+        else
+          std::memset(dst, 0, kK * sizeof(uint16_t));
+      }
+    }
+    configure_tiles();
+    alignas(64) float cbuf[6 * 256];  // up to 3 row tiles x 2 panels
+    const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * nb;
+      const int pg = static_cast<int>(std::min<int64_t>(nb, np - p0));
+      // A short group (the last panels) goes two panels or one at a time (a gated
+      // weight's panel count is even: its gate and up panels stay together).
+      const int step = pg == nb ? nb : pg % 2 == 0 ? 2 : 1;
+      for (int j = 0; j < pg; j += step) {
+        const int64_t p = p0 + j;
+        // Two row tiles per pass: the first pass streams the panels from memory, the
+        // later ones find them in L2.
+        const bool one_pass = chunked && step == 2;
+        for (int64_t i0 = 0; i0 < tiles; i0 += one_pass ? tiles : 2) {
+          const int mt = static_cast<int>(std::min<int64_t>(one_pass ? tiles : 2, tiles - i0));
+          if (one_pass)
+            chunked_pass(xw, wp + p * ps, ps, kt, mt, 4, cbuf);
+          else
+            pass_for(mt, step)(xw + i0 * kt * kTile, wp + p * ps, ps, kt, cbuf, i0 == 0);
+          if (gated) {
+            for (int ni = 0; ni < step; ni += 2)
+              for (int mi = 0; mi < mt; ++mi) {
+                const int64_t row = (i0 + mi) * 16;
+                store_gated(cbuf + (ni * mt + mi) * 256, cbuf + ((ni + 1) * mt + mi) * 256,
+                            static_cast<int>(std::min<int64_t>(16, m - row)),
+                            y + row * ys + (p + ni) / 2 * kN, ys);
+              }
+            continue;
+          }
+          for (int ni = 0; ni < step; ++ni) {
+            const int64_t col = (p + ni) * kN;
+            const int cols = static_cast<int>(std::min<int64_t>(kN, n - col));
+            for (int mi = 0; mi < mt; ++mi) {
+              const int64_t row = (i0 + mi) * 16;
+              const int rows = static_cast<int>(std::min<int64_t>(16, m - row));
+              store_tile(cbuf + (ni * mt + mi) * 256, rows, cols, bias ? bias + col : nullptr,
+                         y + row * ys + col, ys);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
 }
 
 #endif  // PS_AMX
@@ -198,70 +364,26 @@ void ps_amx_gemm_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, in
 void ps_amx_gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                  int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads) {
 #if PS_AMX
-  if (m <= 0 || n <= 0) return;
-  const int64_t np = panels(n), kt = k / kK, ps = kt * kTile;
-  const int64_t tiles = (m + 15) / 16;
-  // x in tile order: row tile i, k tile t at (i * kt + t) * kTile, 1 KB each, rows past m
-  // zero.  A tile load then reads 16 consecutive lines (x's own rows are k apart, which
-  // costs a tile load 16 scattered lines), and the last row tile needs no guard.
-  // On a 64-byte line boundary: a tile row straddling two lines costs its load 2-5% at
-  // 48-96 rows (measured against a deliberately misaligned copy).
-  thread_local std::vector<uint16_t> xa;
-  xa.resize(tiles * kt * kTile + 32);
-  const auto base = reinterpret_cast<uintptr_t>(xa.data());
-  uint16_t* xw = reinterpret_cast<uint16_t*>((base + 63) & ~uintptr_t(63));
-  const int nb = tiles == 1 ? 4 : 2;  // panels per pass
-  const int64_t groups = (np + nb - 1) / nb;
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, groups)));
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num();
-    // Each thread lays out a share of x's rows (a serial copy cost a decode step ~2%).
-    for (int64_t row = tiles * 16 * t / nt; row < tiles * 16 * (t + 1) / nt; ++row) {
-      const int64_t i = row / 16, r = row % 16;
-      for (int64_t kk = 0; kk < kt; ++kk) {
-        uint16_t* dst = xw + (i * kt + kk) * kTile + r * kK;
-        if (row < m)
-          std::memcpy(dst, x + row * xs + kk * kK, kK * sizeof(uint16_t));
-        else
-          std::memset(dst, 0, kK * sizeof(uint16_t));
-      }
-    }
-#pragma omp barrier
-    configure_tiles();
-    alignas(64) float cbuf[4 * 256];
-    const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * nb;
-      const int pg = static_cast<int>(std::min<int64_t>(nb, np - p0));
-      // A short group (the last panels) goes one panel at a time.
-      const int step = pg == nb ? nb : 1;
-      for (int j = 0; j < pg; j += step) {
-        const int64_t p = p0 + j;
-        // Two row tiles per pass: the first pass streams the panels from memory, the
-        // later ones find them in L2.
-        for (int64_t i0 = 0; i0 < tiles; i0 += 2) {
-          const int mt = static_cast<int>(std::min<int64_t>(2, tiles - i0));
-          pass_for(mt, step)(xw + i0 * kt * kTile, wp + p * ps, ps, kt, cbuf,
-                             i0 == 0);
-          for (int ni = 0; ni < step; ++ni) {
-            const int64_t col = (p + ni) * kN;
-            const int cols = static_cast<int>(std::min<int64_t>(kN, n - col));
-            for (int mi = 0; mi < mt; ++mi) {
-              const int64_t row = (i0 + mi) * 16;
-              const int rows = static_cast<int>(std::min<int64_t>(16, m - row));
-              store_tile(cbuf + (ni * mt + mi) * 256, rows, cols, bias ? bias + col : nullptr,
-                         y + row * ys + col, ys);
-            }
-          }
-        }
-      }
-    }
-    _tile_release();
-  }
+  amx_gemm(x, xs, m, k, wp, n, bias, y, ys, nthreads, false);
 #else
   (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
       (void)nthreads;
+#endif
+}
+
+// The MLP's gate_up product with SiLU(gate) * up as its epilogue: wp is ps_amx_gemm_pack of
+// the gate_up weight [2 * inter, k] with its rows in gated order (each 16 gate rows, then
+// the 16 up rows they pair with), y [m, inter], n = 2 * inter.  Returns 0 (nothing done)
+// without the AMX build or unless inter is a multiple of 16.
+int ps_amx_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                int64_t n, uint16_t* y, int64_t ys, int nthreads) {
+#if PS_AMX
+  if (n % (2 * kN) != 0) return 0;
+  amx_gemm(x, xs, m, k, wp, n, nullptr, y, ys, nthreads, true);
+  return 1;
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)ys, (void)nthreads;
+  return 0;
 #endif
 }
 

@@ -289,8 +289,8 @@ def _bf16(*shape: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("n", [16, 37, 100, 1000])
 @pytest.mark.parametrize("k", [32, 96, 1024])
 def test_amx_matches_float64_at_every_tile_shape(n, k):
-    """1 row tile takes four panels a pass, 2+ two (the third and fourth row tiles in a
-    second pass); rows not a multiple of 16 end in a padded tile, columns in a partial
+    """1 row tile takes four panels a pass, 2+ two (three row tiles in one pass, k in
+    chunks of 4 tiles; four in two passes); rows not a multiple of 16 end in a padded tile, columns in a partial
     panel; an odd panel count ends in a one-panel pass."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = _bf16(n, k, g=g)
@@ -306,15 +306,17 @@ def test_amx_matches_float64_at_every_tile_shape(n, k):
 
 
 @needs_amx
-def test_amx_rows_do_not_depend_on_the_batch():
-    """A row's output is the same bit for bit whatever rows share its call, and reads x and
+@pytest.mark.parametrize("k", [512, 224])
+def test_amx_rows_do_not_depend_on_the_batch(k):
+    """A row's output is the same bit for bit whatever rows share its call (three row tiles,
+    k in chunks, a last chunk short at k = 224, against the others' passes), and reads x and
     writes y at their row strides (views into wider tensors)."""
     g = torch.Generator().manual_seed(3)
-    w = _bf16(200, 512, g=g)
+    w = _bf16(200, k, g=g)
     packed = cpu_kernels.amx_pack(w)
-    x = _bf16(70, 600, g=g)[:, 40:552]  # row stride 600
+    x = _bf16(70, 600, g=g)[:, 40 : 40 + k]  # row stride 600
     full = cpu_kernels.amx_gemm(x, packed, 200)
-    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (0, 70)):
+    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (20, 68), (0, 70)):
         out = torch.full((hi - lo, 210), -1.0, dtype=torch.bfloat16)
         got = cpu_kernels.amx_gemm(x[lo:hi], packed, 200, out=out[:, 5:205])
         assert torch.equal(got, full[lo:hi])
@@ -557,6 +559,84 @@ def test_bf16_model_on_dpbf16_runs_silu_in_the_gate_up_epilogue(monkeypatch):
         if not gate:
             monkeypatch.setattr(cpu_kernels, "GATED_GROUP", 10**9)  # no inter tiles by it
         llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1, max_num_batched_tokens=32)
+        try:
+            mlps = [layer.mlp for layer in llm.engine.runner.model.layers]
+            assert all((m.gate_up_proj.gated_inter is not None) == gate for m in mlps)
+            outs[gate] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]
+
+
+@needs_amx
+@pytest.mark.parametrize("inter", [16, 48, 2816])
+@pytest.mark.parametrize("k", [32, 224, 1024])
+def test_amx_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
+    """The AMX kernel's gated epilogue gives the bits of gate_up through amx_gemm followed
+    by the compiled silu_mul: at 1-6 row tiles (3: the one-pass chunked k), panel counts
+    that leave a short group of 2 (inter 48: 6 panels), and x and out as row-strided views
+    (out's neighbours untouched)."""
+    g = torch.Generator().manual_seed(inter + k)
+    w = _bf16(2 * inter, k, g=g)
+    plain, gated = cpu_kernels.amx_pack(w), cpu_kernels.amx_gated_pack(w, inter)
+    wide = (4 * torch.randn(96, k + 7, generator=g)).bfloat16()
+    for m in (1, 5, 16, 17, 38, 48, 64, 96):
+        x = wide[:m, 3 : 3 + k]
+        want = cpu_kernels.silu_mul(cpu_kernels.amx_gemm(x, plain, 2 * inter))
+        out = torch.full((m, inter + 10), -1.0, dtype=torch.bfloat16)
+        got = cpu_kernels.amx_silu(x, gated, inter, out=out[:, 4 : 4 + inter])
+        assert torch.equal(got, want)
+        assert (out[:, :4] == -1).all() and (out[:, 4 + inter :] == -1).all()
+    gate, up = F.linear(wide[:5, 3 : 3 + k].float(), w.float()).split(inter, dim=-1)
+    got = cpu_kernels.amx_silu(wide[:5, 3 : 3 + k], gated, inter).float()
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=0.1, rtol=2**-6)
+
+
+@needs_amx
+def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
+    """Decode-sized rows run the gated AMX epilogue; prefill-sized ones oneDNN's product
+    (its own copy, plain order) then silu_mul; forward() gives [gate; up] either way."""
+    torch.manual_seed(8)
+    lin = nn.Linear(64, 2 * 96, bias=False).bfloat16()
+    layer = PackedLinear(lin, amx=True, gated_inter=96)
+    ungated = PackedLinear(lin, amx=True)
+    assert layer.gated_inter == 96 and layer.amx_gated and ungated.gated_inter is None
+    calls = []
+    real = cpu_kernels.amx_silu
+    monkeypatch.setattr(
+        cpu_kernels, "amx_silu", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)
+    )
+    for rows in (1, 9, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(layer(x), ungated(x))
+        assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
+    assert calls == [1, 9, AMX_MAX_ROWS]
+    assert layer.silu_mul(torch.randn(3, 3, 64).bfloat16()).shape == (3, 3, 96)
+    # A bias, an inter that does not tile by 16, or no AMX copy: the plain layout.
+    assert PackedLinear(nn.Linear(64, 192).bfloat16(), amx=True, gated_inter=96).gated_inter is None
+    odd = nn.Linear(64, 2 * 40, bias=False).bfloat16()
+    assert PackedLinear(odd, amx=True, gated_inter=40).gated_inter is None
+    assert PackedLinear(lin, gated_inter=96).gated_inter is None
+
+
+@needs_amx
+def test_bf16_model_on_amx_runs_silu_in_the_gate_up_epilogue(monkeypatch):
+    """Every MLP of a bf16 model on the AMX kernel takes the gated layout, and greedy output
+    is the same token for token as with the plain layout + silu_mul, over prefill chunks
+    (oneDNN) and decodes (AMX)."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "amx")
+    model = str(tiny_checkpoint("llama"))
+    prompts = [[5, 6, 7], list(range(40, 250)), [9] * 18]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for gate in (True, False):
+        if not gate:
+            monkeypatch.setattr(cpu_kernels, "AMX_GATED_GROUP", 10**9)  # no inter tiles by it
+        llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1, max_num_batched_tokens=128)
         try:
             mlps = [layer.mlp for layer in llm.engine.runner.model.layers]
             assert all((m.gate_up_proj.gated_inter is not None) == gate for m in mlps)
