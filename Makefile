@@ -23,9 +23,14 @@ $(VENV)/.stamp: pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
+# tcmalloc under the server where Debian's libtcmalloc-minimal4 is installed (as the image
+# does; docker/entrypoint.sh says why); an LD_PRELOAD already set wins.
+TCMALLOC := $(firstword $(wildcard /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4))
+RUN_PRELOAD := $(if $(LD_PRELOAD),,$(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC)))
+
 run: setup
 	@echo "pagestream: serving on http://$(HOST):$(PORT)/  (chat page at /, OpenAI API at /v1)"
-	$(PY) -m service.cli serve --host $(HOST) --port $(PORT) $(ARGS)
+	$(RUN_PRELOAD) $(PY) -m service.cli serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

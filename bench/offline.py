@@ -24,6 +24,7 @@ import torch
 
 from bench.offline_worker import DTYPES, ENGINES
 from bench.roofline import floor_row
+from bench.vllm_env import TCMALLOC, preload
 from bench.vllm_env import vllm_env as vllm_env_for
 from bench.workloads import Item, mixed
 
@@ -84,7 +85,10 @@ def local_engine(kind: str, path: Path, dtype: str, args: argparse.Namespace,
     spec = {"engine": kind, "model": str(path), "dtype": dtype, "threads": args.threads,
             "budget": args.budget, "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
     cmd = [sys.executable, "-m", "bench.offline_worker"]
-    return WorkerEngine(cmd, spec, dict(os.environ), ENGINES[kind].label, kind)
+    # pagestream with tcmalloc, as `make run`, the image and the serving bench run it (and
+    # vLLM runs here); transformers as its users run it.
+    env = {**os.environ, **(preload([TCMALLOC]) if kind == "pagestream" else {})}
+    return WorkerEngine(cmd, spec, env, ENGINES[kind].label, kind)
 
 
 def vllm_engine(path: Path, dtype: str, args: argparse.Namespace, warm: list[Item],
