@@ -64,7 +64,30 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
+    """oneDNN's product at a bucketed row count (cpu_kernels.gemm_rows: a kernel built for
+    every new shape would cost more than the product), the padding rows read from x's own
+    storage where it has them (cpu_kernels.empty_rows), or from a zero-padded copy."""
+    m = x.shape[0]
+    full = cpu_kernels.gemm_rows(m) if x.dim() == 2 else m
+    if full != m:
+        x = _with_rows(x, full)
+    y = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
+    return y if full == m else y[:m]
+
+
+def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [m, k] extended to `rows` rows: a view where x is row-dense and its storage goes on
+    that far (the extra rows' values only feed output rows that are dropped), else a copy
+    with zero rows."""
+    m, k = x.shape
+    if (
+        x.stride() == (k, 1)
+        and x.storage_offset() + rows * k <= x.untyped_storage().nbytes() // x.element_size()
+    ):
+        return x.as_strided((rows, k), (k, 1))
+    buf = torch.zeros((rows, k), dtype=x.dtype)
+    buf[:m] = x
+    return buf
 
 
 # Rows from which MKL's sgemm beats oneDNN's packed kernel where it is used (measured on

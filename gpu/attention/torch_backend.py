@@ -119,7 +119,12 @@ class TorchAttentionBackend(AttentionBackend):
         slots = meta.slot_mapping
         if not (kernel and cpu_kernels.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)):
             write_kv_reference(k, v, k_cache, v_cache, slots, k_scale, v_scale)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.device.type == "cpu" and q.dim() == 3 and cpu_kernels.available():
+            # o_proj's input: room for its bucketed oneDNN product (cpu_kernels.gemm_rows).
+            out = cpu_kernels.empty_rows(q.shape[0], q.shape[1] * q.shape[2], q.dtype)
+            out = out.view(q.shape)
+        else:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         sc = (k_scale, v_scale)
         if nd and kernel:  # the kernel reads q and writes out at their strides: no copies

@@ -659,6 +659,30 @@ def _rows_dense(t: torch.Tensor) -> bool:
 # ---- the fused elementwise chain (elementwise.cpp) --------------------------------------
 
 
+def gemm_rows(m: int) -> int:
+    """The row count a oneDNN product of m rows runs at (gpu/cpu_linear.packed_linear): m
+    rounded up to a bucket.  oneDNN builds (JIT-compiles) a kernel for every new shape,
+    10-15 ms for one `mid` projection on a 2-core Xeon, more than the product itself at a
+    prefill chunk's 1,000-2,000 rows, and a server sees a new chunk size at nearly every
+    prefill step.  Bucketed, it builds ~95 kernels per weight up to 4,096 rows, all it ever
+    will, and pads a product by less than 1/16 (exact up to 16 rows; then steps of 16, and
+    of a 16th of the power of two below m from 512 rows)."""
+    if m <= 16:
+        return m
+    g = max(16, 1 << (m.bit_length() - 5))
+    return -(-m // g) * g
+
+
+def empty_rows(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty((rows, cols)) whose storage holds gemm_rows(rows) rows, the extra ones
+    zero: a oneDNN product of it runs at its bucketed size without copying it."""
+    full = gemm_rows(rows)
+    buf = torch.empty((full, cols), dtype=dtype)
+    if full > rows:
+        buf[rows:].zero_()
+    return buf[:rows]
+
+
 def _is_bf16(t: torch.Tensor) -> int:
     assert t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
     return int(t.dtype == torch.bfloat16)
@@ -673,7 +697,7 @@ def add_rms_norm(
     lib = load()
     assert lib is not None and residual.stride(-1) == 1 and weight.is_contiguous()
     rows, dim = residual.shape
-    out = torch.empty((rows, dim), dtype=residual.dtype)
+    out = empty_rows(rows, dim, residual.dtype)  # a projection's input
     xp, xs = (None, 0) if x is None else (x.data_ptr(), x.stride(0))
     if x is not None:
         assert x.shape == residual.shape and x.dtype == residual.dtype and x.stride(-1) == 1
@@ -688,7 +712,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> silu(gate) * 
     lib = load()
     assert lib is not None and gate_up.stride(-1) == 1
     rows, width = gate_up.shape
-    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    out = empty_rows(rows, width // 2, gate_up.dtype)  # down_proj's input
     lib.ps_silu_mul(
         _is_bf16(gate_up), gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
         out.stride(0), rows, width // 2, torch.get_num_threads(),

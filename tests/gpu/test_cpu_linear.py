@@ -644,3 +644,66 @@ def test_bf16_model_on_amx_runs_silu_in_the_gate_up_epilogue(monkeypatch):
         finally:
             llm.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_gemm_rows_buckets_every_size_into_few():
+    """Every row count maps to a bucket at least as large and less than 1/16 larger (exact
+    up to 16 rows); up to 4,096 rows there are under 100 buckets, so oneDNN builds that many
+    kernels per weight however the chunk sizes vary."""
+    sizes = {cpu_kernels.gemm_rows(m) for m in range(1, 4097)}
+    assert len(sizes) < 100
+    for m in range(1, 20000):
+        b = cpu_kernels.gemm_rows(m)
+        assert b >= m and cpu_kernels.gemm_rows(b) == b
+        assert b == m if m <= 16 else (b - m) * 16 < max(m, 256)
+    assert cpu_kernels.gemm_rows(1153) == cpu_kernels.gemm_rows(1172) == 1216
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_runs_at_bucketed_rows(dtype):
+    """packed_linear of m rows gives the rows oneDNN computes at the bucketed size, from x's
+    own storage where it has the room (empty_rows: compiled kernels' outputs) and from a
+    zero-padded copy otherwise (a plain tensor, a row-strided view)."""
+    if not cpu_linear.packing_available(dtype):
+        pytest.skip(f"no packed oneDNN linear for {dtype} here")
+    torch.manual_seed(9)
+    w = torch.randn(40, 64).to(dtype)
+    b = torch.randn(40).to(dtype)
+    pw = cpu_linear.pack_weight(w)
+    for m in (3, 17, 100, 300, 1172):
+        full = cpu_kernels.gemm_rows(m)
+        slack = cpu_kernels.empty_rows(m, 64, dtype)
+        slack.copy_(torch.randn(m, 64).to(dtype))
+        assert slack.untyped_storage().nbytes() == full * 64 * slack.element_size()
+        assert (slack.as_strided((full, 64), (64, 1))[m:] == 0).all()
+        plain = slack.clone()
+        strided = torch.zeros(m, 80, dtype=dtype)[:, 8:72]
+        strided.copy_(slack)
+        padded = torch.zeros(full, 64, dtype=dtype)
+        padded[:m] = slack
+        want = torch.ops.mkldnn._linear_pointwise(padded, pw, b, "none", [None], "")[:m]
+        for x in (slack, plain, strided):
+            got = cpu_linear.packed_linear(x, pw, b)
+            assert got.shape == (m, 40) and got.is_contiguous()
+            assert torch.equal(got, want)
+        ref = F.linear(slack.double(), w.double(), b.double())
+        torch.testing.assert_close(want.double(), ref, atol=0.1, rtol=2**-6)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no compiled kernels")
+def test_projection_inputs_leave_room_for_the_bucketed_rows():
+    """The compiled kernels whose outputs feed projections (the norms: qkv and gate_up, SiLU
+    * up: down) leave zeroed rows up to gemm_rows in their storage, so packed_linear extends
+    them in place (the attention backend's output, o_proj's input, is made the same way)."""
+    m = 300
+    full = cpu_kernels.gemm_rows(m)
+    for dtype in (torch.float32, torch.bfloat16):
+        res = torch.randn(m, 64).to(dtype)
+        outs = [
+            cpu_kernels.add_rms_norm(None, res, torch.ones(64, dtype=dtype), 1e-5),
+            cpu_kernels.silu_mul(torch.randn(m, 128).to(dtype)),
+        ]
+        for out in outs:
+            assert out.shape == (m, 64) and out.is_contiguous()
+            assert out.untyped_storage().nbytes() == full * 64 * out.element_size()
+            assert (out.as_strided((full, 64), (64, 1))[m:] == 0).all()
