@@ -190,6 +190,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.dtype = linear.weight.dtype
         # Plain attributes, not parameters: the packed layouts are opaque tensors that
         # state_dict() and .to() must not touch.
         self.dpbf16 = dpbf16 and linear.weight.dtype == torch.bfloat16
@@ -292,6 +293,36 @@ class PackedLinear(nn.Module):
         y = cpu_kernels.sgemm(x.reshape(-1, self.in_features), self.packed,
                               self.out_features, self.bias_f32, out)  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
+    """Runs every oneDNN product `model` can meet once, at each bucketed row count
+    (cpu_kernels.gemm_rows) up to max_rows (the step's token budget; the lm_head's up to
+    max_logit_rows, the sequences a step samples), so that oneDNN builds its kernels at
+    start-up and not in the first requests' steps (10-15 ms each on a 2-core Xeon, ~2-3 s
+    in all for the `mid` model).  Returns the products run.  PAGESTREAM_CPU_WARMUP=0 skips
+    it."""
+    if os.environ.get("PAGESTREAM_CPU_WARMUP", "1") == "0":
+        return 0
+    head = getattr(model, "lm_head_packed", None)
+    done: set[tuple] = set()
+    runs = 0
+    for layer in model.modules():
+        if not isinstance(layer, PackedLinear) or layer.sgemm or layer.dpbf16:
+            continue
+        lo = AMX_MAX_ROWS + 1 if layer.amx is not None else 1
+        hi = max_logit_rows if layer is head else max_rows
+        if layer.plain is not None:  # MKL from mkl_from rows
+            hi = min(hi, layer.mkl_from - 1)
+        key = (layer.in_features, layer.out_features, layer.bias is None, layer.dtype, lo, hi)
+        if key in done:
+            continue
+        done.add(key)
+        for rows in sorted({cpu_kernels.gemm_rows(r) for r in range(lo, hi + 1)}):
+            x = torch.zeros(rows, layer.in_features, dtype=layer.dtype)
+            packed_linear(x, layer.packed, layer.bias)
+            runs += 1
+    return runs
 
 
 class Scratch:

@@ -18,6 +18,7 @@ from gpu import cpu_features, cpu_kernels
 from gpu.attention import create_attention_backend
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
+from gpu.cpu_linear import warm_onednn
 from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
@@ -102,6 +103,17 @@ class ModelRunner:
         self.spec: SpecRunner | None = None
         if speculation or speculative_model is not None:
             self.spec = SpecRunner(self, speculative_model, attention_backend)
+
+    def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        """Builds the CPU GEMM kernels a step of up to this many tokens can meet before the
+        first request needs them (cpu_linear.warm_onednn); nothing on a GPU."""
+        if self.device.type != "cpu":
+            return
+        t = time.perf_counter()
+        runs = warm_onednn(self.model, max_num_batched_tokens, max_num_seqs)
+        if runs:
+            log.info("oneDNN kernels for %d product shapes built in %.1f s", runs,
+                     time.perf_counter() - t)  # fmt: skip
 
     def _set_lengths(self, block_size: int, max_model_len: int | None) -> None:
         if block_size <= 0 or block_size & (block_size - 1):

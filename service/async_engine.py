@@ -175,6 +175,10 @@ class AsyncEngine:
             )
             max_model_len = capacity
         budget = args.max_num_batched_tokens or (2048 if runner.device.type == "cuda" else 512)
+        if callable(getattr(type(runner), "warm_up", None)):  # a ModelRunner (not TP's)
+            # On the step thread, before the first request: the CPU GEMMs' kernels for
+            # every step size this budget allows (ModelRunner.warm_up).
+            executor.call(lambda: runner.warm_up(budget, args.max_num_seqs))
         tier = None
         if args.redis_url and args.enable_prefix_caching:
             tier = build_prefix_tier(args, runner, model_dir)

@@ -2,11 +2,16 @@
 
 TRITON_INTERPRET must be set before any module that defines a @triton.jit kernel is
 imported (triton reads it at decoration time), so it is set here, at conftest import.
+PAGESTREAM_CPU_WARMUP=0: the engines tests build (hundreds, servers included) skip
+building oneDNN's kernels for every step size at start (~1.5 s each for a tiny float32
+model); tests/gpu/test_cpu_linear.py turns it back on where it tests the warm-up.
 """
 
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("PAGESTREAM_CPU_WARMUP", "0")
 
 if not os.environ.get("PAGESTREAM_NO_TRITON_INTERPRET"):
     try:

@@ -707,3 +707,43 @@ def test_projection_inputs_leave_room_for_the_bucketed_rows():
             assert out.shape == (m, 64) and out.is_contiguous()
             assert out.untyped_storage().nbytes() == full * 64 * out.element_size()
             assert (out.as_strided((full, 64), (64, 1))[m:] == 0).all()
+
+
+@needs_packing
+def test_engine_start_runs_every_bucketed_onednn_product_once(monkeypatch):
+    """An engine on CPU runs each oneDNN product shape once at start (so oneDNN's kernels
+    are built before the first request): every bucket up to the token budget for each
+    projection shape, up to max_num_seqs rows for the lm_head, none on the AMX kernel's
+    rows; and PAGESTREAM_CPU_WARMUP=0 skips it."""
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    seen: list[tuple[int, int]] = []
+    real = cpu_linear.packed_linear
+    monkeypatch.setattr(
+        cpu_linear, "packed_linear", lambda x, w, b: seen.append(tuple(x.shape)) or real(x, w, b)
+    )
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "onednn")
+    monkeypatch.setenv("PAGESTREAM_CPU_WARMUP", "1")
+    model = str(tiny_checkpoint("llama"))
+    llm = LLM(model, dtype="float32", num_kv_blocks=64, threads=1, max_num_batched_tokens=300,
+              max_num_seqs=40)  # fmt: skip
+    try:
+        cfg = llm.engine.runner.config
+    finally:
+        llm.shutdown()
+    buckets = sorted({cpu_kernels.gemm_rows(m) for m in range(1, 301)})
+    heads = sorted({cpu_kernels.gemm_rows(m) for m in range(1, 41)})
+    h = cfg.hidden_size
+    by_k: dict[int, list[int]] = {}
+    for rows, k in seen:
+        by_k.setdefault(k, []).append(rows)
+    # qkv, gate_up (k = hidden) and o_proj (k = heads x dim, here hidden too) and the
+    # lm_head; down_proj (k = intermediate).
+    assert sorted(by_k[cfg.intermediate_size]) == buckets
+    assert len(seen) == 4 * len(buckets) + len(heads)
+    assert all(rows in buckets for rows in by_k[h])
+    seen.clear()
+    monkeypatch.setenv("PAGESTREAM_CPU_WARMUP", "0")
+    LLM(model, dtype="float32", num_kv_blocks=64, threads=1).shutdown()
+    assert seen == []
