@@ -594,13 +594,15 @@ def test_amx_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
 
 @needs_amx
 def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
-    """Decode-sized rows run the gated AMX epilogue; prefill-sized ones oneDNN's product
-    (its own copy, plain order) then silu_mul; forward() gives [gate; up] either way."""
+    """Decode-sized rows run the gated AMX epilogue (the bits of the product + silu_mul);
+    prefill-sized ones gated_linear, oneDNN's products of the gate and up halves with SiLU
+    and the multiply fused (close: SiLU of the float32 sums); forward() gives [gate; up]."""
     torch.manual_seed(8)
     lin = nn.Linear(64, 2 * 96, bias=False).bfloat16()
     layer = PackedLinear(lin, amx=True, gated_inter=96)
     ungated = PackedLinear(lin, amx=True)
     assert layer.gated_inter == 96 and layer.amx_gated and ungated.gated_inter is None
+    assert layer.halves is not None and layer.packed is None  # no [gate; up] oneDNN copy
     calls = []
     real = cpu_kernels.amx_silu
     monkeypatch.setattr(
@@ -608,8 +610,15 @@ def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
     )
     for rows in (1, 9, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 64).bfloat16()
-        assert torch.equal(layer(x), ungated(x))
-        assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
+        gate, up = F.linear(x.float(), lin.weight.float()).split(96, dim=-1)
+        if rows <= AMX_MAX_ROWS:
+            assert torch.equal(layer(x), ungated(x))
+            assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
+        else:
+            torch.testing.assert_close(layer(x).float(), ungated(x).float(), atol=0, rtol=2**-7)
+            got = layer.silu_mul(x)
+            assert got.shape == (rows, 96)
+            torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=3e-2, rtol=2**-6)
     assert calls == [1, 9, AMX_MAX_ROWS]
     assert layer.silu_mul(torch.randn(3, 3, 64).bfloat16()).shape == (3, 3, 96)
     # A bias, an inter that does not tile by 16, or no AMX copy: the plain layout.
@@ -619,11 +628,30 @@ def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
     assert PackedLinear(lin, gated_inter=96).gated_inter is None
 
 
+@needs_packing
+def test_gated_linear_is_silu_gate_times_up_at_bucketed_rows():
+    """oneDNN's two fused products give SiLU(x gate^T) * (x up^T) at any row count (run at
+    the bucketed size, the padding dropped) for a plain x and for a strided view."""
+    if not cpu_linear.packing_available(torch.bfloat16):
+        pytest.skip("no packed oneDNN bf16 linear here")
+    g = torch.Generator().manual_seed(10)
+    w = (torch.randn(2 * 80, 64, generator=g) / 8).bfloat16()
+    gate_w, up_w = cpu_linear.pack_weight(w[:80]), cpu_linear.pack_weight(w[80:])
+    for m in (1, 17, 97, 300):
+        wide = torch.randn(m, 70, generator=g).bfloat16()
+        for x in (wide[:, 3:67].contiguous(), wide[:, 3:67]):
+            got = cpu_linear.gated_linear(x, gate_w, up_w)
+            gate, up = F.linear(x.float(), w.float()).split(80, dim=-1)
+            assert got.shape == (m, 80) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=3e-2, rtol=2**-6)
+
+
 @needs_amx
 def test_bf16_model_on_amx_runs_silu_in_the_gate_up_epilogue(monkeypatch):
     """Every MLP of a bf16 model on the AMX kernel takes the gated layout, and greedy output
-    is the same token for token as with the plain layout + silu_mul, over prefill chunks
-    (oneDNN) and decodes (AMX)."""
+    is the same token for token as with the plain layout + silu_mul over steps of up to
+    AMX_MAX_ROWS tokens (prefill chunks and decodes on AMX; larger chunks take gated_linear,
+    whose rounding differs: test_gated_linear_is_silu_gate_times_up_at_bucketed_rows)."""
     from scheduler.sampling_params import SamplingParams
     from service.llm import LLM
     from tests.checkpoints import tiny_checkpoint
@@ -636,7 +664,7 @@ def test_bf16_model_on_amx_runs_silu_in_the_gate_up_epilogue(monkeypatch):
     for gate in (True, False):
         if not gate:
             monkeypatch.setattr(cpu_kernels, "AMX_GATED_GROUP", 10**9)  # no inter tiles by it
-        llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1, max_num_batched_tokens=128)
+        llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1, max_num_batched_tokens=64)
         try:
             mlps = [layer.mlp for layer in llm.engine.runner.model.layers]
             assert all((m.gate_up_proj.gated_inter is not None) == gate for m in mlps)
