@@ -23,6 +23,8 @@ AMX kernel (gpu/cpu_kernels/amx_gemm.cpp): on a 2-core Xeon with AMX it measured
 oneDNN's packed kernel (itself on AMX) over the `mid` model's projections at 1-96 rows,
 level near 128, 0.74x at 256.  Larger products (prefill) stay on oneDNN, so the layer keeps
 both copies of the weight: twice the projection memory, the price of the faster decode.
+There an MLP's gate_up runs SiLU(gate) * up as the AMX product's epilogue at decode sizes
+(amx_silu) and as oneDNN post-ops at prefill sizes (gated_linear).
 Under auto the copy is made only where it fits AMX_COPY_MEMORY_SHARE of the memory
 available; PAGESTREAM_DECODE_GEMM=amx forces it, =onednn turns it off.
 

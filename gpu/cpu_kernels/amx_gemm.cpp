@@ -5,8 +5,12 @@
 // the `mid` model's decode projections with the weights streaming at 16-22 GB/s (1-38
 // rows), where two threads read memory at 22-36 GB/s; the products are far from AMX's
 // compute limit (a tile product, 16 rows x 32 k x 16 columns, takes 16 cycles), so the
-// kernel's job is to keep the weight stream moving.  Measured: 28-29 GB/s at 1-16 rows,
-// ~20 at 38-48, 17 at 64 (oneDNN 22 / 16 / 14); see gpu/cpu_linear.py for the routing.
+// kernel's job is to keep the weight stream moving.  Measured over the `mid` model's
+// projections (246 MB, cold): 28-29 GB/s at 1-16 rows, ~20 at 38-48, 17 at 64 (oneDNN 22 /
+// 16 / 14); on 2026-12-03, with per-thread x copies and three row tiles in one pass, 37-39
+// at 1-16, 32-33 at 32, 27-28 at 38-48, 23 at 64 (the machine's memory ran faster that day:
+// 1-16 rows are memory-bound, 32 and more bound by tile loads from L2).  See
+// gpu/cpu_linear.py for the routing.
 //
 // Layout: the weight is packed once at load into panels of 16 output columns, each panel
 // k/32 consecutive 1 KB tiles in the VNNI order tdpbf16ps reads (tile row r holds k pairs
