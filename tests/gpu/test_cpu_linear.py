@@ -495,19 +495,31 @@ def test_dpbf16_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
     """The gated epilogue gives the bits of gate_up through the plain kernel followed by the
     compiled silu_mul: at every row-tile shape, k past a block, odd k, and x and out as
     row-strided views (out's neighbours untouched)."""
+    _check_gated_epilogue("dpbf16", inter, k, (1, 2, 3, 7, 13, 38, 121, 250))
+
+
+def _check_gated_epilogue(kernel: str, inter: int, k: int, rows: tuple[int, ...]) -> None:
+    """{kernel}_silu on its gated pack against {kernel}'s plain product + silu_mul, bit for
+    bit, x and out row-strided views; and close to silu(gate) * up in float32."""
+    pack, gated_pack, gemm, silu = {
+        "dpbf16": (cpu_kernels.dpbf16_pack, cpu_kernels.dpbf16_gated_pack,
+                   cpu_kernels.dpbf16_gemm, cpu_kernels.dpbf16_silu),
+        "amx": (cpu_kernels.amx_pack, cpu_kernels.amx_gated_pack, cpu_kernels.amx_gemm,
+                cpu_kernels.amx_silu),
+    }[kernel]  # fmt: skip
     g = torch.Generator().manual_seed(inter + k)
     w = _bf16(2 * inter, k, g=g)
-    plain, gated = cpu_kernels.dpbf16_pack(w), cpu_kernels.dpbf16_gated_pack(w, inter)
-    wide = (4 * torch.randn(250, k + 7, generator=g)).bfloat16()
-    for m in (1, 2, 3, 7, 13, 38, 121, 250):
+    plain, gated = pack(w), gated_pack(w, inter)
+    wide = (4 * torch.randn(max(rows), k + 7, generator=g)).bfloat16()
+    for m in rows:
         x = wide[:m, 3 : 3 + k]
-        want = cpu_kernels.silu_mul(cpu_kernels.dpbf16_gemm(x, plain, 2 * inter))
+        want = cpu_kernels.silu_mul(gemm(x, plain, 2 * inter))
         out = torch.full((m, inter + 10), -1.0, dtype=torch.bfloat16)
-        got = cpu_kernels.dpbf16_silu(x, gated, inter, out=out[:, 4 : 4 + inter])
+        got = silu(x, gated, inter, out=out[:, 4 : 4 + inter])
         assert torch.equal(got, want)
         assert (out[:, :4] == -1).all() and (out[:, 4 + inter :] == -1).all()
     gate, up = F.linear(wide[:5, 3 : 3 + k].float(), w.float()).split(inter, dim=-1)
-    got = cpu_kernels.dpbf16_silu(wide[:5, 3 : 3 + k], gated, inter).float()
+    got = silu(wide[:5, 3 : 3 + k], gated, inter).float()
     torch.testing.assert_close(got, F.silu(gate) * up, atol=0.1, rtol=2**-6)
 
 
@@ -546,19 +558,26 @@ def test_bf16_model_on_dpbf16_runs_silu_in_the_gate_up_epilogue(monkeypatch):
     """Every MLP of a bf16 model on the kernel takes the gated layout, and greedy output is
     the same token for token as with the plain layout + silu_mul (gating off with the
     fused kernels), over prefill chunks and decodes."""
+    _check_gated_model(monkeypatch, "dpbf16", "GATED_GROUP", list(range(40, 130)), budget=32)
+
+
+def _check_gated_model(monkeypatch, kernel: str, group: str, prompt: list[int], budget: int):
+    """Greedy tokens of the tiny bf16 model on `kernel` with every MLP gated and with none
+    (cpu_kernels.<group> set past any inter), over prefill chunks of up to `budget` tokens."""
     from scheduler.sampling_params import SamplingParams
     from service.llm import LLM
     from tests.checkpoints import tiny_checkpoint
 
-    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "dpbf16")
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", kernel)
     model = str(tiny_checkpoint("llama"))
-    prompts = [[5, 6, 7], list(range(40, 130)), [9] * 18]
+    prompts = [[5, 6, 7], prompt, [9] * 18]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
     for gate in (True, False):
         if not gate:
-            monkeypatch.setattr(cpu_kernels, "GATED_GROUP", 10**9)  # no inter tiles by it
-        llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1, max_num_batched_tokens=32)
+            monkeypatch.setattr(cpu_kernels, group, 10**9)  # no inter tiles by it
+        llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1,
+                  max_num_batched_tokens=budget)  # fmt: skip
         try:
             mlps = [layer.mlp for layer in llm.engine.runner.model.layers]
             assert all((m.gate_up_proj.gated_inter is not None) == gate for m in mlps)
@@ -576,20 +595,7 @@ def test_amx_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
     by the compiled silu_mul: at 1-6 row tiles (3: the one-pass chunked k), panel counts
     that leave a short group of 2 (inter 48: 6 panels), and x and out as row-strided views
     (out's neighbours untouched)."""
-    g = torch.Generator().manual_seed(inter + k)
-    w = _bf16(2 * inter, k, g=g)
-    plain, gated = cpu_kernels.amx_pack(w), cpu_kernels.amx_gated_pack(w, inter)
-    wide = (4 * torch.randn(96, k + 7, generator=g)).bfloat16()
-    for m in (1, 5, 16, 17, 38, 48, 64, 96):
-        x = wide[:m, 3 : 3 + k]
-        want = cpu_kernels.silu_mul(cpu_kernels.amx_gemm(x, plain, 2 * inter))
-        out = torch.full((m, inter + 10), -1.0, dtype=torch.bfloat16)
-        got = cpu_kernels.amx_silu(x, gated, inter, out=out[:, 4 : 4 + inter])
-        assert torch.equal(got, want)
-        assert (out[:, :4] == -1).all() and (out[:, 4 + inter :] == -1).all()
-    gate, up = F.linear(wide[:5, 3 : 3 + k].float(), w.float()).split(inter, dim=-1)
-    got = cpu_kernels.amx_silu(wide[:5, 3 : 3 + k], gated, inter).float()
-    torch.testing.assert_close(got, F.silu(gate) * up, atol=0.1, rtol=2**-6)
+    _check_gated_epilogue("amx", inter, k, (1, 5, 16, 17, 38, 48, 64, 96))
 
 
 @needs_amx
@@ -652,26 +658,7 @@ def test_bf16_model_on_amx_runs_silu_in_the_gate_up_epilogue(monkeypatch):
     is the same token for token as with the plain layout + silu_mul over steps of up to
     AMX_MAX_ROWS tokens (prefill chunks and decodes on AMX; larger chunks take gated_linear,
     whose rounding differs: test_gated_linear_is_silu_gate_times_up_at_bucketed_rows)."""
-    from scheduler.sampling_params import SamplingParams
-    from service.llm import LLM
-    from tests.checkpoints import tiny_checkpoint
-
-    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "amx")
-    model = str(tiny_checkpoint("llama"))
-    prompts = [[5, 6, 7], list(range(40, 250)), [9] * 18]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = {}
-    for gate in (True, False):
-        if not gate:
-            monkeypatch.setattr(cpu_kernels, "AMX_GATED_GROUP", 10**9)  # no inter tiles by it
-        llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, threads=1, max_num_batched_tokens=64)
-        try:
-            mlps = [layer.mlp for layer in llm.engine.runner.model.layers]
-            assert all((m.gate_up_proj.gated_inter is not None) == gate for m in mlps)
-            outs[gate] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        finally:
-            llm.shutdown()
-    assert outs[True] == outs[False]
+    _check_gated_model(monkeypatch, "amx", "AMX_GATED_GROUP", list(range(40, 250)), budget=64)
 
 
 def test_gemm_rows_buckets_every_size_into_few():
