@@ -70,11 +70,8 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
     every new shape would cost more than the product), the padding rows read from x's own
     storage where it has them (cpu_kernels.empty_rows), or from a zero-padded copy."""
     m = x.shape[0]
-    full = cpu_kernels.gemm_rows(m) if x.dim() == 2 else m
-    if full != m:
-        x = _with_rows(x, full)
-    y = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
-    return y if full == m else y[:m]
+    xb = _bucketed(x) if x.dim() == 2 else x
+    return torch.ops.mkldnn._linear_pointwise(xb, w, bias, "none", [None], "")[:m]
 
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -83,20 +80,19 @@ def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch
     product + silu_mul at 2,048 rows of the `mid` model on a 2-core Xeon, the [rows, 2I]
     product never written.  SiLU takes the float32 sums, not their bf16 rounding, so the
     bits differ from the unfused path's (by bf16 rounding)."""
-    m = x.shape[0]
-    full = cpu_kernels.gemm_rows(m)
-    if full != m:
-        x = _with_rows(x, full)
-    g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [None], "")
-    y = torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
-    return y if full == m else y[:m]
+    xb = _bucketed(x)
+    g = torch.ops.mkldnn._linear_pointwise(xb, gate, None, "swish", [None], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(xb, g, up, None, "mul")[: x.shape[0]]
 
 
-def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [m, k] extended to `rows` rows: a view where x is row-dense and its storage goes on
-    that far (the extra rows' values only feed output rows that are dropped), else a copy
-    with zero rows."""
+def _bucketed(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] extended to cpu_kernels.gemm_rows(m) rows: x itself at a bucket's size; a
+    view where x is row-dense and its storage goes on that far (the extra rows' values only
+    feed output rows that are dropped); else a copy with zero rows."""
     m, k = x.shape
+    rows = cpu_kernels.gemm_rows(m)
+    if rows == m:
+        return x
     if (
         x.stride() == (k, 1)
         and x.storage_offset() + rows * k <= x.untyped_storage().nbytes() // x.element_size()
@@ -301,9 +297,9 @@ class PackedLinear(nn.Module):
             y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
                                      self.out_features, self.bias_f32)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
-        mkl = self.plain is not None and x.numel() >= self.mkl_from * self.in_features
         if self.halves is not None:  # a gated gate_up's prefill-sized plain product
             return torch.cat([packed_linear(x, h, None) for h in self.halves], dim=-1)
+        mkl = self.plain is not None and x.numel() >= self.mkl_from * self.in_features
         if not (mkl or self.sgemm or self.dpbf16):
             return packed_linear(x, self.packed, self.bias)  # oneDNN allocates its own
         out = None
@@ -328,8 +324,8 @@ def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
     """Runs every oneDNN product `model` can meet once, at each bucketed row count
     (cpu_kernels.gemm_rows) up to max_rows (the step's token budget; the lm_head's up to
     max_logit_rows, the sequences a step samples), so that oneDNN builds its kernels at
-    start-up and not in the first requests' steps (10-15 ms each on a 2-core Xeon, ~2-3 s
-    in all for the `mid` model).  Returns the products run.  PAGESTREAM_CPU_WARMUP=0 skips
+    start-up and not in the first requests' steps (10-15 ms each on a 2-core Xeon; 4.3 s
+    in all for the `mid` model in bf16 at a 2,048-token budget, 8.4 s in float32).  Returns the products run.  PAGESTREAM_CPU_WARMUP=0 skips
     it."""
     if os.environ.get("PAGESTREAM_CPU_WARMUP", "1") == "0":
         return 0
