@@ -9,13 +9,15 @@
 // This kernel is the BLIS layout of sgemm.cpp with the products two k at a time, and it
 // keeps the weight stream ahead of the arithmetic.  The weight is packed once at load into
 // groups of 4 panels of 16 columns, each group's k blocks one after another in memory (a
-// thread's share of the weight is one sequential stream), each k pair of a panel one
-// 64-byte line (16 columns x 2 bf16, the pair order vdpbf16ps reads).  x is copied per call
+// thread's share of the weight is one sequential stream), and within a block the 4 panels'
+// lines of a k pair side by side (each line 16 columns x 2 bf16, the pair order vdpbf16ps
+// reads): a tile walks its block front to back, one stream, where panel after panel (4
+// streams 8 KB apart) held the weight's 38-row decode stream 5-10% slower on a Zen 5.  x is copied per call
 // per block of up to kMC rows into pairs, one k block of a row after another.  A 6-row x
 // 4-panel register tile holds 24 zmm accumulators fed per k pair by 4 panel loads and 6
 // broadcasts of x pairs.  A thread runs every row tile of a block of x over a group's k
-// block (32 KB) while it sits in L1, and every tile prefetches its share of the block two
-// ahead, spread over its k pairs: a burst of prefetches from the first tile alone (as
+// block (32 KB) while it sits in L1, and every tile prefetches its share of the next
+// block, spread over its k pairs: a burst of prefetches from the first tile alone (as
 // sgemm.cpp does) overflows the core's outstanding misses and left the stream 15-30%
 // slower at 16-64 rows.  Partial sums between k blocks live in a per-thread float32 tile
 // buffer, and the last k block rounds straight to bf16 into y, so no float32 y is written
@@ -63,13 +65,13 @@ inline int64_t pairs(int64_t k) { return (k + 1) / 2; }
 inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
 // MR rows x NP consecutive panels over kp k pairs.  a: the tile's packed x pairs, a[r * kp
-// + kk]; b: the first panel's block (panel j at b + j * ps); c: float32 partial sums (stride
+// + kk]; b: the group's block (k pair kk of panel j at b + (kk * NP + j) * kNR); c: float32 partial sums (stride
 // kNP * kNR), read back unless `first` (then the sums start from the bias, or zero); on the
 // `last` k block the sums are rounded to bf16 into y (stride ys; `w` valid columns).  PF:
 // prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs.  GATED: see
 // ps_dpbf16_silu (NP 4: panels 0-1 gate, 2-3 up).
 template <int MR, int NP, bool PF, bool GATED = false>
-void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, int64_t ps, float* c,
+void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
                  bool first, bool last, const float* bias, uint16_t* y, int64_t ys, int w,
                  const uint32_t* pf, int64_t npf) {
   constexpr int cs = kNP * kNR;
@@ -92,7 +94,7 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, int64_t ps, float
     }
     __m512bh bv[NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * ps + kk * kNR);
+    for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + (kk * NP + j) * kNR);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * kp + kk]));
@@ -137,7 +139,7 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, int64_t ps, float
   }
 }
 
-using Kernel = void (*)(int, const uint32_t*, const uint32_t*, int64_t, float*, bool, bool,
+using Kernel = void (*)(int, const uint32_t*, const uint32_t*, float*, bool, bool,
                         const float*, uint16_t*, int64_t, int, const uint32_t*, int64_t);
 
 template <int MR, int NP>
@@ -213,7 +215,7 @@ struct Pass {
   int64_t ys;
   bool gated;
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
-  // a thread's groups are one sequential stream; panel j of it is j * kp * kNR further.
+  // a thread's groups are one sequential stream.
   const uint32_t* block(int64_t q0, int64_t g) const {
     const int64_t gp = std::min<int64_t>(kNP, np - g * kNP);
     return wp + g * kNP * kNR * kpt + q0 * gp * kNR;
@@ -234,17 +236,17 @@ struct Pass {
         const uint32_t* b = block(q0, g);
         const bool first = q0 == 0, last = q0 + kKC / 2 >= kpt;
         // What follows this block in memory is what the thread reads next: the tiles
-        // prefetch two blocks' worth ahead in that stream, each its share of a block's
-        // lines, up to the end of the thread's groups.
+        // prefetch the next block, each its share of its lines, up to the end of the
+        // thread's groups (two blocks ahead measured level to 4% slower with the
+        // interleaved panels; none, 10-20% slower).
         const int64_t lines = static_cast<int64_t>(gp) * kp;
-        const uint32_t* ahead = b + 2 * lines * kNR;
+        const uint32_t* ahead = b + lines * kNR;
         for (int i = 0; i < ntiles; ++i) {
           const int r0 = tiles[i][0], mr = tiles[i][1];
           const int64_t l0 = lines * i / ntiles, l1 = lines * (i + 1) / ntiles;
           const uint32_t* tpf = ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
           const int64_t npf = tpf ? std::min<int64_t>(l1 - l0, (wend - tpf) / kNR) : 0;
           pick(mr, gp, tpf != nullptr, gated)(kp, ap + q0 * mb + r0 * kp, b,
-                                             static_cast<int64_t>(kp) * kNR,
                                              c + static_cast<int64_t>(r0) * kNP * kNR, first,
                                              last, bias ? bias + col : nullptr,
                                              y + r0 * ys + ycol, ys, w, tpf, npf);
@@ -322,8 +324,8 @@ void pack(const uint16_t* w, int64_t n, int64_t k, uint32_t* out, int nthreads) 
     uint32_t* dst = out + g * kNP * kNR * kpt;
     for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
       const int64_t kp = std::min<int64_t>(kKC / 2, kpt - q0);
-      for (int64_t j = 0; j < gp; ++j)
-        for (int64_t kk = 0; kk < kp; ++kk)
+      for (int64_t kk = 0; kk < kp; ++kk)
+        for (int64_t j = 0; j < gp; ++j)
           for (int c = 0; c < kNR; ++c) {
             const int64_t col = (g * kNP + j) * kNR + c;
             *dst++ = col < n ? pair_at(w + col * k, q0 + kk, k) : 0u;
@@ -344,8 +346,8 @@ int ps_dpbf16_available() { return PS_DPBF16; }
 int64_t ps_dpbf16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * pairs(k) * 2; }
 
 // w [n, k] bf16 -> for each group of 4 panels (the last may have fewer), its blocks of kKC
-// values of k in turn (the last may be shorter), each block its panels' k pairs x 16
-// columns in turn, each entry the pair (2i, 2i + 1) of one column; columns past n and an
+// values of k in turn (the last may be shorter), each block its k pairs in turn, each k
+// pair its panels' 16 columns in turn, each entry the pair (2i, 2i + 1) of one column; columns past n and an
 // odd k's last half pair are zeros.
 void ps_dpbf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
 #if PS_DPBF16
