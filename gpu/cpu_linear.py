@@ -129,7 +129,7 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
 AMX_MAX_ROWS = 96
 
 
-_GEMM_CHOICES = ("auto", "sgemm", "amx", "dpbf16", "onednn")
+_GEMM_CHOICES = ("auto", "sgemm", "amx", "dpbf16", "sgemm512", "onednn")
 
 
 def _decode_gemm() -> str:
@@ -185,6 +185,18 @@ def use_dpbf16(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
     return "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
+def use_sgemm512(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
+    """float32 projections of every size run on dpbf16_gemm.cpp's float32 kernel rather
+    than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU with AVX-512, where it was
+    measured), sgemm512 (any float32 model where the kernel is built), others (never)."""
+    choice = _decode_gemm()
+    if dtype != torch.float32 or choice not in ("auto", "sgemm512"):
+        return False
+    if not cpu_kernels.sgemm512_available():
+        return False
+    return choice == "sgemm512" or "avx512f" in (cpu or cpu_features.detect()).flags
+
+
 class PackedLinear(nn.Module):
     """A drop-in for nn.Linear whose weight is pre-reordered once: for oneDNN, or with
     `sgemm` for pagestream's kernel; with `mkl_from`, products of at least that many rows
@@ -199,6 +211,7 @@ class PackedLinear(nn.Module):
         amx: bool = False,
         dpbf16: bool = False,
         gated_inter: int | None = None,
+        sgemm512: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -207,7 +220,8 @@ class PackedLinear(nn.Module):
         # Plain attributes, not parameters: the packed layouts are opaque tensors that
         # state_dict() and .to() must not touch.
         self.dpbf16 = dpbf16 and linear.weight.dtype == torch.bfloat16
-        self.sgemm = sgemm and not self.dpbf16
+        self.sgemm512 = sgemm512 and linear.weight.dtype == torch.float32
+        self.sgemm = sgemm and not (self.dpbf16 or self.sgemm512)
         # An MLP's gate_up ([gate; up] rows, gated_inter each) is packed for silu_mul():
         # SiLU(gate) * up as the product's epilogue, on the vdpbf16ps kernel for every
         # product (dpbf16_gated) or on the AMX kernel for decode-sized ones (amx_gated).
@@ -232,6 +246,8 @@ class PackedLinear(nn.Module):
             self.packed = None
         elif self.dpbf16:
             self.packed = cpu_kernels.dpbf16_pack(linear.weight)
+        elif self.sgemm512:
+            self.packed = cpu_kernels.sgemm512_pack(linear.weight)
         elif self.sgemm:
             self.packed = cpu_kernels.sgemm_pack(linear.weight)
         else:
@@ -252,12 +268,17 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def of_weight(
-        cls, weight: torch.Tensor, sgemm: bool = False, amx: bool = False, dpbf16: bool = False
+        cls,
+        weight: torch.Tensor,
+        sgemm: bool = False,
+        amx: bool = False,
+        dpbf16: bool = False,
+        sgemm512: bool = False,
     ) -> PackedLinear:
         """For a bare weight (the lm_head): no bias, no MKL path."""
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls(linear, sgemm=sgemm, amx=amx, dpbf16=dpbf16)
+        return cls(linear, sgemm=sgemm, amx=amx, dpbf16=dpbf16, sgemm512=sgemm512)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up of this gate_up projection, [T, gated_inter], in one pass (on
@@ -300,14 +321,15 @@ class PackedLinear(nn.Module):
         if self.halves is not None:  # a gated gate_up's prefill-sized plain product
             return torch.cat([packed_linear(x, h, None) for h in self.halves], dim=-1)
         mkl = self.plain is not None and x.numel() >= self.mkl_from * self.in_features
-        if not (mkl or self.sgemm or self.dpbf16):
+        if not (mkl or self.sgemm or self.dpbf16 or self.sgemm512):
             return packed_linear(x, self.packed, self.bias)  # oneDNN allocates its own
         out = None
         if self.scratch is not None and x.dim() == 2:
             out = self.scratch.take(x.shape[0], self.out_features, x.dtype)
-        if self.dpbf16:
-            y = cpu_kernels.dpbf16_gemm(x.reshape(-1, self.in_features), self.packed,
-                                        self.out_features, self.bias_f32, out)  # fmt: skip
+        if self.dpbf16 or self.sgemm512:
+            gemm = cpu_kernels.dpbf16_gemm if self.dpbf16 else cpu_kernels.sgemm512
+            y = gemm(x.reshape(-1, self.in_features), self.packed, self.out_features,
+                     self.bias_f32, out)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
         if mkl:
             if out is None:
@@ -333,7 +355,7 @@ def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
     done: set[tuple] = set()
     runs = 0
     for layer in model.modules():
-        if not isinstance(layer, PackedLinear) or layer.sgemm or layer.dpbf16:
+        if not isinstance(layer, PackedLinear) or layer.sgemm or layer.dpbf16 or layer.sgemm512:
             continue
         lo = AMX_MAX_ROWS + 1 if layer.amx is not None else 1
         hi = max_logit_rows if layer is head else max_rows
@@ -453,7 +475,7 @@ def linears_packable(dtype: torch.dtype) -> bool:
     bf16 on AVX2-only CPUs, where torch's own bf16 product runs at ~18 GFLOP/s)."""
     if os.environ.get("PAGESTREAM_PACK_LINEAR", "1") == "0":
         return False
-    return use_sgemm(dtype) or use_dpbf16(dtype) or packing_available(dtype)
+    return use_sgemm(dtype) or use_dpbf16(dtype) or use_sgemm512(dtype) or packing_available(dtype)
 
 
 def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool = False) -> int:
@@ -473,6 +495,9 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool = False) 
     dpbf16 = use_dpbf16(dtype)
     if dpbf16:
         log.info("bf16 projections run on pagestream's AVX512-BF16 kernel")
+    sgemm512 = use_sgemm512(dtype)
+    if sgemm512:
+        log.info("float32 projections run on pagestream's AVX-512 kernel")
     # MLPs' gate_up projections (an `inter` beside a `gate_up_proj`): SiLU * up in the
     # GEMM's epilogue, unless the compiled elementwise kernels are turned off.
     gated = (
@@ -486,7 +511,7 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool = False) 
     )
     return swap_linears(
         model,
-        lambda lin: PackedLinear(lin, mkl_from, sgemm, amx, dpbf16, gated.get(id(lin))),
+        lambda lin: PackedLinear(lin, mkl_from, sgemm, amx, dpbf16, gated.get(id(lin)), sgemm512),
     )
 
 

@@ -22,6 +22,7 @@ from gpu.cpu_linear import (
     pack_model_linears,
     use_dpbf16,
     use_sgemm,
+    use_sgemm512,
 )
 from gpu.tp import TPGroup, vocab_parallel_embed
 
@@ -295,7 +296,9 @@ class CausalLM(nn.Module):
                 layer.mlp.gate_up_proj.scratch = scratch  # each dead once SiLU * up ran
         if self.lm_head_int8 is not None:
             return n
-        self.lm_head_packed = PackedLinear.of_weight(w, use_sgemm(dtype), amx, use_dpbf16(dtype))
+        self.lm_head_packed = PackedLinear.of_weight(
+            w, use_sgemm(dtype), amx, use_dpbf16(dtype), use_sgemm512(dtype)
+        )
         if self.lm_head_weight is not None:
             self.lm_head_weight = None  # only the packed copy is used from now on
         return n

@@ -7,7 +7,8 @@ than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8
 (int8_gemv.cpp).  `write_kv` and `argmax` replace a step's small ATen ops (step_ops.cpp).
 `sgemm` is the float32 decode-sized projection on AVX2-only CPUs (sgemm.cpp) and
 `amx_gemm` the bfloat16 one on CPUs with AMX tiles (amx_gemm.cpp), `dpbf16_gemm` every
-bfloat16 projection on CPUs with AVX512-BF16 but no AMX (dpbf16_gemm.cpp), all used by
+bfloat16 projection on CPUs with AVX512-BF16 but no AMX (dpbf16_gemm.cpp), `sgemm512` every
+float32 one on AVX-512 CPUs (the same file and loop with float32 FMAs), all used by
 gpu/cpu_linear.py.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
@@ -47,7 +48,7 @@ _SRCS = [
 ]
 _HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "gemm_common.h", "activation.h")]
 # The GEMMs of one calling convention (ps_{name}, _pack_size, _pack: see _packed_gemm).
-_PACKED_GEMMS = ("sgemm", "sgemm_bf16", "amx_gemm", "dpbf16")
+_PACKED_GEMMS = ("sgemm", "sgemm_bf16", "amx_gemm", "dpbf16", "sgemm512")
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -187,6 +188,7 @@ def load() -> ctypes.CDLL | None:
     lib.ps_sgemm_available.restype = i32
     lib.ps_amx_available.restype = i32
     lib.ps_dpbf16_available.restype = i32
+    lib.ps_sgemm512_available.restype = i32
     for name in ("ps_dpbf16_silu", "ps_amx_silu"):
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
         getattr(lib, name).restype = i32
@@ -454,6 +456,28 @@ def dpbf16_gemm(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) on vdpbf16ps, float32 accumulation, rounded once to bf16."""
     return _packed_gemm("dpbf16", torch.bfloat16, x, packed, n, bias, out)
+
+
+def sgemm512_available() -> bool:
+    """dpbf16_gemm.cpp's float32 kernel is built: it needs AVX-512F/BW."""
+    lib = load()
+    return lib is not None and bool(lib.ps_sgemm512_available())
+
+
+def sgemm512_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 -> sgemm512's layout (dpbf16_pack's, one value of k a word)."""
+    return _pack("sgemm512", weight, torch.float32)
+
+
+def sgemm512(
+    x: torch.Tensor,  # [M, K] float32, unit column stride
+    packed: torch.Tensor,  # sgemm512_pack(weight)
+    n: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+    out: torch.Tensor | None = None,  # [M, N] float32, unit column stride
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) on AVX-512 FMAs, one sequential sum over k per element."""
+    return _packed_gemm("sgemm512", torch.float32, x, packed, n, bias, out)
 
 
 # Outputs per group of the gated layout: a group's 4 panels of 16 columns are 2 of gate, 2

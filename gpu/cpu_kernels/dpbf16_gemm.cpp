@@ -41,9 +41,15 @@
 #include "activation.h"
 #include "gemm_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// The float32 kernel (ps_sgemm512) needs AVX-512F/BW only; the bf16 one AVX512-BF16 too.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <omp.h>
+#define PS_ZMM 1
+#else
+#define PS_ZMM 0
+#endif
+#if PS_ZMM && defined(__AVX512BF16__)
 #define PS_DPBF16 1
 #else
 #define PS_DPBF16 0
@@ -59,20 +65,25 @@ constexpr int kMC = 120;  // rows per block of packed x: 120 x kKC bf16, 60 KB o
 
 inline int64_t panels(int64_t n) { return (n + kNR - 1) / kNR; }
 inline int64_t pairs(int64_t k) { return (k + 1) / 2; }
+// 32-bit words of k per row: bf16 pairs, or float32 values.
+inline int64_t words(int64_t k, bool f32) { return f32 ? k : pairs(k); }
+
+#if PS_ZMM
 
 #if PS_DPBF16
-
 inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+#endif
 
 // MR rows x NP consecutive panels over kp k pairs.  a: the tile's packed x pairs, a[r * kp
 // + kk]; b: the group's block (k pair kk of panel j at b + (kk * NP + j) * kNR); c: float32 partial sums (stride
 // kNP * kNR), read back unless `first` (then the sums start from the bias, or zero); on the
 // `last` k block the sums are rounded to bf16 into y (stride ys; `w` valid columns).  PF:
 // prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs.  GATED: see
-// ps_dpbf16_silu (NP 4: panels 0-1 gate, 2-3 up).
-template <int MR, int NP, bool PF, bool GATED = false>
+// ps_dpbf16_silu (NP 4: panels 0-1 gate, 2-3 up).  F32: every word is one float32 value of
+// k (x and the weight), one FMA per word instead of a vdpbf16ps per pair, and y float32.
+template <int MR, int NP, bool PF, bool GATED = false, bool F32 = false>
 void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
-                 bool first, bool last, const float* bias, uint16_t* y, int64_t ys, int w,
+                 bool first, bool last, const float* bias, void* yv, int64_t ys, int w,
                  const uint32_t* pf, int64_t npf) {
   constexpr int cs = kNP * kNR;
   const int64_t lpk = (npf + kp - 1) / kp;
@@ -92,14 +103,22 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
       for (int64_t l = kk * lpk; l < kk * lpk + lpk && l < npf; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(pf + l * kNR), _MM_HINT_T0);
     }
-    __m512bh bv[NP];
+    __m512i bv[NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + (kk * NP + j) * kNR);
+    for (int j = 0; j < NP; ++j) bv[j] = _mm512_loadu_si512(b + (kk * NP + j) * kNR);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * kp + kk]));
+      const __m512i ar = _mm512_set1_epi32(static_cast<int>(a[r * kp + kk]));
 #pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], ar, bv[j]);
+      for (int j = 0; j < NP; ++j) {
+        if constexpr (F32) {
+          acc[r][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(ar), _mm512_castsi512_ps(bv[j]), acc[r][j]);
+        } else {
+#if PS_DPBF16
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)ar, (__m512bh)bv[j]);
+#endif
+        }
+      }
     }
   }
   if (!last) {
@@ -109,6 +128,20 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
       for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * cs + j * kNR, acc[r][j]);
     return;
   }
+  if constexpr (F32) {
+    float* y = static_cast<float*>(yv);
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int valid = std::min(kNR, w - j * kNR);
+      if (valid <= 0) break;
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ys + j * kNR, mask, acc[r][j]);
+    }
+    return;
+  }
+#if PS_DPBF16
+  uint16_t* y = static_cast<uint16_t*>(yv);
   if constexpr (GATED) {  // panels 0-1 gate, 2-3 up: 32 outputs a row, all valid
     // silu(gate) * up, rounded as silu_mul rounds: gate and up to bf16 (the product's
     // rounding), silu(gate) through silu_mul's own silu16 (the same bits; one call for the
@@ -137,13 +170,15 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
       _mm256_mask_storeu_epi16(y + r * ys + j * kNR, mask, h);
     }
   }
+#endif
 }
 
 using Kernel = void (*)(int, const uint32_t*, const uint32_t*, float*, bool, bool,
-                        const float*, uint16_t*, int64_t, int, const uint32_t*, int64_t);
+                        const float*, void*, int64_t, int, const uint32_t*, int64_t);
 
 template <int MR, int NP>
-constexpr Kernel kern(bool pf, bool gated) {
+constexpr Kernel kern(bool pf, bool gated, bool f32) {
+  if (f32) return pf ? tile_kernel<MR, NP, true, false, true> : tile_kernel<MR, NP, false, false, true>;
   if constexpr (NP == 4) {
     if (gated) return pf ? tile_kernel<MR, 4, true, true> : tile_kernel<MR, 4, false, true>;
   }
@@ -151,23 +186,23 @@ constexpr Kernel kern(bool pf, bool gated) {
 }
 
 template <int MR>
-Kernel pick_np(int np, bool pf, bool gated) {
+Kernel pick_np(int np, bool pf, bool gated, bool f32) {
   switch (np) {
-    case 1: return kern<MR, 1>(pf, gated);
-    case 2: return kern<MR, 2>(pf, gated);
-    case 3: return kern<MR, 3>(pf, gated);
-    default: return kern<MR, 4>(pf, gated);
+    case 1: return kern<MR, 1>(pf, gated, f32);
+    case 2: return kern<MR, 2>(pf, gated, f32);
+    case 3: return kern<MR, 3>(pf, gated, f32);
+    default: return kern<MR, 4>(pf, gated, f32);
   }
 }
 
-Kernel pick(int mr, int np, bool pf, bool gated) {
+Kernel pick(int mr, int np, bool pf, bool gated, bool f32) {
   switch (mr) {
-    case 1: return pick_np<1>(np, pf, gated);
-    case 2: return pick_np<2>(np, pf, gated);
-    case 3: return pick_np<3>(np, pf, gated);
-    case 4: return pick_np<4>(np, pf, gated);
-    case 5: return pick_np<5>(np, pf, gated);
-    default: return pick_np<6>(np, pf, gated);
+    case 1: return pick_np<1>(np, pf, gated, f32);
+    case 2: return pick_np<2>(np, pf, gated, f32);
+    case 3: return pick_np<3>(np, pf, gated, f32);
+    case 4: return pick_np<4>(np, pf, gated, f32);
+    case 5: return pick_np<5>(np, pf, gated, f32);
+    default: return pick_np<6>(np, pf, gated, f32);
   }
 }
 
@@ -186,19 +221,23 @@ inline uint32_t pair_at(const uint16_t* row, int64_t i, int64_t k) {
 // row after row, at ap + q0 * mb + r0 * kp.  Rows kp words (512 B) apart fall in different
 // L1 sets, where x's own rows, k * 2 bytes apart, alias for k = 2,048 or 4,096; and the copy
 // is one memcpy a row, not a transpose (which cost 4-6% of the narrow projections' time).
-void pack_rows(const uint16_t* x, int64_t xs, int mr, int r0, int64_t mb, int64_t k,
-               uint32_t* ap) {
-  const int64_t kpt = pairs(k), whole = k / 2;  // pairs with both halves in x
+// f32: x is float32 and a word is one value.
+void pack_rows(const void* xv, int64_t xs, int mr, int r0, int64_t mb, int64_t k,
+               uint32_t* ap, bool f32) {
+  // Words with all their values in x (an odd bf16 k's last pair has one).
+  const int64_t kpt = words(k, f32), whole = f32 ? k : k / 2;
+  const int esz = f32 ? 4 : 2;
+  const char* x = static_cast<const char*>(xv);
   for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
     const int64_t kp = std::min<int64_t>(kKC / 2, kpt - q0);
     const int64_t kw = std::max<int64_t>(0, std::min<int64_t>(kp, whole - q0));
     uint32_t* dst = ap + q0 * mb + r0 * kp;
     for (int r = 0; r < mr; ++r) {
-      const uint16_t* row = x + r * xs + 2 * q0;
-      // A pair is the 32-bit word at row + 2i (little endian: element 2i in the low half);
-      // memcpy, as a bf16 view's rows need not be 4-byte aligned.
-      std::memcpy(dst + r * kp, row, 4 * kw);
-      for (int64_t kk = kw; kk < kp; ++kk) dst[r * kp + kk] = pair_at(x + r * xs, q0 + kk, k);
+      // A bf16 pair is the 32-bit word at row + 2i (little endian: element 2i in the low
+      // half); memcpy, as a bf16 view's rows need not be 4-byte aligned.
+      std::memcpy(dst + r * kp, x + (r * xs + q0 * 4 / esz) * esz, 4 * kw);
+      for (int64_t kk = kw; kk < kp; ++kk)
+        dst[r * kp + kk] = pair_at(reinterpret_cast<const uint16_t*>(x) + r * xs, q0 + kk, k);
     }
   }
 }
@@ -213,7 +252,7 @@ struct Pass {
   int64_t n, np, kpt;
   const float* bias;
   int64_t ys;
-  bool gated;
+  bool gated, f32;
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
   // a thread's groups are one sequential stream.
   const uint32_t* block(int64_t q0, int64_t g) const {
@@ -224,7 +263,8 @@ struct Pass {
     return g1 < (np + kNP - 1) / kNP ? block(0, g1) : wp + np * kNR * kpt;
   }
   void run(const uint32_t* ap, int64_t mb, const int (*tiles)[2], int ntiles, int64_t g0,
-           int64_t g1, const uint32_t* wend, float* c, uint16_t* y) const {
+           int64_t g1, const uint32_t* wend, float* c, char* y) const {
+    const int esz = f32 ? 4 : 2;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * kNP;
       const int gp = static_cast<int>(std::min<int64_t>(kNP, np - p));
@@ -246,10 +286,10 @@ struct Pass {
           const int64_t l0 = lines * i / ntiles, l1 = lines * (i + 1) / ntiles;
           const uint32_t* tpf = ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
           const int64_t npf = tpf ? std::min<int64_t>(l1 - l0, (wend - tpf) / kNR) : 0;
-          pick(mr, gp, tpf != nullptr, gated)(kp, ap + q0 * mb + r0 * kp, b,
-                                             c + static_cast<int64_t>(r0) * kNP * kNR, first,
-                                             last, bias ? bias + col : nullptr,
-                                             y + r0 * ys + ycol, ys, w, tpf, npf);
+          pick(mr, gp, tpf != nullptr, gated, f32)(kp, ap + q0 * mb + r0 * kp, b,
+                                                  c + static_cast<int64_t>(r0) * kNP * kNR,
+                                                  first, last, bias ? bias + col : nullptr,
+                                                  y + (r0 * ys + ycol) * esz, ys, w, tpf, npf);
         }
       }
     }
@@ -257,13 +297,17 @@ struct Pass {
 };
 
 // gated: n = 2I columns packed by gated_order (every group 2 gate + 2 up panels), y [m, I]
-// gets silu(gate) * up.
-void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
-          const float* bias, uint16_t* y, int64_t ys, int nthreads, bool gated = false) {
+// gets silu(gate) * up.  f32: x, the packed weight and y are float32 (x and y strides in
+// elements either way).
+void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
+          const float* bias, void* yv, int64_t ys, int nthreads, bool gated, bool f32) {
   if (m <= 0 || n <= 0) return;
-  const int64_t np = panels(n), kpt = pairs(k);
+  const int64_t np = panels(n), kpt = words(k, f32);
   const int64_t ngroups = (np + kNP - 1) / kNP;
-  const Pass pass{wp, n, np, kpt, bias, ys, gated};
+  const Pass pass{wp, n, np, kpt, bias, ys, gated, f32};
+  const int esz = f32 ? 4 : 2;
+  const char* x = static_cast<const char*>(xv);
+  char* y = static_cast<char*>(yv);
   const int64_t nblk = (m + kMC - 1) / kMC;
   const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
   if (nthreads > 1 && nblk >= 2 * nthreads) {
@@ -288,8 +332,10 @@ void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* w
         const int64_t m0 = bi * mcb, mb = std::min<int64_t>(mcb, m - m0);
         const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
         for (int i = 0; i < ntiles; ++i)
-          pack_rows(x + (m0 + tiles[i][0]) * xs, xs, tiles[i][1], tiles[i][0], mb, k, ap);
-        pass.run(ap, mb, tiles, ntiles, 0, ngroups, pass.end_of(ngroups), c, y + m0 * ys);
+          pack_rows(x + (m0 + tiles[i][0]) * xs * esz, xs, tiles[i][1], tiles[i][0], mb, k, ap,
+                    f32);
+        pass.run(ap, mb, tiles, ntiles, 0, ngroups, pass.end_of(ngroups), c,
+                 y + m0 * ys * esz);
       }
     }
     return;
@@ -309,15 +355,19 @@ void gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint32_t* w
       const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
 #pragma omp for schedule(static)
       for (int i = 0; i < ntiles; ++i)
-        pack_rows(x + (m0 + tiles[i][0]) * xs, xs, tiles[i][1], tiles[i][0], mb, k, ap);
-      pass.run(ap, mb, tiles, ntiles, g0, g1, pass.end_of(g1), c, y + m0 * ys);
+        pack_rows(x + (m0 + tiles[i][0]) * xs * esz, xs, tiles[i][1], tiles[i][0], mb, k, ap,
+                  f32);
+      pass.run(ap, mb, tiles, ntiles, g0, g1, pass.end_of(g1), c, y + m0 * ys * esz);
 #pragma omp barrier  // every thread is done with ap before the next block packs into it
     }
   }
 }
 
-void pack(const uint16_t* w, int64_t n, int64_t k, uint32_t* out, int nthreads) {
-  const int64_t np = panels(n), kpt = pairs(k), ngroups = (np + kNP - 1) / kNP;
+// f32: w is float32, one value a word.
+void pack(const void* wv, int64_t n, int64_t k, uint32_t* out, int nthreads, bool f32) {
+  const int64_t np = panels(n), kpt = words(k, f32), ngroups = (np + kNP - 1) / kNP;
+  const uint16_t* w = static_cast<const uint16_t*>(wv);
+  const uint32_t* wf = static_cast<const uint32_t*>(wv);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t g = 0; g < ngroups; ++g) {
     const int64_t gp = std::min<int64_t>(kNP, np - g * kNP);
@@ -328,13 +378,13 @@ void pack(const uint16_t* w, int64_t n, int64_t k, uint32_t* out, int nthreads) 
         for (int64_t j = 0; j < gp; ++j)
           for (int c = 0; c < kNR; ++c) {
             const int64_t col = (g * kNP + j) * kNR + c;
-            *dst++ = col < n ? pair_at(w + col * k, q0 + kk, k) : 0u;
+            *dst++ = col >= n ? 0u : f32 ? wf[col * k + q0 + kk] : pair_at(w + col * k, q0 + kk, k);
           }
     }
   }
 }
 
-#endif  // PS_DPBF16
+#endif  // PS_ZMM
 
 }  // namespace
 
@@ -347,11 +397,11 @@ int64_t ps_dpbf16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * p
 
 // w [n, k] bf16 -> for each group of 4 panels (the last may have fewer), its blocks of kKC
 // values of k in turn (the last may be shorter), each block its k pairs in turn, each k
-// pair its panels' 16 columns in turn, each entry the pair (2i, 2i + 1) of one column; columns past n and an
-// odd k's last half pair are zeros.
+// pair its panels' 16 columns in turn, each entry the pair (2i, 2i + 1) of one column;
+// columns past n and an odd k's last half pair are zeros.
 void ps_dpbf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
 #if PS_DPBF16
-  pack(w, n, k, reinterpret_cast<uint32_t*>(out), nthreads);
+  pack(w, n, k, reinterpret_cast<uint32_t*>(out), nthreads, false);
 #else
   (void)w, (void)n, (void)k, (void)out, (void)nthreads;
 #endif
@@ -362,7 +412,8 @@ void ps_dpbf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int 
 void ps_dpbf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads) {
 #if PS_DPBF16
-  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, bias, y, ys, nthreads);
+  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, bias, y, ys, nthreads, false,
+       false);
 #else
   (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
       (void)nthreads;
@@ -378,11 +429,42 @@ int ps_dpbf16_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const ui
                    int64_t n, uint16_t* y, int64_t ys, int nthreads) {
 #if PS_DPBF16
   if (n % (kNP * kNR) != 0) return 0;  // whole groups of 32 gate + 32 up columns
-  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, nullptr, y, ys, nthreads, true);
+  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, nullptr, y, ys, nthreads, true,
+       false);
   return 1;
 #else
   (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)ys, (void)nthreads;
   return 0;
+#endif
+}
+
+// float32 on the same layout and loop (one FMA per value of k where the bf16 kernel does a
+// vdpbf16ps per pair), for float32 models on AVX-512 CPUs: oneDNN's packed float32 kernel
+// streams the decode steps' weights no better than its bf16 one did.  Needs AVX-512F/BW.
+int ps_sgemm512_available() { return PS_ZMM; }
+
+// In float32 values.
+int64_t ps_sgemm512_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * k; }
+
+// w [n, k] float32 -> ps_dpbf16_pack's layout with one value of k a word.
+void ps_sgemm512_pack(const float* w, int64_t n, int64_t k, float* out, int nthreads) {
+#if PS_ZMM
+  pack(w, n, k, reinterpret_cast<uint32_t*>(out), nthreads, true);
+#else
+  (void)w, (void)n, (void)k, (void)out, (void)nthreads;
+#endif
+}
+
+// x [m, k] float32 (row stride xs), packed weight from ps_sgemm512_pack, bias [n] or null,
+// y [m, n] float32 (row stride ys): the bias plus one sequential FMA chain over k each.
+void ps_sgemm512(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
+                 const float* bias, float* y, int64_t ys, int nthreads) {
+#if PS_ZMM
+  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, bias, y, ys, nthreads, false,
+       true);
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
+      (void)nthreads;
 #endif
 }
 

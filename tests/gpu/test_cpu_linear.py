@@ -1,6 +1,7 @@
 """The CPU projections: oneDNN's packed weight, or pagestream's sgemm (float32 without
-AVX-512, bf16 without native bf16; every size), AMX kernel (bf16 with AMX, decode sizes)
-or AVX512-BF16 kernel (bf16 with AVX512-BF16 and no AMX; every size);
+AVX-512, bf16 without native bf16; every size), AMX kernel (bf16 with AMX, decode sizes),
+AVX512-BF16 kernel (bf16 with AVX512-BF16 and no AMX; every size) or its float32 twin
+(float32 with AVX-512; every size);
 MKL's sgemm on the plain weight from MKL_FROM_ROWS rows where asked (or where the sgemm is
 not built on a float32 CPU without AVX-512)."""
 
@@ -20,6 +21,7 @@ from gpu.cpu_linear import (
     use_amx,
     use_dpbf16,
     use_sgemm,
+    use_sgemm512,
 )
 
 AVX2 = CpuFeatures("test CPU", frozenset({"avx2"}))
@@ -44,6 +46,11 @@ needs_amx = pytest.mark.skipif(
 
 needs_dpbf16 = pytest.mark.skipif(
     not cpu_kernels.dpbf16_available(), reason="dpbf16_gemm.cpp needs AVX512-BF16"
+)
+
+
+needs_sgemm512 = pytest.mark.skipif(
+    not cpu_kernels.sgemm512_available(), reason="the float32 kernel needs AVX-512F/BW"
 )
 
 
@@ -764,3 +771,78 @@ def test_engine_start_runs_every_bucketed_onednn_product_once(monkeypatch):
     monkeypatch.setenv("PAGESTREAM_CPU_WARMUP", "0")
     LLM(model, dtype="float32", num_kv_blocks=64, threads=1).shutdown()
     assert seen == []
+
+
+def test_sgemm512_for_float32_on_avx512_cpus_unless_turned_off(monkeypatch):
+    built = cpu_kernels.sgemm512_available()
+    for cpu in (AVX512, AMX, AVX512_NO_BF16):
+        assert use_sgemm512(torch.float32, cpu) == built
+        assert not use_sgemm(torch.float32, cpu)
+    assert not use_sgemm512(torch.float32, AVX2)  # AVX2: sgemm.cpp
+    assert not use_sgemm512(torch.bfloat16, AVX512)
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "sgemm512")
+    assert use_sgemm512(torch.float32, AVX2) == built
+    for choice in ("onednn", "sgemm", "amx", "dpbf16"):
+        monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
+        assert not use_sgemm512(torch.float32, AVX512)
+
+
+@needs_sgemm512
+@pytest.mark.parametrize("n", [1, 16, 37, 100, 1000])
+@pytest.mark.parametrize("k", [1, 9, 128, 300])
+def test_sgemm512_matches_float64_at_every_tile_shape(n, k):
+    """The bf16 kernel's tiles and groups with a float32 word per value of k: k past one
+    block (128 values), rows past one packed block (120)."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    packed = cpu_kernels.sgemm512_pack(w)
+    for m in (1, 2, 3, 4, 7, 8, 13, 38, 121, 250):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, b):
+            got = cpu_kernels.sgemm512(x, packed, n, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            torch.testing.assert_close(got.double(), ref, atol=1e-5 * k**0.5, rtol=1e-5)
+
+
+@needs_sgemm512
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_sgemm512_rows_do_not_depend_on_the_batch(threads):
+    """A row's output is the same bits whatever rows share its call, decode-sized (columns
+    split over threads) or prefill-sized (rows split), and x and y are read and written at
+    their row strides."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 300, generator=g)
+    packed = cpu_kernels.sgemm512_pack(w)
+    x = torch.randn(1000, 345, generator=g)[:, 41:341]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = cpu_kernels.sgemm512(x, packed, 200)
+        for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (0, 121), (0, 361), (7, 1000)):
+            out = torch.full((hi - lo, 210), -1.0)
+            got = cpu_kernels.sgemm512(x[lo:hi], packed, 200, out=out[:, 5:205])
+            assert torch.equal(got, full[lo:hi])
+            assert (out[:, :5] == -1).all() and (out[:, 205:] == -1).all()
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_sgemm512
+def test_float32_model_on_sgemm512_matches_onednn(monkeypatch):
+    """Every float32 projection and the lm_head take the kernel under auto on an AVX-512
+    CPU; the tiny checkpoint's logits match oneDNN's to float32 rounding."""
+    from gpu.model_runner import ModelRunner
+    from tests.checkpoints import tiny_checkpoint
+
+    path = tiny_checkpoint("llama")
+    logits = {}
+    for choice in ("sgemm512", "onednn"):
+        monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
+        r = ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=16)
+        layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
+        assert layers and all(m.sgemm512 == (choice == "sgemm512") for m in layers)
+        assert r.model.lm_head_packed.sgemm512 == (choice == "sgemm512")
+        h = torch.randn(300, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        logits[choice] = r.model.compute_logits(h)
+    torch.testing.assert_close(logits["sgemm512"], logits["onednn"], atol=1e-4, rtol=1e-4)
