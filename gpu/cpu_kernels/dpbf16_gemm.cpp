@@ -1,6 +1,8 @@
 // bfloat16 GEMM on AVX512-BF16 CPUs without AMX: y = x . w^T (+ bias), x [m, k], w [n, k]
 // (nn.Linear), bf16 in and out, float32 accumulation (vdpbf16ps), from one row (decode) to
 // thousands (prefill).
+// The same layout and loop with one float32 value of k per word and an FMA in place of
+// each vdpbf16ps is the float32 GEMM on AVX-512 CPUs (ps_sgemm512, at the end).
 //
 // Why by hand: on a 2-core AMD EPYC (Zen 5, AVX512-BF16, no AMX) oneDNN's packed bf16
 // kernel runs the `mid` model's decode-step GEMMs (16-64 rows, 217 MB of weights streaming
