@@ -475,24 +475,31 @@ def test_packed_linear_on_dpbf16_every_size(monkeypatch):
     assert not PackedLinear(nn.Linear(64, 40), dpbf16=True).dpbf16  # float32: never
 
 
-@needs_dpbf16
-def test_bf16_model_on_dpbf16_matches_onednn(monkeypatch):
-    """The tiny checkpoint's bf16 logits on the AVX512-BF16 kernel are oneDNN's up to bf16
+def _model_on_kernel_matches_onednn(
+    monkeypatch, kernel: str, dtype: str, atol: float, rtol: float
+) -> None:
+    """The tiny checkpoint's logits with every projection and the lm_head on `kernel` (a
+    PackedLinear flag and a PAGESTREAM_DECODE_GEMM choice) are oneDNN's up to `dtype`'s
     rounding, for a prefill-sized batch of hidden states."""
     from gpu.model_runner import ModelRunner
     from tests.checkpoints import tiny_checkpoint
 
     path = tiny_checkpoint("llama")
     logits = {}
-    for choice in ("dpbf16", "onednn"):
+    for choice in (kernel, "onednn"):
         monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
-        r = ModelRunner(path, dtype="bfloat16", device="cpu", num_kv_blocks=16)
+        r = ModelRunner(path, dtype=dtype, device="cpu", num_kv_blocks=16)
         layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
-        assert layers and all(m.dpbf16 == (choice == "dpbf16") for m in layers)
-        assert r.model.lm_head_packed.dpbf16 == (choice == "dpbf16")
+        assert layers and all(getattr(m, kernel) == (choice == kernel) for m in layers)
+        assert getattr(r.model.lm_head_packed, kernel) == (choice == kernel)
         h = torch.randn(300, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
-        logits[choice] = r.model.compute_logits(h.bfloat16())
-    torch.testing.assert_close(logits["dpbf16"], logits["onednn"], atol=3e-2, rtol=2**-7)
+        logits[choice] = r.model.compute_logits(h.to(r.model.embed_tokens.weight.dtype))
+    torch.testing.assert_close(logits[kernel], logits["onednn"], atol=atol, rtol=rtol)
+
+
+@needs_dpbf16
+def test_bf16_model_on_dpbf16_matches_onednn(monkeypatch):
+    _model_on_kernel_matches_onednn(monkeypatch, "dpbf16", "bfloat16", 3e-2, 2**-7)
 
 
 @needs_dpbf16
@@ -830,19 +837,5 @@ def test_sgemm512_rows_do_not_depend_on_the_batch(threads):
 
 @needs_sgemm512
 def test_float32_model_on_sgemm512_matches_onednn(monkeypatch):
-    """Every float32 projection and the lm_head take the kernel under auto on an AVX-512
-    CPU; the tiny checkpoint's logits match oneDNN's to float32 rounding."""
-    from gpu.model_runner import ModelRunner
-    from tests.checkpoints import tiny_checkpoint
-
-    path = tiny_checkpoint("llama")
-    logits = {}
-    for choice in ("sgemm512", "onednn"):
-        monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
-        r = ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=16)
-        layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
-        assert layers and all(m.sgemm512 == (choice == "sgemm512") for m in layers)
-        assert r.model.lm_head_packed.sgemm512 == (choice == "sgemm512")
-        h = torch.randn(300, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
-        logits[choice] = r.model.compute_logits(h)
-    torch.testing.assert_close(logits["sgemm512"], logits["onednn"], atol=1e-4, rtol=1e-4)
+    """Under auto on an AVX-512 CPU every float32 projection and the lm_head take it."""
+    _model_on_kernel_matches_onednn(monkeypatch, "sgemm512", "float32", 1e-4, 1e-4)
