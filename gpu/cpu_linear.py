@@ -229,14 +229,17 @@ class PackedLinear(nn.Module):
         self.sgemm512 = sgemm512 and linear.weight.dtype == torch.float32
         self.sgemm = sgemm and not (self.dpbf16 or self.sgemm512)
         # An MLP's gate_up ([gate; up] rows, gated_inter each) is packed for silu_mul():
-        # SiLU(gate) * up as the product's epilogue, on the vdpbf16ps kernel for every
-        # product (dpbf16_gated) or on the AMX kernel for decode-sized ones (amx_gated).
+        # SiLU(gate) * up as the product's epilogue, on the vdpbf16ps kernel or its float32
+        # twin for every product (zmm_gated) or on the AMX kernel for decode-sized ones
+        # (amx_gated).
         gated = (
             gated_inter is not None
             and linear.bias is None
             and linear.out_features == 2 * gated_inter
         )
-        self.dpbf16_gated = self.dpbf16 and gated and gated_inter % cpu_kernels.GATED_GROUP == 0
+        self.zmm_gated = (
+            (self.dpbf16 or self.sgemm512) and gated and gated_inter % cpu_kernels.GATED_GROUP == 0
+        )
         # On AMX the gated layout serves decode-sized rows; prefill's take gated_linear
         # over oneDNN packs of the gate and up halves (instead of one of [gate; up]).
         amx = amx and linear.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
@@ -244,8 +247,9 @@ class PackedLinear(nn.Module):
             amx and not self.dpbf16 and gated and gated_inter % cpu_kernels.AMX_GATED_GROUP == 0
         )
         self.halves: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.dpbf16_gated:
-            self.packed = cpu_kernels.dpbf16_gated_pack(linear.weight, gated_inter)
+        if self.zmm_gated:
+            pack = cpu_kernels.dpbf16_gated_pack if self.dpbf16 else cpu_kernels.sgemm512_gated_pack
+            self.packed = pack(linear.weight, gated_inter)
         elif self.amx_gated:
             w = linear.weight.detach()
             self.halves = (pack_weight(w[:gated_inter]), pack_weight(w[gated_inter:]))
@@ -270,7 +274,7 @@ class PackedLinear(nn.Module):
         else:
             self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
         # silu_mul() is there (MLP.forward takes it).
-        self.gated_inter = gated_inter if self.dpbf16_gated or self.amx_gated else None
+        self.gated_inter = gated_inter if self.zmm_gated or self.amx_gated else None
 
     @classmethod
     def of_weight(
@@ -292,12 +296,13 @@ class PackedLinear(nn.Module):
         inter = self.gated_inter
         assert inter is not None
         x2 = x.reshape(-1, self.in_features)
-        if self.dpbf16_gated or x2.shape[0] <= AMX_MAX_ROWS:
+        if self.zmm_gated or x2.shape[0] <= AMX_MAX_ROWS:
             out = None
             if self.scratch is not None:
                 out = self.scratch.take(x2.shape[0], inter, x.dtype)
-            if self.dpbf16_gated:
-                y = cpu_kernels.dpbf16_silu(x2, self.packed, inter, out)
+            if self.zmm_gated:
+                silu = cpu_kernels.dpbf16_silu if self.dpbf16 else cpu_kernels.sgemm512_silu
+                y = silu(x2, self.packed, inter, out)
             else:
                 y = cpu_kernels.amx_silu(x2, self.amx, inter, out)
         else:
@@ -308,13 +313,14 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amx = self.amx is not None and x.dtype == torch.bfloat16
         amx = amx and x.numel() <= AMX_MAX_ROWS * self.in_features
-        if self.dpbf16_gated or (amx and self.amx_gated):
+        if self.zmm_gated or (amx and self.amx_gated):
             # The gated layout's plain product, back in [gate; up] order (MLPs take
             # silu_mul(); this serves any other caller).
             x2 = x.reshape(-1, self.in_features)
-            if self.dpbf16_gated:
+            if self.zmm_gated:
                 order = cpu_kernels.gated_order(self.out_features // 2)
-                y = cpu_kernels.dpbf16_gemm(x2, self.packed, self.out_features, None)
+                gemm = cpu_kernels.dpbf16_gemm if self.dpbf16 else cpu_kernels.sgemm512
+                y = gemm(x2, self.packed, self.out_features, None)
             else:
                 order = cpu_kernels.gated_order(self.out_features // 2, cpu_kernels.AMX_GATED_GROUP)
                 y = cpu_kernels.amx_gemm(x2, self.amx, self.out_features, None)

@@ -189,7 +189,7 @@ def load() -> ctypes.CDLL | None:
     lib.ps_amx_available.restype = i32
     lib.ps_dpbf16_available.restype = i32
     lib.ps_sgemm512_available.restype = i32
-    for name in ("ps_dpbf16_silu", "ps_amx_silu"):
+    for name in ("ps_dpbf16_silu", "ps_amx_silu", "ps_sgemm512_silu"):
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
         getattr(lib, name).restype = i32
     for gemm in _PACKED_GEMMS:
@@ -502,6 +502,22 @@ def dpbf16_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     return _pack("dpbf16", weight.detach().index_select(0, gated_order(inter)), torch.bfloat16)
 
 
+def sgemm512_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
+    """The MLP's gate_up weight [2 * inter, K] float32 -> sgemm512_silu's layout."""
+    assert weight.shape[0] == 2 * inter, (weight.shape, inter)
+    return _pack("sgemm512", weight.detach().index_select(0, gated_order(inter)), torch.float32)
+
+
+def sgemm512_silu(
+    x: torch.Tensor,  # [M, K] float32, unit column stride
+    packed: torch.Tensor,  # sgemm512_gated_pack(gate_up weight, inter)
+    inter: int,
+    out: torch.Tensor | None = None,  # [M, inter] float32, unit column stride
+) -> torch.Tensor:
+    """dpbf16_silu in float32: the bits of sgemm512 followed by silu_mul."""
+    return _gated_gemm("sgemm512", x, packed, inter, out)
+
+
 def amx_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     """The MLP's gate_up weight [2 * inter, K] bf16 -> amx_silu's layout (inter a multiple
     of AMX_GATED_GROUP, K of 32); amx_gemm on it gives the product in that order."""
@@ -512,17 +528,19 @@ def amx_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
 def _gated_gemm(
     kernel: str, x: torch.Tensor, packed: torch.Tensor, inter: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """ps_{kernel}_silu: x [M, K] bf16 -> silu(x @ gate.T) * (x @ up.T) [M, inter]."""
+    """ps_{kernel}_silu: x [M, K] (bf16; sgemm512: float32) -> silu(x @ gate.T) * (x @
+    up.T) [M, inter]."""
     lib = load()
-    assert lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+    dtype = torch.float32 if kernel == "sgemm512" else torch.bfloat16
+    assert lib is not None and x.dtype == dtype and x.dim() == 2
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    name = "dpbf16" if kernel == "dpbf16" else "amx_gemm"
+    name = "amx_gemm" if kernel == "amx" else kernel
     assert packed.numel() == getattr(lib, f"ps_{name}_packed_size")(2 * inter, k)
     if out is None:
-        out = torch.empty(m, inter, dtype=torch.bfloat16)
-    assert out.shape == (m, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16
+        out = torch.empty(m, inter, dtype=dtype)
+    assert out.shape == (m, inter) and out.stride(1) == 1 and out.dtype == dtype
     ok = getattr(lib, f"ps_{kernel}_silu")(
         x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 2 * inter, out.data_ptr(),
         out.stride(0), torch.get_num_threads(),

@@ -132,6 +132,18 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
   }
   if constexpr (F32) {
     float* y = static_cast<float*>(yv);
+    if constexpr (GATED) {  // as silu_mul computes it on float32: silu16(gate) * up
+      static_assert(NP == 4, "a gated group is 2 gate + 2 up panels");
+      alignas(64) float g[MR * 2 * kNR], sg[MR * 2 * kNR];
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 2; ++j) _mm512_store_ps(g + (2 * r + j) * kNR, acc[r][j]);
+      ps::silu16(g, sg, MR * 2 * kNR);
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 2; ++j)
+          _mm512_storeu_ps(y + r * ys + j * kNR,
+                           _mm512_mul_ps(_mm512_load_ps(sg + (2 * r + j) * kNR), acc[r][j + 2]));
+      return;
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
       const int valid = std::min(kNR, w - j * kNR);
@@ -180,10 +192,12 @@ using Kernel = void (*)(int, const uint32_t*, const uint32_t*, float*, bool, boo
 
 template <int MR, int NP>
 constexpr Kernel kern(bool pf, bool gated, bool f32) {
-  if (f32) return pf ? tile_kernel<MR, NP, true, false, true> : tile_kernel<MR, NP, false, false, true>;
   if constexpr (NP == 4) {
+    if (gated && f32)
+      return pf ? tile_kernel<MR, 4, true, true, true> : tile_kernel<MR, 4, false, true, true>;
     if (gated) return pf ? tile_kernel<MR, 4, true, true> : tile_kernel<MR, 4, false, true>;
   }
+  if (f32) return pf ? tile_kernel<MR, NP, true, false, true> : tile_kernel<MR, NP, false, false, true>;
   return pf ? tile_kernel<MR, NP, true> : tile_kernel<MR, NP, false>;
 }
 
@@ -467,6 +481,22 @@ void ps_sgemm512(const float* x, int64_t xs, int64_t m, int64_t k, const float* 
 #else
   (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
       (void)nthreads;
+#endif
+}
+
+// Gated, as ps_dpbf16_silu: wp is ps_sgemm512_pack of the gate_up weight in gated order; y
+// [m, I] float32 = silu(x . gate^T) * (x . up^T), the bits of the plain product followed
+// by the compiled silu_mul.  Returns 0 where it cannot (I % 32 != 0, or no AVX-512 build).
+int ps_sgemm512_silu(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
+                     int64_t n, float* y, int64_t ys, int nthreads) {
+#if PS_ZMM
+  if (n % (kNP * kNR) != 0) return 0;
+  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, nullptr, y, ys, nthreads, true,
+       true);
+  return 1;
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)ys, (void)nthreads;
+  return 0;
 #endif
 }
 

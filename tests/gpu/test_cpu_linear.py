@@ -520,15 +520,18 @@ def _check_gated_epilogue(kernel: str, inter: int, k: int, rows: tuple[int, ...]
                    cpu_kernels.dpbf16_gemm, cpu_kernels.dpbf16_silu),
         "amx": (cpu_kernels.amx_pack, cpu_kernels.amx_gated_pack, cpu_kernels.amx_gemm,
                 cpu_kernels.amx_silu),
+        "sgemm512": (cpu_kernels.sgemm512_pack, cpu_kernels.sgemm512_gated_pack,
+                     cpu_kernels.sgemm512, cpu_kernels.sgemm512_silu),
     }[kernel]  # fmt: skip
+    dtype = torch.float32 if kernel == "sgemm512" else torch.bfloat16
     g = torch.Generator().manual_seed(inter + k)
-    w = _bf16(2 * inter, k, g=g)
+    w = _bf16(2 * inter, k, g=g).to(dtype)
     plain, gated = pack(w), gated_pack(w, inter)
-    wide = (4 * torch.randn(max(rows), k + 7, generator=g)).bfloat16()
+    wide = (4 * torch.randn(max(rows), k + 7, generator=g)).to(dtype)
     for m in rows:
         x = wide[:m, 3 : 3 + k]
         want = cpu_kernels.silu_mul(gemm(x, plain, 2 * inter))
-        out = torch.full((m, inter + 10), -1.0, dtype=torch.bfloat16)
+        out = torch.full((m, inter + 10), -1.0, dtype=dtype)
         got = silu(x, gated, inter, out=out[:, 4 : 4 + inter])
         assert torch.equal(got, want)
         assert (out[:, :4] == -1).all() and (out[:, 4 + inter :] == -1).all()
@@ -839,3 +842,23 @@ def test_sgemm512_rows_do_not_depend_on_the_batch(threads):
 def test_float32_model_on_sgemm512_matches_onednn(monkeypatch):
     """Under auto on an AVX-512 CPU every float32 projection and the lm_head take it."""
     _model_on_kernel_matches_onednn(monkeypatch, "sgemm512", "float32", 1e-4, 1e-4)
+
+
+@needs_sgemm512
+@pytest.mark.parametrize("inter", [32, 96, 2816])
+@pytest.mark.parametrize("k", [9, 128, 300])
+def test_sgemm512_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
+    _check_gated_epilogue("sgemm512", inter, k, (1, 2, 3, 7, 13, 38, 121, 250))
+
+
+@needs_sgemm512
+def test_packed_float32_gate_up_on_sgemm512_takes_the_gated_layout():
+    torch.manual_seed(7)
+    lin = nn.Linear(64, 2 * 96, bias=False)
+    layer = PackedLinear(lin, sgemm512=True, gated_inter=96)
+    ungated = PackedLinear(lin, sgemm512=True)
+    assert layer.zmm_gated and layer.gated_inter == 96 and ungated.gated_inter is None
+    for rows in (9, 700):  # decode-sized (columns split) and prefill-sized (rows split)
+        x = torch.randn(rows, 64)
+        assert torch.equal(layer(x), ungated(x))  # [gate; up] in the checkpoint's order
+        assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
