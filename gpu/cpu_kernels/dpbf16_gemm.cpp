@@ -402,6 +402,31 @@ void pack(const void* wv, int64_t n, int64_t k, uint32_t* out, int nthreads, boo
 
 #endif  // PS_ZMM
 
+// The entry points' bodies; `built`: this build has that kernel (else nothing is done, and
+// 0 is returned).  A gated product needs whole groups of 32 gate + 32 up columns.
+int run_gemm(bool built, const void* x, int64_t xs, int64_t m, int64_t k, const void* wp,
+             int64_t n, const float* bias, void* y, int64_t ys, int nthreads, bool gated,
+             bool f32) {
+#if PS_ZMM
+  if (!built || (gated && n % (kNP * kNR) != 0)) return 0;
+  gemm(x, xs, m, k, static_cast<const uint32_t*>(wp), n, bias, y, ys, nthreads, gated, f32);
+  return 1;
+#else
+  (void)built, (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y,
+      (void)ys, (void)nthreads, (void)gated, (void)f32;
+  return 0;
+#endif
+}
+
+void run_pack(bool built, const void* w, int64_t n, int64_t k, void* out, int nthreads,
+              bool f32) {
+#if PS_ZMM
+  if (built) pack(w, n, k, static_cast<uint32_t*>(out), nthreads, f32);
+#else
+  (void)built, (void)w, (void)n, (void)k, (void)out, (void)nthreads, (void)f32;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -416,24 +441,14 @@ int64_t ps_dpbf16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * p
 // pair its panels' 16 columns in turn, each entry the pair (2i, 2i + 1) of one column;
 // columns past n and an odd k's last half pair are zeros.
 void ps_dpbf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
-#if PS_DPBF16
-  pack(w, n, k, reinterpret_cast<uint32_t*>(out), nthreads, false);
-#else
-  (void)w, (void)n, (void)k, (void)out, (void)nthreads;
-#endif
+  run_pack(PS_DPBF16, w, n, k, out, nthreads, false);
 }
 
 // x [m, k] bf16 (row stride xs), packed weight from ps_dpbf16_pack, bias [n] float32 or
 // null, y [m, n] bf16 (row stride ys), each element rounded once from its float32 sum.
 void ps_dpbf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads) {
-#if PS_DPBF16
-  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, bias, y, ys, nthreads, false,
-       false);
-#else
-  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
-      (void)nthreads;
-#endif
+  run_gemm(PS_DPBF16, x, xs, m, k, wp, n, bias, y, ys, nthreads, false, false);
 }
 
 // Gated: wp is ps_dpbf16_pack of the gate_up weight [2I, k] with its rows in gated order
@@ -443,15 +458,7 @@ void ps_dpbf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16
 // or no AVX512-BF16 build).
 int ps_dpbf16_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                    int64_t n, uint16_t* y, int64_t ys, int nthreads) {
-#if PS_DPBF16
-  if (n % (kNP * kNR) != 0) return 0;  // whole groups of 32 gate + 32 up columns
-  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, nullptr, y, ys, nthreads, true,
-       false);
-  return 1;
-#else
-  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)ys, (void)nthreads;
-  return 0;
-#endif
+  return run_gemm(PS_DPBF16, x, xs, m, k, wp, n, nullptr, y, ys, nthreads, true, false);
 }
 
 // float32 on the same layout and loop (one FMA per value of k where the bf16 kernel does a
@@ -464,24 +471,14 @@ int64_t ps_sgemm512_packed_size(int64_t n, int64_t k) { return panels(n) * kNR *
 
 // w [n, k] float32 -> ps_dpbf16_pack's layout with one value of k a word.
 void ps_sgemm512_pack(const float* w, int64_t n, int64_t k, float* out, int nthreads) {
-#if PS_ZMM
-  pack(w, n, k, reinterpret_cast<uint32_t*>(out), nthreads, true);
-#else
-  (void)w, (void)n, (void)k, (void)out, (void)nthreads;
-#endif
+  run_pack(PS_ZMM, w, n, k, out, nthreads, true);
 }
 
 // x [m, k] float32 (row stride xs), packed weight from ps_sgemm512_pack, bias [n] or null,
 // y [m, n] float32 (row stride ys): the bias plus one sequential FMA chain over k each.
 void ps_sgemm512(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
                  const float* bias, float* y, int64_t ys, int nthreads) {
-#if PS_ZMM
-  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, bias, y, ys, nthreads, false,
-       true);
-#else
-  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
-      (void)nthreads;
-#endif
+  run_gemm(PS_ZMM, x, xs, m, k, wp, n, bias, y, ys, nthreads, false, true);
 }
 
 // Gated, as ps_dpbf16_silu: wp is ps_sgemm512_pack of the gate_up weight in gated order; y
@@ -489,15 +486,7 @@ void ps_sgemm512(const float* x, int64_t xs, int64_t m, int64_t k, const float* 
 // by the compiled silu_mul.  Returns 0 where it cannot (I % 32 != 0, or no AVX-512 build).
 int ps_sgemm512_silu(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
                      int64_t n, float* y, int64_t ys, int nthreads) {
-#if PS_ZMM
-  if (n % (kNP * kNR) != 0) return 0;
-  gemm(x, xs, m, k, reinterpret_cast<const uint32_t*>(wp), n, nullptr, y, ys, nthreads, true,
-       true);
-  return 1;
-#else
-  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)ys, (void)nthreads;
-  return 0;
-#endif
+  return run_gemm(PS_ZMM, x, xs, m, k, wp, n, nullptr, y, ys, nthreads, true, true);
 }
 
 }  // extern "C"
