@@ -37,7 +37,7 @@ off.  There the MLPs' gate_up weights are packed for a gated epilogue (SiLU(gate
 computed as the product is rounded, the same bits as the separate pass): on a 2-core Zen 4
 EPYC 1.02-1.07x the product + silu_mul at 16-2,048 rows, and no [rows, 2 x inter] tensor.
 
-On CPUs with AVX-512, float32 products of every size run on the same kernel's float32 twin
+On CPUs with AVX-512 and no AMX, float32 products of every size run on the same kernel's float32 twin
 (sgemm512: one FMA per value of k where the bf16 kernel does a vdpbf16ps per pair): on a
 2-core Zen 5 EPYC the `mid` model's decode-step GEMMs ran 1.21-1.22x oneDNN's packed kernel
 at 16-38 rows, 1.05x at 64 and 0.97x on prefill chunks (256-2,048 rows); one copy of the
@@ -195,14 +195,19 @@ def use_dpbf16(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 
 def use_sgemm512(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
     """float32 projections of every size run on dpbf16_gemm.cpp's float32 kernel rather
-    than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU with AVX-512, where it was
-    measured), sgemm512 (any float32 model where the kernel is built), others (never)."""
+    than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU with AVX-512 and no AMX:
+    measured on a Zen 5 EPYC; on the AMX Xeons, where bf16 is native, float32 stays on
+    oneDNN, which was level with vLLM there), sgemm512 (any float32 model where the kernel
+    is built), others (never)."""
     choice = _decode_gemm()
     if dtype != torch.float32 or choice not in ("auto", "sgemm512"):
         return False
     if not cpu_kernels.sgemm512_available():
         return False
-    return choice == "sgemm512" or "avx512f" in (cpu or cpu_features.detect()).flags
+    if choice == "sgemm512":
+        return True
+    flags = (cpu or cpu_features.detect()).flags
+    return "avx512f" in flags and "amx_bf16" not in flags
 
 
 class PackedLinear(nn.Module):

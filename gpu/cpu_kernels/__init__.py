@@ -8,7 +8,7 @@ than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8
 `sgemm` is the float32 decode-sized projection on AVX2-only CPUs (sgemm.cpp) and
 `amx_gemm` the bfloat16 one on CPUs with AMX tiles (amx_gemm.cpp), `dpbf16_gemm` every
 bfloat16 projection on CPUs with AVX512-BF16 but no AMX (dpbf16_gemm.cpp), `sgemm512` every
-float32 one on AVX-512 CPUs (the same file and loop with float32 FMAs), all used by
+float32 one on AVX-512 CPUs without AMX (the same file and loop with float32 FMAs), all used by
 gpu/cpu_linear.py.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
