@@ -37,8 +37,9 @@ off.  There the MLPs' gate_up weights are packed for a gated epilogue (SiLU(gate
 computed as the product is rounded, the same bits as the separate pass): on a 2-core Zen 4
 EPYC 1.02-1.07x the product + silu_mul at 16-2,048 rows, and no [rows, 2 x inter] tensor.
 
-On CPUs with AVX-512 and no AMX, float32 products of every size run on the same kernel's float32 twin
-(sgemm512: one FMA per value of k where the bf16 kernel does a vdpbf16ps per pair): on a
+On CPUs with AVX-512 and no AMX, float32 products of every size run on the same kernel's
+float32 twin (sgemm512: one FMA per value of k where the bf16 kernel does a vdpbf16ps per
+pair): on a
 2-core Zen 5 EPYC the `mid` model's decode-step GEMMs ran 1.21-1.22x oneDNN's packed kernel
 at 16-38 rows, 1.05x at 64 and 0.97x on prefill chunks (256-2,048 rows); one copy of the
 weight serves both.  Its gate_up products take the gated epilogue too (1.06-1.08x the

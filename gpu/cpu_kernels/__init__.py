@@ -495,17 +495,21 @@ def gated_order(inter: int, group: int = GATED_GROUP) -> torch.Tensor:
     return torch.cat((g, g + inter), dim=1).reshape(-1)
 
 
+def _gated_rows(weight: torch.Tensor, inter: int, group: int = GATED_GROUP) -> torch.Tensor:
+    """The MLP's gate_up weight [2 * inter, K] with its rows in gated_order."""
+    assert weight.shape[0] == 2 * inter, (weight.shape, inter)
+    return weight.detach().index_select(0, gated_order(inter, group))
+
+
 def dpbf16_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     """The MLP's gate_up weight [2 * inter, K] bf16 -> dpbf16_silu's layout (inter a
     multiple of GATED_GROUP)."""
-    assert weight.shape[0] == 2 * inter, (weight.shape, inter)
-    return _pack("dpbf16", weight.detach().index_select(0, gated_order(inter)), torch.bfloat16)
+    return _pack("dpbf16", _gated_rows(weight, inter), torch.bfloat16)
 
 
 def sgemm512_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     """The MLP's gate_up weight [2 * inter, K] float32 -> sgemm512_silu's layout."""
-    assert weight.shape[0] == 2 * inter, (weight.shape, inter)
-    return _pack("sgemm512", weight.detach().index_select(0, gated_order(inter)), torch.float32)
+    return _pack("sgemm512", _gated_rows(weight, inter), torch.float32)
 
 
 def sgemm512_silu(
@@ -521,8 +525,7 @@ def sgemm512_silu(
 def amx_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     """The MLP's gate_up weight [2 * inter, K] bf16 -> amx_silu's layout (inter a multiple
     of AMX_GATED_GROUP, K of 32); amx_gemm on it gives the product in that order."""
-    assert weight.shape[0] == 2 * inter, (weight.shape, inter)
-    return amx_pack(weight.detach().index_select(0, gated_order(inter, AMX_GATED_GROUP)))
+    return amx_pack(_gated_rows(weight, inter, AMX_GATED_GROUP))
 
 
 def _gated_gemm(

@@ -62,6 +62,7 @@ namespace {
 constexpr int kNR = 16;   // columns per panel: one zmm of float32
 constexpr int kNP = 4;    // panels per register tile (64 columns)
 constexpr int kKC = 256;  // k per block: a group's block is 4 x 128 pairs x 64 B = 32 KB
+                          // (float32: 128 values of k, the same 128 words)
 constexpr int kMR = 6;    // rows per register tile
 constexpr int kMC = 120;  // rows per block of packed x: 120 x kKC bf16, 60 KB of L2
 
@@ -72,9 +73,27 @@ inline int64_t words(int64_t k, bool f32) { return f32 ? k : pairs(k); }
 
 #if PS_ZMM
 
+// v as the output type holds it: float32 as is, bf16 rounded to nearest even.
+template <bool F32>
+inline __m512 rounded(__m512 v) {
 #if PS_DPBF16
-inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+  if constexpr (!F32) return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
 #endif
+  return v;  // float32 (a build without AVX512-BF16 never runs the bf16 kernel)
+}
+
+// The mask's lanes of v into the output at element `at` of y: float32, or rounded to bf16.
+template <bool F32>
+inline void store_out(void* y, int64_t at, __mmask16 mask, __m512 v) {
+  if constexpr (F32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mask, v);
+  } else {
+#if PS_DPBF16
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, mask,
+                             (__m256i)_mm512_cvtneps_pbh(v));  // round to nearest even
+#endif
+  }
+}
 
 // MR rows x NP consecutive panels over kp k pairs.  a: the tile's packed x pairs, a[r * kp
 // + kk]; b: the group's block (k pair kk of panel j at b + (kk * NP + j) * kNR); c: float32 partial sums (stride
@@ -130,46 +149,19 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
       for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * cs + j * kNR, acc[r][j]);
     return;
   }
-  if constexpr (F32) {
-    float* y = static_cast<float*>(yv);
-    if constexpr (GATED) {  // as silu_mul computes it on float32: silu16(gate) * up
-      static_assert(NP == 4, "a gated group is 2 gate + 2 up panels");
-      alignas(64) float g[MR * 2 * kNR], sg[MR * 2 * kNR];
-      for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < 2; ++j) _mm512_store_ps(g + (2 * r + j) * kNR, acc[r][j]);
-      ps::silu16(g, sg, MR * 2 * kNR);
-      for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < 2; ++j)
-          _mm512_storeu_ps(y + r * ys + j * kNR,
-                           _mm512_mul_ps(_mm512_load_ps(sg + (2 * r + j) * kNR), acc[r][j + 2]));
-      return;
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const int valid = std::min(kNR, w - j * kNR);
-      if (valid <= 0) break;
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ys + j * kNR, mask, acc[r][j]);
-    }
-    return;
-  }
-#if PS_DPBF16
-  uint16_t* y = static_cast<uint16_t*>(yv);
   if constexpr (GATED) {  // panels 0-1 gate, 2-3 up: 32 outputs a row, all valid
-    // silu(gate) * up, rounded as silu_mul rounds: gate and up to bf16 (the product's
-    // rounding), silu(gate) through silu_mul's own silu16 (the same bits; one call for the
-    // tile), rounded, times up, rounded.
+    // silu(gate) * up, rounded as silu_mul rounds (bf16: gate and up to bf16, the product's
+    // rounding; silu(gate) through silu_mul's own silu16, the same bits, one call for the
+    // tile; rounded, times up, rounded; float32: no rounding between).
     static_assert(NP == 4, "a gated group is 2 gate + 2 up panels");
     alignas(64) float g[MR * 2 * kNR], sg[MR * 2 * kNR];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2; ++j) _mm512_store_ps(g + (2 * r + j) * kNR, round_bf16(acc[r][j]));
+      for (int j = 0; j < 2; ++j) _mm512_store_ps(g + (2 * r + j) * kNR, rounded<F32>(acc[r][j]));
     ps::silu16(g, sg, MR * 2 * kNR);
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2; ++j) {
-        const __m512 s = round_bf16(_mm512_load_ps(sg + (2 * r + j) * kNR));
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, round_bf16(acc[r][j + 2])));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + j * kNR), h);
+        const __m512 s = rounded<F32>(_mm512_load_ps(sg + (2 * r + j) * kNR));
+        store_out<F32>(yv, r * ys + j * kNR, 0xffff, _mm512_mul_ps(s, rounded<F32>(acc[r][j + 2])));
       }
     return;
   }
@@ -179,12 +171,8 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
     if (valid <= 0) break;
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);  // round to nearest even
-      _mm256_mask_storeu_epi16(y + r * ys + j * kNR, mask, h);
-    }
+    for (int r = 0; r < MR; ++r) store_out<F32>(yv, r * ys + j * kNR, mask, acc[r][j]);
   }
-#endif
 }
 
 using Kernel = void (*)(int, const uint32_t*, const uint32_t*, float*, bool, bool,
@@ -251,7 +239,7 @@ void pack_rows(const void* xv, int64_t xs, int mr, int r0, int64_t mb, int64_t k
     for (int r = 0; r < mr; ++r) {
       // A bf16 pair is the 32-bit word at row + 2i (little endian: element 2i in the low
       // half); memcpy, as a bf16 view's rows need not be 4-byte aligned.
-      std::memcpy(dst + r * kp, x + (r * xs + q0 * 4 / esz) * esz, 4 * kw);
+      std::memcpy(dst + r * kp, x + r * xs * esz + 4 * q0, 4 * kw);  // q0 words in
       for (int64_t kk = kw; kk < kp; ++kk)
         dst[r * kp + kk] = pair_at(reinterpret_cast<const uint16_t*>(x) + r * xs, q0 + kk, k);
     }
