@@ -343,14 +343,55 @@ def sgemm_available() -> bool:
     return lib is not None and bool(lib.ps_sgemm_available())
 
 
+_HUGE = 2 << 20  # an x86-64 transparent huge page
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+_libc: ctypes.CDLL | None = None
+
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc.madvise(addr, length, advice) == 0
+
+
+def huge_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(numel) whose whole 2 MB stretches are transparent huge pages where the
+    kernel gives them (best effort: plain pages otherwise).  For the packed weights, which a
+    decode step streams end to end: in 4 KB pages every 4 KB of weight is a TLB miss and a
+    page walk, and the hardware prefetchers stop at every page boundary.  Most distributions
+    set THP to `madvise`, so an allocation gets huge pages only when asked."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if numel * size < _HUGE or os.environ.get("PAGESTREAM_HUGE_PAGES", "1") == "0":
+        return torch.empty(numel, dtype=dtype)
+    buf = torch.empty(numel + _HUGE // size, dtype=dtype)
+    start = buf.data_ptr()
+    skip = (-start % _HUGE) // size  # elements up to the first 2 MB boundary
+    out = buf[skip : skip + numel]
+    span = numel * size // _HUGE * _HUGE
+    # Before the first touch, so faults take huge pages; MADV_COLLAPSE (Linux 6.1+, whatever
+    # the THP setting) after the pack, for memory the allocator had already touched.
+    _madvise(out.data_ptr(), span, _MADV_HUGEPAGE)
+    out._ps_huge_span = span  # type: ignore[attr-defined]
+    return out
+
+
+def collapse_huge(t: torch.Tensor) -> None:
+    span = getattr(t, "_ps_huge_span", 0)
+    if span:
+        _madvise(t.data_ptr(), span, _MADV_COLLAPSE)
+
+
 def _pack(kernel: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, K] `dtype` (nn.Linear's weight) -> the panel layout of ps_{kernel}_pack."""
     lib = load()
     assert lib is not None and weight.dtype == dtype and weight.dim() == 2
     w = weight.detach().contiguous()
     n, k = w.shape
-    out = torch.empty(getattr(lib, f"ps_{kernel}_packed_size")(n, k), dtype=dtype)
+    out = huge_empty(getattr(lib, f"ps_{kernel}_packed_size")(n, k), dtype)
     getattr(lib, f"ps_{kernel}_pack")(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    collapse_huge(out)
     return out
 
 

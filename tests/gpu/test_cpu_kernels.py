@@ -298,3 +298,51 @@ def test_isa_variant_builds_apart_and_matches_reference(march, isa, needs, monke
         ref = paged_attention_reference(q, kc, vc, meta, 0.125)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _anon_huge_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("AnonHugePages:"))
+
+
+def _thp_off() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" in f.read()
+    except OSError:
+        return True
+
+
+def test_huge_empty_is_aligned_sized_and_optional(monkeypatch):
+    """The packed weights start on a 2 MB boundary with the asked size; below 2 MB, or with
+    PAGESTREAM_HUGE_PAGES=0, it is a plain torch.empty."""
+    big = cpu_kernels.huge_empty(3_000_000, torch.float32)  # 12 MB
+    assert big.numel() == 3_000_000 and big.is_contiguous() and big.dtype == torch.float32
+    assert big.data_ptr() % (2 << 20) == 0
+    big.fill_(1.5)  # the whole of it is writable
+    assert float(big[-1]) == 1.5
+    small = cpu_kernels.huge_empty(1000, torch.bfloat16)
+    assert small.numel() == 1000 and small.dtype == torch.bfloat16
+    monkeypatch.setenv("PAGESTREAM_HUGE_PAGES", "0")
+    plain = cpu_kernels.huge_empty(3_000_000, torch.float32)
+    assert plain.numel() == 3_000_000 and plain.storage_offset() == 0
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.sgemm_available() or _thp_off(), reason="needs sgemm.cpp and THP"
+)
+def test_packed_weights_sit_on_huge_pages(monkeypatch):
+    """A packed weight of 8 MB+ is backed by transparent huge pages (MADV_HUGEPAGE before
+    the pack, MADV_COLLAPSE after it): the weights a decode step streams do not walk the
+    page table every 4 KB.  The pack and the product through it are the same bits."""
+    w = torch.randn(4096, 1024)  # 16 MB packed
+    before = _anon_huge_kb()
+    packed = cpu_kernels.sgemm_pack(w)
+    assert _anon_huge_kb() - before >= 8 * 1024
+    monkeypatch.setenv("PAGESTREAM_HUGE_PAGES", "0")
+    plain = cpu_kernels.sgemm_pack(w)
+    assert torch.equal(packed, plain)
+    x = torch.randn(5, 1024)
+    assert torch.equal(
+        cpu_kernels.sgemm(x, packed, 4096, None), cpu_kernels.sgemm(x, plain, 4096, None)
+    )
