@@ -248,6 +248,14 @@ class PackedLinear(nn.Module):
         self.zmm_gated = (
             (self.dpbf16 or self.sgemm512) and gated and gated_inter % cpu_kernels.GATED_GROUP == 0
         )
+        # The AVX2 sgemm's (float32, every size; not where MKL takes the prefill rows).
+        self.sgemm_gated = (
+            self.sgemm
+            and mkl_from is None
+            and linear.weight.dtype == torch.float32
+            and gated
+            and gated_inter % cpu_kernels.SGEMM_GATED_GROUP == 0
+        )
         # On AMX the gated layout serves decode-sized rows; prefill's take gated_linear
         # over oneDNN packs of the gate and up halves (instead of one of [gate; up]).
         amx = amx and linear.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
@@ -258,6 +266,8 @@ class PackedLinear(nn.Module):
         if self.zmm_gated:
             pack = cpu_kernels.dpbf16_gated_pack if self.dpbf16 else cpu_kernels.sgemm512_gated_pack
             self.packed = pack(linear.weight, gated_inter)
+        elif self.sgemm_gated:
+            self.packed = cpu_kernels.sgemm_gated_pack(linear.weight, gated_inter)
         elif self.amx_gated:
             w = linear.weight.detach()
             self.halves = (pack_weight(w[:gated_inter]), pack_weight(w[gated_inter:]))
@@ -282,7 +292,9 @@ class PackedLinear(nn.Module):
         else:
             self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
         # silu_mul() is there (MLP.forward takes it).
-        self.gated_inter = gated_inter if self.zmm_gated or self.amx_gated else None
+        self.gated_inter = (
+            gated_inter if self.zmm_gated or self.sgemm_gated or self.amx_gated else None
+        )
 
     @classmethod
     def of_weight(
@@ -304,11 +316,13 @@ class PackedLinear(nn.Module):
         inter = self.gated_inter
         assert inter is not None
         x2 = x.reshape(-1, self.in_features)
-        if self.zmm_gated or x2.shape[0] <= AMX_MAX_ROWS:
+        if self.zmm_gated or self.sgemm_gated or x2.shape[0] <= AMX_MAX_ROWS:
             out = None
             if self.scratch is not None:
                 out = self.scratch.take(x2.shape[0], inter, x.dtype)
-            if self.zmm_gated:
+            if self.sgemm_gated:
+                y = cpu_kernels.sgemm_silu(x2, self.packed, inter, out)
+            elif self.zmm_gated:
                 silu = cpu_kernels.dpbf16_silu if self.dpbf16 else cpu_kernels.sgemm512_silu
                 y = silu(x2, self.packed, inter, out)
             else:
@@ -321,11 +335,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amx = self.amx is not None and x.dtype == torch.bfloat16
         amx = amx and x.numel() <= AMX_MAX_ROWS * self.in_features
-        if self.zmm_gated or (amx and self.amx_gated):
+        if self.zmm_gated or self.sgemm_gated or (amx and self.amx_gated):
             # The gated layout's plain product, back in [gate; up] order (MLPs take
             # silu_mul(); this serves any other caller).
             x2 = x.reshape(-1, self.in_features)
-            if self.zmm_gated:
+            if self.sgemm_gated:
+                order = cpu_kernels.gated_order(
+                    self.out_features // 2, cpu_kernels.SGEMM_GATED_GROUP
+                )
+                y = cpu_kernels.sgemm(x2, self.packed, self.out_features, None)
+            elif self.zmm_gated:
                 order = cpu_kernels.gated_order(self.out_features // 2)
                 gemm = cpu_kernels.dpbf16_gemm if self.dpbf16 else cpu_kernels.sgemm512
                 y = gemm(x2, self.packed, self.out_features, None)

@@ -5,7 +5,8 @@ which the torch path cannot do without first gathering (and transposing) every s
 blocks into a dense copy; prefill is a flash-attention style kernel several times faster
 than torch's CPU SDPA.  `int8_gemv` is the decode matmul of `--quantization int8`
 (int8_gemv.cpp).  `write_kv` and `argmax` replace a step's small ATen ops (step_ops.cpp).
-`sgemm` is the float32 decode-sized projection on AVX2-only CPUs (sgemm.cpp) and
+`sgemm` is the float32 projection on AVX2-only CPUs (sgemm.cpp; `sgemm_silu` its gated
+form for the MLP's gate_up) and
 `amx_gemm` the bfloat16 one on CPUs with AMX tiles (amx_gemm.cpp), `dpbf16_gemm` every
 bfloat16 projection on CPUs with AVX512-BF16 but no AMX (dpbf16_gemm.cpp), `sgemm512` every
 float32 one on AVX-512 CPUs without AMX (the same file and loop with float32 FMAs), all used by
@@ -189,7 +190,7 @@ def load() -> ctypes.CDLL | None:
     lib.ps_amx_available.restype = i32
     lib.ps_dpbf16_available.restype = i32
     lib.ps_sgemm512_available.restype = i32
-    for name in ("ps_dpbf16_silu", "ps_amx_silu", "ps_sgemm512_silu"):
+    for name in ("ps_dpbf16_silu", "ps_amx_silu", "ps_sgemm512_silu", "ps_sgemm_silu"):
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
         getattr(lib, name).restype = i32
     for gemm in _PACKED_GEMMS:
@@ -524,8 +525,9 @@ def sgemm512(
 # Outputs per group of the gated layout: a group's 4 panels of 16 columns are 2 of gate, 2
 # of up (kNR x kNP in dpbf16_gemm.cpp).
 GATED_GROUP = 32
-# The AMX kernel's: one 16-column panel of gate beside its panel of up.
+# The AMX kernel's and the AVX2 sgemm's: one 16-column panel of gate beside its panel of up.
 AMX_GATED_GROUP = 16
+SGEMM_GATED_GROUP = 16
 
 
 def gated_order(inter: int, group: int = GATED_GROUP) -> torch.Tensor:
@@ -563,6 +565,23 @@ def sgemm512_silu(
     return _gated_gemm("sgemm512", x, packed, inter, out)
 
 
+def sgemm_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
+    """The MLP's gate_up weight [2 * inter, K] float32 -> sgemm_silu's layout (inter a
+    multiple of SGEMM_GATED_GROUP)."""
+    return _pack("sgemm", _gated_rows(weight, inter, SGEMM_GATED_GROUP), torch.float32)
+
+
+def sgemm_silu(
+    x: torch.Tensor,  # [M, K] float32, unit column stride
+    packed: torch.Tensor,  # sgemm_gated_pack(gate_up weight, inter)
+    inter: int,
+    out: torch.Tensor | None = None,  # [M, inter] float32, unit column stride
+) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) on the AVX2 sgemm: the bits of sgemm followed by
+    silu_mul, without the [M, 2 * inter] product in between."""
+    return _gated_gemm("sgemm", x, packed, inter, out)
+
+
 def amx_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     """The MLP's gate_up weight [2 * inter, K] bf16 -> amx_silu's layout (inter a multiple
     of AMX_GATED_GROUP, K of 32); amx_gemm on it gives the product in that order."""
@@ -572,10 +591,10 @@ def amx_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
 def _gated_gemm(
     kernel: str, x: torch.Tensor, packed: torch.Tensor, inter: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """ps_{kernel}_silu: x [M, K] (bf16; sgemm512: float32) -> silu(x @ gate.T) * (x @
-    up.T) [M, inter]."""
+    """ps_{kernel}_silu: x [M, K] (bf16; sgemm512 and sgemm: float32) -> silu(x @ gate.T)
+    * (x @ up.T) [M, inter]."""
     lib = load()
-    dtype = torch.float32 if kernel == "sgemm512" else torch.bfloat16
+    dtype = torch.float32 if kernel in ("sgemm512", "sgemm") else torch.bfloat16
     assert lib is not None and x.dtype == dtype and x.dim() == 2
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -19,6 +19,14 @@
 //
 // Every output element is one sequential sum over k, bias first, whatever m is and
 // wherever its row falls in a tile: a row's result does not depend on its batch.
+//
+// Gated (ps_sgemm_silu, float32): the MLP's gate_up product with SiLU(gate) * up as its
+// epilogue.  The weight's rows are packed in gated_order (cpu_kernels.py), so panel 2j holds
+// the gate columns of outputs 16j..16j+15 and panel 2j+1 their up columns; a thread owns
+// whole pairs, writes a pair's two panels into a small buffer of its own (L1) and, after
+// the up panel's last k block, y's 16 columns as silu(gate) * up.  That saves silu_mul's
+// pass over the [m, 2I] product and the write of half of it; the bits are the unfused
+// product's followed by silu_mul's (silu16 is the one body both call).
 
 #include <algorithm>
 #include <cstdint>
@@ -26,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "activation.h"
 #include "gemm_common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -216,13 +225,28 @@ void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* wp, i
   }
 }
 
+// y[r, j] = silu(g[r, j]) * u[r, j] for one group of 16 outputs.
+inline void gate16(const float* g, const float* u, float* y) {
+  alignas(32) float s[kNR];
+  ps::silu16(g, s, kNR);
+  for (int i = 0; i < kNR; ++i) y[i] = s[i] * u[i];
+}
+
 // x [m, k] (row stride xs; float32 or bf16), packed weight, bias [n] or null, y [m, n]
-// float32 (row stride ys).
+// float32 (row stride ys).  gated: n = 2I columns in gated order, no bias, y [m, I].
 template <typename WT, typename XT>
 void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n,
-          const float* bias, float* y, int64_t ys, int nthreads) {
-  thread_local std::vector<float> xbuf;
+          const float* bias, float* y, int64_t ys, int nthreads, bool gated = false) {
+  thread_local std::vector<float> xbuf, gbuf;
   if (m <= 0 || n <= 0) return;
+  if (gated && m <= 3) {  // the whole product first (a few rows), then the epilogue
+    float* yf = scratch(gbuf, m * n);
+    gemm(x, xs, m, k, wp, n, nullptr, yf, n, nthreads);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n / (2 * kNR); ++j)
+        gate16(yf + r * n + 2 * j * kNR, yf + r * n + (2 * j + 1) * kNR, y + r * ys + j * kNR);
+    return;
+  }
   const int64_t np = panels(n);
   // Where block k0 of panel p starts (every block but the last is kKC deep).
   auto block = [&](int64_t k0, int64_t p) {
@@ -244,12 +268,15 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
   const int64_t nblk = (m + kMC - 1) / kMC;
   const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
   float* ap = scratch(xbuf, mc * k);
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, np)));
+  // Gated: whole (gate, up) pairs of panels a thread.
+  const int64_t unit = gated ? 2 : 1, units = np / unit;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, units)));
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num();
-    const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+    const int64_t p0 = units * t / nt * unit, p1 = units * (t + 1) / nt * unit;
     int tiles[kMC / 2 + 2][2];
+    alignas(32) float gu[kMC * 2 * kNR];  // gated: a pair's gate | up, row by row (15 KB)
     for (int64_t m0 = 0; m0 < m; m0 += mc) {
       const int64_t mb = std::min<int64_t>(mc, m - m0);
       const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
@@ -267,10 +294,19 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
             const int r0 = tiles[i][0], mr = tiles[i][1];
             // The first tile pulls the next block in; the others find this one in L1.
             const WT* tpf = i == 0 ? pf : nullptr;
-            run_tile<WT>(Kernels<WT>::narrow[mr][tpf != nullptr], mr, 1, kc, ap + k0 * mb + r0 * kc, 0, b,
-                     y + (m0 + r0) * ys, ys, p * kNR, n, k0 == 0, bias, tpf);
+            const Kernel<WT> kern = Kernels<WT>::narrow[mr][tpf != nullptr];
+            const float* a = ap + k0 * mb + r0 * kc;
+            if (gated)
+              run_tile<WT>(kern, mr, 1, kc, a, 0, b, gu + r0 * 2 * kNR, 2 * kNR, (p % 2) * kNR,
+                           2 * kNR, k0 == 0, nullptr, tpf);
+            else
+              run_tile<WT>(kern, mr, 1, kc, a, 0, b, y + (m0 + r0) * ys, ys, p * kNR, n, k0 == 0,
+                           bias, tpf);
           }
         }
+        if (gated && p % 2 == 1)
+          for (int64_t r = 0; r < mb; ++r)
+            gate16(gu + r * 2 * kNR, gu + r * 2 * kNR + kNR, y + (m0 + r) * ys + p / 2 * kNR);
       }
 #pragma omp barrier  // every thread is done with ap before the next block packs into it
     }
@@ -333,6 +369,22 @@ void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
 #else
   (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
       (void)nthreads;
+#endif
+}
+
+// Gated: wp is ps_sgemm_pack of the gate_up weight [2I, k] with its rows in gated order
+// (groups of 16), n = 2I, no bias; y [m, I] (row stride ys) = silu(x . gate^T) * (x . up^T),
+// the bits of ps_sgemm followed by silu_mul.  Returns 0 where it cannot (not built, or
+// I % 16 != 0).
+int ps_sgemm_silu(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
+                  float* y, int64_t ys, int nthreads) {
+#if PS_SGEMM
+  if (n % (2 * kNR) != 0) return 0;
+  gemm(x, xs, m, k, wp, n, nullptr, y, ys, nthreads, true);
+  return 1;
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)ys, (void)nthreads;
+  return 0;
 #endif
 }
 

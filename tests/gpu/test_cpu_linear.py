@@ -522,8 +522,10 @@ def _check_gated_epilogue(kernel: str, inter: int, k: int, rows: tuple[int, ...]
                 cpu_kernels.amx_silu),
         "sgemm512": (cpu_kernels.sgemm512_pack, cpu_kernels.sgemm512_gated_pack,
                      cpu_kernels.sgemm512, cpu_kernels.sgemm512_silu),
+        "sgemm": (cpu_kernels.sgemm_pack, cpu_kernels.sgemm_gated_pack, cpu_kernels.sgemm,
+                  cpu_kernels.sgemm_silu),
     }[kernel]  # fmt: skip
-    dtype = torch.float32 if kernel == "sgemm512" else torch.bfloat16
+    dtype = torch.float32 if kernel in ("sgemm512", "sgemm") else torch.bfloat16
     g = torch.Generator().manual_seed(inter + k)
     w = _bf16(2 * inter, k, g=g).to(dtype)
     plain, gated = pack(w), gated_pack(w, inter)
@@ -864,3 +866,56 @@ def test_packed_float32_gate_up_on_sgemm512_takes_the_gated_layout():
         x = torch.randn(rows, 64)
         assert torch.equal(layer(x), ungated(x))  # [gate; up] in the checkpoint's order
         assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
+
+
+@needs_sgemm
+@pytest.mark.parametrize("inter", [16, 96, 2816])
+@pytest.mark.parametrize("k", [9, 256, 300])
+def test_sgemm_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
+    """1-3 rows (the whole product, then the epilogue), 4+ in 6-row tiles, 121+ in more than
+    one block of rows; k across the 256-deep blocks."""
+    _check_gated_epilogue("sgemm", inter, k, (1, 2, 3, 4, 7, 13, 38, 121, 250))
+
+
+@needs_sgemm
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_sgemm_silu_rows_do_not_depend_on_the_batch_or_threads(threads):
+    """Pairs of panels split over the threads: a row's result is the same bits whatever
+    rows and how many threads share its call."""
+    g = torch.Generator().manual_seed(5)
+    inter, k = 176, 200  # 11 pairs: an odd count, uneven over 2 or 3 threads
+    w = torch.randn(2 * inter, k, generator=g)
+    packed = cpu_kernels.sgemm_gated_pack(w, inter)
+    x = torch.randn(40, k, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = torch.cat([cpu_kernels.sgemm_silu(x[i : i + 1], packed, inter) for i in range(40)])
+        torch.set_num_threads(threads)
+        for rows in (4, 9, 40):
+            assert torch.equal(cpu_kernels.sgemm_silu(x[:rows], packed, inter), want[:rows])
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_sgemm
+def test_packed_float32_gate_up_on_sgemm_takes_the_gated_layout():
+    torch.manual_seed(7)
+    lin = nn.Linear(64, 2 * 96, bias=False)
+    layer = PackedLinear(lin, sgemm=True, gated_inter=96)
+    ungated = PackedLinear(lin, sgemm=True)
+    assert layer.sgemm_gated and layer.gated_inter == 96 and ungated.gated_inter is None
+    for rows in (2, 9, 700):
+        x = torch.randn(rows, 64)
+        assert torch.equal(layer(x), ungated(x))  # [gate; up] in the checkpoint's order
+        assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
+    # The plain layout where the epilogue cannot run: a bias, an inter that does not tile by
+    # 16, bf16 weights, or MKL taking the prefill rows.
+    assert PackedLinear(nn.Linear(64, 192), sgemm=True, gated_inter=96).gated_inter is None
+    assert (
+        PackedLinear(nn.Linear(64, 2 * 40, bias=False), sgemm=True, gated_inter=40).gated_inter
+        is None
+    )
+    bf16 = nn.Linear(64, 192, bias=False).bfloat16()
+    assert PackedLinear(bf16, sgemm=True, gated_inter=96).gated_inter is None
+    assert PackedLinear(lin, mkl_from=512, sgemm=True, gated_inter=96).gated_inter is None
