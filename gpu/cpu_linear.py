@@ -237,25 +237,22 @@ class PackedLinear(nn.Module):
         self.sgemm512 = sgemm512 and linear.weight.dtype == torch.float32
         self.sgemm = sgemm and not (self.dpbf16 or self.sgemm512)
         # An MLP's gate_up ([gate; up] rows, gated_inter each) is packed for silu_mul():
-        # SiLU(gate) * up as the product's epilogue, on the vdpbf16ps kernel or its float32
-        # twin for every product (zmm_gated) or on the AMX kernel for decode-sized ones
-        # (amx_gated).
+        # SiLU(gate) * up as the product's epilogue, for every product on the vdpbf16ps
+        # kernel, its float32 twin or the float32 AVX2 sgemm where MKL does not take the
+        # prefill rows (gated_ops), or on the AMX kernel for decode-sized ones (amx_gated).
         gated = (
             gated_inter is not None
             and linear.bias is None
             and linear.out_features == 2 * gated_inter
         )
-        self.zmm_gated = (
-            (self.dpbf16 or self.sgemm512) and gated and gated_inter % cpu_kernels.GATED_GROUP == 0
-        )
-        # The AVX2 sgemm's (float32, every size; not where MKL takes the prefill rows).
-        self.sgemm_gated = (
-            self.sgemm
-            and mkl_from is None
-            and linear.weight.dtype == torch.float32
-            and gated
-            and gated_inter % cpu_kernels.SGEMM_GATED_GROUP == 0
-        )
+        whole = (
+            "dpbf16" if self.dpbf16
+            else "sgemm512" if self.sgemm512
+            else "sgemm" if self.sgemm and mkl_from is None and self.dtype == torch.float32
+            else None
+        )  # fmt: skip
+        ops = cpu_kernels.gated_kernel(whole) if gated and whole else None
+        self.gated_ops = ops if ops and gated_inter % ops.group == 0 else None
         # On AMX the gated layout serves decode-sized rows; prefill's take gated_linear
         # over oneDNN packs of the gate and up halves (instead of one of [gate; up]).
         amx = amx and linear.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
@@ -263,11 +260,8 @@ class PackedLinear(nn.Module):
             amx and not self.dpbf16 and gated and gated_inter % cpu_kernels.AMX_GATED_GROUP == 0
         )
         self.halves: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.zmm_gated:
-            pack = cpu_kernels.dpbf16_gated_pack if self.dpbf16 else cpu_kernels.sgemm512_gated_pack
-            self.packed = pack(linear.weight, gated_inter)
-        elif self.sgemm_gated:
-            self.packed = cpu_kernels.sgemm_gated_pack(linear.weight, gated_inter)
+        if self.gated_ops:
+            self.packed = self.gated_ops.pack(linear.weight, gated_inter)
         elif self.amx_gated:
             w = linear.weight.detach()
             self.halves = (pack_weight(w[:gated_inter]), pack_weight(w[gated_inter:]))
@@ -292,9 +286,7 @@ class PackedLinear(nn.Module):
         else:
             self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
         # silu_mul() is there (MLP.forward takes it).
-        self.gated_inter = (
-            gated_inter if self.zmm_gated or self.sgemm_gated or self.amx_gated else None
-        )
+        self.gated_inter = gated_inter if self.gated_ops or self.amx_gated else None
 
     @classmethod
     def of_weight(
@@ -316,15 +308,12 @@ class PackedLinear(nn.Module):
         inter = self.gated_inter
         assert inter is not None
         x2 = x.reshape(-1, self.in_features)
-        if self.zmm_gated or self.sgemm_gated or x2.shape[0] <= AMX_MAX_ROWS:
+        if self.gated_ops or x2.shape[0] <= AMX_MAX_ROWS:
             out = None
             if self.scratch is not None:
                 out = self.scratch.take(x2.shape[0], inter, x.dtype)
-            if self.sgemm_gated:
-                y = cpu_kernels.sgemm_silu(x2, self.packed, inter, out)
-            elif self.zmm_gated:
-                silu = cpu_kernels.dpbf16_silu if self.dpbf16 else cpu_kernels.sgemm512_silu
-                y = silu(x2, self.packed, inter, out)
+            if self.gated_ops:
+                y = self.gated_ops.silu(x2, self.packed, inter, out)
             else:
                 y = cpu_kernels.amx_silu(x2, self.amx, inter, out)
         else:
@@ -335,19 +324,13 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amx = self.amx is not None and x.dtype == torch.bfloat16
         amx = amx and x.numel() <= AMX_MAX_ROWS * self.in_features
-        if self.zmm_gated or self.sgemm_gated or (amx and self.amx_gated):
+        if self.gated_ops or (amx and self.amx_gated):
             # The gated layout's plain product, back in [gate; up] order (MLPs take
             # silu_mul(); this serves any other caller).
             x2 = x.reshape(-1, self.in_features)
-            if self.sgemm_gated:
-                order = cpu_kernels.gated_order(
-                    self.out_features // 2, cpu_kernels.SGEMM_GATED_GROUP
-                )
-                y = cpu_kernels.sgemm(x2, self.packed, self.out_features, None)
-            elif self.zmm_gated:
-                order = cpu_kernels.gated_order(self.out_features // 2)
-                gemm = cpu_kernels.dpbf16_gemm if self.dpbf16 else cpu_kernels.sgemm512
-                y = gemm(x2, self.packed, self.out_features, None)
+            if self.gated_ops:
+                order = cpu_kernels.gated_order(self.out_features // 2, self.gated_ops.group)
+                y = self.gated_ops.gemm(x2, self.packed, self.out_features, None)
             else:
                 order = cpu_kernels.gated_order(self.out_features // 2, cpu_kernels.AMX_GATED_GROUP)
                 y = cpu_kernels.amx_gemm(x2, self.amx, self.out_features, None)

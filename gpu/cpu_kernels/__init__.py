@@ -23,7 +23,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -363,24 +365,27 @@ def huge_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     decode step streams end to end: in 4 KB pages every 4 KB of weight is a TLB miss and a
     page walk, and the hardware prefetchers stop at every page boundary.  Most distributions
     set THP to `madvise`, so an allocation gets huge pages only when asked."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if numel * size < _HUGE or os.environ.get("PAGESTREAM_HUGE_PAGES", "1") == "0":
         return torch.empty(numel, dtype=dtype)
     buf = torch.empty(numel + _HUGE // size, dtype=dtype)
-    start = buf.data_ptr()
-    skip = (-start % _HUGE) // size  # elements up to the first 2 MB boundary
+    skip = (-buf.data_ptr() % _HUGE) // size  # elements up to the first 2 MB boundary
     out = buf[skip : skip + numel]
-    span = numel * size // _HUGE * _HUGE
-    # Before the first touch, so faults take huge pages; MADV_COLLAPSE (Linux 6.1+, whatever
-    # the THP setting) after the pack, for memory the allocator had already touched.
-    _madvise(out.data_ptr(), span, _MADV_HUGEPAGE)
-    out._ps_huge_span = span  # type: ignore[attr-defined]
+    # Before the first touch, so faults take huge pages (collapse_huge after the fill).
+    _madvise(out.data_ptr(), _huge_span(out), _MADV_HUGEPAGE)
     return out
 
 
+def _huge_span(t: torch.Tensor) -> int:
+    """The bytes of t's whole 2 MB pages, from its start (0 unless it starts on one)."""
+    return 0 if t.data_ptr() % _HUGE else t.numel() * t.element_size() // _HUGE * _HUGE
+
+
 def collapse_huge(t: torch.Tensor) -> None:
-    span = getattr(t, "_ps_huge_span", 0)
-    if span:
+    """MADV_COLLAPSE (Linux 6.1+, whatever the THP setting) over huge_empty's memory once
+    filled: pages the allocator had already touched were faulted in 4 KB at a time."""
+    span = _huge_span(t)
+    if span and os.environ.get("PAGESTREAM_HUGE_PAGES", "1") != "0":
         _madvise(t.data_ptr(), span, _MADV_COLLAPSE)
 
 
@@ -580,6 +585,26 @@ def sgemm_silu(
     """silu(x @ gate.T) * (x @ up.T) on the AVX2 sgemm: the bits of sgemm followed by
     silu_mul, without the [M, 2 * inter] product in between."""
     return _gated_gemm("sgemm", x, packed, inter, out)
+
+
+class GatedKernel(NamedTuple):
+    """A kernel whose gated layout serves products of every size: its pack of the gate_up
+    weight, the fused SiLU·up product, its plain product (in gated column order) and the
+    outputs per group of that order."""
+
+    pack: Callable[[torch.Tensor, int], torch.Tensor]
+    silu: Callable[..., torch.Tensor]
+    gemm: Callable[..., torch.Tensor]
+    group: int
+
+
+def gated_kernel(kernel: str) -> GatedKernel:
+    """ "dpbf16", "sgemm512" or "sgemm"."""
+    return {
+        "dpbf16": GatedKernel(dpbf16_gated_pack, dpbf16_silu, dpbf16_gemm, GATED_GROUP),
+        "sgemm512": GatedKernel(sgemm512_gated_pack, sgemm512_silu, sgemm512, GATED_GROUP),
+        "sgemm": GatedKernel(sgemm_gated_pack, sgemm_silu, sgemm, SGEMM_GATED_GROUP),
+    }[kernel]
 
 
 def amx_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:

@@ -861,7 +861,8 @@ def test_packed_float32_gate_up_on_sgemm512_takes_the_gated_layout():
     lin = nn.Linear(64, 2 * 96, bias=False)
     layer = PackedLinear(lin, sgemm512=True, gated_inter=96)
     ungated = PackedLinear(lin, sgemm512=True)
-    assert layer.zmm_gated and layer.gated_inter == 96 and ungated.gated_inter is None
+    assert layer.gated_ops == cpu_kernels.gated_kernel("sgemm512") and layer.gated_inter == 96
+    assert ungated.gated_inter is None and ungated.gated_ops is None
     for rows in (9, 700):  # decode-sized (columns split) and prefill-sized (rows split)
         x = torch.randn(rows, 64)
         assert torch.equal(layer(x), ungated(x))  # [gate; up] in the checkpoint's order
@@ -904,7 +905,8 @@ def test_packed_float32_gate_up_on_sgemm_takes_the_gated_layout():
     lin = nn.Linear(64, 2 * 96, bias=False)
     layer = PackedLinear(lin, sgemm=True, gated_inter=96)
     ungated = PackedLinear(lin, sgemm=True)
-    assert layer.sgemm_gated and layer.gated_inter == 96 and ungated.gated_inter is None
+    assert layer.gated_ops == cpu_kernels.gated_kernel("sgemm") and layer.gated_inter == 96
+    assert ungated.gated_inter is None and ungated.gated_ops is None
     for rows in (2, 9, 700):
         x = torch.randn(rows, 64)
         assert torch.equal(layer(x), ungated(x))  # [gate; up] in the checkpoint's order
