@@ -19,9 +19,9 @@
 // 4-panel register tile holds 24 zmm accumulators fed per k pair by 4 panel loads and 6
 // broadcasts of x pairs.  A thread runs every row tile of a block of x over a group's k
 // block (32 KB) while it sits in L1, and every tile prefetches its share of the next
-// block, spread over its k pairs: a burst of prefetches from the first tile alone (as
-// sgemm.cpp does) overflows the core's outstanding misses and left the stream 15-30%
-// slower at 16-64 rows.  Partial sums between k blocks live in a per-thread float32 tile
+// block (into L2 at decode sizes: see Pass::l2), spread over its k pairs: a burst of
+// prefetches from the first tile alone overflows the core's outstanding misses and left
+// the stream 15-30% slower at 16-64 rows.  Partial sums between k blocks live in a per-thread float32 tile
 // buffer, and the last k block rounds straight to bf16 into y, so no float32 y is written
 // and read back.
 //
@@ -99,13 +99,14 @@ inline void store_out(void* y, int64_t at, __mmask16 mask, __m512 v) {
 // + kk]; b: the group's block (k pair kk of panel j at b + (kk * NP + j) * kNR); c: float32 partial sums (stride
 // kNP * kNR), read back unless `first` (then the sums start from the bias, or zero); on the
 // `last` k block the sums are rounded to bf16 into y (stride ys; `w` valid columns).  PF:
-// prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs.  GATED: see
+// prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs, into L1, or
+// into L2 only where `l2` (see Pass::l2).  GATED: see
 // ps_dpbf16_silu (NP 4: panels 0-1 gate, 2-3 up).  F32: every word is one float32 value of
 // k (x and the weight), one FMA per word instead of a vdpbf16ps per pair, and y float32.
 template <int MR, int NP, bool PF, bool GATED = false, bool F32 = false>
 void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
                  bool first, bool last, const float* bias, void* yv, int64_t ys, int w,
-                 const uint32_t* pf, int64_t npf) {
+                 const uint32_t* pf, int64_t npf, bool l2) {
   constexpr int cs = kNP * kNR;
   const int64_t lpk = (npf + kp - 1) / kp;
   __m512 acc[MR][NP];
@@ -121,8 +122,14 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
 #pragma GCC unroll 2
   for (int kk = 0; kk < kp; ++kk) {
     if (PF) {  // npf lines from pf, a few per k pair
-      for (int64_t l = kk * lpk; l < kk * lpk + lpk && l < npf; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + l * kNR), _MM_HINT_T0);
+      for (int64_t l = kk * lpk; l < kk * lpk + lpk && l < npf; ++l) {
+        const char* line = reinterpret_cast<const char*>(pf + l * kNR);
+        if (l2) {
+          _mm_prefetch(line, _MM_HINT_T1);
+        } else {
+          _mm_prefetch(line, _MM_HINT_T0);
+        }
+      }
     }
     __m512i bv[NP];
 #pragma GCC unroll 4
@@ -176,7 +183,7 @@ void tile_kernel(int kp, const uint32_t* a, const uint32_t* b, float* c,
 }
 
 using Kernel = void (*)(int, const uint32_t*, const uint32_t*, float*, bool, bool,
-                        const float*, void*, int64_t, int, const uint32_t*, int64_t);
+                        const float*, void*, int64_t, int, const uint32_t*, int64_t, bool);
 
 template <int MR, int NP>
 constexpr Kernel kern(bool pf, bool gated, bool f32) {
@@ -257,6 +264,17 @@ struct Pass {
   const float* bias;
   int64_t ys;
   bool gated, f32;
+  // Prefetch the stream into L2, not L1: for products split by columns (decode sizes),
+  // where a thread's weight comes from memory once.  The next block prefetched into L1
+  // beside the one the tiles are reading is 64 KB, twice the L1 of a Zen 4, so with two
+  // or more row tiles the block the later tiles reread was evicted and came back from L2
+  // (and the prefetched lines were evicted before use); a miss to L2 also holds no L1
+  // fill buffer for its trip to memory.  Measured on a 2-core Zen 4 EPYC, the `mid`
+  // decode-step projections (217 MB streaming): 1.4-1.7x at 8-16 rows, 1.04-1.07x at 4
+  // and 32, level at 38-64 (compute-bound there); the float32 kernel 1.1-1.4x at 4-16
+  // rows, level at 38-64.  Prefill-sized products (row split, ~100-row blocks each
+  // rereading a block ~20 times) keep L1: L2 measured level to 4% slower there.
+  bool l2;
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
   // a thread's groups are one sequential stream.
   const uint32_t* block(int64_t q0, int64_t g) const {
@@ -293,7 +311,8 @@ struct Pass {
           pick(mr, gp, tpf != nullptr, gated, f32)(kp, ap + q0 * mb + r0 * kp, b,
                                                   c + static_cast<int64_t>(r0) * kNP * kNR,
                                                   first, last, bias ? bias + col : nullptr,
-                                                  y + (r0 * ys + ycol) * esz, ys, w, tpf, npf);
+                                                  y + (r0 * ys + ycol) * esz, ys, w, tpf, npf,
+                                                  l2);
         }
       }
     }
@@ -308,7 +327,7 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
   if (m <= 0 || n <= 0) return;
   const int64_t np = panels(n), kpt = words(k, f32);
   const int64_t ngroups = (np + kNP - 1) / kNP;
-  const Pass pass{wp, n, np, kpt, bias, ys, gated, f32};
+  Pass pass{wp, n, np, kpt, bias, ys, gated, f32, false};
   const int esz = f32 ? 4 : 2;
   const char* x = static_cast<const char*>(xv);
   char* y = static_cast<char*>(yv);
@@ -344,6 +363,7 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
     }
     return;
   }
+  pass.l2 = true;
   thread_local std::vector<uint32_t> xbuf;
   uint32_t* ap = scratch(xbuf, mc * kpt);
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
