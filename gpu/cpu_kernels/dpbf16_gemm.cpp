@@ -275,6 +275,12 @@ struct Pass {
   // rows, level at 38-64.  Prefill-sized products (row split, ~100-row blocks each
   // rereading a block ~20 times) keep L1: L2 measured level to 4% slower there.
   bool l2;
+  // Prefetch at all.  Not for bf16 products split by rows: compute-bound at ~20 row
+  // tiles a block, the hardware prefetcher keeps up with the sequential stream, and the
+  // tiles' prefetches only pulled the next block into L1 early: 2-4% faster without them
+  // at 1,024-2,048 rows on the Zen 4 (both orders alternated).  The float32 kernel kept
+  // them (level to 6% slower without).
+  bool prefetch;
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
   // a thread's groups are one sequential stream.
   const uint32_t* block(int64_t q0, int64_t g) const {
@@ -299,14 +305,15 @@ struct Pass {
         const bool first = q0 == 0, last = q0 + kKC / 2 >= kpt;
         // What follows this block in memory is what the thread reads next: the tiles
         // prefetch the next block, each its share of its lines, up to the end of the
-        // thread's groups (two blocks ahead measured level to 4% slower with the
-        // interleaved panels; none, 10-20% slower).
+        // thread's groups (at decode sizes on a Zen 5, two blocks ahead measured level
+        // to 4% slower with the interleaved panels; none, 10-20% slower).
         const int64_t lines = static_cast<int64_t>(gp) * kp;
         const uint32_t* ahead = b + lines * kNR;
         for (int i = 0; i < ntiles; ++i) {
           const int r0 = tiles[i][0], mr = tiles[i][1];
           const int64_t l0 = lines * i / ntiles, l1 = lines * (i + 1) / ntiles;
-          const uint32_t* tpf = ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
+          const uint32_t* tpf =
+              prefetch && ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
           const int64_t npf = tpf ? std::min<int64_t>(l1 - l0, (wend - tpf) / kNR) : 0;
           pick(mr, gp, tpf != nullptr, gated, f32)(kp, ap + q0 * mb + r0 * kp, b,
                                                   c + static_cast<int64_t>(r0) * kNP * kNR,
@@ -327,7 +334,7 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
   if (m <= 0 || n <= 0) return;
   const int64_t np = panels(n), kpt = words(k, f32);
   const int64_t ngroups = (np + kNP - 1) / kNP;
-  Pass pass{wp, n, np, kpt, bias, ys, gated, f32, false};
+  Pass pass{wp, n, np, kpt, bias, ys, gated, f32, false, f32};
   const int esz = f32 ? 4 : 2;
   const char* x = static_cast<const char*>(xv);
   char* y = static_cast<char*>(yv);
@@ -363,7 +370,7 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
     }
     return;
   }
-  pass.l2 = true;
+  pass.l2 = pass.prefetch = true;
   thread_local std::vector<uint32_t> xbuf;
   uint32_t* ap = scratch(xbuf, mc * kpt);
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
