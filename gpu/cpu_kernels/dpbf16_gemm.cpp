@@ -19,11 +19,11 @@
 // 4-panel register tile holds 24 zmm accumulators fed per k pair by 4 panel loads and 6
 // broadcasts of x pairs.  A thread runs every row tile of a block of x over a group's k
 // block (32 KB) while it sits in L1, and every tile prefetches its share of the next
-// block (into L2 at decode sizes: see Pass::l2), spread over its k pairs: a burst of
+// block (where and whether: see Pass::pf), spread over its k pairs: a burst of
 // prefetches from the first tile alone overflows the core's outstanding misses and left
-// the stream 15-30% slower at 16-64 rows.  Partial sums between k blocks live in a per-thread float32 tile
-// buffer, and the last k block rounds straight to bf16 into y, so no float32 y is written
-// and read back.
+// the stream 15-30% slower at 16-64 rows.  Partial sums between k blocks live in a
+// per-thread float32 tile buffer, and the last k block rounds straight to bf16 into y, so
+// no float32 y is written and read back.
 //
 // Every output element is the bias plus one sequential sum over the k pairs, whatever m is
 // and wherever its row falls in a tile: a row's result does not depend on its batch.
@@ -100,7 +100,7 @@ inline void store_out(void* y, int64_t at, __mmask16 mask, __m512 v) {
 // kNP * kNR), read back unless `first` (then the sums start from the bias, or zero); on the
 // `last` k block the sums are rounded to bf16 into y (stride ys; `w` valid columns).  PF:
 // prefetch npf consecutive 64-byte lines from pf, spread over the kp pairs, into L1, or
-// into L2 only where `l2` (see Pass::l2).  GATED: see
+// into L2 only where `l2` (see Pass::pf).  GATED: see
 // ps_dpbf16_silu (NP 4: panels 0-1 gate, 2-3 up).  F32: every word is one float32 value of
 // k (x and the weight), one FMA per word instead of a vdpbf16ps per pair, and y float32.
 template <int MR, int NP, bool PF, bool GATED = false, bool F32 = false>
@@ -264,23 +264,22 @@ struct Pass {
   const float* bias;
   int64_t ys;
   bool gated, f32;
-  // Prefetch the stream into L2, not L1: for products split by columns (decode sizes),
-  // where a thread's weight comes from memory once.  The next block prefetched into L1
-  // beside the one the tiles are reading is 64 KB, twice the L1 of a Zen 4, so with two
+  // Where the tiles prefetch the next block of the weight stream.  kL2 for products split
+  // by columns (decode sizes), where a thread's weight comes from memory once: the next
+  // block prefetched into L1 beside the one the tiles are reading is 64 KB, twice the L1 of a Zen 4, so with two
   // or more row tiles the block the later tiles reread was evicted and came back from L2
   // (and the prefetched lines were evicted before use); a miss to L2 also holds no L1
   // fill buffer for its trip to memory.  Measured on a 2-core Zen 4 EPYC, the `mid`
   // decode-step projections (217 MB streaming): 1.4-1.7x at 8-16 rows, 1.04-1.07x at 4
   // and 32, level at 38-64 (compute-bound there); the float32 kernel 1.1-1.4x at 4-16
   // rows, level at 38-64.  Prefill-sized products (row split, ~100-row blocks each
-  // rereading a block ~20 times) keep L1: L2 measured level to 4% slower there.
-  bool l2;
-  // Prefetch at all.  Not for bf16 products split by rows: compute-bound at ~20 row
-  // tiles a block, the hardware prefetcher keeps up with the sequential stream, and the
-  // tiles' prefetches only pulled the next block into L1 early: 2-4% faster without them
-  // at 1,024-2,048 rows on the Zen 4 (both orders alternated).  The float32 kernel kept
-  // them (level to 6% slower without).
-  bool prefetch;
+  // rereading a block ~20 times) do not take L2 (level to 4% slower there), and bf16 ones
+  // take none (kNone): compute-bound at ~20 row tiles a block, the hardware prefetcher
+  // keeps up with the sequential stream, and the tiles' prefetches only pulled the next
+  // block into L1 early: 2-4% faster without them at 1,024-2,048 rows on the Zen 4 (both
+  // orders alternated).  The float32 kernel keeps kL1 there (level to 6% slower without).
+  enum class Prefetch { kNone, kL1, kL2 };
+  Prefetch pf;
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
   // a thread's groups are one sequential stream.
   const uint32_t* block(int64_t q0, int64_t g) const {
@@ -313,13 +312,13 @@ struct Pass {
           const int r0 = tiles[i][0], mr = tiles[i][1];
           const int64_t l0 = lines * i / ntiles, l1 = lines * (i + 1) / ntiles;
           const uint32_t* tpf =
-              prefetch && ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
+              pf != Prefetch::kNone && ahead + l0 * kNR < wend ? ahead + l0 * kNR : nullptr;
           const int64_t npf = tpf ? std::min<int64_t>(l1 - l0, (wend - tpf) / kNR) : 0;
           pick(mr, gp, tpf != nullptr, gated, f32)(kp, ap + q0 * mb + r0 * kp, b,
                                                   c + static_cast<int64_t>(r0) * kNP * kNR,
                                                   first, last, bias ? bias + col : nullptr,
                                                   y + (r0 * ys + ycol) * esz, ys, w, tpf, npf,
-                                                  l2);
+                                                  pf == Prefetch::kL2);
         }
       }
     }
@@ -334,13 +333,16 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
   if (m <= 0 || n <= 0) return;
   const int64_t np = panels(n), kpt = words(k, f32);
   const int64_t ngroups = (np + kNP - 1) / kNP;
-  Pass pass{wp, n, np, kpt, bias, ys, gated, f32, false, f32};
   const int esz = f32 ? 4 : 2;
   const char* x = static_cast<const char*>(xv);
   char* y = static_cast<char*>(yv);
   const int64_t nblk = (m + kMC - 1) / kMC;
   const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
-  if (nthreads > 1 && nblk >= 2 * nthreads) {
+  const bool by_rows = nthreads > 1 && nblk >= 2 * nthreads;
+  using PF = Pass::Prefetch;
+  const Pass pass{wp, n, np, kpt, bias, ys, gated, f32,
+                  !by_rows ? PF::kL2 : f32 ? PF::kL1 : PF::kNone};
+  if (by_rows) {
     // As many blocks for every thread (the last may be short).
     const int64_t nb = (nblk + nthreads - 1) / nthreads * nthreads, mcb = (m + nb - 1) / nb;
     // Prefill-sized: each thread its own blocks of rows over the whole weight, packing its
@@ -370,7 +372,6 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
     }
     return;
   }
-  pass.l2 = pass.prefetch = true;
   thread_local std::vector<uint32_t> xbuf;
   uint32_t* ap = scratch(xbuf, mc * kpt);
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, ngroups)));
