@@ -13,9 +13,9 @@ when ctx == 0, else gather the context and SDPA with a mask); "kernel" is
 Decode: one layer's decode attention for a batch, `cpu_kernels.decode_attention`, in
 milliseconds and GB/s of K/V read (each sequence's K and V rows, once).  "hot": every call
 reads the same blocks (as far as they fit, from the caches); "cold": the blocks sit in a
-~1 GB cache and every call reads a different set of them, as a model's layers do (its
-other layers' K/V evict each one's between steps).  --baseline REV also builds the decode
-kernel of git revision REV (same flags) and times it alongside.
+~1 GB cache (on huge pages, as the engine's) and every call reads a different set of them,
+as a model's layers do (its other layers' K/V evict each one's between steps).  --baseline
+REV also builds the decode kernel of git revision REV (same flags) and times it alongside.
 
 Times are the median of several repeats (shared machines are noisy); everything runs on
 this one Python thread so only one OpenMP team exists.
@@ -131,8 +131,10 @@ class DecodeCase:
         need = sum(nb)
         block_bytes = bs * hkv * d * torch.empty(0, dtype=dtype).element_size()
         num_blocks = max(need + 8, COLD_BYTES // (2 * block_bytes)) if cold else need + 8
-        self.kc = torch.empty(num_blocks, bs, hkv, d, dtype=dtype).normal_(generator=g)
-        self.vc = torch.empty_like(self.kc).normal_(generator=g)
+        # On huge pages, as the engine allocates its cache (ModelRunner._allocate_kv).
+        shape = (num_blocks, bs, hkv, d)
+        self.kc = cpu_kernels.huge_zeros(shape, dtype).normal_(generator=g)
+        self.vc = cpu_kernels.huge_zeros(shape, dtype).normal_(generator=g)
         perm = list(range(num_blocks))
         rng.shuffle(perm)
         self.tables = []

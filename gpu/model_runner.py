@@ -222,6 +222,8 @@ class ModelRunner:
         # Zeroed, not empty: the torch decode path reads padded slots (masked to weight 0),
         # and 0 * NaN garbage would still poison the sum.
         def zeros(shp: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            if self.device.type == "cpu":
+                return cpu_kernels.huge_zeros(shp, dt)
             return torch.zeros(shp, dtype=dt, device=self.device)
 
         if self.kv_cache_dtype == "auto":
