@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_kernels
+from gpu import cpu_features, cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.kv_quant import dequantize, write_quantized
 
@@ -92,6 +94,12 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self._kernel_ok: dict[torch.dtype, bool] = {}
+        choice = os.environ.get("PAGESTREAM_PREFILL_ATTENTION", "auto")
+        if choice not in ("auto", "kernel", "sdpa"):
+            raise ValueError(
+                f"PAGESTREAM_PREFILL_ATTENTION must be auto, kernel or sdpa, not {choice!r}"
+            )
+        self._prefill_choice = choice
 
     def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
         ok = self._kernel_ok.get(q.dtype)
@@ -147,22 +155,51 @@ class TorchAttentionBackend(AttentionBackend):
         sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> None:
         """Every prefill chunk of the step (the requests after the decodes), into `out`.
-        The compiled kernel does them all in one call straight from the paged cache (the
-        chunk's K/V are already written); otherwise one SDPA call per chunk."""
-        nd = meta.num_decodes
+        The compiled kernel takes runs of consecutive chunks in one call each, straight from
+        the paged cache (the chunk's K/V are already written); chunks of _sdpa_min_rows
+        tokens or more, or all of them without the kernel, one SDPA call each."""
+        nd, n = meta.num_decodes, meta.num_seqs
+        min_rows: int | None = 0
         if self._use_cpu_kernel(q):
-            cpu_kernels.prefill_attention(
-                q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
-                meta.seq_lens[nd:], self.scale, out, *sc,
-            )  # fmt: skip
-            return
-        start = nd  # decodes are one token each
-        for i in range(nd, meta.num_seqs):
-            end = start + meta.query_lens_cpu[i]
+            min_rows = self._sdpa_min_rows(q.dtype) if sc[0] is None else None
+        lens = meta.query_lens_cpu
+        i, start = nd, nd  # decodes are one token each
+        while i < n:
+            j = i
+            while j < n and (min_rows is None or lens[j] < min_rows):
+                j += 1
+            if j > i:
+                cpu_kernels.prefill_attention(
+                    q, k_cache, v_cache, meta.block_tables[i:j], meta.query_start_loc[i : j + 1],
+                    meta.seq_lens[i:j], self.scale, out, *sc,
+                )  # fmt: skip
+                start += sum(lens[i:j])
+                i = j
+                continue
+            end = start + lens[i]
             out[start:end] = self._prefill(
                 q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc
             )
-            start = end
+            i, start = i + 1, end
+
+    # Fresh tokens from which a prefill chunk takes torch's SDPA under auto (bf16 on AMX):
+    # torch's flash attention runs its products on the tiles, the kernel on vdpbf16ps.
+    # On a 2-core Xeon with AMX, one layer, 16/4 heads of 64: level at 128 tokens, 1.6x
+    # the kernel at 256, 2.9x at 2,048, 2.1-2.6x for 256-512 tokens after 512-1,792
+    # cached.  A lone prompt's TTFT through the `mid` model: 627 -> 367 ms at 2,000 tokens,
+    # 249 -> 180 at 1,024, 100 -> 87 at 512, 1.04-1.1x at 320-448; at 256 SDPA lost (52 vs
+    # 68 ms: a call, transposes and a copy per chunk), as it did over the offline bench's
+    # steps of 32-256-token prompts (240 vs 320 ms of attention a run).
+    SDPA_MIN_ROWS = 320
+
+    def _sdpa_min_rows(self, dtype: torch.dtype) -> int | None:
+        """The chunk length from which prefill takes SDPA over the kernel; None: never.
+        PAGESTREAM_PREFILL_ATTENTION: auto, kernel (never) or sdpa (every chunk)."""
+        if self._prefill_choice != "auto":
+            return 0 if self._prefill_choice == "sdpa" else None
+        if dtype == torch.bfloat16 and "amx_bf16" in cpu_features.detect().flags:
+            return self.SDPA_MIN_ROWS
+        return None
 
     def _decode(
         self,

@@ -266,6 +266,58 @@ def test_backend_mixed_step_kernel_vs_torch_path(dtype, monkeypatch):
     torch.testing.assert_close(got.float(), torch_path.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("choice", ["auto", "kernel", "sdpa"])
+def test_backend_prefill_chunks_split_between_kernel_and_sdpa(dtype, choice, monkeypatch):
+    # Chunks of SDPA_MIN_ROWS tokens or more take SDPA one by one (under auto: bf16 on AMX;
+    # sdpa: all of them), the runs of shorter ones between them one kernel call each; every
+    # row of every chunk is written, and all three routes agree with the definition.
+    from gpu import cpu_features
+
+    monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", choice)
+    monkeypatch.setattr(TorchAttentionBackend, "SDPA_MIN_ROWS", 24)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    qlens, ctxs = [1, 1, 30, 17, 5, 64, 9, 40], [9, 40, 0, 50, 3, 33, 0, 20]
+    q, kc, vc, meta = prefill_case(21, qlens, ctxs, hq, hkv, d, bs, dtype, num_decodes=2)
+    g = torch.Generator().manual_seed(22)
+    k = torch.randn(q.shape[0], hkv, d, generator=g).to(dtype)
+    v = torch.randn(q.shape[0], hkv, d, generator=g).to(dtype)
+    scale = d**-0.5
+    calls = {"kernel": [], "sdpa": 0}
+    real_prefill = cpu_kernels.prefill_attention
+
+    def kernel(q_, kc_, vc_, tables, qsl, lens, *rest):
+        calls["kernel"].append(len(lens))
+        return real_prefill(q_, kc_, vc_, tables, qsl, lens, *rest)
+
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", kernel)
+    backend = TorchAttentionBackend(hq, hkv, d, scale)
+    real_sdpa = backend._prefill
+
+    def sdpa(*a, **kw):
+        calls["sdpa"] += 1
+        return real_sdpa(*a, **kw)
+
+    backend._prefill = sdpa
+    got = backend.forward(q, k, v, kc, vc, meta)
+    ref = paged_attention_reference(q, kc, vc, meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    amx = "amx_bf16" in cpu_features.detect().flags
+    if choice == "sdpa":
+        assert calls == {"kernel": [], "sdpa": 6}
+    elif choice == "kernel" or not (amx and dtype == torch.bfloat16):
+        assert calls == {"kernel": [6], "sdpa": 0}
+    else:  # 30 | 17, 5 | 64 | 9 | 40 with 24 the bar
+        assert calls == {"kernel": [2, 1], "sdpa": 3}
+
+
+def test_prefill_attention_choice_is_checked(monkeypatch):
+    monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="PAGESTREAM_PREFILL_ATTENTION"):
+        TorchAttentionBackend(8, 2, 64, 0.125)
+
+
 # ---- ISA variants ----------------------------------------------------------------------
 
 # -march levels this host can run, and the variant each compiles: AVX2 (x86-64-v3) and
@@ -326,6 +378,47 @@ def test_huge_empty_is_aligned_sized_and_optional(monkeypatch):
     monkeypatch.setenv("PAGESTREAM_HUGE_PAGES", "0")
     plain = cpu_kernels.huge_empty(3_000_000, torch.float32)
     assert plain.numel() == 3_000_000 and plain.storage_offset() == 0
+
+
+@pytest.mark.skipif(_thp_off(), reason="needs THP")
+def test_huge_zeros_are_zero_shaped_and_on_huge_pages(monkeypatch):
+    """The CPU KV cache's allocation: zeros of the asked shape, from a 2 MB boundary on
+    transparent huge pages (blocks are read wherever the pool put them); plain pages with
+    PAGESTREAM_HUGE_PAGES=0."""
+    before = _anon_huge_kb()
+    t = cpu_kernels.huge_zeros((256, 16, 4, 64), torch.bfloat16)  # 2 MB
+    t2 = cpu_kernels.huge_zeros((1024, 16, 4, 64), torch.bfloat16)  # 8 MB
+    assert t.shape == (256, 16, 4, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any() and not t2.any()
+    assert t.data_ptr() % (2 << 20) == 0 and t2.data_ptr() % (2 << 20) == 0
+    assert _anon_huge_kb() - before >= 8 * 1024
+    monkeypatch.setenv("PAGESTREAM_HUGE_PAGES", "0")
+    plain = cpu_kernels.huge_zeros((1024, 16, 4, 64), torch.bfloat16)
+    assert plain.storage_offset() == 0 and not plain.any()
+
+
+def test_runner_kv_cache_takes_huge_zeros(monkeypatch):
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    shapes = []
+    real = cpu_kernels.huge_zeros
+
+    def record(shape, dtype):
+        shapes.append(shape)
+        return real(shape, dtype)
+
+    monkeypatch.setattr(cpu_kernels, "huge_zeros", record)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=64, threads=1)
+    try:
+        runner = llm.engine.runner
+        kv = runner.kv_caches
+        assert len(shapes) == 2 * len(kv) and shapes[0] == tuple(kv[0][0].shape)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.skipif(
