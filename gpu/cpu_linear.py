@@ -20,9 +20,11 @@ PAGESTREAM_PREFILL_GEMM=mkl on any float32 CPU.
 
 On CPUs with AMX tiles, bfloat16 products of up to AMX_MAX_ROWS rows run on pagestream's
 AMX kernel (gpu/cpu_kernels/amx_gemm.cpp): on a 2-core Xeon with AMX it measured 1.15-1.36x
-oneDNN's packed kernel (itself on AMX) over the `mid` model's projections at 1-96 rows,
-level near 128, 0.74x at 256.  Larger products (prefill) stay on oneDNN, so the layer keeps
-both copies of the weight: twice the projection memory, the price of the faster decode.
+oneDNN's packed kernel (itself on AMX) over the `mid` model's projections at 1-96 rows
+and, with its row-blocked path, 1.14-1.15x at 100-160 (mixed steps: decodes and a short
+prompt), ~1.03x at 192-256, 0.83-0.95x at 2,048.  Larger products (prefill) stay on
+oneDNN, so the layer keeps both copies of the weight: twice the projection memory, the
+price of the faster decode.
 There an MLP's gate_up runs SiLU(gate) * up as the AMX product's epilogue at decode sizes
 (amx_silu) and as oneDNN post-ops at prefill sizes (gated_linear).
 Under auto the copy is made only where it fits AMX_COPY_MEMORY_SHARE of the memory
@@ -134,8 +136,9 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
 
 
 # Rows up to which the AMX kernel runs a bf16 product (measured on a 2-core Xeon with AMX:
-# ahead of oneDNN by 15-36% at 1-96 rows, level near 128, behind from there).
-AMX_MAX_ROWS = 96
+# ahead of oneDNN by 15-36% at 1-96 rows; with its row-blocked path from 128 rows, 14-15%
+# at 100-160, ~3% at 192-256, behind at 320 and more).
+AMX_MAX_ROWS = 192
 
 
 _GEMM_CHOICES = ("auto", "sgemm", "amx", "dpbf16", "sgemm512", "onednn")

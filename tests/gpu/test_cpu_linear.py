@@ -297,13 +297,15 @@ def _bf16(*shape: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("k", [32, 96, 1024])
 def test_amx_matches_float64_at_every_tile_shape(n, k):
     """1 row tile takes four panels a pass, 2+ two (three row tiles in one pass, k in
-    chunks of 4 tiles; four in two passes); rows not a multiple of 16 end in a padded tile, columns in a partial
-    panel; an odd panel count ends in a one-panel pass."""
+    chunks of 4 tiles; four in two passes), 128+ rows in blocks of row pairs read in place
+    (the last m % 32 through a padded copy, 300 rows: two blocks); rows not a multiple of
+    16 end in a padded tile, columns in a partial panel; an odd panel count ends in a
+    one-panel pass."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = _bf16(n, k, g=g)
     b = torch.randn(n, generator=g)
     packed = cpu_kernels.amx_pack(w)
-    for m in (1, 5, 16, 17, 32, 33, 48, 63, 64, 65, 100):
+    for m in (1, 5, 16, 17, 32, 33, 48, 63, 64, 65, 100, 128, 150, 300):
         x = _bf16(m, k, g=g)
         for bias in (None, b):
             got = cpu_kernels.amx_gemm(x, packed, n, bias)
@@ -321,9 +323,10 @@ def test_amx_rows_do_not_depend_on_the_batch(k):
     g = torch.Generator().manual_seed(3)
     w = _bf16(200, k, g=g)
     packed = cpu_kernels.amx_pack(w)
-    x = _bf16(70, 600, g=g)[:, 40 : 40 + k]  # row stride 600
+    x = _bf16(300, 600, g=g)[:, 40 : 40 + k]  # row stride 600
     full = cpu_kernels.amx_gemm(x, packed, 200)
-    for lo, hi in ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (20, 68), (0, 70)):
+    spans = ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (20, 68), (0, 70), (1, 129), (7, 300))
+    for lo, hi in spans:  # the last two on the row-blocked path (128+ rows)
         out = torch.full((hi - lo, 210), -1.0, dtype=torch.bfloat16)
         got = cpu_kernels.amx_gemm(x[lo:hi], packed, 200, out=out[:, 5:205])
         assert torch.equal(got, full[lo:hi])
@@ -614,7 +617,7 @@ def test_amx_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
     by the compiled silu_mul: at 1-6 row tiles (3: the one-pass chunked k), panel counts
     that leave a short group of 2 (inter 48: 6 panels), and x and out as row-strided views
     (out's neighbours untouched)."""
-    _check_gated_epilogue("amx", inter, k, (1, 5, 16, 17, 38, 48, 64, 96))
+    _check_gated_epilogue("amx", inter, k, (1, 5, 16, 17, 38, 48, 64, 96, 130, 192))
 
 
 @needs_amx
