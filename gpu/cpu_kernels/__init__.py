@@ -385,7 +385,11 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
-    return huge_empty(numel, dtype).zero_().view(shape)
+    out = huge_empty(numel, dtype).zero_()
+    # Memory the allocator hands back (freed by the load before it) may be faulted in
+    # already, in 4 KB pages: MADV_HUGEPAGE does not convert those, MADV_COLLAPSE does.
+    collapse_huge(out)
+    return out.view(shape)
 
 
 def _huge_span(t: torch.Tensor) -> int:

@@ -357,6 +357,21 @@ def _anon_huge_kb() -> int:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("AnonHugePages:"))
 
 
+def _anon_huge_kb_at(ptr: int) -> int:
+    """AnonHugePages of the mapping that holds address ptr (a test's own allocation may
+    reuse memory an earlier test freed, so the process total need not grow)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for ln in f:
+            head = ln.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and ln.startswith("AnonHugePages:"):
+                return int(ln.split()[1])
+    return 0
+
+
 def _thp_off() -> bool:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -385,13 +400,12 @@ def test_huge_zeros_are_zero_shaped_and_on_huge_pages(monkeypatch):
     """The CPU KV cache's allocation: zeros of the asked shape, from a 2 MB boundary on
     transparent huge pages (blocks are read wherever the pool put them); plain pages with
     PAGESTREAM_HUGE_PAGES=0."""
-    before = _anon_huge_kb()
     t = cpu_kernels.huge_zeros((256, 16, 4, 64), torch.bfloat16)  # 2 MB
     t2 = cpu_kernels.huge_zeros((1024, 16, 4, 64), torch.bfloat16)  # 8 MB
     assert t.shape == (256, 16, 4, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert not t.any() and not t2.any()
     assert t.data_ptr() % (2 << 20) == 0 and t2.data_ptr() % (2 << 20) == 0
-    assert _anon_huge_kb() - before >= 8 * 1024
+    assert _anon_huge_kb_at(t2.data_ptr()) >= 8 * 1024
     monkeypatch.setenv("PAGESTREAM_HUGE_PAGES", "0")
     plain = cpu_kernels.huge_zeros((1024, 16, 4, 64), torch.bfloat16)
     assert plain.storage_offset() == 0 and not plain.any()
