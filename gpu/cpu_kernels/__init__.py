@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -382,10 +383,7 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     a few KB per block and layer, so in 4 KB pages nearly every block read is a TLB miss
     and a page walk (decode attention over a 1 GB cache, blocks shuffled, on a 2-core Xeon:
     12-13 GB/s of K/V read in 4 KB pages, 15-16 in huge pages)."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    out = huge_empty(numel, dtype).zero_()
+    out = huge_empty(math.prod(shape), dtype).zero_()
     # Memory the allocator hands back (freed by the load before it) may be faulted in
     # already, in 4 KB pages: MADV_HUGEPAGE does not convert those, MADV_COLLAPSE does.
     collapse_huge(out)
