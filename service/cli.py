@@ -83,7 +83,7 @@ def _add_step_args(g: Group) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="token budget of one step (default: 512 on CPU, 2048 on CUDA)",
+        help="token budget of one step (default: 1024 on CPU, 2048 on CUDA)",
     )
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     g.add_argument(
