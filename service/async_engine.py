@@ -174,12 +174,10 @@ class AsyncEngine:
                 "KV cache holds %d tokens; lowering max_model_len from %d", capacity, max_model_len
             )
             max_model_len = capacity
-        # CPU: 1,024, not vLLM's 2,048 nor the 512 this server had: on a 2-core Zen 4 EPYC,
-        # 48 Poisson requests at 4-10 req/s, three paired runs per budget, 1,024 against 512
-        # gave 1.00-1.11x the output tokens, a 7-36% lower p99 TTFT and 5-20% lower p99
-        # TPOT (prompts queued behind a small budget wait more steps, each carrying the
-        # whole decode batch), for a p99 ITL from 10% lower to 43% higher; 2,048 was no
-        # better than 1,024 and, in one of the two batches, the worst of the three.
+        # CPU: 1,024.  Behind a smaller budget queued prompts wait more steps, each carrying
+        # the whole decode batch (512 gave higher TTFT and TPOT and fewer tokens under load);
+        # 2,048 gained nothing over 1,024 and stalls decodes longer.  docs/PERFORMANCE.md
+        # (Zen 4, fifth session) has the paired runs.
         budget = args.max_num_batched_tokens or (2048 if runner.device.type == "cuda" else 1024)
         if callable(getattr(type(runner), "warm_up", None)):  # a ModelRunner (not TP's)
             # On the step thread, before the first request: the CPU GEMMs' kernels for
