@@ -10,7 +10,8 @@
 // (kKC rows of k at a time, each row of a panel one 64-byte line), a 6 x 16 register tile
 // of accumulators (12 of the 16 ymm registers) fed by two panel loads and six broadcasts per
 // k, each panel kept in L1 while every 6-row tile of x passes over it, and the next panel
-// prefetched into L2 while the first tile computes.  Panels are split over threads; each thread
+// prefetched into L2 while the first tile computes.  Panels are split over threads (a share of
+// the first three quarters each, the rest claimed in chunks: ps::share_items); each thread
 // finishes all of k for a panel before the next, so its output tile never leaves L1.
 // With 1-3 rows a tile spans 2-4 panels instead, so enough independent FMAs are in flight
 // to run at the memory's speed.  From 4 rows, x is first copied per block of up to kMC rows
@@ -29,7 +30,9 @@
 // product's followed by silu_mul's (silu16 is the one body both call).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -273,28 +276,29 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
   const int64_t nblk = (m + kMC - 1) / kMC;
   const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
   float* ap = scratch(xbuf, mc * k);
-  // Gated: whole (gate, up) pairs of panels a thread.
+  // Gated: whole (gate, up) pairs of panels an item.
   const int64_t unit = gated ? 2 : 1, units = np / unit;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, units)));
+  std::unique_ptr<std::atomic<int64_t>[]> claimed(new std::atomic<int64_t>[nblk]());
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num();
-    const int64_t p0 = units * t / nt * unit, p1 = units * (t + 1) / nt * unit;
     int tiles[kMC / 2 + 2][2];
     alignas(32) float gu[kMC * 2 * kNR];  // gated: a pair's gate | up, row by row (15 KB)
-    for (int64_t m0 = 0; m0 < m; m0 += mc) {
+    for (int64_t m0 = 0, bi = 0; m0 < m; m0 += mc, ++bi) {
       const int64_t mb = std::min<int64_t>(mc, m - m0);
       const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
 #pragma omp for schedule(static)
       for (int i = 0; i < ntiles; ++i) pack_rows(x + (m0 + tiles[i][0]) * xs, xs, tiles[i][1],
                                                  tiles[i][0], mb, k, ap);
-      for (int64_t p = p0; p < p1; ++p) {
+      // Panel p of the weight over all of k; `next`: the panel this thread runs after it.
+      auto panel = [&](int64_t p, int64_t next) {
         for (int64_t k0 = 0; k0 < k; k0 += kKC) {
           const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
           const WT* b = block(k0, p);
           // The next block of this panel, else the first of the next panel.
-          const WT* pf = k0 + kKC < k ? block(k0 + kKC, p) : p + 1 < p1 ? block(0, p + 1)
-                                                                      : nullptr;
+          const WT* pf = k0 + kKC < k ? block(k0 + kKC, p) : next >= 0 ? block(0, next)
+                                                                         : nullptr;
           for (int i = 0; i < ntiles; ++i) {
             const int r0 = tiles[i][0], mr = tiles[i][1];
             // The first tile pulls the next block in; the others find this one in L1.
@@ -312,7 +316,11 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
         if (gated && p % 2 == 1)
           for (int64_t r = 0; r < mb; ++r)
             gate16(gu + r * 2 * kNR, gu + r * 2 * kNR + kNR, y + (m0 + r) * ys + p / 2 * kNR);
-      }
+      };
+      ps::share_items(units, t, nt, claimed[bi], [&](int64_t u, int64_t next) {
+        for (int64_t j = 0; j < unit; ++j)
+          panel(u * unit + j, j + 1 < unit ? u * unit + j + 1 : next >= 0 ? next * unit : -1);
+      });
 #pragma omp barrier  // every thread is done with ap before the next block packs into it
     }
   }

@@ -192,6 +192,33 @@ def test_sgemm_rows_do_not_depend_on_the_batch():
         assert (out[:, :5] == -1).all() and (out[:, 205:] == -1).all()  # nothing outside
 
 
+@needs_sgemm
+@pytest.mark.parametrize("threads", [2, 3])
+def test_sgemm_shared_tail_of_panels_gives_the_single_thread_bits(threads):
+    """Each thread runs its share of the first three quarters of the panels, then claims
+    chunks of the rest as it frees up: every panel of every block of rows is computed once,
+    whichever thread takes it, to the bits one thread gets."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(1000, 300, generator=g)  # 63 panels, the last partial
+    b = torch.randn(1000, generator=g)
+    packed = cpu_kernels.sgemm_pack(w)
+    inter = 400  # 25 pairs for the gated form
+    gated = cpu_kernels.sgemm_gated_pack(w[: 2 * inter], inter)
+    x = torch.randn(370, 300, generator=g)  # 4 blocks of packed rows
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [(cpu_kernels.sgemm(x[:m], packed, 1000, b),
+                 cpu_kernels.sgemm_silu(x[:m], gated, inter)) for m in (5, 38, 370)]  # fmt: skip
+        torch.set_num_threads(threads)
+        for m, (y, silu) in zip((5, 38, 370), want):
+            for _ in range(3):  # which thread claims which chunk varies from call to call
+                assert torch.equal(cpu_kernels.sgemm(x[:m], packed, 1000, b), y)
+                assert torch.equal(cpu_kernels.sgemm_silu(x[:m], gated, inter), silu)
+    finally:
+        torch.set_num_threads(old)
+
+
 @needs_dpbf16
 @pytest.mark.parametrize("threads", [2, 3])
 def test_dpbf16_prefill_sized_products_split_by_rows_give_the_same_rows(threads):
