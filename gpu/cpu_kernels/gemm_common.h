@@ -1,5 +1,5 @@
-// What the register-tiled GEMMs (sgemm.cpp, dpbf16_gemm.cpp) share: the row tiling, the
-// split of work over threads and their per-thread scratch.
+// What the register-tiled GEMMs (sgemm.cpp, dpbf16_gemm.cpp) share: the row tiling and
+// their per-thread scratch; and sgemm's split of panels over threads (share_items).
 
 #pragma once
 

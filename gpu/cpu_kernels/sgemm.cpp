@@ -32,8 +32,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <memory>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
