@@ -50,7 +50,9 @@ _SRCS = [
         "dpbf16_gemm.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "gemm_common.h", "activation.h")]
+_HEADERS = [
+    Path(__file__).with_name(n) for n in ("simd.h", "gemm_common.h", "activation.h", "cpu_cache.h")
+]
 # The GEMMs of one calling convention (ps_{name}, _pack_size, _pack: see _packed_gemm).
 _PACKED_GEMMS = ("sgemm", "sgemm_bf16", "amx_gemm", "dpbf16", "sgemm512")
 _lib: ctypes.CDLL | None = None

@@ -40,9 +40,8 @@
 #include <cstring>
 #include <vector>
 
-#include <unistd.h>
-
 #include "activation.h"
+#include "cpu_cache.h"
 #include "gemm_common.h"
 
 // The float32 kernel (ps_sgemm512) needs AVX-512F/BW only; the bf16 one AVX512-BF16 too.
@@ -281,7 +280,7 @@ struct Pass {
   // block into L1 early: 2-4% faster without them at 1,024-2,048 rows on the Zen 4 (both
   // orders alternated).  The float32 kernel keeps kL1 there (level to 6% slower without).
   // All of that is a 32 KB L1's: with 48 KB (Zen 5) the two blocks nearly fit, and kL1
-  // wins at every size (wide_l1).  On a 2-core Zen 5 EPYC, the same decode-step sequence,
+  // wins at every size (ps::wide_l1).  On a 2-core Zen 5 EPYC, the same decode-step sequence,
   // medians of 11-21 alternated rounds in both orders: bf16 1.03-1.17x at 16-64 rows
   // (level at 4), float32 1.03-1.09x at 8-64; prefill-sized bf16 products 1.02-1.09x at
   // 512-2,048 rows.
@@ -332,12 +331,6 @@ struct Pass {
   }
 };
 
-// An L1 data cache of 48 KB or more (Zen 5; Zen 4 has 32 KB): see Pass::pf.
-bool wide_l1() {
-  static const bool wide = sysconf(_SC_LEVEL1_DCACHE_SIZE) >= 48 * 1024;
-  return wide;
-}
-
 // gated: n = 2I columns packed by gated_order (every group 2 gate + 2 up panels), y [m, I]
 // gets silu(gate) * up.  f32: x, the packed weight and y are float32 (x and y strides in
 // elements either way).
@@ -353,7 +346,7 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
   const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
   const bool by_rows = nthreads > 1 && nblk >= 2 * nthreads;
   using PF = Pass::Prefetch;
-  const PF pf = wide_l1() ? PF::kL1 : !by_rows ? PF::kL2 : f32 ? PF::kL1 : PF::kNone;
+  const PF pf = ps::wide_l1() ? PF::kL1 : !by_rows ? PF::kL2 : f32 ? PF::kL1 : PF::kNone;
   const Pass pass{wp, n, np, kpt, bias, ys, gated, f32, pf};
   if (by_rows) {
     // As many blocks for every thread (the last may be short).
