@@ -195,6 +195,7 @@ def load() -> ctypes.CDLL | None:
     lib.ps_amx_available.restype = i32
     lib.ps_dpbf16_available.restype = i32
     lib.ps_sgemm512_available.restype = i32
+    lib.ps_wide_l1.restype = i32
     for name in ("ps_dpbf16_silu", "ps_amx_silu", "ps_sgemm512_silu", "ps_sgemm_silu"):
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
         getattr(lib, name).restype = i32
@@ -495,6 +496,13 @@ def amx_gemm(
     """x @ weight.T (+ bias) on AMX tiles, float32 accumulation, rounded once to bf16."""
     assert x.shape[-1] % 32 == 0, x.shape
     return _packed_gemm("amx_gemm", torch.bfloat16, x, packed, n, bias, out)
+
+
+def wide_l1() -> bool:
+    """The kernels prefetch weights and K/V into L1 rather than L2: an AMD core with an L1d
+    of 48 KB or more (cpu_cache.h says why)."""
+    lib = load()
+    return lib is not None and bool(lib.ps_wide_l1())
 
 
 def dpbf16_available() -> bool:

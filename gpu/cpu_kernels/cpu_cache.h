@@ -13,11 +13,15 @@ namespace ps {
 // the two.  Intel cores with 48 KB (Ice Lake and later, the AMX Xeons) keep the Zen 4
 // choice, which is what ran when they were measured.
 inline bool wide_l1() {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(_SC_LEVEL1_DCACHE_SIZE)
   static const bool wide = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("amd") && sysconf(_SC_LEVEL1_DCACHE_SIZE) >= 48 * 1024;
   }();
   return wide;
+#else
+  return false;  // __builtin_cpu_is is x86's; the size query glibc's
+#endif
 }
 
 }  // namespace ps

@@ -455,6 +455,9 @@ extern "C" {
 
 int ps_dpbf16_available() { return PS_DPBF16; }
 
+// Where the kernels prefetch into L1 rather than L2 (cpu_cache.h).
+int ps_wide_l1() { return ps::wide_l1(); }
+
 // In bf16 values (two per packed word).
 int64_t ps_dpbf16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * pairs(k) * 2; }
 

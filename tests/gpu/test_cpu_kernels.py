@@ -380,6 +380,32 @@ def _thp_off() -> bool:
         return True
 
 
+def _l1d_bytes() -> int | None:
+    """cpu0's level-1 data cache from sysfs (the kernels ask sysconf, which reads CPUID)."""
+    from pathlib import Path
+
+    for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind = (idx / "level").read_text().strip(), (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        if level == "1" and kind == "Data" and size.endswith("K"):
+            return int(size[:-1]) * 1024
+    return None
+
+
+def test_wide_l1_is_an_amd_core_with_48k_of_l1d():
+    """The prefetch hints follow the core they were measured on (cpu_cache.h): L1 on AMD
+    cores with an L1d of 48 KB or more (Zen 5), L2 or none elsewhere (Zen 4's 32 KB)."""
+    l1d = _l1d_bytes()
+    if not cpu_kernels.available() or l1d is None:
+        pytest.skip("needs the compiled kernels and the cache sizes in sysfs")
+    with open("/proc/cpuinfo") as f:
+        amd = any(ln.startswith("vendor_id") and "AuthenticAMD" in ln for ln in f)
+    assert cpu_kernels.wide_l1() == (amd and l1d >= 48 * 1024), (amd, l1d)
+
+
 def test_huge_empty_is_aligned_sized_and_optional(monkeypatch):
     """The packed weights start on a 2 MB boundary with the asked size; below 2 MB, or with
     PAGESTREAM_HUGE_PAGES=0, it is a plain torch.empty."""
