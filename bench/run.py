@@ -145,10 +145,12 @@ def _header() -> str:
     """The results' title line: date, CPU features, load and torch version."""
     import torch
 
-    from gpu.cpu_features import detect
+    from gpu.cpu_features import detect, l1d_bytes
 
+    l1d = l1d_bytes()
     return (
         f"## pagestream bench — {time.strftime('%Y-%m-%d %H:%M')} — {detect().describe()}, "
+        f"{f'L1d {l1d // 1024} KB, ' if l1d else ''}"
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
         f"torch {torch.__version__}\n"
     )

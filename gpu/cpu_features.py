@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 # The instruction sets the dtype choice and the compiled kernels care about.
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
@@ -69,3 +70,17 @@ def detect() -> CpuFeatures:
             return parse_cpuinfo(f.read())
     except OSError:  # not Linux: no flags known, so nothing is assumed native
         return CpuFeatures(platform.processor() or platform.machine(), frozenset())
+
+
+def l1d_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """cpu0's level-1 data cache, from sysfs (None where it is not there).  The compiled
+    kernels' prefetch hints depend on it (cpu_kernels.wide_l1), so `make bench` names it."""
+    for idx in sorted(cache_dir.glob("index*")):
+        try:
+            level, kind = (idx / "level").read_text().strip(), (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        if level == "1" and kind == "Data" and size.endswith("K") and size[:-1].isdigit():
+            return int(size[:-1]) * 1024
+    return None

@@ -103,3 +103,18 @@ print((x * 1.0).item(), out["v"])
     )
     here, thread = map(float, r.stdout.split())
     assert here != 0.0 and thread != 0.0, r.stdout
+
+
+def test_l1d_bytes_reads_the_level_1_data_cache(tmp_path):
+    from gpu.cpu_features import l1d_bytes
+
+    for idx, (level, kind, size) in enumerate(
+        [("1", "Instruction", "32K"), ("1", "Data", "48K"), ("2", "Unified", "1024K")]
+    ):
+        d = tmp_path / f"index{idx}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "type").write_text(kind + "\n")
+        (d / "size").write_text(size + "\n")
+    assert l1d_bytes(tmp_path) == 48 * 1024
+    assert l1d_bytes(tmp_path / "missing") is None

@@ -380,25 +380,12 @@ def _thp_off() -> bool:
         return True
 
 
-def _l1d_bytes() -> int | None:
-    """cpu0's level-1 data cache from sysfs (the kernels ask sysconf, which reads CPUID)."""
-    from pathlib import Path
-
-    for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level, kind = (idx / "level").read_text().strip(), (idx / "type").read_text().strip()
-            size = (idx / "size").read_text().strip()
-        except OSError:
-            continue
-        if level == "1" and kind == "Data" and size.endswith("K"):
-            return int(size[:-1]) * 1024
-    return None
-
-
 def test_wide_l1_is_an_amd_core_with_48k_of_l1d():
     """The prefetch hints follow the core they were measured on (cpu_cache.h): L1 on AMD
     cores with an L1d of 48 KB or more (Zen 5), L2 or none elsewhere (Zen 4's 32 KB)."""
-    l1d = _l1d_bytes()
+    from gpu.cpu_features import l1d_bytes
+
+    l1d = l1d_bytes()
     if not cpu_kernels.available() or l1d is None:
         pytest.skip("needs the compiled kernels and the cache sizes in sysfs")
     with open("/proc/cpuinfo") as f:
