@@ -265,9 +265,10 @@ struct Pass {
   const float* bias;
   int64_t ys;
   bool gated, f32;
-  // Where the tiles prefetch the next block of the weight stream.  kL2 for products split
-  // by columns (decode sizes), where a thread's weight comes from memory once: the next
-  // block prefetched into L1 beside the one the tiles are reading is 64 KB, twice the L1 of a Zen 4, so with two
+  // Where the tiles prefetch the next block of the weight stream.  On a 32 KB L1 (Zen 4):
+  // kL2 for products split by columns (decode sizes), where a thread's weight comes from
+  // memory once: the next block prefetched into L1 beside the one the tiles are reading is
+  // 64 KB, twice the L1, so with two
   // or more row tiles the block the later tiles reread was evicted and came back from L2
   // (and the prefetched lines were evicted before use); a miss to L2 also holds no L1
   // fill buffer for its trip to memory.  Measured on a 2-core Zen 4 EPYC, the `mid`
@@ -279,11 +280,10 @@ struct Pass {
   // keeps up with the sequential stream, and the tiles' prefetches only pulled the next
   // block into L1 early: 2-4% faster without them at 1,024-2,048 rows on the Zen 4 (both
   // orders alternated).  The float32 kernel keeps kL1 there (level to 6% slower without).
-  // All of that is a 32 KB L1's: with 48 KB (Zen 5) the two blocks nearly fit, and kL1
-  // wins at every size (ps::wide_l1).  On a 2-core Zen 5 EPYC, the same decode-step sequence,
-  // medians of 11-21 alternated rounds in both orders: bf16 1.03-1.17x at 16-64 rows
-  // (level at 4), float32 1.03-1.09x at 8-64; prefill-sized bf16 products 1.02-1.09x at
-  // 512-2,048 rows.
+  // With a 48 KB L1 (ps::wide_l1: Zen 5) kL1 wins at every size.  On a 2-core Zen 5 EPYC,
+  // the same decode-step sequence, medians of 11-21 alternated rounds in both orders: bf16
+  // 1.03-1.17x at 16-64 rows (level at 4), float32 1.03-1.09x at 8-64; prefill-sized bf16
+  // products 1.02-1.09x at 512-2,048 rows.
   enum class Prefetch { kNone, kL1, kL2 };
   Prefetch pf;
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
