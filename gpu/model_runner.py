@@ -153,7 +153,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
             packed = self.model.pack_for_cpu()
-            log.info("CPU: %d projections use weights packed at load", packed)
+            log.info(
+                "CPU: %d projections use weights packed at load; weight and K/V prefetches %s",
+                packed, "into L1" if cpu_kernels.wide_l1() else "as tuned for a 32 KB L1",
+            )  # fmt: skip
             if self.model.fuse_for_cpu():
                 log.info("CPU: residual adds, RMSNorm, rotary and SiLU*up run fused")
 
