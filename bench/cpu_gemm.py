@@ -1,0 +1,195 @@
+"""CPU projection GEMMs: a model's projections in sequence, this tree against a git revision.
+
+    python -m bench.cpu_gemm --baseline REV [--kernel dpbf16|sgemm512|sgemm] [--preset mid]
+                             [--rows 16,38,64] [--rounds 15] [--no-lm-head] [--threads 2]
+
+One step's projections, as the model runs them: per layer qkv, o, the gated gate_up
+(SiLU·up as its epilogue) and down, then the lm_head, each layer with weights of its own,
+so the weights stream from memory as they do in a decode step (the `mid` preset's bf16
+weights are ~250 MB).  The two libraries, this tree's kernel source and REV's (each with
+its own revision's headers, compiled with the library's flags), run the same packed weights
+in alternated rounds, the order flipped every round; the table gives the median time of a
+sequence, its GFLOP/s and the ratio, and checks that both give the same bits (a layout or
+numerics change shows as "no").  REV must pack weights as this tree does and have the same
+entry points.  For prefill sizes (--rows 512,2048) pass --no-lm-head: a step computes logits
+for the last rows only.
+
+The shared 2-core machines are noisy: a ratio means something over many rounds, and a
+whole-run check (`make bench`'s offline section) still decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu import cpu_kernels
+from modelkit.make_model import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+# The kernel's source file, its dtype, and how this tree packs its plain and gated weights.
+KERNELS = {
+    "dpbf16": ("dpbf16_gemm.cpp", torch.bfloat16),
+    "sgemm512": ("dpbf16_gemm.cpp", torch.float32),
+    "sgemm": ("sgemm.cpp", torch.float32),
+}
+
+
+def _bind(lib: ctypes.CDLL, kernel: str) -> None:
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    getattr(lib, f"ps_{kernel}").argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+    getattr(lib, f"ps_{kernel}").restype = None
+    getattr(lib, f"ps_{kernel}_silu").argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
+    getattr(lib, f"ps_{kernel}_silu").restype = i32
+
+
+def build_revision(rev: str, kernel: str) -> ctypes.CDLL:
+    """REV's source of the kernel, with REV's headers, compiled as the library is."""
+    src = KERNELS[kernel][0]
+    tmp = Path(tempfile.mkdtemp(prefix="pagestream-gemm-"))
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "gpu/cpu_kernels/"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    for path in listing:
+        if path.endswith(".h") or path.endswith("/" + src):
+            text = subprocess.run(
+                ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                text=True,
+            ).stdout  # fmt: skip
+            (tmp / Path(path).name).write_text(text)
+    cxx = shutil.which("c++") or shutil.which("g++") or "c++"
+    out = tmp / "gemm.so"
+    cpu_kernels.compile_shared(cxx, cpu_kernels._flags(), [tmp / src], out)
+    lib = ctypes.CDLL(str(out))
+    _bind(lib, kernel)
+    return lib
+
+
+@dataclass
+class Proj:
+    n: int  # output features (gated: 2 x inter, written as inter)
+    k: int
+    gated: bool
+    packed: torch.Tensor
+
+
+def projections(kernel: str, preset: str, lm_head: bool) -> list[Proj]:
+    cfg = PRESETS[preset]
+    dtype = KERNELS[kernel][1]
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    shapes = []
+    for _ in range(cfg.num_layers):
+        shapes += [(qkv, h, False), (cfg.num_heads * cfg.head_dim, h, False)]
+        shapes += [(2 * inter, h, True), (h, inter, False)]
+    if lm_head:
+        shapes.append((cfg.vocab_size, h, False))
+    pack = getattr(cpu_kernels, f"{kernel}_pack")
+    gated_pack = cpu_kernels.gated_kernel(kernel).pack
+    out = []
+    for n, k, gated in shapes:
+        w = (torch.randn(n, k) * 0.02).to(dtype)
+        out.append(Proj(n, k, gated, gated_pack(w, n // 2) if gated else pack(w)))
+    return out
+
+
+def run_sequence(lib: ctypes.CDLL, kernel: str, projs: list[Proj], xs, ys, threads: int):
+    for pr, x, y in zip(projs, xs, ys, strict=True):
+        m = x.shape[0]
+        if pr.gated:
+            ok = getattr(lib, f"ps_{kernel}_silu")(
+                x.data_ptr(), x.stride(0), m, pr.k, pr.packed.data_ptr(), pr.n, y.data_ptr(),
+                y.stride(0), threads,
+            )  # fmt: skip
+            assert ok, f"{kernel}_silu refused the shape"
+        else:
+            getattr(lib, f"ps_{kernel}")(
+                x.data_ptr(), x.stride(0), m, pr.k, pr.packed.data_ptr(), pr.n, None,
+                y.data_ptr(), y.stride(0), threads,
+            )  # fmt: skip
+
+
+def bench(args: argparse.Namespace) -> None:
+    kernel = args.kernel
+    here = cpu_kernels.load()
+    assert here is not None
+    _bind(here, kernel)
+    base = build_revision(args.baseline, kernel)
+    projs = projections(kernel, args.preset, not args.no_lm_head)
+    dtype = KERNELS[kernel][1]
+    flops_per_row = sum(2 * p.n * p.k for p in projs)
+    print(
+        f"\n{kernel} ({dtype}), preset {args.preset}: {len(projs)} projections in sequence, "
+        f"{sum(p.packed.numel() * p.packed.element_size() for p in projs) / 1e6:.0f} MB of "
+        f"packed weights, {args.threads} threads, median of {args.rounds} alternated rounds; "
+        f"baseline {args.baseline}\n"
+    )
+    print("| rows | baseline ms (GFLOP/s) | this tree ms (GFLOP/s) | speed-up | same bits |")
+    print("|---|---|---|---|---|")
+    libs = {"base": base, "here": here}
+    for m in args.rows:
+        xs = [torch.randn(m, p.k).to(dtype) for p in projs]
+        outs = {
+            name: [torch.empty(m, p.n // 2 if p.gated else p.n, dtype=dtype) for p in projs]
+            for name in libs
+        }
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        for name, lib in libs.items():  # warm-up
+            run_sequence(lib, kernel, projs, xs, outs[name], args.threads)
+        same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["here"], strict=True))
+        for r in range(args.rounds):
+            for name in ("base", "here") if r % 2 == 0 else ("here", "base"):
+                t = time.perf_counter()
+                run_sequence(libs[name], kernel, projs, xs, outs[name], args.threads)
+                times[name].append(time.perf_counter() - t)
+        b, h = (statistics.median(times[n]) for n in ("base", "here"))
+        gf = flops_per_row * m / 1e9
+        print(
+            f"| {m} | {b * 1e3:.2f} ({gf / b:.0f}) | {h * 1e3:.2f} ({gf / h:.0f}) | "
+            f"{b / h:.3f}x | {'yes' if same else 'no'} |",
+            flush=True,
+        )
+
+
+def default_kernel() -> str:
+    if cpu_kernels.dpbf16_available():
+        return "dpbf16"
+    if cpu_kernels.sgemm512_available():
+        return "sgemm512"
+    return "sgemm"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", metavar="REV", required=True, help="git revision to time")
+    ap.add_argument("--kernel", choices=sorted(KERNELS), help="default: the widest built")
+    ap.add_argument("--preset", default="mid", choices=sorted(PRESETS))
+    ap.add_argument("--rows", default="16,38,64", help="rows per product, comma-separated")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-lm-head", action="store_true", help="leave the lm_head out")
+    args = ap.parse_args()
+    args.rows = [int(r) for r in args.rows.split(",")]
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        raise SystemExit("the CPU kernels are unavailable (no C++ compiler?)")
+    args.kernel = args.kernel or default_kernel()
+    available = {"dpbf16": cpu_kernels.dpbf16_available, "sgemm512": cpu_kernels.sgemm512_available,
+                 "sgemm": cpu_kernels.sgemm_available}[args.kernel]  # fmt: skip
+    if not available():
+        raise SystemExit(f"{args.kernel} is not built on this CPU")
+    bench(args)
+
+
+if __name__ == "__main__":
+    main()
