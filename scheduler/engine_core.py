@@ -181,14 +181,15 @@ class EngineCore:
                 f"{self.max_waiting_tokens}); retry later"
             )
 
-    def add(self, group: list[Request]) -> RequestStream:
+    def add(self, group: list[Request], wake_on_tokens: bool = True) -> RequestStream:
         """Queue a request (all n samples) and return its output stream.  Raises
-        RequestRejected (bad request), EngineOverloaded (queue full), EngineDeadError."""
+        RequestRejected (bad request), EngineOverloaded (queue full), EngineDeadError.
+        wake_on_tokens: see RequestStream."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         self.validate(group)
         self.admit([group])
-        stream = RequestStream(group[0].group_id, len(group))
+        stream = RequestStream(group[0].group_id, len(group), wake_on_tokens)
         self._inbox_seqs += len(group)
         self._inbox_tokens += group[0].prompt_len
         self.inbox.put_nowait(AddRequest(group, stream))

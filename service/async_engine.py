@@ -327,12 +327,15 @@ class AsyncEngine:
         request_id: str,
         cache_salt: str | None = None,
         publish_prefix: bool = False,
+        final_only: bool = False,
     ) -> Submitted:
         """Validate and queue a request now (synchronously, so a transport can answer 400
         or 429 before it starts a response).  Pass the result to `generate`; if it is
-        never consumed, `release` it."""
+        never consumed, `release` it.  final_only: see `generate`."""
         group = self.build_group(request_id, prompt_token_ids, params, cache_salt, publish_prefix)
-        stream = self.core.add(group)
+        # Stop strings are matched here, on the consumer's side, as tokens arrive: such a
+        # request's tokens must wake it or it would run on past its stop string.
+        stream = self.core.add(group, wake_on_tokens=not final_only or bool(params.stop))
         return Submitted(request_id, prompt_token_ids, params, stream, group[0].arrival_time)
 
     def submit_many(
@@ -374,15 +377,19 @@ class AsyncEngine:
         cache_salt: str | None = None,
         publish_prefix: bool = False,
         submitted: Submitted | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs.  Raises RequestRejected (bad input) or
         EngineOverloaded before the first yield; closing the iterator early aborts the
         request.  With `submitted`, stream that already-queued request (its grammar, if
-        any, already compiled by the caller)."""
+        any, already compiled by the caller).  final_only (vLLM's FINAL_ONLY output kind,
+        as its LLM.generate uses): yield the finished output alone, and let decode tokens
+        pile up in the stream instead of waking this consumer every step."""
         if submitted is None:
             submitted = await self._submit_new(
-                prompt, params, request_id, prompt_token_ids, cache_salt, publish_prefix
-            )
+                prompt, params, request_id, prompt_token_ids, cache_salt, publish_prefix,
+                final_only,
+            )  # fmt: skip
         submitted.consumed = True
         stream, ids, params, rid = (
             submitted.stream, submitted.prompt_token_ids, submitted.params, submitted.request_id
@@ -417,6 +424,8 @@ class AsyncEngine:
                 if live == 0:
                     metrics.finished_time = now
                     out.finished = True
+                elif final_only:
+                    continue
                 yield out
         finally:
             self._end_request(rid, seqs, out, unfinished=live > 0)
@@ -442,6 +451,7 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None,
         cache_salt: str | None,
         publish_prefix: bool,
+        final_only: bool = False,
     ) -> Submitted:
         """`generate` called without `submitted`: encode, compile the grammar, queue."""
         params = params or SamplingParams()
@@ -451,7 +461,7 @@ class AsyncEngine:
             await self.compile_grammar(params)
         except GrammarError as e:
             raise RequestRejected(f"structured_outputs: {e}") from e
-        return self.submit(ids, params, rid, cache_salt, publish_prefix)
+        return self.submit(ids, params, rid, cache_salt, publish_prefix, final_only)
 
     def _take_update(
         self, seq: _Sequence, out: RequestOutput, metrics: RequestMetrics, u, now: float

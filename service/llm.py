@@ -135,7 +135,8 @@ class LLM:
         async def one(prompt: str | list[int], p: SamplingParams) -> RequestOutput:
             self._counter += 1
             last = None
-            async for out in self.engine.generate(prompt, p, request_id=f"llm-{self._counter}"):
+            rid = f"llm-{self._counter}"
+            async for out in self.engine.generate(prompt, p, request_id=rid, final_only=True):
                 last = out
             assert last is not None
             return last

@@ -3,6 +3,8 @@ advance in bulk and reach their streams as bare tokens."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
@@ -205,6 +207,28 @@ async def test_stream_merges_bare_tokens_in_order_with_full_updates():
     stream.put([full([8], "length")])
     (u,) = await stream.get()
     assert u.new_token_ids == [7, 8] and u.finish_reason == "length" and stream.finished
+
+
+async def test_stream_without_token_wakeups_wakes_on_full_updates_only():
+    stream = RequestStream("g", 1, wake_on_tokens=False)
+
+    def full(toks: list[int], finish: str | None = None) -> RequestUpdate:
+        return RequestUpdate(
+            req_id="g", group_id="g", sample_index=0, new_token_ids=toks,
+            finish_reason=finish, num_prompt_tokens=3, num_cached_tokens=0,
+        )  # fmt: skip
+
+    stream.put([full([4])])
+    assert [u.new_token_ids for u in await stream.get()] == [[4]]
+    waiter = asyncio.ensure_future(stream.get())
+    await asyncio.sleep(0)  # the consumer waits on the stream
+    stream.put_token("g", 5)
+    stream.put_token("g", 6)
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # bare tokens pile up without waking the consumer
+    stream.put([full([7], "length")])
+    (u,) = await asyncio.wait_for(waiter, 1)
+    assert u.new_token_ids == [5, 6, 7] and u.finish_reason == "length" and stream.finished
 
 
 def test_grammar_and_logprob_requests_stay_on_the_general_path():

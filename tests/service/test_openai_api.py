@@ -182,6 +182,43 @@ def test_stop_strings_never_leak(client, offline):
     assert r.choices[0].text == expect + stop
 
 
+def test_offline_final_only_yields_once_with_the_streamed_tokens(offline):
+    """LLM.generate consumes final-only (decode tokens do not wake it every step); the
+    engine's streaming consumers and it see the same tokens and text."""
+    prompt = "The quick brown fox"
+
+    async def collect(final_only: bool):
+        outs, text = [], ""
+        async for out in offline.engine.generate(
+            prompt, greedy(20), request_id=f"fo-{final_only}", final_only=final_only
+        ):
+            outs.append(out.outputs[0].token_ids[:])
+            text = out.outputs[0].text
+        return outs, text
+
+    streamed, text = offline._run(collect(False))
+    final, final_text = offline._run(collect(True))
+    assert len(streamed) > 1 and len(final) == 1
+    assert final[0] == streamed[-1] and len(final[0]) == 20 and final_text == text
+    assert offline.generate([prompt], greedy(20))[0].outputs[0].text == text
+
+
+def test_offline_stop_strings_stop_the_engine_promptly(offline):
+    """Stop strings are matched by the consumer: a final-only request with stop strings
+    still wakes per token, so the engine stops there rather than at max_tokens."""
+    prompt = "Once upon a time"
+    full = offline.generate([prompt], greedy(24))[0].outputs[0].text
+    stop = full[6:9]
+    core = offline.engine.core
+    before = core.tokens_computed
+    p = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop])
+    out = offline.generate([prompt], p)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == full[: full.index(stop)]
+    # The prompt, the tokens up to the stop string and a step or two of slack: far from
+    # the 400 a consumer that only woke at the end would let it run to.
+    assert core.tokens_computed - before < 100, core.tokens_computed - before
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "words"),
     [
