@@ -26,15 +26,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
-import shutil
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from bench.kernel_rev import compile_revision
 from gpu import cpu_kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
@@ -160,17 +157,7 @@ def build_baseline(rev: str) -> ctypes.CDLL:
     """The decode kernel of git revision `rev` (with the headers of that revision),
     compiled as the library is.  `rev` must have the current entry point: q and out at
     token strides (qs, os)."""
-    root = Path(__file__).resolve().parent.parent
-    cxx = shutil.which("c++") or shutil.which("g++") or "c++"
-    tmp = Path(tempfile.mkdtemp(prefix="pagestream-baseline-"))
-    for name in ("paged_decode.cpp", "simd.h"):
-        src = subprocess.run(
-            ["git", "show", f"{rev}:gpu/cpu_kernels/{name}"],
-            cwd=root, check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-        (tmp / ("decode.cpp" if name.endswith(".cpp") else name)).write_text(src)
-    out = tmp / "decode.so"
-    cpu_kernels.compile_shared(cxx, cpu_kernels._flags(), [tmp / "decode.cpp"], out)
+    out = compile_revision(rev, "paged_decode.cpp")
     lib = ctypes.CDLL(str(out))
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     for name in ("ps_decode_f32", "ps_decode_bf16"):

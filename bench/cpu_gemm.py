@@ -22,25 +22,29 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import shutil
 import statistics
-import subprocess
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from bench.kernel_rev import compile_revision
 from gpu import cpu_kernels
 from modelkit.make_model import PRESETS
 
-ROOT = Path(__file__).resolve().parent.parent
-# The kernel's source file, its dtype, and how this tree packs its plain and gated weights.
+
+class Kernel(NamedTuple):
+    source: str  # in gpu/cpu_kernels
+    dtype: torch.dtype
+    available: Callable[[], bool]  # built on this CPU
+
+
 KERNELS = {
-    "dpbf16": ("dpbf16_gemm.cpp", torch.bfloat16),
-    "sgemm512": ("dpbf16_gemm.cpp", torch.float32),
-    "sgemm": ("sgemm.cpp", torch.float32),
+    "dpbf16": Kernel("dpbf16_gemm.cpp", torch.bfloat16, cpu_kernels.dpbf16_available),
+    "sgemm512": Kernel("dpbf16_gemm.cpp", torch.float32, cpu_kernels.sgemm512_available),
+    "sgemm": Kernel("sgemm.cpp", torch.float32, cpu_kernels.sgemm_available),
 }
 
 
@@ -54,22 +58,7 @@ def _bind(lib: ctypes.CDLL, kernel: str) -> None:
 
 def build_revision(rev: str, kernel: str) -> ctypes.CDLL:
     """REV's source of the kernel, with REV's headers, compiled as the library is."""
-    src = KERNELS[kernel][0]
-    tmp = Path(tempfile.mkdtemp(prefix="pagestream-gemm-"))
-    listing = subprocess.run(
-        ["git", "ls-tree", "--name-only", rev, "gpu/cpu_kernels/"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout.split()  # fmt: skip
-    for path in listing:
-        if path.endswith(".h") or path.endswith("/" + src):
-            text = subprocess.run(
-                ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
-                text=True,
-            ).stdout  # fmt: skip
-            (tmp / Path(path).name).write_text(text)
-    cxx = shutil.which("c++") or shutil.which("g++") or "c++"
-    out = tmp / "gemm.so"
-    cpu_kernels.compile_shared(cxx, cpu_kernels._flags(), [tmp / src], out)
+    out = compile_revision(rev, KERNELS[kernel].source)
     lib = ctypes.CDLL(str(out))
     _bind(lib, kernel)
     return lib
@@ -85,7 +74,7 @@ class Proj:
 
 def projections(kernel: str, preset: str, lm_head: bool) -> list[Proj]:
     cfg = PRESETS[preset]
-    dtype = KERNELS[kernel][1]
+    dtype = KERNELS[kernel].dtype
     h, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = []
@@ -126,7 +115,7 @@ def bench(args: argparse.Namespace) -> None:
     _bind(here, kernel)
     base = build_revision(args.baseline, kernel)
     projs = projections(kernel, args.preset, not args.no_lm_head)
-    dtype = KERNELS[kernel][1]
+    dtype = KERNELS[kernel].dtype
     flops_per_row = sum(2 * p.n * p.k for p in projs)
     print(
         f"\n{kernel} ({dtype}), preset {args.preset}: {len(projs)} projections in sequence, "
@@ -162,11 +151,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def default_kernel() -> str:
-    if cpu_kernels.dpbf16_available():
-        return "dpbf16"
-    if cpu_kernels.sgemm512_available():
-        return "sgemm512"
-    return "sgemm"
+    return next((name for name, k in KERNELS.items() if k.available()), "sgemm")
 
 
 def main() -> None:
@@ -184,9 +169,7 @@ def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are unavailable (no C++ compiler?)")
     args.kernel = args.kernel or default_kernel()
-    available = {"dpbf16": cpu_kernels.dpbf16_available, "sgemm512": cpu_kernels.sgemm512_available,
-                 "sgemm": cpu_kernels.sgemm_available}[args.kernel]  # fmt: skip
-    if not available():
+    if not KERNELS[args.kernel].available():
         raise SystemExit(f"{args.kernel} is not built on this CPU")
     bench(args)
 
