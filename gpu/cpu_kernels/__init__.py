@@ -48,6 +48,7 @@ _SRCS = [
         "sgemm.cpp",
         "amx_gemm.cpp",
         "dpbf16_gemm.cpp",
+        "decode_stack.cpp",
     )
 ]
 _HEADERS = [

@@ -1,0 +1,200 @@
+"""A pure-decode step's decoder layers in one compiled call (cpu_kernels/decode_stack.cpp).
+
+The fused CPU path (gpu/model.py) crosses from Python into the compiled kernels ~9 times
+a layer; each crossing costs 10-20 us of interpreter work while the other core's OpenMP
+thread waits, and in the server every return from C takes the GIL back from the event
+loop.  For a step whose rows are all decodes, `DecodeStack.run` makes the same kernel
+calls, with the same arguments in the same order, from C: the same bits, one crossing.
+
+It takes a model only where every projection runs on one of the packed kernels that take
+any row count (vdpbf16ps in bf16, the AVX-512 or AVX2 sgemm in float32) with the gate_up's
+SiLU·up as its epilogue, attention on the compiled kernels, an unquantized K/V cache, no
+per-head q/k norm and no tensor parallelism; anything else keeps the Python path, as do
+steps with prompt rows.  PAGESTREAM_DECODE_STACK=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+from torch import nn
+
+from gpu import cpu_kernels
+from gpu.attention.base import AttentionMetadata
+from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.cpu_linear import PackedLinear
+
+log = logging.getLogger(__name__)
+
+_P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P),
+        ("gate_up", _P), ("down", _P), ("k_cache", _P), ("v_cache", _P),
+        ("in_eps", _F), ("post_eps", _F),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("kind", _I), ("rows", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
+        ("head_dim", _I), ("inter", _I), ("block_size", _I), ("nthreads", _I),
+        ("scale", _F), ("final_eps", _F),
+        ("positions", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("tables", _P),
+        ("tstride", _I64), ("lens", _P), ("residual", _P), ("rs", _I64),
+        ("final_norm", _P), ("out", _P),
+    ]  # fmt: skip
+
+
+# The packed kernels a stack runs on (decode_stack.cpp's Step::kind).
+KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2}
+
+
+def linear_kind(lin: nn.Module) -> str | None:
+    """The packed kernel that runs every product of `lin` whatever its row count, or None
+    (oneDNN, MKL from some row count, AMX up to some row count, a quantized layer)."""
+    if not isinstance(lin, PackedLinear) or lin.amx is not None or lin.halves is not None:
+        return None
+    if lin.dpbf16:
+        return "dpbf16"
+    if lin.sgemm512:
+        return "sgemm512"
+    if lin.sgemm and lin.plain is None and lin.dtype == torch.float32:
+        return "sgemm"
+    return None
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGESTREAM_DECODE_STACK", "1") != "0"
+
+
+class DecodeStack:
+    def __init__(self, model: nn.Module, kind: str) -> None:
+        self.model = model
+        self.kind = KINDS[kind]
+        cfg = model.config
+        self.dtype = model.embed_tokens.weight.dtype
+        self.hidden = cfg.hidden_size
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.inter = cfg.intermediate_size
+        self.scale = model.layers[0].self_attn.backend.scale
+        self._kv: list[tuple[torch.Tensor, ...]] | None = None
+        self._layers: ctypes.Array[_Layer] | None = None
+        lib = cpu_kernels.load()
+        assert lib is not None
+        self._fn = lib.ps_decode_stack
+        self._fn.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _I]
+        self._fn.restype = _I
+
+    @classmethod
+    def build(cls, model: nn.Module) -> DecodeStack | None:
+        """A stack for `model` (packed and fused for the CPU), or None where it does not
+        take it (see the module's docstring)."""
+        if not enabled() or getattr(model, "tp", None) is not None:
+            return None
+        lib = cpu_kernels.load()
+        if lib is None or not hasattr(lib, "ps_decode_stack"):
+            return None
+        cfg = model.config
+        dtype = model.embed_tokens.weight.dtype
+        if not cpu_kernels.supports(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+            return None
+        cos, sin = model.rotary.cos, model.rotary.sin
+        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()):
+            return None
+        kinds = set()
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (
+                attn.qk_norm
+                or attn.tp is not None
+                or mlp.tp is not None
+                or type(attn.backend) is not TorchAttentionBackend
+                or attn.o_proj.bias is not None
+                or getattr(mlp.gate_up_proj, "gated_ops", None) is None
+                or mlp.down_proj.bias is not None
+            ):
+                return None
+            kinds |= {linear_kind(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                mlp.down_proj)}  # fmt: skip
+        if len(kinds) != 1 or None in kinds:
+            return None
+        kind = kinds.pop()
+        if (kind == "dpbf16") != (dtype == torch.bfloat16):
+            return None
+        log.info("CPU: decode steps run their %d layers in one compiled call", cfg.num_layers)
+        return cls(model, kind)
+
+    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> ctypes.Array[_Layer]:
+        """Every layer's pointers (weights and cache), built again when the cache changes."""
+        if self._layers is not None and kv_caches is self._kv:
+            return self._layers
+        layers = (_Layer * len(self.model.layers))()
+        for row, layer, kv in zip(layers, self.model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv_proj
+            row.in_norm = layer.input_layernorm.weight.data_ptr()
+            row.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            row.in_eps = layer.input_layernorm.eps
+            row.post_eps = layer.post_attention_layernorm.eps
+            row.qkv = qkv.packed.data_ptr()
+            row.qkv_bias = None if qkv.bias_f32 is None else qkv.bias_f32.data_ptr()
+            row.o = attn.o_proj.packed.data_ptr()
+            row.gate_up = mlp.gate_up_proj.packed.data_ptr()
+            row.down = mlp.down_proj.packed.data_ptr()
+            row.k_cache, row.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+        self._kv, self._layers = kv_caches, layers
+        return layers
+
+    def _takes(self, residual: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> bool:
+        t = residual.shape[0]
+        if not (t > 0 and meta.num_decodes == meta.num_seqs == t == meta.num_tokens):
+            return False
+        if residual.dtype != self.dtype or residual.stride(1) != 1:
+            return False
+        kv = kv_caches[0]
+        return (
+            len(kv) == 2
+            and kv[0].dtype == self.dtype
+            and kv[0].is_contiguous()
+            and kv[1].is_contiguous()
+            and meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
+            and meta.slot_mapping.dtype == torch.int64
+        )
+
+    def run(
+        self,
+        residual: torch.Tensor,  # [T, hidden], the embeddings; updated in place
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The final norm's output [T, hidden], as the fused path returns it; None (nothing
+        done) for a step the stack does not take."""
+        if not self._takes(residual, kv_caches, meta):
+            return None
+        t = residual.shape[0]
+        model = self.model
+        layers = self._layer_table(kv_caches)
+        pos = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        tables = meta.block_tables[:t].contiguous()
+        lens = meta.seq_lens[:t].contiguous()
+        out = cpu_kernels.empty_rows(t, self.hidden, self.dtype)  # the lm_head's input
+        step = _Step(
+            self.kind, t, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
+            kv_caches[0][0].shape[1], torch.get_num_threads(), self.scale, model.norm.eps,
+            pos.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            residual.data_ptr(), residual.stride(0), model.norm.weight.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
+        failed = self._fn(ctypes.byref(step), layers, len(layers))
+        if failed:
+            raise RuntimeError(f"decode stack: layer {failed - 1}'s gated product was refused")
+        return out

@@ -1,0 +1,143 @@
+"""The compiled decode stack (gpu/cpu_decode_stack.py): a pure-decode step's layers in one
+call must give the bits of the fused Python path it replaces, on every packed kernel it
+takes, and leave every other step and model to that path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gpu import cpu_kernels
+from gpu.cpu_decode_stack import DecodeStack
+
+if not cpu_kernels.available():
+    if os.environ.get("CI") == "true":
+        pytest.fail("the CPU kernels must build in CI (a C++ compiler is installed)")
+    pytest.skip("no C++ compiler: the CPU kernels are unavailable", allow_module_level=True)
+
+# kernel (PAGESTREAM_DECODE_GEMM), dtype, built here
+KERNELS = {
+    "dpbf16": ("bfloat16", cpu_kernels.dpbf16_available),
+    "sgemm512": ("float32", cpu_kernels.sgemm512_available),
+    "sgemm": ("float32", cpu_kernels.sgemm_available),
+}
+
+
+def run_llm(model: str, dtype: str, stack: str, prompts, params, monkeypatch):
+    """Outputs of `prompts`, the engine's decode stack, and how many steps it ran."""
+    from service.llm import LLM
+
+    used = []
+    real_run = DecodeStack.run
+
+    def counted(self, *a, **k):
+        h = real_run(self, *a, **k)
+        used.append(h is not None)
+        return h
+
+    monkeypatch.setattr(DecodeStack, "run", counted)
+    monkeypatch.setenv("PAGESTREAM_DECODE_STACK", stack)
+    llm = LLM(model, dtype=dtype, num_kv_blocks=64, threads=2)
+    try:
+        outs = llm.generate(prompts, params)
+        got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        return got, llm.engine.runner.model.decode_stack, used
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_decode_stack_gives_the_python_paths_bits(kernel, monkeypatch):
+    """Greedy tokens and their logprobs (float32 values of the logits, so any difference
+    in a hidden state shows) equal with the stack and without it; the stack ran every
+    pure-decode step and no step with prompt rows."""
+    from scheduler.sampling_params import SamplingParams
+    from tests.checkpoints import tiny_checkpoint
+
+    dtype, built = KERNELS[kernel]
+    if not built():
+        pytest.skip(f"the {kernel} kernel is not built on this CPU")
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", kernel)
+    # qwen2: a bias on qkv (the stack adds it in the kernel); prompts of several lengths,
+    # contexts that cross blocks.
+    model = str(tiny_checkpoint("qwen2"))
+    prompts = [[5, 6, 7], list(range(40, 90)), [9] * 18, list(range(3, 40))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    on, stack, used = run_llm(model, dtype, "1", prompts, params, monkeypatch)
+    off, none, unused = run_llm(model, dtype, "0", prompts, params, monkeypatch)
+    assert isinstance(stack, DecodeStack) and none is None and unused == []
+    # All four prompts fit the first step; then 19 steps of decodes only.
+    assert used.count(True) == 19, used
+    assert on == off
+
+
+def test_a_step_with_prompt_rows_keeps_the_python_path(monkeypatch):
+    """Requests arriving while others decode: the mixed steps go through Python (the stack
+    declines them) and the outputs still match the stack-free run."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    dtype = "bfloat16" if cpu_kernels.dpbf16_available() else "float32"
+    model = str(tiny_checkpoint("llama"))
+    # A 64-token budget: the long prompt is fed in chunks beside the short ones' decodes.
+    prompts = [[5, 6, 7], list(range(40, 240)), [9] * 18]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    declined = []
+    real_run = DecodeStack.run
+
+    def counted(self, residual, positions, kv_caches, meta):
+        h = real_run(self, residual, positions, kv_caches, meta)
+        if meta.num_decodes < meta.num_seqs:
+            declined.append(h is None)
+        return h
+
+    monkeypatch.setattr(DecodeStack, "run", counted)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGESTREAM_DECODE_STACK", flag)
+        llm = LLM(model, dtype=dtype, num_kv_blocks=64, threads=2, max_num_batched_tokens=64)
+        try:
+            outs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    assert declined and all(declined)
+    assert outs["1"] == outs["0"]
+
+
+def test_models_it_does_not_take_keep_the_python_path(monkeypatch):
+    """Per-head q/k norms (qwen3) and a quantized K/V cache are not in the stack."""
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    dtype = "bfloat16" if cpu_kernels.dpbf16_available() else "float32"
+    llm = LLM(str(tiny_checkpoint("qwen3")), dtype=dtype, num_kv_blocks=16, threads=1)
+    try:
+        assert llm.engine.runner.model.fused and llm.engine.runner.model.decode_stack is None
+    finally:
+        llm.shutdown()
+    monkeypatch.setenv("PAGESTREAM_DECODE_STACK", "1")
+    model = str(tiny_checkpoint("llama"))
+    llm = LLM(model, dtype=dtype, num_kv_blocks=16, threads=1, kv_cache_dtype="int8")
+    try:
+        stack = llm.engine.runner.model.decode_stack
+        kv = llm.engine.runner.kv_caches
+        t = 2
+        residual = torch.zeros(t, llm.engine.runner.model.config.hidden_size,
+                               dtype=getattr(torch, dtype))  # fmt: skip
+        from gpu.attention.base import AttentionMetadata
+
+        meta = AttentionMetadata(
+            num_tokens=t, num_seqs=t, num_decodes=t,
+            query_start_loc=torch.arange(t + 1, dtype=torch.int32),
+            seq_lens=torch.ones(t, dtype=torch.int32),
+            block_tables=torch.zeros(t, 1, dtype=torch.int32),
+            slot_mapping=torch.arange(t, dtype=torch.int64), max_query_len=1, max_seq_len=1,
+            query_lens_cpu=[1] * t, seq_lens_cpu=[1] * t, block_size=16,
+        )  # fmt: skip
+        assert stack is not None
+        assert stack.run(residual, torch.zeros(t, dtype=torch.int64), kv, meta) is None
+    finally:
+        llm.shutdown()
