@@ -6,9 +6,9 @@ thread waits, and in the server every return from C takes the GIL back from the 
 loop.  For a step whose rows are all decodes, `DecodeStack.run` makes the same kernel
 calls, with the same arguments in the same order, from C: the same bits, one crossing.
 
-It takes a model only where every projection runs on one of the packed kernels that take
-any row count (vdpbf16ps in bf16, the AVX-512 or AVX2 sgemm in float32) with the gate_up's
-SiLU·up as its epilogue, attention on the compiled kernels, an unquantized K/V cache, no
+It takes a model only where every projection of a decode step runs on one of pagestream's
+packed kernels (vdpbf16ps or, up to AMX_MAX_ROWS rows, AMX in bf16; the AVX-512 or AVX2
+sgemm in float32) with the gate_up's SiLU·up as its epilogue, attention on the compiled kernels, an unquantized K/V cache, no
 per-head q/k norm and no tensor parallelism; anything else keeps the Python path, as do
 steps with prompt rows.  PAGESTREAM_DECODE_STACK=0 turns it off.
 """
@@ -25,7 +25,7 @@ from torch import nn
 from gpu import cpu_kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
-from gpu.cpu_linear import PackedLinear
+from gpu.cpu_linear import AMX_MAX_ROWS, PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,17 @@ class _Step(ctypes.Structure):
 
 
 # The packed kernels a stack runs on (decode_stack.cpp's Step::kind).
-KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2}
+KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2, "amx": 3}
 
 
 def linear_kind(lin: nn.Module) -> str | None:
-    """The packed kernel that runs every product of `lin` whatever its row count, or None
-    (oneDNN, MKL from some row count, AMX up to some row count, a quantized layer)."""
-    if not isinstance(lin, PackedLinear) or lin.amx is not None or lin.halves is not None:
+    """The packed kernel that runs `lin`'s decode-sized products (AMX: up to AMX_MAX_ROWS
+    rows; the others: any), or None (oneDNN, MKL from some row count, a quantized layer)."""
+    if not isinstance(lin, PackedLinear):
+        return None
+    if lin.amx is not None:
+        return "amx" if lin.dtype == torch.bfloat16 else None
+    if lin.halves is not None:
         return None
     if lin.dpbf16:
         return "dpbf16"
@@ -77,6 +81,9 @@ class DecodeStack:
     def __init__(self, model: nn.Module, kind: str) -> None:
         self.model = model
         self.kind = KINDS[kind]
+        self.amx = kind == "amx"
+        # PackedLinear.forward leaves AMX past this many rows.
+        self.max_rows = AMX_MAX_ROWS if self.amx else None
         cfg = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.hidden = cfg.hidden_size
@@ -116,7 +123,7 @@ class DecodeStack:
                 or mlp.tp is not None
                 or type(attn.backend) is not TorchAttentionBackend
                 or attn.o_proj.bias is not None
-                or getattr(mlp.gate_up_proj, "gated_ops", None) is None
+                or getattr(mlp.gate_up_proj, "gated_inter", None) is None
                 or mlp.down_proj.bias is not None
             ):
                 return None
@@ -125,7 +132,7 @@ class DecodeStack:
         if len(kinds) != 1 or None in kinds:
             return None
         kind = kinds.pop()
-        if (kind == "dpbf16") != (dtype == torch.bfloat16):
+        if (kind in ("dpbf16", "amx")) != (dtype == torch.bfloat16):
             return None
         log.info("CPU: decode steps run their %d layers in one compiled call", cfg.num_layers)
         return cls(model, kind)
@@ -142,18 +149,26 @@ class DecodeStack:
             row.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             row.in_eps = layer.input_layernorm.eps
             row.post_eps = layer.post_attention_layernorm.eps
-            row.qkv = qkv.packed.data_ptr()
+            row.qkv = self._weight(qkv)
             row.qkv_bias = None if qkv.bias_f32 is None else qkv.bias_f32.data_ptr()
-            row.o = attn.o_proj.packed.data_ptr()
-            row.gate_up = mlp.gate_up_proj.packed.data_ptr()
-            row.down = mlp.down_proj.packed.data_ptr()
+            row.o = self._weight(attn.o_proj)
+            row.gate_up = self._weight(mlp.gate_up_proj)
+            row.down = self._weight(mlp.down_proj)
             row.k_cache, row.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
         self._kv, self._layers = kv_caches, layers
         return layers
 
+    def _weight(self, lin: PackedLinear) -> int:
+        """Where the step's kernel reads `lin`'s weight (AMX: its own copy)."""
+        w = lin.amx if self.amx else lin.packed
+        assert w is not None
+        return w.data_ptr()
+
     def _takes(self, residual: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> bool:
         t = residual.shape[0]
         if not (t > 0 and meta.num_decodes == meta.num_seqs == t == meta.num_tokens):
+            return False
+        if self.max_rows is not None and t > self.max_rows:
             return False
         if residual.dtype != self.dtype or residual.stride(1) != 1:
             return False

@@ -11,9 +11,9 @@
 // steps): the Python forward 28.6-41.3 ms against 25.6-33.5 ms for the same 74 kernel calls
 // replayed back to back.
 //
-// Only the kernels that take every row count (the "whole" packed GEMMs: vdpbf16ps in bf16,
-// the AVX-512 and AVX2 float32 sgemms, each with its gated form), an unquantized cache and
-// no per-head q/k norm; gpu/cpu_decode_stack.py decides when a step may come here.
+// Only pagestream's packed GEMMs, each with its gated form (vdpbf16ps in bf16, the AVX-512
+// and AVX2 float32 sgemms, AMX up to the rows it takes), an unquantized cache and no
+// per-head q/k norm; gpu/cpu_decode_stack.py decides when a step may come here.
 
 #include <cstdint>
 #include <vector>
@@ -49,6 +49,10 @@ void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
               const float* bias, float* y, int64_t ys, int nthreads);
 int ps_sgemm_silu(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
                   float* y, int64_t ys, int nthreads);
+void ps_amx_gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                 int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads);
+int ps_amx_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                int64_t n, uint16_t* y, int64_t ys, int nthreads);
 }
 
 namespace {
@@ -68,7 +72,8 @@ struct Layer {
 };
 
 struct Step {
-  int kind;  // 0: vdpbf16ps (bf16), 1: AVX-512 sgemm (float32), 2: AVX2 sgemm (float32)
+  // 0: vdpbf16ps (bf16), 1: AVX-512 sgemm (float32), 2: AVX2 sgemm (float32), 3: AMX (bf16)
+  int kind;
   int rows, hidden, heads, kv_heads, head_dim, inter, block_size, nthreads;
   float scale, final_eps;
   const int64_t* positions;  // [rows]
@@ -96,6 +101,11 @@ void gemm(const Step& s, const void* x, int64_t xs, int64_t k, const void* w, in
       ps_sgemm512(static_cast<const float*>(x), xs, s.rows, k, static_cast<const float*>(w), n,
                   bias, static_cast<float*>(y), n, s.nthreads);
       return;
+    case 3:
+      ps_amx_gemm(static_cast<const uint16_t*>(x), xs, s.rows, k,
+                  static_cast<const uint16_t*>(w), n, bias, static_cast<uint16_t*>(y), n,
+                  s.nthreads);
+      return;
     default:
       ps_sgemm(static_cast<const float*>(x), xs, s.rows, k, static_cast<const float*>(w), n,
                bias, static_cast<float*>(y), n, s.nthreads);
@@ -114,6 +124,10 @@ bool gated(const Step& s, const void* x, const void* w, void* y) {
       return ps_sgemm512_silu(static_cast<const float*>(x), s.hidden, s.rows, s.hidden,
                               static_cast<const float*>(w), n, static_cast<float*>(y), s.inter,
                               s.nthreads) != 0;
+    case 3:
+      return ps_amx_silu(static_cast<const uint16_t*>(x), s.hidden, s.rows, s.hidden,
+                         static_cast<const uint16_t*>(w), n, static_cast<uint16_t*>(y), s.inter,
+                         s.nthreads) != 0;
     default:
       return ps_sgemm_silu(static_cast<const float*>(x), s.hidden, s.rows, s.hidden,
                            static_cast<const float*>(w), n, static_cast<float*>(y), s.inter,
@@ -129,7 +143,7 @@ extern "C" {
 // after it was run: the caller's step fails).
 int ps_decode_stack(const Step* sp, const Layer* layers, int nlayers) {
   const Step& s = *sp;
-  const int bf16 = s.kind == 0;
+  const int bf16 = s.kind == 0 || s.kind == 3;
   const int64_t es = bf16 ? 2 : 4, t = s.rows, hid = s.hidden;
   const int64_t qsz = static_cast<int64_t>(s.heads) * s.head_dim;
   const int64_t kvsz = static_cast<int64_t>(s.kv_heads) * s.head_dim;

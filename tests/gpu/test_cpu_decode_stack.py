@@ -22,6 +22,7 @@ KERNELS = {
     "dpbf16": ("bfloat16", cpu_kernels.dpbf16_available),
     "sgemm512": ("float32", cpu_kernels.sgemm512_available),
     "sgemm": ("float32", cpu_kernels.sgemm_available),
+    "amx": ("bfloat16", cpu_kernels.amx_available),
 }
 
 
