@@ -14,7 +14,7 @@ from torch import nn
 from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
-from gpu.cpu_decode_stack import DecodeStack
+from gpu.cpu_layer_stack import LayerStack
 from gpu.cpu_linear import (
     PackedLinear,
     Scratch,
@@ -203,7 +203,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config, max_positions)
         self.fused = False  # set by fuse_for_cpu()
-        self.decode_stack: DecodeStack | None = None  # set by fuse_for_cpu()
+        self.layer_stack: LayerStack | None = None  # set by fuse_for_cpu()
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
         # than an alias) keeps state_dict() and assign-loading simple.
         self.lm_head_weight: nn.Parameter | None = None
@@ -241,8 +241,8 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.decode_stack is not None:  # a pure-decode step: every layer in one call
-            h = self.decode_stack.run(residual, positions, kv_caches, meta)
+        if self.layer_stack is not None:  # every layer in one compiled call
+            h = self.layer_stack.run(residual, positions, kv_caches, meta)
             if h is not None:
                 return h
         rope = (positions, self.rotary.cos, self.rotary.sin)
@@ -267,7 +267,7 @@ class CausalLM(nn.Module):
         self.fused = ok
         for layer in self.layers:
             layer.mlp.fused = ok
-        self.decode_stack = DecodeStack.build(self) if ok else None
+        self.layer_stack = LayerStack.build(self) if ok else None
         return ok
 
     def compute_logits(

@@ -48,7 +48,7 @@ _SRCS = [
         "sgemm.cpp",
         "amx_gemm.cpp",
         "dpbf16_gemm.cpp",
-        "decode_stack.cpp",
+        "layer_stack.cpp",
     )
 ]
 _HEADERS = [

@@ -1,7 +1,7 @@
-// A pure-decode step's decoder layers in one call: for each layer the residual add and
-// RMSNorm, the qkv projection, rotary, the K/V store, paged decode attention, o_proj, the
-// second add + RMSNorm, the gated gate_up (SiLU·up as its epilogue) and down_proj; then the
-// final add + norm.  Every call below is the one gpu/model.py's fused CPU path makes through
+// A step's decoder layers in one call: for each layer the residual add and RMSNorm, the
+// qkv projection, rotary, the K/V store, paged attention (the decode rows, then every
+// prompt chunk), o_proj, the second add + RMSNorm, the gated gate_up (SiLU·up as its
+// epilogue) and down_proj; then the final add + norm.  Every call below is the one gpu/model.py's fused CPU path makes through
 // ctypes, with the same arguments in the same order, so the result is the same bits.
 //
 // Why: that path crosses from Python to C ~9 times a layer.  Each crossing costs 10-20 us
@@ -12,8 +12,9 @@
 // replayed back to back.
 //
 // Only pagestream's packed GEMMs, each with its gated form (vdpbf16ps in bf16, the AVX-512
-// and AVX2 float32 sgemms, AMX up to the rows it takes), an unquantized cache and no
-// per-head q/k norm; gpu/cpu_decode_stack.py decides when a step may come here.
+// and AVX2 float32 sgemms, AMX up to the rows it takes), an unquantized cache, every prompt
+// chunk on the compiled prefill kernel and no per-head q/k norm; gpu/cpu_layer_stack.py
+// decides when a step may come here.
 
 #include <cstdint>
 #include <vector>
@@ -37,6 +38,14 @@ void ps_decode_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uin
                     const int32_t* tables, int64_t tstride, const int32_t* lens, uint16_t* out,
                     int64_t os, int nseq, int nheads, int nkv, int dim, int bs, float scale,
                     int nthreads);
+void ps_prefill_f32(const float* q, int64_t q_stride, const float* kc, const float* vc,
+                    const int32_t* tables, int64_t tstride, const int32_t* qsl,
+                    const int32_t* seq_lens, float* out, int64_t out_stride, int nseq, int nheads,
+                    int nkv, int dim, int bs, float scale, int nthreads);
+void ps_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
+                     const int32_t* tables, int64_t tstride, const int32_t* qsl,
+                     const int32_t* seq_lens, uint16_t* out, int64_t out_stride, int nseq,
+                     int nheads, int nkv, int dim, int bs, float scale, int nthreads);
 void ps_dpbf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads);
 int ps_dpbf16_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
@@ -57,7 +66,7 @@ int ps_amx_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint1
 
 namespace {
 
-// Mirrors gpu/cpu_decode_stack.py's ctypes structures field for field.
+// Mirrors gpu/cpu_layer_stack.py's ctypes structures field for field.
 struct Layer {
   const void* in_norm;    // [hidden], the model's dtype
   const void* post_norm;  // [hidden]
@@ -80,9 +89,11 @@ struct Step {
   const float* cos;          // [max_positions, head_dim / 2]
   const float* sin;
   const int64_t* slots;      // [rows]
-  const int32_t* tables;     // [rows, tstride]
+  const int32_t* tables;     // [seqs, tstride]
   int64_t tstride;
-  const int32_t* lens;       // [rows]
+  const int32_t* lens;       // [seqs]: context after the step
+  const int32_t* qsl;        // [seqs + 1]: query_start_loc
+  int seqs, decodes;         // the first `decodes` sequences have one query row each
   void* residual;            // [rows, hidden] (row stride rs), updated in place
   int64_t rs;
   const void* final_norm;    // [hidden]
@@ -141,7 +152,7 @@ extern "C" {
 
 // Returns 0 when done; else 1 + the layer whose gated product the kernel refused (nothing
 // after it was run: the caller's step fails).
-int ps_decode_stack(const Step* sp, const Layer* layers, int nlayers) {
+int ps_layer_stack(const Step* sp, const Layer* layers, int nlayers) {
   const Step& s = *sp;
   const int bf16 = s.kind == 0 || s.kind == 3;
   const int64_t es = bf16 ? 2 : 4, t = s.rows, hid = s.hidden;
@@ -170,17 +181,33 @@ int ps_decode_stack(const Step* sp, const Layer* layers, int nlayers) {
             s.head_dim, nt);
     ps_write_kv(-1, bf16, k, qkvw, v, qkvw, L.k_cache, L.v_cache, nullptr, nullptr, s.slots,
                 s.rows, s.kv_heads, s.head_dim, nt);
-    if (bf16)
-      ps_decode_bf16(reinterpret_cast<const uint16_t*>(qkv), qkvw,
-                     static_cast<const uint16_t*>(L.k_cache),
-                     static_cast<const uint16_t*>(L.v_cache), s.tables, s.tstride, s.lens,
-                     reinterpret_cast<uint16_t*>(att), qsz, s.rows, s.heads, s.kv_heads,
-                     s.head_dim, s.block_size, s.scale, nt);
-    else
-      ps_decode_f32(reinterpret_cast<const float*>(qkv), qkvw,
-                    static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache),
-                    s.tables, s.tstride, s.lens, reinterpret_cast<float*>(att), qsz, s.rows,
-                    s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
+    // The decode rows first, then every prefill chunk in one call, as the torch backend
+    // calls them when the kernel takes all chunks.
+    const int nd = s.decodes, np = s.seqs - s.decodes;
+    const int32_t* ptab = s.tables + nd * s.tstride;
+    if (bf16) {
+      const uint16_t *kc = static_cast<const uint16_t*>(L.k_cache),
+                     *vc = static_cast<const uint16_t*>(L.v_cache);
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(qkv);
+      uint16_t* o = reinterpret_cast<uint16_t*>(att);
+      if (nd)
+        ps_decode_bf16(q, qkvw, kc, vc, s.tables, s.tstride, s.lens, o, qsz, nd, s.heads,
+                       s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
+      if (np)
+        ps_prefill_bf16(q, qkvw, kc, vc, ptab, s.tstride, s.qsl + nd, s.lens + nd, o, qsz, np,
+                        s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
+    } else {
+      const float *kc = static_cast<const float*>(L.k_cache),
+                  *vc = static_cast<const float*>(L.v_cache);
+      const float* q = reinterpret_cast<const float*>(qkv);
+      float* o = reinterpret_cast<float*>(att);
+      if (nd)
+        ps_decode_f32(q, qkvw, kc, vc, s.tables, s.tstride, s.lens, o, qsz, nd, s.heads,
+                      s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
+      if (np)
+        ps_prefill_f32(q, qkvw, kc, vc, ptab, s.tstride, s.qsl + nd, s.lens + nd, o, qsz, np,
+                       s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
+    }
     gemm(s, att, qsz, qsz, L.o, hid, nullptr, a);
     ps_add_rms_norm(bf16, a, hid, s.residual, s.rs, L.post_norm, h, hid, s.rows, s.hidden,
                     L.post_eps, nt);

@@ -1,6 +1,6 @@
-"""The compiled decode stack (gpu/cpu_decode_stack.py): a pure-decode step's layers in one
-call must give the bits of the fused Python path it replaces, on every packed kernel it
-takes, and leave every other step and model to that path."""
+"""The compiled layer stack (gpu/cpu_layer_stack.py): a step's decoder layers in one call
+must give the bits of the fused Python path it replaces, on every packed kernel it takes,
+and leave the steps and models it does not take to that path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu import cpu_kernels
-from gpu.cpu_decode_stack import DecodeStack
+from gpu.cpu_layer_stack import LayerStack
 
 if not cpu_kernels.available():
     if os.environ.get("CI") == "true":
@@ -27,33 +27,33 @@ KERNELS = {
 
 
 def run_llm(model: str, dtype: str, stack: str, prompts, params, monkeypatch):
-    """Outputs of `prompts`, the engine's decode stack, and how many steps it ran."""
+    """Outputs of `prompts`, the engine's layer stack, and how many steps it ran."""
     from service.llm import LLM
 
     used = []
-    real_run = DecodeStack.run
+    real_run = LayerStack.run
 
     def counted(self, *a, **k):
         h = real_run(self, *a, **k)
         used.append(h is not None)
         return h
 
-    monkeypatch.setattr(DecodeStack, "run", counted)
-    monkeypatch.setenv("PAGESTREAM_DECODE_STACK", stack)
+    monkeypatch.setattr(LayerStack, "run", counted)
+    monkeypatch.setenv("PAGESTREAM_LAYER_STACK", stack)
     llm = LLM(model, dtype=dtype, num_kv_blocks=64, threads=2)
     try:
         outs = llm.generate(prompts, params)
         got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        return got, llm.engine.runner.model.decode_stack, used
+        return got, llm.engine.runner.model.layer_stack, used
     finally:
         llm.shutdown()
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-def test_decode_stack_gives_the_python_paths_bits(kernel, monkeypatch):
+def test_layer_stack_gives_the_python_paths_bits(kernel, monkeypatch):
     """Greedy tokens and their logprobs (float32 values of the logits, so any difference
     in a hidden state shows) equal with the stack and without it; the stack ran every
-    pure-decode step and no step with prompt rows."""
+    step, the prompts' and the decodes'."""
     from scheduler.sampling_params import SamplingParams
     from tests.checkpoints import tiny_checkpoint
 
@@ -68,43 +68,51 @@ def test_decode_stack_gives_the_python_paths_bits(kernel, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     on, stack, used = run_llm(model, dtype, "1", prompts, params, monkeypatch)
     off, none, unused = run_llm(model, dtype, "0", prompts, params, monkeypatch)
-    assert isinstance(stack, DecodeStack) and none is None and unused == []
-    # All four prompts fit the first step; then 19 steps of decodes only.
-    assert used.count(True) == 19, used
+    assert isinstance(stack, LayerStack) and none is None and unused == []
+    # All four prompts fit the first step (taken unless this backend sends chunks to SDPA:
+    # AMX bf16), then 19 steps of decodes only, all taken.
+    assert used == [stack.prefill] + [True] * 19, used
     assert on == off
 
 
-def test_a_step_with_prompt_rows_keeps_the_python_path(monkeypatch):
-    """Requests arriving while others decode: the mixed steps go through Python (the stack
-    declines them) and the outputs still match the stack-free run."""
+@pytest.mark.parametrize("prefill", ["kernel", "sdpa"])
+def test_steps_with_prompt_rows(prefill, monkeypatch):
+    """Requests arriving while others decode, a long prompt in chunks beside them: with
+    every chunk on the compiled prefill kernel the stack runs the mixed steps too (decode
+    rows, then the chunks); with SDPA for chunks (PAGESTREAM_PREFILL_ATTENTION=sdpa) it
+    declines them.  The tokens and logprobs match the stack-free run either way."""
     from scheduler.sampling_params import SamplingParams
     from service.llm import LLM
     from tests.checkpoints import tiny_checkpoint
 
+    monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", prefill)
     dtype = "bfloat16" if cpu_kernels.dpbf16_available() else "float32"
-    model = str(tiny_checkpoint("llama"))
+    model = str(tiny_checkpoint("qwen2"))
     # A 64-token budget: the long prompt is fed in chunks beside the short ones' decodes.
     prompts = [[5, 6, 7], list(range(40, 240)), [9] * 18]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     outs = {}
-    declined = []
-    real_run = DecodeStack.run
+    mixed = []
+    real_run = LayerStack.run
 
     def counted(self, residual, positions, kv_caches, meta):
         h = real_run(self, residual, positions, kv_caches, meta)
         if meta.num_decodes < meta.num_seqs:
-            declined.append(h is None)
+            mixed.append((meta.num_decodes > 0, h is not None))
         return h
 
-    monkeypatch.setattr(DecodeStack, "run", counted)
+    monkeypatch.setattr(LayerStack, "run", counted)
     for flag in ("1", "0"):
-        monkeypatch.setenv("PAGESTREAM_DECODE_STACK", flag)
+        monkeypatch.setenv("PAGESTREAM_LAYER_STACK", flag)
         llm = LLM(model, dtype=dtype, num_kv_blocks=64, threads=2, max_num_batched_tokens=64)
         try:
-            outs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            got = llm.generate(prompts, params)
+            outs[flag] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
         finally:
             llm.shutdown()
-    assert declined and all(declined)
+    # Steps with decode rows beside a chunk happened, and the stack took all or none.
+    assert any(with_decodes for with_decodes, _ in mixed)
+    assert all(taken == (prefill == "kernel") for _, taken in mixed), mixed
     assert outs["1"] == outs["0"]
 
 
@@ -116,14 +124,14 @@ def test_models_it_does_not_take_keep_the_python_path(monkeypatch):
     dtype = "bfloat16" if cpu_kernels.dpbf16_available() else "float32"
     llm = LLM(str(tiny_checkpoint("qwen3")), dtype=dtype, num_kv_blocks=16, threads=1)
     try:
-        assert llm.engine.runner.model.fused and llm.engine.runner.model.decode_stack is None
+        assert llm.engine.runner.model.fused and llm.engine.runner.model.layer_stack is None
     finally:
         llm.shutdown()
-    monkeypatch.setenv("PAGESTREAM_DECODE_STACK", "1")
+    monkeypatch.setenv("PAGESTREAM_LAYER_STACK", "1")
     model = str(tiny_checkpoint("llama"))
     llm = LLM(model, dtype=dtype, num_kv_blocks=16, threads=1, kv_cache_dtype="int8")
     try:
-        stack = llm.engine.runner.model.decode_stack
+        stack = llm.engine.runner.model.layer_stack
         kv = llm.engine.runner.kv_caches
         t = 2
         residual = torch.zeros(t, llm.engine.runner.model.config.hidden_size,

@@ -1,16 +1,17 @@
-"""A pure-decode step's decoder layers in one compiled call (cpu_kernels/decode_stack.cpp).
+"""A step's decoder layers in one compiled call (cpu_kernels/layer_stack.cpp).
 
 The fused CPU path (gpu/model.py) crosses from Python into the compiled kernels ~9 times
 a layer; each crossing costs 10-20 us of interpreter work while the other core's OpenMP
 thread waits, and in the server every return from C takes the GIL back from the event
-loop.  For a step whose rows are all decodes, `DecodeStack.run` makes the same kernel
-calls, with the same arguments in the same order, from C: the same bits, one crossing.
+loop.  `LayerStack.run` makes the same kernel calls, with the same arguments in the same
+order, from C: the same bits, one crossing a step.
 
-It takes a model only where every projection of a decode step runs on one of pagestream's
-packed kernels (vdpbf16ps or, up to AMX_MAX_ROWS rows, AMX in bf16; the AVX-512 or AVX2
-sgemm in float32) with the gate_up's SiLU·up as its epilogue, attention on the compiled kernels, an unquantized K/V cache, no
-per-head q/k norm and no tensor parallelism; anything else keeps the Python path, as do
-steps with prompt rows.  PAGESTREAM_DECODE_STACK=0 turns it off.
+It takes a model only where every projection runs on one of pagestream's packed kernels
+(vdpbf16ps or, up to AMX_MAX_ROWS rows, AMX in bf16; the AVX-512 or AVX2 sgemm in
+float32) with the gate_up's SiLU·up as its epilogue, attention on the compiled kernels, an
+unquantized K/V cache, no per-head q/k norm and no tensor parallelism; and a step with
+prompt rows only where the backend gives every chunk to the compiled prefill kernel (not
+SDPA).  Anything else keeps the Python path.  PAGESTREAM_LAYER_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ class _Step(ctypes.Structure):
         ("head_dim", _I), ("inter", _I), ("block_size", _I), ("nthreads", _I),
         ("scale", _F), ("final_eps", _F),
         ("positions", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("tables", _P),
-        ("tstride", _I64), ("lens", _P), ("residual", _P), ("rs", _I64),
+        ("tstride", _I64), ("lens", _P), ("qsl", _P), ("seqs", _I), ("decodes", _I),
+        ("residual", _P), ("rs", _I64),
         ("final_norm", _P), ("out", _P),
     ]  # fmt: skip
 
 
-# The packed kernels a stack runs on (decode_stack.cpp's Step::kind).
+# The packed kernels a stack runs on (layer_stack.cpp's Step::kind).
 KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2, "amx": 3}
 
 
@@ -74,10 +76,10 @@ def linear_kind(lin: nn.Module) -> str | None:
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGESTREAM_DECODE_STACK", "1") != "0"
+    return os.environ.get("PAGESTREAM_LAYER_STACK", "1") != "0"
 
 
-class DecodeStack:
+class LayerStack:
     def __init__(self, model: nn.Module, kind: str) -> None:
         self.model = model
         self.kind = KINDS[kind]
@@ -89,23 +91,27 @@ class DecodeStack:
         self.hidden = cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.inter = cfg.intermediate_size
-        self.scale = model.layers[0].self_attn.backend.scale
+        backend = model.layers[0].self_attn.backend
+        self.scale = backend.scale
+        # Prompt chunks too, where the backend would give every chunk to the compiled
+        # prefill kernel (not SDPA: AMX bf16 long chunks, PAGESTREAM_PREFILL_ATTENTION).
+        self.prefill = backend._sdpa_min_rows(self.dtype) is None
         self._kv: list[tuple[torch.Tensor, ...]] | None = None
         self._layers: ctypes.Array[_Layer] | None = None
         lib = cpu_kernels.load()
         assert lib is not None
-        self._fn = lib.ps_decode_stack
+        self._fn = lib.ps_layer_stack
         self._fn.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _I]
         self._fn.restype = _I
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecodeStack | None:
+    def build(cls, model: nn.Module) -> LayerStack | None:
         """A stack for `model` (packed and fused for the CPU), or None where it does not
         take it (see the module's docstring)."""
         if not enabled() or getattr(model, "tp", None) is not None:
             return None
         lib = cpu_kernels.load()
-        if lib is None or not hasattr(lib, "ps_decode_stack"):
+        if lib is None or not hasattr(lib, "ps_layer_stack"):
             return None
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
@@ -134,7 +140,7 @@ class DecodeStack:
         kind = kinds.pop()
         if (kind in ("dpbf16", "amx")) != (dtype == torch.bfloat16):
             return None
-        log.info("CPU: decode steps run their %d layers in one compiled call", cfg.num_layers)
+        log.info("CPU: a step runs its %d decoder layers in one compiled call", cfg.num_layers)
         return cls(model, kind)
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> ctypes.Array[_Layer]:
@@ -166,7 +172,9 @@ class DecodeStack:
 
     def _takes(self, residual: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> bool:
         t = residual.shape[0]
-        if not (t > 0 and meta.num_decodes == meta.num_seqs == t == meta.num_tokens):
+        if not (t > 0 and meta.num_seqs > 0 and meta.num_tokens == t):
+            return False
+        if meta.num_decodes < meta.num_seqs and not self.prefill:
             return False
         if self.max_rows is not None and t > self.max_rows:
             return False
@@ -179,6 +187,7 @@ class DecodeStack:
             and kv[0].is_contiguous()
             and kv[1].is_contiguous()
             and meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
+            and meta.query_start_loc.dtype == torch.int32
             and meta.slot_mapping.dtype == torch.int64
         )
 
@@ -198,18 +207,20 @@ class DecodeStack:
         layers = self._layer_table(kv_caches)
         pos = positions.contiguous()
         slots = meta.slot_mapping.contiguous()
-        tables = meta.block_tables[:t].contiguous()
-        lens = meta.seq_lens[:t].contiguous()
+        n = meta.num_seqs
+        tables = meta.block_tables[:n].contiguous()
+        lens = meta.seq_lens[:n].contiguous()
+        qsl = meta.query_start_loc[: n + 1].contiguous()
         out = cpu_kernels.empty_rows(t, self.hidden, self.dtype)  # the lm_head's input
         step = _Step(
             self.kind, t, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
             kv_caches[0][0].shape[1], torch.get_num_threads(), self.scale, model.norm.eps,
             pos.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-            residual.data_ptr(), residual.stride(0), model.norm.weight.data_ptr(),
+            qsl.data_ptr(), n, meta.num_decodes, residual.data_ptr(), residual.stride(0), model.norm.weight.data_ptr(),
             out.data_ptr(),
         )  # fmt: skip
         failed = self._fn(ctypes.byref(step), layers, len(layers))
         if failed:
-            raise RuntimeError(f"decode stack: layer {failed - 1}'s gated product was refused")
+            raise RuntimeError(f"layer stack: layer {failed - 1}'s gated product was refused")
         return out
