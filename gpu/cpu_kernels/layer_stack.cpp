@@ -146,6 +146,24 @@ bool gated(const Step& s, const void* x, const void* w, void* y) {
   }
 }
 
+// Attention of q (rows qs elements apart) into o (rows os apart): the decode rows first,
+// then every prefill chunk in one call, as the torch backend calls them when the kernel
+// takes all chunks.
+template <typename T, typename Decode, typename Prefill>
+void attend(const Step& s, const Layer& L, const char* qv, int64_t qs, char* ov, int64_t os,
+            Decode decode, Prefill prefill) {
+  const int nd = s.decodes, np = s.seqs - s.decodes;
+  const T* q = reinterpret_cast<const T*>(qv);
+  T* o = reinterpret_cast<T*>(ov);
+  const T *kc = static_cast<const T*>(L.k_cache), *vc = static_cast<const T*>(L.v_cache);
+  if (nd)
+    decode(q, qs, kc, vc, s.tables, s.tstride, s.lens, o, os, nd, s.heads, s.kv_heads,
+           s.head_dim, s.block_size, s.scale, s.nthreads);
+  if (np)
+    prefill(q, qs, kc, vc, s.tables + nd * s.tstride, s.tstride, s.qsl + nd, s.lens + nd, o,
+            os, np, s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, s.nthreads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -181,33 +199,10 @@ int ps_layer_stack(const Step* sp, const Layer* layers, int nlayers) {
             s.head_dim, nt);
     ps_write_kv(-1, bf16, k, qkvw, v, qkvw, L.k_cache, L.v_cache, nullptr, nullptr, s.slots,
                 s.rows, s.kv_heads, s.head_dim, nt);
-    // The decode rows first, then every prefill chunk in one call, as the torch backend
-    // calls them when the kernel takes all chunks.
-    const int nd = s.decodes, np = s.seqs - s.decodes;
-    const int32_t* ptab = s.tables + nd * s.tstride;
-    if (bf16) {
-      const uint16_t *kc = static_cast<const uint16_t*>(L.k_cache),
-                     *vc = static_cast<const uint16_t*>(L.v_cache);
-      const uint16_t* q = reinterpret_cast<const uint16_t*>(qkv);
-      uint16_t* o = reinterpret_cast<uint16_t*>(att);
-      if (nd)
-        ps_decode_bf16(q, qkvw, kc, vc, s.tables, s.tstride, s.lens, o, qsz, nd, s.heads,
-                       s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
-      if (np)
-        ps_prefill_bf16(q, qkvw, kc, vc, ptab, s.tstride, s.qsl + nd, s.lens + nd, o, qsz, np,
-                        s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
-    } else {
-      const float *kc = static_cast<const float*>(L.k_cache),
-                  *vc = static_cast<const float*>(L.v_cache);
-      const float* q = reinterpret_cast<const float*>(qkv);
-      float* o = reinterpret_cast<float*>(att);
-      if (nd)
-        ps_decode_f32(q, qkvw, kc, vc, s.tables, s.tstride, s.lens, o, qsz, nd, s.heads,
-                      s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
-      if (np)
-        ps_prefill_f32(q, qkvw, kc, vc, ptab, s.tstride, s.qsl + nd, s.lens + nd, o, qsz, np,
-                       s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, nt);
-    }
+    if (bf16)
+      attend<uint16_t>(s, L, qkv, qkvw, att, qsz, ps_decode_bf16, ps_prefill_bf16);
+    else
+      attend<float>(s, L, qkv, qkvw, att, qsz, ps_decode_f32, ps_prefill_f32);
     gemm(s, att, qsz, qsz, L.o, hid, nullptr, a);
     ps_add_rms_norm(bf16, a, hid, s.residual, s.rs, L.post_norm, h, hid, s.rows, s.hidden,
                     L.post_eps, nt);
