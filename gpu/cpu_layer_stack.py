@@ -217,8 +217,8 @@ class LayerStack:
             kv_caches[0][0].shape[1], torch.get_num_threads(), self.scale, model.norm.eps,
             pos.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-            qsl.data_ptr(), n, meta.num_decodes, residual.data_ptr(), residual.stride(0), model.norm.weight.data_ptr(),
-            out.data_ptr(),
+            qsl.data_ptr(), n, meta.num_decodes, residual.data_ptr(), residual.stride(0),
+            model.norm.weight.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         failed = self._fn(ctypes.byref(step), layers, len(layers))
         if failed:
