@@ -58,21 +58,8 @@ KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2, "amx": 3}
 
 
 def linear_kind(lin: nn.Module) -> str | None:
-    """The packed kernel that runs `lin`'s decode-sized products (AMX: up to AMX_MAX_ROWS
-    rows; the others: any), or None (oneDNN, MKL from some row count, a quantized layer)."""
-    if not isinstance(lin, PackedLinear):
-        return None
-    if lin.amx is not None:
-        return "amx" if lin.dtype == torch.bfloat16 else None
-    if lin.halves is not None:
-        return None
-    if lin.dpbf16:
-        return "dpbf16"
-    if lin.sgemm512:
-        return "sgemm512"
-    if lin.sgemm and lin.plain is None and lin.dtype == torch.float32:
-        return "sgemm"
-    return None
+    """The packed kernel of a stack's projection, or None (a quantized layer, oneDNN...)."""
+    return lin.decode_kernel() if isinstance(lin, PackedLinear) else None
 
 
 def enabled() -> bool:

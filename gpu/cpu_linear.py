@@ -324,6 +324,22 @@ class PackedLinear(nn.Module):
             y = gated_linear(x2, *self.halves)
         return y.view(*x.shape[:-1], inter)
 
+    def decode_kernel(self) -> str | None:
+        """Which of pagestream's kernels forward() and silu_mul() call for decode-sized
+        products (AMX: up to AMX_MAX_ROWS rows; the others: any), as the layer stack
+        (gpu/cpu_layer_stack.py) calls them; None: oneDNN, or MKL from some row count."""
+        if self.amx is not None:
+            return "amx" if self.dtype == torch.bfloat16 else None
+        if self.halves is not None:
+            return None
+        if self.dpbf16:
+            return "dpbf16"
+        if self.sgemm512:
+            return "sgemm512"
+        if self.sgemm and self.plain is None and self.dtype == torch.float32:
+            return "sgemm"
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amx = self.amx is not None and x.dtype == torch.bfloat16
         amx = amx and x.numel() <= AMX_MAX_ROWS * self.in_features

@@ -52,7 +52,8 @@ _SRCS = [
     )
 ]
 _HEADERS = [
-    Path(__file__).with_name(n) for n in ("simd.h", "gemm_common.h", "activation.h", "cpu_cache.h")
+    Path(__file__).with_name(n)
+    for n in ("simd.h", "gemm_common.h", "activation.h", "cpu_cache.h", "entry_points.h")
 ]
 # The GEMMs of one calling convention (ps_{name}, _pack_size, _pack: see _packed_gemm).
 _PACKED_GEMMS = ("sgemm", "sgemm_bf16", "amx_gemm", "dpbf16", "sgemm512")

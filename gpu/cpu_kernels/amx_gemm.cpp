@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "entry_points.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -42,6 +42,7 @@
 
 #include "activation.h"
 #include "cpu_cache.h"
+#include "entry_points.h"
 #include "gemm_common.h"
 
 // The float32 kernel (ps_sgemm512) needs AVX-512F/BW only; the bf16 one AVX512-BF16 too.

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "entry_points.h"
 
 namespace {
 

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "cpu_cache.h"
+#include "entry_points.h"
 #include "simd.h"
 
 namespace {

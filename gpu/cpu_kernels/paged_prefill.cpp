@@ -40,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "entry_points.h"
 #include "simd.h"
 
 namespace {

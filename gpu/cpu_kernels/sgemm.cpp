@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "entry_points.h"
 #include "gemm_common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 
+#include "entry_points.h"
 #include "simd.h"
 
 namespace {
