@@ -82,7 +82,7 @@ class LayerStack:
         self.scale = backend.scale
         # Prompt chunks too, where the backend would give every chunk to the compiled
         # prefill kernel (not SDPA: AMX bf16 long chunks, PAGESTREAM_PREFILL_ATTENTION).
-        self.prefill = backend._sdpa_min_rows(self.dtype) is None
+        self.prefill = backend.sdpa_min_rows(self.dtype) is None
         self._kv: list[tuple[torch.Tensor, ...]] | None = None
         self._layers: ctypes.Array[_Layer] | None = None
         lib = cpu_kernels.load()

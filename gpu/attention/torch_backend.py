@@ -156,12 +156,12 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """Every prefill chunk of the step (the requests after the decodes), into `out`.
         The compiled kernel takes runs of consecutive chunks in one call each, straight from
-        the paged cache (the chunk's K/V are already written); chunks of _sdpa_min_rows
+        the paged cache (the chunk's K/V are already written); chunks of sdpa_min_rows
         tokens or more, or all of them without the kernel, one SDPA call each."""
         nd, n = meta.num_decodes, meta.num_seqs
         min_rows: int | None = 0
         if self._use_cpu_kernel(q):
-            min_rows = self._sdpa_min_rows(q.dtype) if sc[0] is None else None
+            min_rows = self.sdpa_min_rows(q.dtype) if sc[0] is None else None
         lens = meta.query_lens_cpu
         i, start = nd, nd  # decodes are one token each
         while i < n:
@@ -192,7 +192,7 @@ class TorchAttentionBackend(AttentionBackend):
     # steps of 32-256-token prompts (240 vs 320 ms of attention a run).
     SDPA_MIN_ROWS = 320
 
-    def _sdpa_min_rows(self, dtype: torch.dtype) -> int | None:
+    def sdpa_min_rows(self, dtype: torch.dtype) -> int | None:
         """The chunk length from which prefill takes SDPA over the kernel; None: never.
         PAGESTREAM_PREFILL_ATTENTION: auto, kernel (never) or sdpa (every chunk)."""
         if self._prefill_choice != "auto":
