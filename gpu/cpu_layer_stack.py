@@ -50,6 +50,8 @@ class _Step(ctypes.Structure):
         ("tstride", _I64), ("lens", _P), ("qsl", _P), ("seqs", _I), ("decodes", _I),
         ("residual", _P), ("rs", _I64),
         ("final_norm", _P), ("out", _P),
+        ("keep", _P), ("nkeep", _I), ("ktables", _P), ("klens", _P), ("kqsl", _P),
+        ("kseqs", _I),
     ]  # fmt: skip
 
 
@@ -184,12 +186,15 @@ class LayerStack:
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
+        keep: list[int] | None = None,
     ) -> torch.Tensor | None:
-        """The final norm's output [T, hidden], as the fused path returns it; None (nothing
+        """The final norm's output [T, hidden], as the fused path returns it, or with
+        `keep` (see CausalLM.forward) only those rows' [len(keep), hidden]; None (nothing
         done) for a step the stack does not take."""
         if not self._takes(residual, kv_caches, meta):
             return None
         t = residual.shape[0]
+        pruned = self._pruned(keep, meta)
         model = self.model
         layers = self._layer_table(kv_caches)
         pos = positions.contiguous()
@@ -198,16 +203,49 @@ class LayerStack:
         tables = meta.block_tables[:n].contiguous()
         lens = meta.seq_lens[:n].contiguous()
         qsl = meta.query_start_loc[: n + 1].contiguous()
-        out = cpu_kernels.empty_rows(t, self.hidden, self.dtype)  # the lm_head's input
+        rows = t if pruned is None else len(keep or ())
+        out = cpu_kernels.empty_rows(rows, self.hidden, self.dtype)  # the lm_head's input
         step = _Step(
             self.kind, t, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
             kv_caches[0][0].shape[1], torch.get_num_threads(), self.scale, model.norm.eps,
             pos.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
             qsl.data_ptr(), n, meta.num_decodes, residual.data_ptr(), residual.stride(0),
-            model.norm.weight.data_ptr(), out.data_ptr(),
+            model.norm.weight.data_ptr(), out.data_ptr(), None, -1,
         )  # fmt: skip
+        if pruned is not None:
+            kept_rows, ktables, klens, kqsl = pruned
+            step.keep, step.nkeep = kept_rows.data_ptr(), kept_rows.shape[0]
+            step.ktables, step.klens, step.kqsl = ktables.data_ptr(), klens.data_ptr(), kqsl.data_ptr()
+            step.kseqs = klens.shape[0]
         failed = self._fn(ctypes.byref(step), layers, len(layers))
         if failed:
             raise RuntimeError(f"layer stack: layer {failed - 1}'s gated product was refused")
         return out
+
+    @staticmethod
+    def _pruned(
+        keep: list[int] | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The last layer's view of the kept rows (rows, tables, lens, query starts), or
+        None to run every row: where `keep` is not every decode row plus, for some of the
+        prompt chunks, each one's last row (a row inside a chunk would need the chunk's
+        other rows as queries too), or keeps every row anyway."""
+        t, nd = meta.num_tokens, meta.num_decodes
+        if keep is None or len(keep) >= t or keep[:nd] != list(range(nd)):
+            return None
+        qsl = meta.query_start_loc.tolist()
+        ends = {qsl[i + 1] - 1: i for i in range(nd, meta.num_seqs)}
+        seqs = list(range(nd))
+        for row in keep[nd:]:
+            i = ends.get(row)
+            if i is None or (seqs and i <= seqs[-1]):
+                return None
+            seqs.append(i)
+        idx = torch.tensor(seqs, dtype=torch.int64)
+        return (
+            torch.tensor(keep, dtype=torch.int64),
+            meta.block_tables.index_select(0, idx).contiguous(),
+            meta.seq_lens.index_select(0, idx).contiguous(),
+            torch.arange(len(seqs) + 1, dtype=torch.int32),
+        )

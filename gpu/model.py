@@ -219,7 +219,11 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
+        keep: list[int] | None = None,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
+        """keep: the rows the caller reads (ascending), or None.  A path may then return
+        only those rows' [len(keep), hidden], in that order (the CPU layer stack does, for
+        steps with prompt chunks); the caller tells which by the row count."""
         if self.tp is None:
             # Fused CPU path: a plain row copy, not an ATen index_select (an OpenMP region)
             x = cpu_kernels.gather_rows(self.embed_tokens.weight, input_ids) if self.fused else None
@@ -228,7 +232,7 @@ class CausalLM(nn.Module):
         else:
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         if self.fused:
-            return self._forward_fused(x, positions, kv_caches, meta)
+            return self._forward_fused(x, positions, kv_caches, meta, keep)
         rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)
@@ -240,9 +244,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
+        keep: list[int] | None = None,
     ) -> torch.Tensor:
         if self.layer_stack is not None:  # every layer in one compiled call
-            h = self.layer_stack.run(residual, positions, kv_caches, meta)
+            h = self.layer_stack.run(residual, positions, kv_caches, meta, keep)
             if h is not None:
                 return h
         rope = (positions, self.rotary.cos, self.rotary.sin)

@@ -291,7 +291,12 @@ class ModelRunner:
             else:
                 inputs = self._prepare(scheduled, errors, dec)
                 samples, verify = inputs.samples, inputs.verify
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                keep = inputs.keep
+                hidden = self.model(
+                    inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, keep
+                )
+                if keep is not None and hidden.shape[0] != inputs.meta.num_tokens:
+                    samples = samples.among(keep)  # the forward returned only `keep`'s rows
                 for pr in inputs.prompt_rows:
                     out.prompt_logprobs[pr.req_id] = self._prompt_logprobs(hidden, pr)
             if samples.states:
@@ -485,13 +490,22 @@ class ModelRunner:
         nd = len(dec.req_ids) if dec is not None else 0
         qs = batch.query_start[nd:]
         last_rows = [qs[i] + len(r.input_ids) - 1 for i, r in enumerate(ordered)]
+        samples = self._sample_rows(ordered, last_rows, errors, dec)
+        prompt_rows = self._prompt_rows(ordered, qs)
+        verify = [(r, row) for r, row in zip(ordered, last_rows, strict=True) if r.num_draft]
+        meta = batch.meta
+        # Prompt logprobs and speculative verification read other rows' hidden states.
+        keep = None
+        if not prompt_rows and not verify and self.spec is None:
+            keep = samples.kept_rows(meta.num_tokens, meta.num_decodes)
         return StepInputs(
             input_ids=batch.input_ids,
             positions=batch.positions,
-            meta=batch.meta,
-            samples=self._sample_rows(ordered, last_rows, errors, dec),
-            prompt_rows=self._prompt_rows(ordered, qs),
-            verify=[(r, row) for r, row in zip(ordered, last_rows, strict=True) if r.num_draft],
+            meta=meta,
+            samples=samples,
+            prompt_rows=prompt_rows,
+            verify=verify,
+            keep=keep,
         )
 
     def _prompt_rows(

@@ -27,6 +27,20 @@ class SampleRows:
         n = self.rows.shape[0]
         return hidden[:n] if self.leading else hidden.index_select(0, self.rows)
 
+    def kept_rows(self, num_tokens: int, num_decodes: int) -> list[int] | None:
+        """The step's rows a forward must carry to the end for these samples (ascending;
+        every decode row, then the sampled rows after them), or None where that is every
+        row.  See CausalLM.forward's `keep`."""
+        rows = sorted(set(range(num_decodes)).union(self.rows.tolist()))
+        return rows if len(rows) < num_tokens else None
+
+    def among(self, keep: list[int]) -> SampleRows:
+        """The same samples read from a forward that returned only `keep`'s rows."""
+        at = {row: i for i, row in enumerate(keep)}
+        rows = [at[r] for r in self.rows.tolist()]
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.rows.device)
+        return SampleRows(idx, self.states, self.ids, leading=rows == list(range(len(rows))))
+
 
 @dataclass
 class PromptRows:
@@ -49,3 +63,5 @@ class StepInputs:
     prompt_rows: list[PromptRows]
     # Verify chunks: each request with draft tokens, and the row of its last known token.
     verify: list[tuple[ScheduledRequest, int]]
+    # The rows the forward may stop carrying all others at (CausalLM.forward), or None.
+    keep: list[int] | None = None

@@ -19,6 +19,7 @@
 // decides when a step may come here.
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "entry_points.h"
@@ -57,7 +58,16 @@ struct Step {
   void* residual;            // [rows, hidden] (row stride rs), updated in place
   int64_t rs;
   const void* final_norm;    // [hidden]
-  void* out;                 // [rows, hidden], dense: the final norm's output
+  void* out;                 // [rows, hidden] (or [nkeep, hidden]), dense: the final norm's output
+  // The rows the caller reads (ascending; nkeep -1: all).  Past the last layer's K/V store only
+  // they go on (see ps_layer_stack), attended as the sequences below: each decode row's
+  // own, then each kept prompt chunk's last row as a one-row chunk at the chunk's end.
+  const int64_t* keep;
+  int nkeep;
+  const int32_t* ktables;    // [kseqs, tstride]
+  const int32_t* klens;      // [kseqs]
+  const int32_t* kqsl;       // [kseqs + 1]: 0, 1, ..., nkeep
+  int kseqs;
 };
 
 // y = x . w^T (+ bias) on the step's kernel.
@@ -147,6 +157,12 @@ int ps_layer_stack(const Step* sp, const Layer* layers, int nlayers) {
   for (int i = 0; i < 6; ++i) bufs[i] = p, p += (sizes[i] * es + 63) / 64 * 64;
   char *h = bufs[0], *qkv = bufs[1], *att = bufs[2], *a = bufs[3], *g = bufs[4], *m = bufs[5];
   const int nt = s.nthreads;
+  // The last layer past its K/V store, for the kept rows only: the step's view of them.
+  Step kept = s;
+  if (s.nkeep >= 0) {
+    kept.rows = s.nkeep;
+    kept.tables = s.ktables, kept.lens = s.klens, kept.qsl = s.kqsl, kept.seqs = s.kseqs;
+  }
   const void* add = nullptr;  // what the next norm adds into the residual first
   for (int l = 0; l < nlayers; ++l) {
     const Layer& L = layers[l];
@@ -159,19 +175,35 @@ int ps_layer_stack(const Step* sp, const Layer* layers, int nlayers) {
             s.head_dim, nt);
     ps_write_kv(-1, bf16, k, qkvw, v, qkvw, L.k_cache, L.v_cache, nullptr, nullptr, s.slots,
                 s.rows, s.kv_heads, s.head_dim, nt);
+    const bool prune = s.nkeep >= 0 && l == nlayers - 1;
+    if (prune) {
+      // Every row's K/V is in the cache for later steps; nothing after this point reaches
+      // another row's output, so the rows nobody reads stop here (a prompt chunk's rows
+      // but its last: ~1/nlayers of a prompt's FLOPs).  Each row's sums are the same
+      // whatever the batch (the kernels' contract), so the kept rows keep their bits.
+      // Moved down in place: keep is ascending, so row keep[j] >= j is not yet overwritten.
+      char* res = static_cast<char*>(s.residual);
+      for (int j = 0; j < s.nkeep; ++j) {
+        if (s.keep[j] == j) continue;
+        std::memmove(qkv + j * qkvw * es, qkv + s.keep[j] * qkvw * es, qsz * es);
+        std::memmove(res + j * s.rs * es, res + s.keep[j] * s.rs * es, hid * es);
+      }
+      if (s.nkeep == 0) return 0;  // K/V only: no row samples this step
+    }
+    const Step& c = prune ? kept : s;
     if (bf16)
-      attend<uint16_t>(s, L, qkv, qkvw, att, qsz, ps_decode_bf16, ps_prefill_bf16);
+      attend<uint16_t>(c, L, qkv, qkvw, att, qsz, ps_decode_bf16, ps_prefill_bf16);
     else
-      attend<float>(s, L, qkv, qkvw, att, qsz, ps_decode_f32, ps_prefill_f32);
-    gemm(s, att, qsz, qsz, L.o, hid, nullptr, a);
-    ps_add_rms_norm(bf16, a, hid, s.residual, s.rs, L.post_norm, h, hid, s.rows, s.hidden,
+      attend<float>(c, L, qkv, qkvw, att, qsz, ps_decode_f32, ps_prefill_f32);
+    gemm(c, att, qsz, qsz, L.o, hid, nullptr, a);
+    ps_add_rms_norm(bf16, a, hid, s.residual, s.rs, L.post_norm, h, hid, c.rows, s.hidden,
                     L.post_eps, nt);
-    if (!gated(s, h, L.gate_up, g)) return 1 + l;
-    gemm(s, g, s.inter, s.inter, L.down, hid, nullptr, m);
+    if (!gated(c, h, L.gate_up, g)) return 1 + l;
+    gemm(c, g, s.inter, s.inter, L.down, hid, nullptr, m);
     add = m;
   }
-  ps_add_rms_norm(bf16, add, hid, s.residual, s.rs, s.final_norm, s.out, hid, s.rows, s.hidden,
-                  s.final_eps, nt);
+  ps_add_rms_norm(bf16, add, hid, s.residual, s.rs, s.final_norm, s.out, hid, kept.rows,
+                  s.hidden, s.final_eps, nt);
   return 0;
 }
 

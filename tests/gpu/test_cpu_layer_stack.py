@@ -95,8 +95,8 @@ def test_steps_with_prompt_rows(prefill, monkeypatch):
     mixed = []
     real_run = LayerStack.run
 
-    def counted(self, residual, positions, kv_caches, meta):
-        h = real_run(self, residual, positions, kv_caches, meta)
+    def counted(self, residual, positions, kv_caches, meta, keep=None):
+        h = real_run(self, residual, positions, kv_caches, meta, keep)
         if meta.num_decodes < meta.num_seqs:
             mixed.append((meta.num_decodes > 0, h is not None))
         return h
@@ -150,3 +150,57 @@ def test_models_it_does_not_take_keep_the_python_path(monkeypatch):
         assert stack.run(residual, torch.zeros(t, dtype=torch.int64), kv, meta) is None
     finally:
         llm.shutdown()
+
+
+def test_last_layer_carries_only_the_rows_that_sample(monkeypatch):
+    """Past the last layer's K/V store a step carries only the rows it samples from (every
+    decode row, each finished prompt chunk's last row): steps with prompt chunks return
+    fewer rows, a chunk that ends mid-prompt none, and the tokens, logprobs and later
+    steps (which read every row's K/V) match the stack-free run, forks (n = 2, two samples
+    from one row) and seeded sampling included.  A request with prompt logprobs reads every
+    prompt row: its steps carry them all."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    dtype = "bfloat16" if cpu_kernels.dpbf16_available() else "float32"
+    model = str(tiny_checkpoint("qwen2"))
+    # The long prompt first: the first step is a chunk of it alone, which samples nothing.
+    prompts = [list(range(40, 240)), [5, 6, 7], [9] * 18, list(range(3, 60))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    forked = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=8, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    steps = []
+    real_run = LayerStack.run
+
+    def counted(self, residual, positions, kv_caches, meta, keep=None):
+        h = real_run(self, residual, positions, kv_caches, meta, keep)
+        if h is not None and meta.num_decodes < meta.num_seqs:
+            steps.append((meta.num_tokens, h.shape[0]))
+        return h
+
+    monkeypatch.setattr(LayerStack, "run", counted)
+
+    def outputs(flag: str, params) -> list:
+        monkeypatch.setenv("PAGESTREAM_LAYER_STACK", flag)
+        llm = LLM(model, dtype=dtype, num_kv_blocks=64, threads=2, max_num_batched_tokens=64)
+        try:
+            got = llm.generate(prompts, params)
+            return [
+                ([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
+                 o.prompt_logprobs)
+                for o in got
+            ]  # fmt: skip
+        finally:
+            llm.shutdown()
+
+    for params in (greedy, forked):
+        steps.clear()
+        assert outputs("1", params) == outputs("0", params)
+        # Every prompt step ran on fewer rows than it fed; some carried no row at all (a
+        # 64-token budget cuts the 200-token prompt into chunks).
+        assert steps and all(rows < tokens for tokens, rows in steps), steps
+        assert any(rows == 0 for _, rows in steps), steps
+    steps.clear()
+    assert outputs("1", scored) == outputs("0", scored)
+    assert steps and all(rows == tokens for tokens, rows in steps), steps
