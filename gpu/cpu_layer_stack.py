@@ -216,17 +216,15 @@ class LayerStack:
         if pruned is not None:
             kept_rows, ktables, klens, kqsl = pruned
             step.keep, step.nkeep = kept_rows.data_ptr(), kept_rows.shape[0]
-            step.ktables, step.klens, step.kqsl = ktables.data_ptr(), klens.data_ptr(), kqsl.data_ptr()
-            step.kseqs = klens.shape[0]
+            step.ktables, step.klens = ktables.data_ptr(), klens.data_ptr()
+            step.kqsl, step.kseqs = kqsl.data_ptr(), klens.shape[0]
         failed = self._fn(ctypes.byref(step), layers, len(layers))
         if failed:
             raise RuntimeError(f"layer stack: layer {failed - 1}'s gated product was refused")
         return out
 
     @staticmethod
-    def _pruned(
-        keep: list[int] | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, ...] | None:
+    def _pruned(keep: list[int] | None, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
         """The last layer's view of the kept rows (rows, tables, lens, query starts), or
         None to run every row: where `keep` is not every decode row plus, for some of the
         prompt chunks, each one's last row (a row inside a chunk would need the chunk's
