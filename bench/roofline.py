@@ -39,20 +39,27 @@ class WorkloadFlops:
 
 
 def workload_flops(cfg: ModelConfig, work: list[Item]) -> WorkloadFlops:
-    """FLOPs (multiply-add = 2) of running `work` greedily to each item's max_tokens with
-    no prefix reuse: every prompt token and every generated token but the last is fed
-    through the layers once (the last sampled token is never fed back)."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
+    """FLOPs (multiply-add = 2) that running `work` greedily to each item's max_tokens
+    with no prefix reuse needs: every prompt token and every generated token but the last
+    is fed through the layers once (the last sampled token is never fed back), except
+    that in the last layer a prompt token other than the prompt's last needs only its K
+    and V (nothing else reads what follows them: pagestream's CPU layer stack stops such
+    rows there; an engine that carries them on does more than this)."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     per_token = 2 * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * inter)
+    kv_only = 2 * h * 2 * cfg.kv_size
     fed = sum(len(w.prompt) + w.max_tokens - 1 for w in work)
+    unread = sum(len(w.prompt) - 1 for w in work)  # prompt rows past their last layer's K/V
     sampled = sum(w.max_tokens for w in work)
-    # Position p (0-based) attends to p + 1 keys: QK^T and PV, 2 FLOPs per multiply-add each.
+    # Position p (0-based) attends to p + 1 keys: QK^T and PV, 2 FLOPs per multiply-add each;
+    # in the last layer positions 0 .. len(prompt) - 2 do not.
     attn_per_key = 2 * 2 * cfg.num_heads * cfg.head_dim
     keys = sum(n * (n + 1) // 2 for n in (len(w.prompt) + w.max_tokens - 1 for w in work))
+    unread_keys = sum((n - 1) * n // 2 for n in (len(w.prompt) for w in work))
     return WorkloadFlops(
-        projections=float(per_token) * fed * cfg.num_layers,
+        projections=float(per_token) * fed * layers - float(per_token - kv_only) * unread,
         lm_head=2.0 * h * cfg.vocab_size * sampled,
-        attention=float(attn_per_key) * keys * cfg.num_layers,
+        attention=float(attn_per_key) * (keys * layers - unread_keys),
     )
 
 

@@ -195,6 +195,8 @@ class LayerStack:
             return None
         t = residual.shape[0]
         pruned = self._pruned(keep, meta)
+        if pruned is None and keep is not None and len(keep) < t:
+            return None  # rows it cannot attend for alone: the Python path cuts them later
         model = self.model
         layers = self._layer_table(kv_caches)
         pos = positions.contiguous()
@@ -226,9 +228,9 @@ class LayerStack:
     @staticmethod
     def _pruned(keep: list[int] | None, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
         """The last layer's view of the kept rows (rows, tables, lens, query starts), or
-        None to run every row: where `keep` is not every decode row plus, for some of the
-        prompt chunks, each one's last row (a row inside a chunk would need the chunk's
-        other rows as queries too), or keeps every row anyway."""
+        None: where `keep` keeps every row, or is not every decode row plus, for some of
+        the prompt chunks, each one's last row (a row inside a chunk would need the
+        chunk's other rows as queries too)."""
         t, nd = meta.num_tokens, meta.num_decodes
         if keep is None or len(keep) >= t or keep[:nd] != list(range(nd)):
             return None

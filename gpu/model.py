@@ -102,7 +102,8 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, ...],  # cos, sin: [T, 1, D/2]; fused: positions, tables
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        rows: torch.Tensor | None = None,  # the last layer: the rows read after it
+    ) -> torch.Tensor:  # [T, hidden], or [len(rows), hidden]
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -119,7 +120,10 @@ class Attention(nn.Module):
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # kv_cache: (k, v), or (k, v, k_scale, v_scale) for a quantized cache.
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:])
-        out = self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        if rows is not None:  # every row's K/V is stored: the rest goes on for `rows` only
+            o = o.index_select(0, rows)
+        out = self.o_proj(o)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -163,8 +167,10 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,  # see Attention.forward
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        a = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, rows)
+        x = (x if rows is None else x.index_select(0, rows)) + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(
@@ -174,12 +180,16 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, ...],
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        rows: torch.Tensor | None = None,  # see Attention.forward
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The CPU path: each residual add is fused into the norm that follows it, so the
-        layer returns its MLP output for the next layer's (or the final) norm to add."""
-        a = self.self_attn(h, rope, kv_cache, meta)
+        layer returns its MLP output for the next layer's (or the final) norm to add, and
+        the residual (`rows`' rows of it where given)."""
+        a = self.self_attn(h, rope, kv_cache, meta, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         norm = self.post_attention_layernorm
-        return self.mlp(cpu_kernels.add_rms_norm(a, residual, norm.weight, norm.eps))
+        return self.mlp(cpu_kernels.add_rms_norm(a, residual, norm.weight, norm.eps)), residual
 
 
 class CausalLM(nn.Module):
@@ -221,9 +231,15 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         keep: list[int] | None = None,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
-        """keep: the rows the caller reads (ascending), or None.  A path may then return
-        only those rows' [len(keep), hidden], in that order (the CPU layer stack does, for
-        steps with prompt chunks); the caller tells which by the row count."""
+        """keep: the rows the caller reads (ascending), or None; then only those rows'
+        [len(keep), hidden] come back, in that order, where keep is not every row.  Every
+        row's K/V is still stored in every layer, but past the last layer's attention
+        nothing of one row reaches another, so the rest of that layer (o_proj, the MLP:
+        ~1/num_layers of a prompt's FLOPs) runs for the kept rows only.  The CPU layer
+        stack also attends for them only."""
+        rows = None
+        if keep is not None and len(keep) < input_ids.shape[0]:
+            rows = torch.tensor(keep, dtype=torch.int64).to(input_ids.device)
         if self.tp is None:
             # Fused CPU path: a plain row copy, not an ATen index_select (an OpenMP region)
             x = cpu_kernels.gather_rows(self.embed_tokens.weight, input_ids) if self.fused else None
@@ -232,10 +248,11 @@ class CausalLM(nn.Module):
         else:
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         if self.fused:
-            return self._forward_fused(x, positions, kv_caches, meta, keep)
+            return self._forward_fused(x, positions, kv_caches, meta, keep, rows)
         rope = self.rotary.tables(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, rope, kv, meta, rows if i == last else None)
         return self.norm(x)
 
     def _forward_fused(
@@ -245,6 +262,7 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
         keep: list[int] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.layer_stack is not None:  # every layer in one compiled call
             h = self.layer_stack.run(residual, positions, kv_caches, meta, keep)
@@ -254,8 +272,11 @@ class CausalLM(nn.Module):
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         first = self.layers[0].input_layernorm
         h = cpu_kernels.add_rms_norm(None, residual, first.weight, first.eps)
-        for layer, kv, norm in zip(self.layers, kv_caches, norms, strict=True):
-            m = layer.forward_fused(h, residual, rope, kv, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv, norm) in enumerate(zip(self.layers, kv_caches, norms, strict=True)):
+            m, residual = layer.forward_fused(
+                h, residual, rope, kv, meta, rows if i == last else None
+            )
             h = cpu_kernels.add_rms_norm(m, residual, norm.weight, norm.eps)
         return h
 

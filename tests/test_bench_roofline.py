@@ -29,12 +29,15 @@ def test_flops_by_hand() -> None:
     cfg = _cfg()  # head_dim 16: q 64, kv 32
     work = [Item(prompt=[1, 2, 3], max_tokens=2), Item(prompt=[4], max_tokens=1)]
     f = workload_flops(cfg, work)
-    # Fed tokens: 3 + 1 and 1 + 0 (the last sampled token never runs) = 5.
+    # Fed tokens: 3 + 1 and 1 + 0 (the last sampled token never runs) = 5; in the last
+    # layer the first prompt's positions 0 and 1 need only K and V.
     per_token = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)
-    assert f.projections == per_token * 5 * 2
+    kv_only = 2 * 64 * 2 * 32
+    assert f.projections == per_token * 5 * 2 - (per_token - kv_only) * 2
     assert f.lm_head == 2 * 64 * 100 * 3
-    # Keys seen: positions 0..3 of the first (1+2+3+4) and position 0 of the second (1).
-    assert f.attention == 2 * 2 * 4 * 16 * (10 + 1) * 2
+    # Keys seen: positions 0..3 of the first (1+2+3+4) and position 0 of the second (1),
+    # in both layers but for positions 0 and 1 of the first in the last (1+2).
+    assert f.attention == 2 * 2 * 4 * 16 * ((10 + 1) * 2 - 3)
     assert f.total == f.projections + f.lm_head + f.attention
 
 
