@@ -464,7 +464,7 @@ class ModelRunner:
                     states.append(self.requests[rid])
                     ids.append(rid)
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return SampleRows(idx, states, ids, leading=rows == list(range(len(rows))))
+        return SampleRows(idx, states, ids, rows == list(range(len(rows))), rows)
 
     def _prepare(
         self,

@@ -22,6 +22,8 @@ class SampleRows:
     # rows are 0 .. R-1 (every row samples, once, in order: e.g. an all-decode step), so
     # the first R hidden rows are the sampled ones as they lie, without a gather.
     leading: bool = False
+    # rows on the host (the step's planning reads them without a device sync).
+    host: list[int] | None = None
 
     def hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [R, H]
         n = self.rows.shape[0]
@@ -31,15 +33,18 @@ class SampleRows:
         """The step's rows a forward must carry to the end for these samples (ascending;
         every decode row, then the sampled rows after them), or None where that is every
         row.  See CausalLM.forward's `keep`."""
-        rows = sorted(set(range(num_decodes)).union(self.rows.tolist()))
+        rows = sorted(set(range(num_decodes)).union(self._host()))
         return rows if len(rows) < num_tokens else None
 
     def among(self, keep: list[int]) -> SampleRows:
         """The same samples read from a forward that returned only `keep`'s rows."""
         at = {row: i for i, row in enumerate(keep)}
-        rows = [at[r] for r in self.rows.tolist()]
+        rows = [at[r] for r in self._host()]
         idx = torch.tensor(rows, dtype=torch.int64, device=self.rows.device)
-        return SampleRows(idx, self.states, self.ids, leading=rows == list(range(len(rows))))
+        return SampleRows(idx, self.states, self.ids, rows == list(range(len(rows))), rows)
+
+    def _host(self) -> list[int]:
+        return self.host if self.host is not None else self.rows.tolist()
 
 
 @dataclass
