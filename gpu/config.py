@@ -14,12 +14,15 @@ import torch
 from gpu import cpu_features
 from gpu.cpu_features import CpuFeatures
 
-# architecture name -> (q/k/v bias, per-head q/k RMSNorm)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
+# architecture name -> (biases, per-head q/k RMSNorm).  Biases as transformers builds the
+# attention: "config" = q/k/v and o_proj all follow config.json's attention_bias (default
+# false), "qkv" = q/k/v always and o_proj never (Qwen2), "none" = never (Mistral: it has
+# no such field and ignores one).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "LlamaForCausalLM": ("config", False),
+    "MistralForCausalLM": ("none", False),
+    "Qwen2ForCausalLM": ("qkv", False),
+    "Qwen3ForCausalLM": ("config", True),
 }
 
 
@@ -104,7 +107,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v projections
     qk_norm: bool
     sliding_window: int | None
     hidden_act: str
@@ -112,6 +115,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None
     awq_group_size: int | None = None  # an AutoAWQ INT4 (GEMM) checkpoint's group size
+    o_proj_bias: bool = False
 
     @property
     def q_size(self) -> int:
@@ -131,7 +135,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         arch = _architecture(raw)
-        bias_default, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        biases, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        from_config = biases == "config" and bool(raw.get("attention_bias", False))
         hidden, heads, kv_heads, head_dim = _attention_shape(raw)
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
@@ -156,7 +161,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", bias_default)),
+            attention_bias=biases == "qkv" or from_config,
+            o_proj_bias=from_config,
             qk_norm=qk_norm,
             sliding_window=int(sliding) if sliding else None,
             hidden_act=act,

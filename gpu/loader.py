@@ -75,6 +75,8 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (cfg.kv_size,),
                 p + "self_attn.v_proj.bias": (cfg.kv_size,),
             }
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     if cfg.awq_group_size:
@@ -107,7 +109,12 @@ def _read_sliced(f: object, name: str, cfg: ModelConfig, tp: TPGroup | None) -> 
     """The whole tensor, or only this rank's slice of it (read from the file as such)."""
     rng = None if tp is None else shard_range(name, cfg, tp)
     if rng is None:
-        return f.get_tensor(name)  # type: ignore[attr-defined]
+        t = f.get_tensor(name)  # type: ignore[attr-defined]
+        if tp is not None and tp.rank != 0 and name.endswith("self_attn.o_proj.bias"):
+            # o_proj is row-parallel: the ranks' partial sums are added up, so its bias is
+            # added on one rank only.
+            t = torch.zeros_like(t)
+        return t
     dim, lo, hi = rng
     sl = f.get_slice(name)  # type: ignore[attr-defined]
     return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
@@ -176,6 +183,8 @@ def _to_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
             sd[q + "self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
             sd[q + "self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
         sd[q + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+        if cfg.o_proj_bias:
+            sd[q + "self_attn.o_proj.bias"] = hf[attn + "o_proj.bias"]
         sd[q + "mlp.gate_up_proj.weight"] = torch.cat(
             [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
         )

@@ -227,7 +227,10 @@ def state_dict_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias"))
+    # As transformers builds them: Qwen2 biases q/k/v always and o_proj never; Llama and
+    # Qwen3 bias all four by attention_bias; Mistral none.
+    o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias"))
+    qkv_bias = arch == "Qwen2ForCausalLM" or o_bias
     qk_norm = arch == "Qwen3ForCausalLM"
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], hidden)}
     for i in range(cfg["num_hidden_layers"]):
@@ -241,6 +244,8 @@ def state_dict_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes[f"{attn}.k_proj.bias"] = (kv_size,)
             shapes[f"{attn}.v_proj.bias"] = (kv_size,)
         shapes[f"{attn}.o_proj.weight"] = (hidden, q_size)
+        if o_bias:
+            shapes[f"{attn}.o_proj.bias"] = (hidden,)
         if qk_norm:
             shapes[f"{attn}.q_norm.weight"] = (head_dim,)
             shapes[f"{attn}.k_norm.weight"] = (head_dim,)

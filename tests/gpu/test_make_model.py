@@ -44,9 +44,13 @@ def _load_hf(path: Path) -> tuple[torch.nn.Module, dict, list[str]]:
     return model.eval(), info, handler.messages
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_transformers_loads_every_tensor(arch: str) -> None:
-    path = tiny_checkpoint(arch)
+# attention_bias: Llama and Qwen3 then bias o_proj as well as q/k/v.
+@pytest.mark.parametrize(
+    "arch, over",
+    [(a, {}) for a in ARCHS] + [(a, {"attention_bias": True}) for a in ("llama", "qwen3")],
+)
+def test_transformers_loads_every_tensor(arch: str, over: dict) -> None:
+    path = tiny_checkpoint(arch, **over)
     model, info, warnings = _load_hf(path)
     assert {k: v for k, v in info.items() if v} == {}, info
     assert warnings == []

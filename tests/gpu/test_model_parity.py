@@ -26,6 +26,8 @@ CASES = {
     "llama3-rope": ("llama3", {}),
     "mistral": ("mistral", {}),
     "qwen2-bias": ("qwen2", {}),
+    "llama-bias": ("llama", {"attention_bias": True}),  # o_proj's too
+    "qwen3-bias": ("qwen3", {"attention_bias": True}),
     "qwen3-qknorm": ("qwen3", {}),
     "llama-mqa": ("llama", {"num_key_value_heads": 1}),
     "llama-mha": ("llama", {"num_key_value_heads": 4}),

@@ -29,6 +29,8 @@ CASES = [
     pytest.param(("qwen2", {"tie_word_embeddings": True}), id="qwen2-bias-tied",
                  marks=pytest.mark.slow),
     pytest.param(("qwen3", {}), id="qwen3-qknorm", marks=pytest.mark.slow),
+    # o_proj's bias, added once to the row-parallel sum
+    pytest.param(("llama", {"attention_bias": True}), id="llama-bias", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 # A small cache (16 blocks of 4 tokens) and a 16-token step budget: the four requests
@@ -90,6 +92,8 @@ def test_each_rank_holds_half_the_sharded_weights(tp2):
     norms = 4 * cfg.hidden_size * (2 * cfg.num_layers + 1)  # replicated, float32
     if cfg.qk_norm:
         norms += 4 * 2 * cfg.head_dim * cfg.num_layers
+    if cfg.o_proj_bias:  # whole on every rank (zeros but on rank 0)
+        norms += 4 * cfg.hidden_size * cfg.num_layers
     with LLM(path, **ENGINE) as llm1:
         full = llm1.engine.runner.weight_bytes
     kv_replicated = cfg.num_kv_heads < 2
