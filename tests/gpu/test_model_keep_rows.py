@@ -1,7 +1,9 @@
 """CausalLM.forward's `keep`: past the last layer's attention only the rows a step reads
 go on.  On every forward path (the generic one the GPU runs, the fused CPU one, the
-compiled layer stack) the kept rows' hidden states are the bits of the full forward's,
-and the K/V every row leaves in the cache are the same."""
+compiled layer stack) the kept rows' hidden states are the bits of the full forward's
+where every projection runs on one of pagestream's packed kernels (each row's sums do not
+depend on the batch there; oneDNN's may, so on its products they are only close), and
+the K/V every row leaves in the cache are the same."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from gpu import cpu_kernels
+from gpu.cpu_layer_stack import linear_kind
 from gpu.model_runner import ModelRunner
 from gpu.sampler import RequestSamplingState
 from scheduler.contract import NewRequestData, ScheduledRequest, apply_block_delta
@@ -74,6 +77,12 @@ def test_kept_rows_have_the_full_forwards_bits(arch, dtype):
     assert keep == [0, 1, 12, 41], keep
     assert inputs.samples.among(keep).rows.tolist() == [0, 1, 2, 3]
     model = runner.model
+    exact = all(
+        linear_kind(lin) is not None
+        for layer in model.layers
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj)
+    )  # fmt: skip
     for path in _paths(dtype):
         if path == "stack" and stack is None:
             continue
@@ -83,6 +92,9 @@ def test_kept_rows_have_the_full_forwards_bits(arch, dtype):
             cache = [[t.clone() for t in kv] for kv in runner.kv_caches]
             cut = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, keep)
         assert full.shape[0] == inputs.meta.num_tokens and cut.shape[0] == len(keep), path
-        assert torch.equal(cut, full[keep]), path
+        if exact:
+            assert torch.equal(cut, full[keep]), path
+        else:
+            torch.testing.assert_close(cut, full[keep], rtol=2e-2, atol=2e-2)
         for a, b in zip(cache, runner.kv_caches, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), path
