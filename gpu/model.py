@@ -239,7 +239,9 @@ class CausalLM(nn.Module):
         stack also attends for them only."""
         rows = None
         if keep is not None and len(keep) < input_ids.shape[0]:
-            rows = torch.tensor(keep, dtype=torch.int64).to(input_ids.device)
+            # A step that reads no row still carries one through the Python paths (not
+            # every kernel takes an empty product) and returns none.
+            rows = torch.tensor(keep or [0], dtype=torch.int64).to(input_ids.device)
         if self.tp is None:
             # Fused CPU path: a plain row copy, not an ATen index_select (an OpenMP region)
             x = cpu_kernels.gather_rows(self.embed_tokens.weight, input_ids) if self.fused else None
@@ -248,12 +250,14 @@ class CausalLM(nn.Module):
         else:
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         if self.fused:
-            return self._forward_fused(x, positions, kv_caches, meta, keep, rows)
-        rope = self.rotary.tables(positions, x.dtype)
-        last = len(self.layers) - 1
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, rope, kv, meta, rows if i == last else None)
-        return self.norm(x)
+            h = self._forward_fused(x, positions, kv_caches, meta, keep, rows)
+        else:
+            rope = self.rotary.tables(positions, x.dtype)
+            last = len(self.layers) - 1
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                x = layer(x, rope, kv, meta, rows if i == last else None)
+            h = self.norm(x)
+        return h[:0] if keep == [] else h
 
     def _forward_fused(
         self,

@@ -91,6 +91,10 @@ def test_kept_rows_have_the_full_forwards_bits(arch, dtype):
             full = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
             cache = [[t.clone() for t in kv] for kv in runner.kv_caches]
             cut = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, keep)
+            # A step that reads no row (here: the stack declines it, as it leaves decode
+            # rows out; the Python paths carry one row and return none).
+            none = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, [])
+        assert none.shape == (0, full.shape[1]), path
         assert full.shape[0] == inputs.meta.num_tokens and cut.shape[0] == len(keep), path
         if exact:
             assert torch.equal(cut, full[keep]), path
