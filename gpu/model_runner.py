@@ -496,7 +496,7 @@ class ModelRunner:
         meta = batch.meta
         # Prompt logprobs and speculative verification read other rows' hidden states.
         keep = None
-        if not prompt_rows and not verify and self.spec is None:
+        if not prompt_rows and not verify:
             keep = samples.kept_rows(meta.num_tokens, meta.num_decodes)
         return StepInputs(
             input_ids=batch.input_ids,
