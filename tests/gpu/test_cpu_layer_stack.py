@@ -155,10 +155,12 @@ def test_models_it_does_not_take_keep_the_python_path(monkeypatch):
 def test_last_layer_carries_only_the_rows_that_sample(monkeypatch):
     """Past the last layer's K/V store a step carries only the rows it samples from (every
     decode row, each finished prompt chunk's last row): steps with prompt chunks return
-    fewer rows, a chunk that ends mid-prompt none, and the tokens, logprobs and later
-    steps (which read every row's K/V) match the stack-free run, forks (n = 2, two samples
-    from one row) and seeded sampling included.  A request with prompt logprobs reads every
-    prompt row: its steps carry them all."""
+    fewer rows, a chunk that ends mid-prompt none, with the stack (where it takes prompt
+    steps: not on AMX bf16, whose long chunks go to SDPA) and without it, and the tokens,
+    logprobs and later steps (which read every row's K/V) match a run that cuts nothing,
+    forks (n = 2, two samples from one row) and seeded sampling included.  A request with
+    prompt logprobs reads every prompt row: its steps carry them all."""
+    from gpu.model import CausalLM
     from gpu.step_rows import SampleRows
     from scheduler.sampling_params import SamplingParams
     from service.llm import LLM
@@ -171,24 +173,25 @@ def test_last_layer_carries_only_the_rows_that_sample(monkeypatch):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     forked = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=8, ignore_eos=True)
     scored = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
-    steps = []
-    real_run = LayerStack.run
+    steps: list[tuple[int, int]] = []  # (rows fed, rows returned) of steps with prompt rows
+    real_forward = CausalLM.forward
     real_kept = SampleRows.kept_rows
 
-    def counted(self, residual, positions, kv_caches, meta, keep=None):
-        h = real_run(self, residual, positions, kv_caches, meta, keep)
-        if h is not None and meta.num_decodes < meta.num_seqs:
+    def counted(self, input_ids, positions, kv_caches, meta, keep=None):
+        h = real_forward(self, input_ids, positions, kv_caches, meta, keep)
+        if meta.num_decodes < meta.num_seqs:
             steps.append((meta.num_tokens, h.shape[0]))
         return h
 
-    monkeypatch.setattr(LayerStack, "run", counted)
+    monkeypatch.setattr(CausalLM, "forward", counted)
 
-    def outputs(flag: str, params, prune: bool = True) -> list:
+    def outputs(flag: str, params, prune: bool = True) -> tuple[list, list]:
         monkeypatch.setenv("PAGESTREAM_LAYER_STACK", flag)
         if not prune:  # the runner asks for every row: no path cuts any
             monkeypatch.setattr(SampleRows, "kept_rows", lambda self, t, nd: None)
         else:
             monkeypatch.setattr(SampleRows, "kept_rows", real_kept)
+        steps.clear()
         llm = LLM(model, dtype=dtype, num_kv_blocks=64, threads=2, max_num_batched_tokens=64)
         try:
             got = llm.generate(prompts, params)
@@ -196,20 +199,20 @@ def test_last_layer_carries_only_the_rows_that_sample(monkeypatch):
                 ([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
                  o.prompt_logprobs)
                 for o in got
-            ]  # fmt: skip
+            ], list(steps)  # fmt: skip
         finally:
             llm.shutdown()
 
     for params in (greedy, forked):
-        steps.clear()
-        on = outputs("1", params)
-        # The Python path cuts the rows after the last layer's attention, and neither cuts
-        # a bit of the kept rows' outputs.
-        assert on == outputs("0", params) == outputs("0", params, prune=False)
-        # Every prompt step ran on fewer rows than it fed; some carried no row at all (a
-        # 64-token budget cuts the 200-token prompt into chunks).
-        assert steps and all(rows < tokens for tokens, rows in steps), steps
-        assert any(rows == 0 for _, rows in steps), steps
-    steps.clear()
-    assert outputs("1", scored) == outputs("0", scored)
-    assert steps and all(rows == tokens for tokens, rows in steps), steps
+        whole, full_steps = outputs("0", params, prune=False)
+        assert full_steps and all(rows == fed for fed, rows in full_steps), full_steps
+        for flag in ("1", "0"):
+            got, cut_steps = outputs(flag, params)
+            assert got == whole, flag
+            # Every prompt step returned fewer rows than it fed; some none at all (the
+            # 64-token budget cuts the 200-token prompt into chunks).
+            assert cut_steps and all(rows < fed for fed, rows in cut_steps), cut_steps
+            assert any(rows == 0 for _, rows in cut_steps), cut_steps
+    scored_on, scored_steps = outputs("1", scored)
+    assert scored_on == outputs("0", scored, prune=False)[0]
+    assert scored_steps and all(rows == fed for fed, rows in scored_steps), scored_steps
