@@ -33,6 +33,8 @@ class SampleRows:
         """The step's rows a forward must carry to the end for these samples (ascending;
         every decode row, then the sampled rows after them), or None where that is every
         row.  See CausalLM.forward's `keep`."""
+        if num_decodes >= num_tokens:  # every row is a decode (the common step): no work
+            return None
         rows = sorted(set(range(num_decodes)).union(self._host()))
         return rows if len(rows) < num_tokens else None
 
