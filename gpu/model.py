@@ -192,6 +192,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(cpu_kernels.add_rms_norm(a, residual, norm.weight, norm.eps)), residual
 
 
+def _carried_rows(keep: list[int] | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The rows the Python paths carry past the last layer's attention (see
+    CausalLM.forward), or None for all.  A step that reads no row still carries one (not
+    every kernel takes an empty product); forward returns none."""
+    if keep is None or len(keep) >= x.shape[0]:
+        return None
+    return torch.tensor(keep or [0], dtype=torch.int64).to(x.device)
+
+
 class CausalLM(nn.Module):
     """Under tensor parallelism `config` is this rank's share (gpu.tp.local_config) and
     `tp` its group: the embedding and lm_head hold a vocabulary slice each."""
@@ -237,11 +246,6 @@ class CausalLM(nn.Module):
         nothing of one row reaches another, so the rest of that layer (o_proj, the MLP:
         ~1/num_layers of a prompt's FLOPs) runs for the kept rows only.  The CPU layer
         stack also attends for them only."""
-        rows = None
-        if keep is not None and len(keep) < input_ids.shape[0]:
-            # A step that reads no row still carries one through the Python paths (not
-            # every kernel takes an empty product) and returns none.
-            rows = torch.tensor(keep or [0], dtype=torch.int64).to(input_ids.device)
         if self.tp is None:
             # Fused CPU path: a plain row copy, not an ATen index_select (an OpenMP region)
             x = cpu_kernels.gather_rows(self.embed_tokens.weight, input_ids) if self.fused else None
@@ -250,8 +254,9 @@ class CausalLM(nn.Module):
         else:
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         if self.fused:
-            h = self._forward_fused(x, positions, kv_caches, meta, keep, rows)
+            h = self._forward_fused(x, positions, kv_caches, meta, keep)
         else:
+            rows = _carried_rows(keep, x)
             rope = self.rotary.tables(positions, x.dtype)
             last = len(self.layers) - 1
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -266,12 +271,12 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
         keep: list[int] | None = None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.layer_stack is not None:  # every layer in one compiled call
             h = self.layer_stack.run(residual, positions, kv_caches, meta, keep)
             if h is not None:
                 return h
+        rows = _carried_rows(keep, residual)
         rope = (positions, self.rotary.cos, self.rotary.sin)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         first = self.layers[0].input_layernorm

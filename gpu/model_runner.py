@@ -463,8 +463,7 @@ class ModelRunner:
                     rows.append(row)
                     states.append(self.requests[rid])
                     ids.append(rid)
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return SampleRows(idx, states, ids, rows == list(range(len(rows))), rows)
+        return SampleRows.of(rows, states, ids, self.device)
 
     def _prepare(
         self,

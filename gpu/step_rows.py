@@ -19,11 +19,21 @@ class SampleRows:
     rows: torch.Tensor  # [R] index into the step's hidden states
     states: list[RequestSamplingState]
     ids: list[str]
+    host: list[int]  # rows on the host (the step's planning reads them without a sync)
     # rows are 0 .. R-1 (every row samples, once, in order: e.g. an all-decode step), so
     # the first R hidden rows are the sampled ones as they lie, without a gather.
-    leading: bool = False
-    # rows on the host (the step's planning reads them without a device sync).
-    host: list[int] | None = None
+    leading: bool
+
+    @classmethod
+    def of(
+        cls,
+        rows: list[int],
+        states: list[RequestSamplingState],
+        ids: list[str],
+        device: torch.device,
+    ) -> SampleRows:
+        idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        return cls(idx, states, ids, rows, rows == list(range(len(rows))))
 
     def hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [R, H]
         n = self.rows.shape[0]
@@ -35,18 +45,13 @@ class SampleRows:
         row.  See CausalLM.forward's `keep`."""
         if num_decodes >= num_tokens:  # every row is a decode (the common step): no work
             return None
-        rows = sorted(set(range(num_decodes)).union(self._host()))
+        rows = sorted(set(range(num_decodes)).union(self.host))
         return rows if len(rows) < num_tokens else None
 
     def among(self, keep: list[int]) -> SampleRows:
         """The same samples read from a forward that returned only `keep`'s rows."""
         at = {row: i for i, row in enumerate(keep)}
-        rows = [at[r] for r in self._host()]
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.rows.device)
-        return SampleRows(idx, self.states, self.ids, rows == list(range(len(rows))), rows)
-
-    def _host(self) -> list[int]:
-        return self.host if self.host is not None else self.rows.tolist()
+        return SampleRows.of([at[r] for r in self.host], self.states, self.ids, self.rows.device)
 
 
 @dataclass
