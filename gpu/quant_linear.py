@@ -166,7 +166,7 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     """Inverse of unpack_awq: [R, 8 C] values 0..15 -> [R, C] int32 (AutoAWQ's layout)."""
     r, n = values.shape
     v = values.to(torch.int64).reshape(r, n // 8, 8)[:, :, list(AWQ_ORDER)]  # nibble order
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
     word = (v << shifts).sum(-1)  # < 2^32
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 

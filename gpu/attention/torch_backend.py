@@ -77,8 +77,8 @@ def paged_attention_reference(
         kc = kc.repeat_interleave(group, dim=1)  # [S, H, D]
         vc = vc.repeat_interleave(group, dim=1)
         scores = torch.einsum("lhd,shd->hls", qi, kc) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
-        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [L, S]
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [L, S]
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, vc).to(q.dtype)

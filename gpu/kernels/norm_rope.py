@@ -268,6 +268,10 @@ def apply_rotary(
         DTYPE=tl_dtype(q.dtype),
         SOFT_BF16=is_interpreted(_rotary_kernel),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        # Without this the compiler turns round(x1*cos) - round(x2*sin) into one fused
+        # multiply-add in bf16/fp16 (seen in the sm_90 PTX, and on an H200 as 1-ulp
+        # differences from torch): torch rounds each product, and so must we.
+        enable_fp_fusion=False,
     )
 
 
