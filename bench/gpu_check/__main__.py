@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_check`: run the three parts and write the markdown table."""
+"""`python -m bench.gpu_check`: run the four parts and write the markdown table."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ from typing import Any
 from bench.gpu_check.common import DRY_SIZES, ROOT, Report, Sizes, guarded
 from bench.gpu_check.e2e import part_e2e
 from bench.gpu_check.kernels import KernelBench
-from bench.gpu_check.pytest_part import part_tests
+from bench.gpu_check.pytest_part import part_engine, part_tests
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="pagestream GPU check (see module docstring)")
     ap.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run")
-    ap.add_argument("--skip", action="append", default=[], choices=["tests", "kernels", "e2e"])
+    ap.add_argument(
+        "--skip", action="append", default=[], choices=["tests", "kernels", "e2e", "engine"]
+    )
     ap.add_argument("--tests-timeout", type=int, default=170, help="seconds for part 1")
+    ap.add_argument("--engine-timeout", type=int, default=300, help="seconds for part 4")
     ap.add_argument("--out", type=Path, default=None, help="markdown file to write")
     return ap.parse_args(argv)
 
@@ -50,19 +53,23 @@ def _header(card: str, dry: bool) -> dict[str, str]:
 
 def _run_parts(report: Report, args: argparse.Namespace, device: Any, sizes: Sizes) -> None:
     if "tests" not in args.skip:
-        print("[1/3] kernel tests")
+        print("[1/4] kernel tests")
         report.tests_ok = False  # until part_tests says otherwise
         with guarded(report, "tests", "kernel tests"):
             part_tests(report, device, args.tests_timeout)
     copy_bw = None
     if "kernels" not in args.skip:
-        print("[2/3] kernel measurements")
+        print("[2/4] kernel measurements")
         with guarded(report, "kernels", "kernel measurements"):
             copy_bw = KernelBench(report, device, sizes).run()
     if "e2e" not in args.skip:
-        print("[3/3] end-to-end decode")
+        print("[3/4] end-to-end decode")
         with guarded(report, "e2e", "end-to-end decode"):
             part_e2e(report, device, sizes, copy_bw)
+    if "engine" not in args.skip:
+        print("[4/4] engine and server tests")
+        with guarded(report, "engine", "engine + server tests"):
+            part_engine(report, device, args.engine_timeout)
 
 
 def _out_path(args: argparse.Namespace, dry: bool) -> Path:

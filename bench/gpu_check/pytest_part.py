@@ -1,73 +1,152 @@
-"""Part 1: the kernel and backend tests, natively at real sizes; pass/fail/skip counts."""
+"""Parts 1 and 4: pytest natively on the device; pass/fail/skip counts as table rows.
+
+Part 1 runs the kernel and backend tests at real sizes.  Part 4 runs the engine and the
+server on the device: the engine's greedy parity with transformers (the engine picks CUDA
+when it is there; the oracle runs on the CPU) and the service tests over real HTTP and
+WebSocket clients.  The interpreter cannot stand in for either: only a device run shows
+device mismatches in the Python around the kernels and GEMM choices that change tokens.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.gpu_check.common import ROOT, Report, Row
 
+KERNEL_TESTS = ("tests/gpu/test_kernels.py", "tests/gpu/test_triton_backend.py")
 
-def part_tests(report: Report, device: Any, timeout_s: int) -> None:
-    env = dict(os.environ)
-    if device.type == "cuda":
-        env["PAGESTREAM_GPU_CHECK"] = "1"
-        env.pop("TRITON_INTERPRET", None)
+# Part 4 on a GPU: what a chat service runs, end to end, on the device.
+ENGINE_TESTS = (
+    "tests/gpu/test_triton_model.py",
+    "tests/gpu/test_kv_quant.py",
+    "tests/e2e/test_engine_parity.py",
+    "tests/e2e/test_spec_parity.py",
+    "tests/service/test_openai_api.py",
+    "tests/service/test_structured_api.py",
+    "tests/service/test_websocket.py",
+    "tests/service/test_spec_serving.py",
+    "tests/service/test_tool_calls.py",
+    "tests/service/test_quant_server.py",
+)
+# The dry run only checks the harness: one quick file, no model.
+ENGINE_TESTS_DRY = ("tests/service/test_stop_matcher.py",)
+
+# Imported by the engine tests but not by pagestream itself: a device image may lack them
+# (carry them as wheels; docs/PERFORMANCE.md, "GPU check").
+ENGINE_TEST_MODULES = ("openai", "websockets", "jsonschema", "pytest_asyncio", "transformers")
+
+
+@dataclass
+class PytestResult:
+    seconds: float
+    returncode: int | None  # None: timed out
+    per_file: dict[str, list[int]] = field(default_factory=dict)  # file -> [pass, fail, skip]
+    failed: list[str] = field(default_factory=list)  # "file::test"
+    tail: list[str] = field(default_factory=list)
+
+
+def run_pytest(files: tuple[str, ...], env: dict[str, str], timeout_s: int) -> PytestResult:
+    """pytest on `files` in a subprocess; counts per file from its JUnit report."""
     with tempfile.TemporaryDirectory() as d:
         xml_path = Path(d) / "junit.xml"
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "tests/gpu/test_kernels.py",
-            "tests/gpu/test_triton_backend.py",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={xml_path}",
-        ]
+        cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"]
+        cmd.append(f"--junitxml={xml_path}")
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
                 cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
             )
         except subprocess.TimeoutExpired:
-            report.tests_ok = False
-            report.add(Row("tests", "kernel tests (real sizes)", notes=f"timed out >{timeout_s}s"))
-            return
-        secs = time.perf_counter() - t0
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-        print("\n".join("    " + line for line in tail))
-        if not xml_path.exists():
-            report.tests_ok = False
-            report.add(
-                Row("tests", "kernel tests", notes=f"pytest rc={proc.returncode}, no report")
-            )
-            return
-        suite = ET.parse(xml_path).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        assert suite is not None
-        total = int(suite.get("tests", 0))
-        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-        skipped = int(suite.get("skipped", 0))
-        bad = [
-            c.get("name", "?")
-            for c in suite.iter("testcase")
-            if c.find("failure") is not None or c.find("error") is not None
-        ]
-        report.tests_ok = failed == 0 and proc.returncode == 0
+            return PytestResult(time.perf_counter() - t0, None)
+        res = PytestResult(time.perf_counter() - t0, proc.returncode)
+        res.tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        if xml_path.exists():
+            _count(ET.parse(xml_path).getroot(), res)
+    return res
+
+
+def _count(root: ET.Element, res: PytestResult) -> None:
+    for case in root.iter("testcase"):
+        # classname "tests.e2e.test_spec_parity" -> "tests/e2e/test_spec_parity.py"
+        path = case.get("classname", "?").replace(".", "/") + ".py"
+        counts = res.per_file.setdefault(path, [0, 0, 0])
+        if case.find("failure") is not None or case.find("error") is not None:
+            counts[1] += 1
+            res.failed.append(f"{Path(path).stem}::{case.get('name', '?')}")
+        elif case.find("skipped") is not None:
+            counts[2] += 1
+        else:
+            counts[0] += 1
+
+
+def _counts_text(c: list[int]) -> str:
+    return f"{c[0]} passed, {c[1]} failed, {c[2]} skipped"
+
+
+def _device_env(device: Any) -> dict[str, str]:
+    env = dict(os.environ)
+    if device.type == "cuda":
+        env["PAGESTREAM_GPU_CHECK"] = "1"
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def part_tests(report: Report, device: Any, timeout_s: int) -> None:
+    res = run_pytest(KERNEL_TESTS, _device_env(device), timeout_s)
+    case = "kernel + backend tests" + (", real sizes" if device.type == "cuda" else "")
+    if res.returncode is None:
+        report.tests_ok = False
+        report.add(Row("tests", case, notes=f"timed out >{timeout_s}s"))
+        return
+    print("\n".join("    " + line for line in res.tail))
+    if not res.per_file:
+        report.tests_ok = False
+        report.add(Row("tests", case, notes=f"pytest rc={res.returncode}, no report"))
+        return
+    total = [sum(c[i] for c in res.per_file.values()) for i in range(3)]
+    report.tests_ok = total[1] == 0 and res.returncode == 0
+    notes = ("failed: " + ", ".join(res.failed[:8])) if res.failed else ""
+    report.add(
+        Row("tests", case, time=f"{res.seconds:.0f} s", achieved=_counts_text(total), notes=notes)
+    )
+
+
+def part_engine(report: Report, device: Any, timeout_s: int) -> None:
+    """Part 4: one row per test file; a failure fails the check like a kernel test's."""
+    missing = [m for m in ENGINE_TEST_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
         report.add(
-            Row(
-                "tests",
-                "kernel + backend tests" + (", real sizes" if device.type == "cuda" else ""),
-                time=f"{secs:.0f} s",
-                achieved=f"{total - failed - skipped} passed, {failed} failed, {skipped} skipped",
-                notes=("failed: " + ", ".join(bad[:8])) if bad else "",
-            )
+            Row("engine", "engine + server tests", notes="not run: missing " + ", ".join(missing))
         )
+        return
+    files = ENGINE_TESTS if device.type == "cuda" else ENGINE_TESTS_DRY
+    res = run_pytest(files, _device_env(device), timeout_s)
+    if res.returncode is None:
+        report.tests_ok = False
+        report.add(Row("engine", "engine + server tests", notes=f"timed out >{timeout_s}s"))
+        return
+    print("\n".join("    " + line for line in res.tail))
+    if not res.per_file:
+        report.tests_ok = False
+        report.add(
+            Row("engine", "engine + server tests", notes=f"pytest rc={res.returncode}, no report")
+        )
+        return
+    for path, counts in res.per_file.items():
+        bad = [f for f in res.failed if f.startswith(Path(path).stem + "::")]
+        notes = ("failed: " + ", ".join(b.split("::", 1)[1] for b in bad[:6])) if bad else ""
+        report.add(Row("engine", path, achieved=_counts_text(counts), notes=notes))
+    report.tests_ok = report.tests_ok and res.returncode == 0
+    total = [sum(c[i] for c in res.per_file.values()) for i in range(3)]
+    report.add(
+        Row("engine", "all files", time=f"{res.seconds:.0f} s", achieved=_counts_text(total))
+    )

@@ -28,7 +28,8 @@ def test_no_cuda_device_exits_2(tmp_path, capsys):
 @pytest.mark.slow
 def test_dry_run_e2e_rows(tmp_path):
     out = tmp_path / "gpu_check.md"
-    rc = main(["--device", "cpu", "--skip", "tests", "--skip", "kernels", "--out", str(out)])
+    skip = ["--skip", "tests", "--skip", "kernels", "--skip", "engine"]
+    rc = main(["--device", "cpu", *skip, "--out", str(out)])
     assert rc == 0
     md = out.read_text()
     rows = [line for line in md.splitlines() if line.startswith("| e2e |")]
@@ -38,3 +39,16 @@ def test_dry_run_e2e_rows(tmp_path):
     ]
     assert all("tok/s" in r for r in rows) and "FAILED" not in md
     assert "dry run" in md
+
+
+@pytest.mark.slow
+def test_dry_run_engine_rows(tmp_path):
+    """Part 4's harness: pytest in a subprocess, one row per file from its JUnit report."""
+    out = tmp_path / "gpu_check.md"
+    skip = ["--skip", "tests", "--skip", "kernels", "--skip", "e2e"]
+    assert main(["--device", "cpu", *skip, "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| engine |")]
+    assert len(rows) == 2, rows
+    assert rows[0].startswith("| engine | tests/service/test_stop_matcher.py |")
+    assert " 0 failed" in rows[0] and " 0 passed" not in rows[0]
+    assert rows[1].startswith("| engine | all files |")
