@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import json
+import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,6 +253,22 @@ def _decode_rows(
             )
 
 
+@contextlib.contextmanager
+def _env(elementwise: str | None) -> Iterator[None]:
+    """PAGESTREAM_TRITON_ELEMENTWISE while the model is built (read there), then as before."""
+    key = "PAGESTREAM_TRITON_ELEMENTWISE"
+    before = os.environ.get(key)
+    if elementwise is not None:
+        os.environ[key] = elementwise
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def part_e2e(report: Report, device: Any, s: Sizes, copy_bw: float | None) -> None:
     try:
         from gpu.model_runner import ModelRunner
@@ -272,8 +291,13 @@ def part_e2e(report: Report, device: Any, s: Sizes, copy_bw: float | None) -> No
         print(f"  checkpoint: {m.billions:.2f}B params, {time.perf_counter() - t0:.0f}s")
         per_req = -(-(s.e2e_prompt + s.e2e_warmup + s.e2e_steps + 2) // BLOCK_SIZE)
         num_blocks = per_req * max(s.e2e_batches) + 16
-        for graphs in (False, True):
-            mode = "CUDA graphs" if graphs else "eager"
+        # The second eager run keeps torch's RMSNorm / rotary ops (PAGESTREAM_TRITON_
+        # ELEMENTWISE=0): what the Triton kernels save in an eager step.
+        for mode, graphs, elementwise in (
+            ("eager", False, None),
+            ("eager, torch norm/rope", False, "0"),
+            ("CUDA graphs", True, None),
+        ):
             if graphs and "cuda_graphs" not in params:
                 report.add(
                     Row(
@@ -285,7 +309,7 @@ def part_e2e(report: Report, device: Any, s: Sizes, copy_bw: float | None) -> No
                 continue
             if graphs and device.type != "cuda":
                 continue
-            with guarded(report, "e2e", f"runner ({mode})"):
+            with guarded(report, "e2e", f"runner ({mode})"), _env(elementwise):
                 runner = ModelRunner(ckpt, **_runner_kwargs(params, s, device, graphs, num_blocks))
                 try:
                     _decode_rows(report, runner, s, m, mode, copy_bw)

@@ -81,3 +81,53 @@ def test_decode_graph_path_with_padding_matches_torch(kv_cache_dtype):
         finally:
             llm.shutdown()
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_backend_runs_fused_norm_and_rotary(monkeypatch, dtype):
+    """With the Triton backend the model's RMSNorm (bf16) and rotary (every dtype) are the
+    Triton kernels; PAGESTREAM_TRITON_ELEMENTWISE=0 keeps torch's ops.  Rotary rounds
+    where torch rounds, so float32 tokens equal the torch backend's (test above); in bf16
+    RMSNorm's reduction order differs, so the check is tokens and close logprobs."""
+    from gpu.kernels import norm_rope
+
+    calls = {"rope": 0, "norm": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    # The generic path a GPU runs: on a CPU the compiled elementwise kernels would take over.
+    monkeypatch.setenv("PAGESTREAM_CPU_FUSED", "0")
+    monkeypatch.setattr(norm_rope, "apply_rotary", counted("rope", norm_rope.apply_rotary))
+    monkeypatch.setattr(norm_rope, "rms_norm", counted("norm", norm_rope.rms_norm))
+    model = str(tiny_checkpoint("llama"))
+    prompts = [[5, 6, 7], list(range(40, 60))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGESTREAM_TRITON_ELEMENTWISE", flag)
+        before = dict(calls)
+        llm = LLM(model, dtype=dtype, attention_backend="triton", max_model_len=64)
+        try:
+            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+            layers = llm.engine.runner.model.config.num_layers
+        finally:
+            llm.shutdown()
+        runs[flag] = outs
+        rope, norm = calls["rope"] - before["rope"], calls["norm"] - before["norm"]
+        if flag == "0":
+            assert rope == norm == 0
+        else:
+            assert rope > 0 and rope % layers == 0  # once per layer per forward
+            # 2 per layer + the final one, per forward; float32 keeps F.rms_norm
+            want = (rope // layers) * (2 * layers + 1) if dtype == "bfloat16" else 0
+            assert norm == want, (rope, norm, layers)
+    for on, off in zip(runs["1"], runs["0"], strict=True):
+        assert on.token_ids == off.token_ids
+        lp_on = [t.logprob for t in on.logprobs]
+        lp_off = [t.logprob for t in off.logprobs]
+        assert lp_on == pytest.approx(lp_off, abs=0 if dtype == "float32" else 0.05)
