@@ -7,6 +7,10 @@ from typing import Any
 
 from bench.gpu_check.common import Report, Row, Sizes, bench_ms, fmt_pct, fmt_time, guarded
 
+# Forced split counts of the long-context sweep: around the heuristic's cap (MAX_SPLITS) and
+# past it, since 32 splits of 8 kv heads are under 2 programs per SM on an H200.
+SPLIT_SWEEP = (8, 16, 32, 64, 128)
+
 
 class KernelBench:
     """Part 2.  One method per measurement; each runs under `guarded`, so a failure costs
@@ -210,6 +214,17 @@ class KernelBench:
             moved,
             f"{t1 / t2:.2f}x vs one launch",
         )
+        if self.s.sweep:  # which split count the heuristic should pick (MAX_SPLITS = 32)
+            times = {n: bench_ms(self.attention_fn(b, n), self.device) for n in SPLIT_SWEEP}
+            best = min(times, key=times.__getitem__)
+            self.bw_row(
+                "attention",
+                f"decode b{nseq} ctx{ctx}, split sweep, best",
+                times[best],
+                moved,
+                f"{best} splits; all: "
+                + ", ".join(f"{n} {fmt_time(t)}" for n, t in sorted(times.items())),
+            )
 
     def prefill(self, label: str, qlens: list[int], ctxs: list[int], sdpa: bool) -> None:
         """TFLOP/s; for a fresh prompt also torch SDPA (FlashAttention) on the same shape."""
