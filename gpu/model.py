@@ -237,7 +237,6 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(config, max_positions)
         self.fused = False  # set by fuse_for_cpu()
         self.layer_stack: LayerStack | None = None  # set by fuse_for_cpu()
-        self.triton_elementwise = False
         if backend.name == "triton" and os.environ.get("PAGESTREAM_TRITON_ELEMENTWISE") != "0":
             self.use_triton_elementwise()
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
@@ -318,7 +317,6 @@ class CausalLM(nn.Module):
         PAGESTREAM_TRITON_ELEMENTWISE=0 keeps the torch ops."""
         from gpu.kernels import norm_rope  # Triton only where its backend runs
 
-        self.triton_elementwise = True
         d = self.config.head_dim
         pow2 = d % 2 == 0 and d & (d - 1) == 0  # what the rotary kernel takes
         norms = [self.norm]
@@ -326,7 +324,7 @@ class CausalLM(nn.Module):
             layer.self_attn.triton_rope = norm_rope.apply_rotary if pow2 else None
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
         for norm in norms:
-            norm.triton = norm_rope.rms_norm  # type: ignore[assignment]
+            norm.triton = norm_rope.rms_norm
 
     def fuse_for_cpu(self) -> bool:
         """Run the elementwise chain (residual adds + RMSNorm, rotary, SiLU * up) through
