@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from gpu.config import ModelConfig
 from gpu.config import cache_root as gpu_cache_root
 
 # Bump when the tokenizer recipe changes, so cached tokenizers are retrained.
@@ -216,22 +217,13 @@ def build_config(
     return cfg
 
 
-def _arch_of(cfg: dict[str, Any]) -> str:
-    return cfg["architectures"][0]
-
-
 def state_dict_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes, in HF's order, for a config made by `build_config`."""
-    arch = _arch_of(cfg)
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    # As transformers builds them: Qwen2 biases q/k/v always and o_proj never; Llama and
-    # Qwen3 bias all four by attention_bias; Mistral none.
-    o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias"))
-    qkv_bias = arch == "Qwen2ForCausalLM" or o_bias
-    qk_norm = arch == "Qwen3ForCausalLM"
+    # Shapes, biases and norms as the loader reads the config (transformers' rules).
+    mc = ModelConfig.from_dict(cfg)
+    hidden, inter = mc.hidden_size, mc.intermediate_size
+    head_dim, q_size, kv_size = mc.head_dim, mc.q_size, mc.kv_size
+    qkv_bias, o_bias, qk_norm = mc.attention_bias, mc.o_proj_bias, mc.qk_norm
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], hidden)}
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}"

@@ -50,8 +50,12 @@ class PytestResult:
     seconds: float
     returncode: int | None  # None: timed out
     per_file: dict[str, list[int]] = field(default_factory=dict)  # file -> [pass, fail, skip]
-    failed: list[str] = field(default_factory=list)  # "file::test"
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (file, test)
     tail: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> list[int]:
+        return [sum(c[i] for c in self.per_file.values()) for i in range(3)]
 
 
 def run_pytest(files: tuple[str, ...], env: dict[str, str], timeout_s: int) -> PytestResult:
@@ -81,7 +85,7 @@ def _count(root: ET.Element, res: PytestResult) -> None:
         counts = res.per_file.setdefault(path, [0, 0, 0])
         if case.find("failure") is not None or case.find("error") is not None:
             counts[1] += 1
-            res.failed.append(f"{Path(path).stem}::{case.get('name', '?')}")
+            res.failed.append((path, case.get("name", "?")))
         elif case.find("skipped") is not None:
             counts[2] += 1
         else:
@@ -100,21 +104,29 @@ def _device_env(device: Any) -> dict[str, str]:
     return env
 
 
+def _reported(report: Report, part: str, case: str, res: PytestResult, timeout_s: int) -> bool:
+    """Prints the run's tail; False (and a failed check, with a row saying why) where
+    pytest timed out or left no report."""
+    if res.returncode is None:
+        note = f"timed out >{timeout_s}s"
+    else:
+        print("\n".join("    " + line for line in res.tail))
+        if res.per_file:
+            return True
+        note = f"pytest rc={res.returncode}, no report"
+    report.tests_ok = False
+    report.add(Row(part, case, notes=note))
+    return False
+
+
 def part_tests(report: Report, device: Any, timeout_s: int) -> None:
     res = run_pytest(KERNEL_TESTS, _device_env(device), timeout_s)
     case = "kernel + backend tests" + (", real sizes" if device.type == "cuda" else "")
-    if res.returncode is None:
-        report.tests_ok = False
-        report.add(Row("tests", case, notes=f"timed out >{timeout_s}s"))
+    if not _reported(report, "tests", case, res, timeout_s):
         return
-    print("\n".join("    " + line for line in res.tail))
-    if not res.per_file:
-        report.tests_ok = False
-        report.add(Row("tests", case, notes=f"pytest rc={res.returncode}, no report"))
-        return
-    total = [sum(c[i] for c in res.per_file.values()) for i in range(3)]
+    total = res.total
     report.tests_ok = total[1] == 0 and res.returncode == 0
-    notes = ("failed: " + ", ".join(res.failed[:8])) if res.failed else ""
+    notes = ("failed: " + ", ".join(name for _, name in res.failed[:8])) if res.failed else ""
     report.add(
         Row("tests", case, time=f"{res.seconds:.0f} s", achieved=_counts_text(total), notes=notes)
     )
@@ -122,31 +134,20 @@ def part_tests(report: Report, device: Any, timeout_s: int) -> None:
 
 def part_engine(report: Report, device: Any, timeout_s: int) -> None:
     """Part 4: one row per test file; a failure fails the check like a kernel test's."""
+    case = "engine + server tests"
     missing = [m for m in ENGINE_TEST_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        report.add(
-            Row("engine", "engine + server tests", notes="not run: missing " + ", ".join(missing))
-        )
+        report.add(Row("engine", case, notes="not run: missing " + ", ".join(missing)))
         return
     files = ENGINE_TESTS if device.type == "cuda" else ENGINE_TESTS_DRY
     res = run_pytest(files, _device_env(device), timeout_s)
-    if res.returncode is None:
-        report.tests_ok = False
-        report.add(Row("engine", "engine + server tests", notes=f"timed out >{timeout_s}s"))
-        return
-    print("\n".join("    " + line for line in res.tail))
-    if not res.per_file:
-        report.tests_ok = False
-        report.add(
-            Row("engine", "engine + server tests", notes=f"pytest rc={res.returncode}, no report")
-        )
+    if not _reported(report, "engine", case, res, timeout_s):
         return
     for path, counts in res.per_file.items():
-        bad = [f for f in res.failed if f.startswith(Path(path).stem + "::")]
-        notes = ("failed: " + ", ".join(b.split("::", 1)[1] for b in bad[:6])) if bad else ""
+        bad = [name for f, name in res.failed if f == path]
+        notes = ("failed: " + ", ".join(bad[:6])) if bad else ""
         report.add(Row("engine", path, achieved=_counts_text(counts), notes=notes))
     report.tests_ok = report.tests_ok and res.returncode == 0
-    total = [sum(c[i] for c in res.per_file.values()) for i in range(3)]
     report.add(
-        Row("engine", "all files", time=f"{res.seconds:.0f} s", achieved=_counts_text(total))
+        Row("engine", "all files", time=f"{res.seconds:.0f} s", achieved=_counts_text(res.total))
     )
