@@ -104,6 +104,19 @@ class ModelRunner:
         if speculation or speculative_model is not None:
             self.spec = SpecRunner(self, speculative_model, attention_backend)
 
+    def release(self) -> None:
+        """Frees the KV caches and captured graphs once the engine has stopped.  On a GPU
+        the cache takes most of the free memory, so a process that builds engines one
+        after another (a notebook, a test suite) would run out while a stopped engine's
+        Python objects linger until the garbage collector finds their cycles.  The
+        runner cannot step afterwards."""
+        self.kv_caches = []
+        self.graphs = None
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         """Builds the CPU GEMM kernels a step of up to this many tokens can meet before the
         first request needs them (cpu_linear.warm_onednn); nothing on a GPU."""

@@ -79,3 +79,6 @@ class ThreadExecutor:
         """`wait=False` after an engine failure: a step stuck in a broken device must not
         keep the process from exiting (the worker is a daemon-like pool thread)."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
+        release = getattr(self.runner, "release", None)
+        if wait and release is not None:  # the worker has exited: nothing steps any more
+            release()

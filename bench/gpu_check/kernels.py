@@ -8,7 +8,7 @@ from typing import Any
 from bench.gpu_check.common import Report, Row, Sizes, bench_ms, fmt_pct, fmt_time, guarded
 
 # Forced split counts of the long-context sweep: around the heuristic's cap (MAX_SPLITS) and
-# past it, since 32 splits of 8 kv heads are under 2 programs per SM on an H200.
+# past it, to keep checking the cap and SPLIT_TARGET_PROGRAMS_PER_SM against the card.
 SPLIT_SWEEP = (8, 16, 32, 64, 128)
 
 
@@ -214,7 +214,7 @@ class KernelBench:
             moved,
             f"{t1 / t2:.2f}x vs one launch",
         )
-        if self.s.sweep:  # which split count the heuristic should pick (MAX_SPLITS = 32)
+        if self.s.sweep:  # which split count the heuristic should pick
             times = {n: bench_ms(self.attention_fn(b, n), self.device) for n in SPLIT_SWEEP}
             best = min(times, key=times.__getitem__)
             self.bw_row(

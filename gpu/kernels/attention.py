@@ -71,8 +71,12 @@ NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 # Split heuristic knobs (see choose_num_splits).
 SPLIT_MIN_CONTEXT = 1024  # shorter contexts are not worth a second kernel
 SPLIT_MIN_KEYS = 256  # each split walks at least this many keys
-SPLIT_PROGRAMS_PER_SM = 2  # aim for this many programs per SM
-MAX_SPLITS = 32
+SPLIT_PROGRAMS_PER_SM = 2  # split only below this many programs per SM
+# Once splitting, aim for more: on an H200 (132 SMs) the forced-split sweep of `make
+# gpu-check` ran b1/ctx32k in 120 us at 64 splits against 139 us at 32, and b4/ctx16k in
+# 198 us at 16 against 229 us at 9 (docs/PERFORMANCE.md, "GPU check").
+SPLIT_TARGET_PROGRAMS_PER_SM = 4
+MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -491,15 +495,16 @@ def choose_num_splits(
     Only decode-only batches split.  The one-launch path runs num_decodes * num_kv_heads
     programs, each walking a whole context; when that is too few to keep every SM busy
     (fewer than SPLIT_PROGRAMS_PER_SM per SM) and contexts are long, splitting multiplies
-    the programs at the cost of a small merge kernel.  Each split keeps >= SPLIT_MIN_KEYS
-    keys so the partial results stay cheap relative to the work.
+    the programs, up to SPLIT_TARGET_PROGRAMS_PER_SM per SM, at the cost of a small merge
+    kernel.  Each split keeps >= SPLIT_MIN_KEYS keys so the partial results stay cheap
+    relative to the work.
     """
     if num_decodes == 0 or num_decodes != num_seqs or max_seq_len < SPLIT_MIN_CONTEXT:
         return 1
     programs = num_decodes * num_kv_heads
-    target = SPLIT_PROGRAMS_PER_SM * sm_count
-    if programs >= target:
+    if programs >= SPLIT_PROGRAMS_PER_SM * sm_count:
         return 1
+    target = SPLIT_TARGET_PROGRAMS_PER_SM * sm_count
     splits = min(triton.cdiv(target, programs), max_seq_len // SPLIT_MIN_KEYS, MAX_SPLITS)
     return splits if splits >= 2 else 1
 

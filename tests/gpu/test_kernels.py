@@ -436,9 +436,13 @@ def test_paged_attention_rejects_bad_metadata() -> None:
 def test_choose_num_splits() -> None:
     sms = 132
     # Few long decodes: split, each split >= 256 keys, capped.
-    assert choose_num_splits(1, 1, 8, 8192, sms) == MAX_SPLITS == 32
-    assert choose_num_splits(4, 4, 8, 8192, sms) == 9
+    assert choose_num_splits(1, 1, 8, 32768, sms) == MAX_SPLITS == 64
+    assert choose_num_splits(1, 1, 8, 8192, sms) == 32  # 256 keys each
+    assert choose_num_splits(4, 4, 8, 16384, sms) == 17  # 4 programs per SM
     assert choose_num_splits(1, 1, 8, 1024, sms) == 4
+    # Splits only below 2 programs per SM (b64 ran best in one launch on an H200).
+    assert choose_num_splits(33, 33, 8, 8192, sms) == 1
+    assert choose_num_splits(32, 32, 8, 8192, sms) == 3
     # Enough programs already, short contexts, prefills present, nothing to decode: no split.
     assert choose_num_splits(64, 64, 8, 8192, sms) == 1
     assert choose_num_splits(1, 1, 8, 512, sms) == 1

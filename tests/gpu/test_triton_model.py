@@ -111,7 +111,9 @@ def test_triton_backend_runs_fused_norm_and_rotary(monkeypatch, dtype):
     for flag in ("1", "0"):
         monkeypatch.setenv("PAGESTREAM_TRITON_ELEMENTWISE", flag)
         before = dict(calls)
-        llm = LLM(model, dtype=dtype, attention_backend="triton", max_model_len=64)
+        llm = LLM(
+            model, dtype=dtype, attention_backend="triton", max_model_len=64, num_kv_blocks=16
+        )
         try:
             outs = [o.outputs[0] for o in llm.generate(prompts, params)]
             layers = llm.engine.runner.model.config.num_layers
@@ -131,3 +133,22 @@ def test_triton_backend_runs_fused_norm_and_rotary(monkeypatch, dtype):
         lp_on = [t.logprob for t in on.logprobs]
         lp_off = [t.logprob for t in off.logprobs]
         assert lp_on == pytest.approx(lp_off, abs=0 if dtype == "float32" else 0.05)
+
+
+def test_shutdown_releases_kv_cache():
+    """A stopped engine gives its KV cache back at once (on a GPU the cache is sized to
+    most of the free memory, so the next engine in the process would not fit while the
+    stopped one waits for the garbage collector)."""
+    model = str(tiny_checkpoint("llama"))
+    cuda = torch.cuda.is_available()
+    llm = LLM(model, dtype="float32", max_model_len=64, num_kv_blocks=64)
+    runner = llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    kv_bytes = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
+    assert kv_bytes > 0
+    before = torch.cuda.memory_allocated() if cuda else 0
+    llm.shutdown()
+    assert runner.kv_caches == [] and runner.graphs is None
+    if cuda:  # weights stay with the object; the cache is what was returned
+        assert before - torch.cuda.memory_allocated() >= kv_bytes
