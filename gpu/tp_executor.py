@@ -291,7 +291,9 @@ class TPExecutor(ThreadExecutor):
         for conn in self._conns:
             conn.close()
         self._pool.shutdown(wait=wait, cancel_futures=True)
-        if not wait:
+        if wait:  # the other ranks' memory went with their processes; rank 0's is here
+            self._release_runner()
+        else:
             _leave_group()
 
 

@@ -79,6 +79,11 @@ class ThreadExecutor:
         """`wait=False` after an engine failure: a step stuck in a broken device must not
         keep the process from exiting (the worker is a daemon-like pool thread)."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
+        if wait:  # the worker has exited: nothing steps any more
+            self._release_runner()
+
+    def _release_runner(self) -> None:
+        """Gives the runner's device memory back (ModelRunner.release) after a clean stop."""
         release = getattr(self.runner, "release", None)
-        if wait and release is not None:  # the worker has exited: nothing steps any more
+        if release is not None:
             release()

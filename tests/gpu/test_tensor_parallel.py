@@ -70,7 +70,9 @@ def tp2(request):
     path = checkpoint(request.param)
     llm = LLM(path, tensor_parallel_size=2, tensor_parallel_timeout=30, **ENGINE)
     yield path, llm
+    rank0 = llm.engine.runner
     llm.shutdown()
+    assert rank0.kv_caches == []  # rank 0 lives in this process: its cache is given back
 
 
 def test_tp2_matches_tp1_and_transformers(tp2):
