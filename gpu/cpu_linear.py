@@ -39,14 +39,14 @@ off.  There the MLPs' gate_up weights are packed for a gated epilogue (SiLU(gate
 computed as the product is rounded, the same bits as the separate pass): on a 2-core Zen 4
 EPYC 1.02-1.07x the product + silu_mul at 16-2,048 rows, and no [rows, 2 x inter] tensor.
 
-On CPUs with AVX-512 and no AMX, float32 products of every size run on the same kernel's
-float32 twin (sgemm512: one FMA per value of k where the bf16 kernel does a vdpbf16ps per
-pair): on a
-2-core Zen 5 EPYC the `mid` model's decode-step GEMMs ran 1.21-1.22x oneDNN's packed kernel
+On CPUs with AVX-512 (AMX or not: AMX has no float32 product), float32 products of every
+size run on the same kernel's float32 twin (sgemm512: one FMA per value of k where the bf16
+kernel does a vdpbf16ps per pair): on a 2-core Zen 5 EPYC the `mid` model's decode-step GEMMs ran 1.21-1.22x oneDNN's packed kernel
 at 16-38 rows, 1.05x at 64 and 0.97x on prefill chunks (256-2,048 rows); one copy of the
 weight serves both.  Its gate_up products take the gated epilogue too (1.06-1.08x the
 product + silu_mul at 16-64 rows, 1.28x at 2,048, where the float32 [rows, 2 x inter]
-tensor was 46 MB a layer).  PAGESTREAM_DECODE_GEMM=onednn turns it off.
+tensor was 46 MB a layer).  On a 2-core AMX Xeon the `mid` model's offline run took 9.2 s
+(twice) against 10.7 on oneDNN.  PAGESTREAM_DECODE_GEMM=onednn turns it off.
 """
 
 from __future__ import annotations
@@ -199,10 +199,10 @@ def use_dpbf16(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 
 def use_sgemm512(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
     """float32 projections of every size run on dpbf16_gemm.cpp's float32 kernel rather
-    than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU with AVX-512 and no AMX:
-    measured on a Zen 5 EPYC; on the AMX Xeons, where bf16 is native, float32 stays on
-    oneDNN, which was level with vLLM there), sgemm512 (any float32 model where the kernel
-    is built), others (never)."""
+    than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU with AVX-512, AMX or not:
+    AMX has no float32 product, so an AMX Xeon's float32 runs on the same FMAs; measured on
+    a Zen 5 EPYC, and on an AMX Xeon where the offline run took 9.2 s against oneDNN's
+    10.7), sgemm512 (any float32 model where the kernel is built), others (never)."""
     choice = _decode_gemm()
     if dtype != torch.float32 or choice not in ("auto", "sgemm512"):
         return False
@@ -210,8 +210,7 @@ def use_sgemm512(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
         return False
     if choice == "sgemm512":
         return True
-    flags = (cpu or cpu_features.detect()).flags
-    return "avx512f" in flags and "amx_bf16" not in flags
+    return "avx512f" in (cpu or cpu_features.detect()).flags
 
 
 class PackedLinear(nn.Module):
