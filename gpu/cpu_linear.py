@@ -43,9 +43,9 @@ On CPUs with AVX-512 (AMX or not: AMX has no float32 product), float32 products 
 size run on the same kernel's float32 twin (sgemm512: one FMA per value of k where the bf16
 kernel does a vdpbf16ps per pair): on a 2-core Zen 5 EPYC the `mid` model's decode-step
 GEMMs ran 1.21-1.22x oneDNN's packed kernel at 16-38 rows, 1.05x at 64 and 0.97x on
-prefill chunks (256-2,048 rows); one copy of the weight serves both.  Its gate_up products take the gated epilogue too (1.06-1.08x the
-product + silu_mul at 16-64 rows, 1.28x at 2,048, where the float32 [rows, 2 x inter]
-tensor was 46 MB a layer).  On a 2-core AMX Xeon the `mid` model's offline run took 9.2 s
+prefill chunks (256-2,048 rows); one copy of the weight serves both.  Its gate_up products
+take the gated epilogue too (1.06-1.08x the product + silu_mul at 16-64 rows, 1.28x at
+2,048, where the float32 [rows, 2 x inter] tensor was 46 MB a layer).  On a 2-core AMX Xeon the `mid` model's offline run took 9.2 s
 (twice) against 10.7 on oneDNN.  PAGESTREAM_DECODE_GEMM=onednn turns it off.
 """
 
@@ -387,8 +387,8 @@ def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
     (cpu_kernels.gemm_rows) up to max_rows (the step's token budget; the lm_head's up to
     max_logit_rows, the sequences a step samples), so that oneDNN builds its kernels at
     start-up and not in the first requests' steps (10-15 ms each on a 2-core Xeon; 4.3 s
-    in all for the `mid` model in bf16 at a 2,048-token budget, 8.4 s in float32).  Returns the products run.  PAGESTREAM_CPU_WARMUP=0 skips
-    it."""
+    in all for the `mid` model in bf16 at a 2,048-token budget, 8.4 s in float32).
+    Returns the products run.  PAGESTREAM_CPU_WARMUP=0 skips it."""
     if os.environ.get("PAGESTREAM_CPU_WARMUP", "1") == "0":
         return 0
     head = getattr(model, "lm_head_packed", None)
