@@ -45,8 +45,9 @@ kernel does a vdpbf16ps per pair): on a 2-core Zen 5 EPYC the `mid` model's deco
 GEMMs ran 1.21-1.22x oneDNN's packed kernel at 16-38 rows, 1.05x at 64 and 0.97x on
 prefill chunks (256-2,048 rows); one copy of the weight serves both.  Its gate_up products
 take the gated epilogue too (1.06-1.08x the product + silu_mul at 16-64 rows, 1.28x at
-2,048, where the float32 [rows, 2 x inter] tensor was 46 MB a layer).  On a 2-core AMX Xeon the `mid` model's offline run took 9.2 s
-(twice) against 10.7 on oneDNN.  PAGESTREAM_DECODE_GEMM=onednn turns it off.
+2,048, where the float32 [rows, 2 x inter] tensor was 46 MB a layer).  On a 2-core AMX
+Xeon the `mid` model's offline run took 9.2 s (twice) against 10.7 on oneDNN.
+PAGESTREAM_DECODE_GEMM=onednn turns it off.
 """
 
 from __future__ import annotations
