@@ -56,6 +56,22 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(maxb, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(maxb + 1, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(maxb, self.max_blocks, dtype=torch.int32, device=dev)
+        # Host staging for one step's inputs, each shaped so its first b rows are one
+        # contiguous range (a strided source would be copied through a pageable temporary).
+        # Pinned on a GPU, so the copies are asynchronous (from pageable memory each is a
+        # synchronous staged copy), and filled through numpy views: one slice assignment
+        # a row instead of a tensor built per row (the block tables at batch 64 were 64
+        # small torch.tensor calls a step).
+        pin = dev.type == "cuda"
+        self.host_rows = torch.zeros(3, maxb, dtype=torch.int64, pin_memory=pin)  # ids/pos/slots
+        self.host_lens = torch.zeros(maxb, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(maxb, self.max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._np_rows = self.host_rows.numpy()
+        self._np_lens = self.host_lens.numpy()
+        self._np_tables = self.host_tables.numpy()
+        # Recorded after a step's copies: the next step waits on it before it overwrites
+        # the staging rows a copy may still be reading.
+        self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metas = {b: self._meta(b) for b in self.sizes}
@@ -118,23 +134,26 @@ class DecodeGraphs:
         b = self.bucket(n)
         assert b is not None
         bs = self.block_size
-        ids, pos = list(token_ids), list(positions)
-        slots = [bt[s // bs] * bs + s % bs for s, bt in zip(pos, tables, strict=True)]
-        lens = [s + 1 for s in pos]
-        table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
-        for i, bt in enumerate(tables):
-            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
-        pad = b - n
-        ids += [0] * pad
-        pos += [0] * pad
-        slots += [-1] * pad  # padded rows write nothing to the cache...
-        lens += [0] * pad  # ...and attend to nothing
-        dev = self.device
-        self.input_ids[:b].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(pos), non_blocking=True)
-        self.slots[:b].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.tables[:b].copy_(table.to(dev), non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows, lens, table = self._np_rows, self._np_lens, self._np_tables
+        rows[:, n:b] = 0
+        rows[2, n:b] = -1  # padded rows write nothing to the cache (slot -1)...
+        lens[n:b] = 0  # ...and attend to nothing
+        table[:b] = 0
+        rows[0, :n] = token_ids
+        rows[1, :n] = positions
+        for i, (s, bt) in enumerate(zip(positions, tables, strict=True)):
+            rows[2, i] = bt[s // bs] * bs + s % bs
+            lens[i] = s + 1
+            table[i, : len(bt)] = bt
+        self.input_ids[:b].copy_(self.host_rows[0, :b], non_blocking=True)
+        self.positions[:b].copy_(self.host_rows[1, :b], non_blocking=True)
+        self.slots[:b].copy_(self.host_rows[2, :b], non_blocking=True)
+        self.seq_lens[:b].copy_(self.host_lens[:b], non_blocking=True)
+        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.replays += 1
         if self.capture:
             self.graphs[b].replay()

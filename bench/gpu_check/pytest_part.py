@@ -26,6 +26,7 @@ KERNEL_TESTS = ("tests/gpu/test_kernels.py", "tests/gpu/test_triton_backend.py")
 
 # Part 4 on a GPU: what a chat service runs, end to end, on the device.
 ENGINE_TESTS = (
+    "tests/gpu/test_cuda_graphs.py",
     "tests/gpu/test_triton_model.py",
     "tests/gpu/test_kv_quant.py",
     "tests/e2e/test_engine_parity.py",
