@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import json
@@ -10,10 +9,10 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 from bench.gpu_check.common import Report, Row, Sizes, fmt_pct, guarded
 
@@ -253,22 +252,6 @@ def _decode_rows(
             )
 
 
-@contextlib.contextmanager
-def _env(elementwise: str | None) -> Iterator[None]:
-    """PAGESTREAM_TRITON_ELEMENTWISE while the model is built (read there), then as before."""
-    key = "PAGESTREAM_TRITON_ELEMENTWISE"
-    before = os.environ.get(key)
-    if elementwise is not None:
-        os.environ[key] = elementwise
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
-
-
 def part_e2e(report: Report, device: Any, s: Sizes, copy_bw: float | None) -> None:
     try:
         from gpu.model_runner import ModelRunner
@@ -309,7 +292,9 @@ def part_e2e(report: Report, device: Any, s: Sizes, copy_bw: float | None) -> No
                 continue
             if graphs and device.type != "cuda":
                 continue
-            with guarded(report, "e2e", f"runner ({mode})"), _env(elementwise):
+            # The flag is read when the model is built; patch.dict puts the env back after.
+            env = {} if elementwise is None else {"PAGESTREAM_TRITON_ELEMENTWISE": elementwise}
+            with guarded(report, "e2e", f"runner ({mode})"), patch.dict(os.environ, env):
                 runner = ModelRunner(ckpt, **_runner_kwargs(params, s, device, graphs, num_blocks))
                 try:
                     _decode_rows(report, runner, s, m, mode, copy_bw)
