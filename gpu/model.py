@@ -115,6 +115,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         rows: torch.Tensor | None = None,  # the last layer: the rows read after it
     ) -> torch.Tensor:  # [T, hidden], or [len(rows), hidden]
+        q, k, v = self.qkv(x, rope)
+        # kv_cache: (k, v), or (k, v, k_scale, v_scale) for a quantized cache.
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:])
+        o = o.reshape(x.shape[0], self.q_size)
+        if rows is not None:  # every row's K/V is stored: the rest goes on for `rows` only
+            o = o.index_select(0, rows)
+        return self.output(o)
+
+    def qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, H, D] each, rotated
+        """What comes before the attention: the projections, q/k norms and rotary."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -132,11 +144,9 @@ class Attention(nn.Module):
         else:
             cos, sin = rope
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # kv_cache: (k, v), or (k, v, k_scale, v_scale) for a quantized cache.
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:])
-        o = o.reshape(t, self.q_size)
-        if rows is not None:  # every row's K/V is stored: the rest goes on for `rows` only
-            o = o.index_select(0, rows)
+        return q, k, v
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:  # [T, q_size] -> [T, hidden]
         out = self.o_proj(o)
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -185,6 +195,17 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, rows)
         x = (x if rows is None else x.index_select(0, rows)) + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    # The layer split around its attention, for the piecewise CUDA graphs
+    # (gpu/cuda_graphs.py): forward == after_attention(x, attention(*before_attention(x))).
+    def before_attention(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.qkv(self.input_layernorm(x), rope)
+
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.output(o)  # o: [T, q_size], the attention's output
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(
@@ -273,15 +294,21 @@ class CausalLM(nn.Module):
             h = self._forward_fused(x, positions, kv_caches, meta, keep)
         else:
             rows = _carried_rows(keep, x)
-            if self.layers[0].self_attn.triton_rope is not None:
-                rope = (positions, self.rotary.cos, self.rotary.sin)
-            else:
-                rope = self.rotary.tables(positions, x.dtype)
+            rope = self.rope(positions, x.dtype)
             last = len(self.layers) - 1
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 x = layer(x, rope, kv, meta, rows if i == last else None)
             h = self.norm(x)
         return h[:0] if keep == [] else h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # the generic (GPU) path
+        return self.embed_tokens(input_ids)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What every layer's rotary takes for these positions (see Attention.qkv)."""
+        if self.layers[0].self_attn.triton_rope is not None:
+            return (positions, self.rotary.cos, self.rotary.sin)
+        return self.rotary.tables(positions, dtype)
 
     def _forward_fused(
         self,

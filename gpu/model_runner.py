@@ -19,7 +19,7 @@ from gpu.attention import create_attention_backend
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
 from gpu.cpu_linear import warm_onednn
-from gpu.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
+from gpu.cuda_graphs import DEFAULT_SIZES, DEFAULT_TOKEN_SIZES, DecodeGraphs, PiecewiseGraphs
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
@@ -59,6 +59,7 @@ class ModelRunner:
         seed: int = 0,
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
+        piecewise_graphs: bool | None = None,
         max_num_seqs: int = 256,
         faults: FaultPlan | None = None,
         kv_cache_dtype: str = "auto",
@@ -99,6 +100,7 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}
         self.last_step_seconds = 0.0
         self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
+        self.piecewise = self._setup_piecewise(piecewise_graphs)
         # Speculative decoding: verification, and the draft model when there is one.
         self.spec: SpecRunner | None = None
         if speculation or speculative_model is not None:
@@ -112,6 +114,7 @@ class ModelRunner:
         runner cannot step afterwards."""
         self.kv_caches = []
         self.graphs = None
+        self.piecewise = None
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.kv_caches = []
         if self.device.type == "cuda":
@@ -212,6 +215,30 @@ class ModelRunner:
         graphs.capture_all()
         return graphs
 
+    def _setup_piecewise(self, enabled: bool | None) -> PiecewiseGraphs | None:
+        """The other steps' graphs (prefill and mixed): by default wherever the decode
+        graphs run (cuda_graphs / --enforce-eager switch both).  A model whose layers
+        cannot be captured keeps eager steps, with a warning, rather than failing."""
+        if enabled is None:
+            enabled = self.graphs is not None
+        if not enabled:
+            return None
+        if self.attn_backend.name != "triton" or self.tp is not None:
+            raise ModelLoadError("piecewise CUDA graphs need the triton backend, without TP")
+        pw = PiecewiseGraphs(
+            self.model,
+            self.kv_caches,
+            device=self.device,
+            sizes=DEFAULT_TOKEN_SIZES,
+            capture=self.device.type == "cuda",
+        )
+        try:
+            pw.capture_all()
+        except RuntimeError as e:
+            log.warning("piecewise CUDA graphs not captured, prefill steps run eagerly: %s", e)
+            return None
+        return pw
+
     # ------------------------------------------------------------------ sizing
     @property
     def kv_bytes_per_block(self) -> int:
@@ -305,9 +332,13 @@ class ModelRunner:
                 inputs = self._prepare(scheduled, errors, dec)
                 samples, verify = inputs.samples, inputs.verify
                 keep = inputs.keep
-                hidden = self.model(
-                    inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, keep
-                )
+                pw = self.piecewise
+                if pw is not None and pw.bucket(inputs.meta.num_tokens) is not None:
+                    hidden = pw.run(inputs.input_ids, inputs.positions, inputs.meta)  # every row
+                else:
+                    hidden = self.model(
+                        inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, keep
+                    )
                 if keep is not None and hidden.shape[0] != inputs.meta.num_tokens:
                     samples = samples.among(keep)  # the forward returned only `keep`'s rows
                 for pr in inputs.prompt_rows:

@@ -83,6 +83,53 @@ def test_decode_graph_path_with_padding_matches_torch(kv_cache_dtype):
     assert outs["triton"] == outs["torch"]
 
 
+def _recording_forward(forward, eager_prefills: list[int]):
+    """The model's forward, noting each step with a prompt chunk that reaches it."""
+
+    def recorded(input_ids, positions, kv_caches, meta, keep=None):
+        if meta.max_query_len > 1:  # (the decode graphs' own path calls it on a CPU)
+            eager_prefills.append(meta.num_tokens)
+        return forward(input_ids, positions, kv_caches, meta, keep)
+
+    return recorded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "kv_cache_dtype"), [("llama", "auto"), ("qwen3", "int8")])
+def test_piecewise_graph_path_matches_torch(monkeypatch, arch, kv_cache_dtype):
+    """Prefill chunks and mixed prefill + decode steps through the piecewise graphs' static
+    buffers (padded to a token bucket; captured on a GPU, run eagerly here): same tokens
+    as the torch backend, and the eager model forward never runs."""
+    # The pieces are the generic layers a GPU runs; so is the reference, on a CPU too.
+    monkeypatch.setenv("PAGESTREAM_CPU_FUSED", "0")
+    model = str(tiny_checkpoint(arch))
+    # A 24-token budget: the long prompts arrive in chunks beside the others' decodes.
+    prompts = [[5, 6, 7], list(range(40, 90)), [9] * 30, list(range(100, 137))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for backend, graphs in (("torch", False), ("triton", True)):
+        llm = LLM(
+            model, dtype="float32", attention_backend=backend, cuda_graphs=graphs,
+            num_kv_blocks=48, max_model_len=256, kv_cache_dtype=kv_cache_dtype,
+            max_num_batched_tokens=24,
+        )  # fmt: skip
+        runner = llm.engine.runner
+        eager_prefills: list[int] = []
+        runner.model.forward = _recording_forward(runner.model.forward, eager_prefills)
+        try:
+            outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            pw = runner.piecewise
+            if graphs:
+                assert pw is not None and pw.capture == torch.cuda.is_available()
+                assert pw.replays >= 5  # every prefill chunk (and the mixed steps)
+                assert eager_prefills == []
+            else:
+                assert pw is None and eager_prefills
+        finally:
+            llm.shutdown()
+    assert outs["triton"] == outs["torch"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_backend_runs_fused_norm_and_rotary(monkeypatch, dtype):
     """With the Triton backend the model's RMSNorm (bf16) and rotary (every dtype) are the
