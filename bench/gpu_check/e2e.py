@@ -205,6 +205,65 @@ def decode_tokens_per_s(
     }
 
 
+def mixed_step_ms(runner: Any, s: Sizes, vocab: int, tag: str, decodes: int = 32) -> float:
+    """The serving step: `decodes` running requests decode while a new prompt of
+    e2e_prompt tokens is prefilled beside them; the median of 5 such steps, in ms."""
+    import random
+
+    from scheduler.contract import NewRequestData, ScheduledRequest, SchedulerOutput
+    from scheduler.sampling_params import SamplingParams
+
+    b = _make_batch(runner, s, decodes, vocab, tag)
+    _prefill(runner, b, s.e2e_prompt)
+    greedy = SamplingParams(temperature=0.0, max_tokens=None)
+    rng = random.Random(2)
+    n, pos, times = s.e2e_prompt, s.e2e_prompt, []
+    finished: list[str] = []
+    for k in range(6):
+        rid = f"{tag}-chunk-{k}"
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        # Timing only: the new prompt borrows the first request's blocks (as many as it
+        # needs), so the decodes' tokens after this are not meaningful.
+        scheduled = [
+            ScheduledRequest(
+                req_id=r,
+                input_ids=[b.last[r]],
+                start_pos=pos,
+                new_block_ids=b.table(r, pos + 1),
+                sample=True,
+            )
+            for r in b.ids
+        ] + [
+            ScheduledRequest(
+                req_id=rid,
+                input_ids=prompt,
+                start_pos=0,
+                new_block_ids=b.table(b.ids[0], n),
+                sample=True,
+            )
+        ]
+        so = SchedulerOutput(
+            step=b.step,
+            new_requests=[
+                NewRequestData(req_id=rid, prompt_len=n, token_ids=prompt, sampling=greedy)
+            ],
+            scheduled=scheduled,
+            finished_req_ids=finished,
+        )
+        t0 = time.perf_counter()
+        out = runner.execute_model(so)
+        times.append(time.perf_counter() - t0)
+        b.last.update((r, t) for r, t in zip(out.req_ids, out.sampled_token_ids) if r in b.last)
+        b.step, pos, finished = b.step + 1, pos + 1, [rid]
+    runner.execute_model(
+        SchedulerOutput(
+            step=b.step, new_requests=[], scheduled=[], finished_req_ids=[*b.ids, *finished]
+        )
+    )
+    times = sorted(times[1:])  # the first may compile
+    return 1e3 * times[len(times) // 2]
+
+
 @dataclass(frozen=True)
 class _Model:
     """The checkpoint under test and what one decode step must read of it."""
@@ -260,6 +319,16 @@ def _decode_rows(
             )
             if b != max(s.e2e_batches):
                 continue
+            decodes = min(b, 32)
+            ms = mixed_step_ms(runner, s, m.vocab, f"mix{mode[:5]}", decodes)
+            report.add(
+                Row(
+                    "e2e",
+                    f"mixed step, {decodes} decodes + a {s.e2e_prompt}-token prompt, {mode}",
+                    f"{ms:.2f} ms/step",
+                    notes="the serving step while a prompt arrives; median of 5",
+                )
+            )
             # Prefill steps: eager, or the piecewise graphs where the decode graphs run.
             tokens, secs = r["prefill_tokens"], r["prefill_ms"] / 1e3
             report.add(
