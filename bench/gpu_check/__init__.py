@@ -12,7 +12,8 @@ guarded so one failing part still leaves the others' rows in the table:
             rotary against their torch versions.
 3. e2e      decode tokens/s of a random ~1B Llama-shaped model through gpu.model_runner at
             batch 1 and 64, eager and (when the runner offers them) with CUDA graphs,
-            against the roofline of reading the weights (+ KV) once per step.
+            against the roofline of reading the weights (+ KV) once per step; a prefill
+            step and a mixed step (decodes beside a new prompt) per mode.
 4. engine   pytest on the engine's parity with transformers and the server's API tests
             (OpenAI client, WebSocket, structured output, speculation, quantization) with
             the engine on the device; one row per file.  Needs the test extras (openai,
