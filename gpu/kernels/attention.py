@@ -783,26 +783,29 @@ def paged_attention(
     config: AttentionKernelConfig | None = None,
     k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, kv_heads]
     v_scale: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attend each query over its sequence's paged context (cached tokens + this chunk).
 
     Sequences are ordered decodes first (num_decodes of them, one query token each).
     num_splits: None = heuristic (choose_num_splits), 1 = never split, > 1 = split the
     decode sequences' contexts into that many ranges (forcing the split path).
+    check=False skips the argument checks (see TritonBackend.forward).
     """
-    _check_inputs(
-        q,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        out,
-        num_decodes,
-        max_query_len,
-        k_scale,
-        v_scale,
-    )
+    if check:
+        _check_inputs(
+            q,
+            k_cache,
+            v_cache,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            out,
+            num_decodes,
+            max_query_len,
+            k_scale,
+            v_scale,
+        )
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]

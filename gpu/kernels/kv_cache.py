@@ -108,13 +108,21 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = skip this token
     k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, heads]
     v_scale: torch.Tensor | None = None,
+    *,
+    check: bool = True,
 ) -> None:
     """Store each new token's K/V at its flat slot (block * block_size + offset);
-    quantized caches (int8 / uint8 fp8 values + bf16 scales) quantize on the way."""
-    quant = check_kv_scales("write_kv", k_cache, v_cache, k_scale, v_scale)
-    num_tokens, block_size, kv_heads, head_dim = _check_write_kv(
-        k, v, k_cache, v_cache, slot_mapping, quant
-    )
+    quantized caches (int8 / uint8 fp8 values + bf16 scales) quantize on the way.
+    check=False skips the argument checks (see TritonBackend.forward)."""
+    if check:
+        quant = check_kv_scales("write_kv", k_cache, v_cache, k_scale, v_scale)
+        num_tokens, block_size, kv_heads, head_dim = _check_write_kv(
+            k, v, k_cache, v_cache, slot_mapping, quant
+        )
+    else:
+        quant = 0 if k_scale is None else (1 if k_cache.dtype == torch.int8 else 2)
+        num_tokens = k.shape[0]
+        _, block_size, kv_heads, head_dim = k_cache.shape
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](

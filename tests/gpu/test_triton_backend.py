@@ -94,16 +94,34 @@ def test_triton_matches_torch_backend(case: tuple) -> None:  # type: ignore[type
     torch_be = TorchAttentionBackend(heads, kv_heads, head_dim, scale)
     triton_be = TritonAttentionBackend(heads, kv_heads, head_dim, scale, num_splits=splits)
     k_cache_t, v_cache_t = b.k_cache.clone(), b.v_cache.clone()
+    k_cache_2, v_cache_2 = b.k_cache.clone(), b.v_cache.clone()
 
     ref = torch_be.forward(b.q, b.k, b.v, k_cache_t, v_cache_t, b.meta)
     out = triton_be.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta)
+    # The backend checks its arguments on the first call only; the second, unchecked
+    # launch derives the same sizes and computes the same bits.
+    again = triton_be.forward(b.q, b.k, b.v, k_cache_2, v_cache_2, b.meta)
 
     assert torch.equal(b.k_cache, k_cache_t) and torch.equal(b.v_cache, v_cache_t), cid
+    assert torch.equal(k_cache_2, b.k_cache) and torch.equal(v_cache_2, b.v_cache), cid
+    assert torch.equal(again, out), cid
     assert out.shape == b.q.shape and out.dtype == dtype
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(
         out.float(), ref.float(), atol=atol, rtol=rtol, msg=lambda s: f"{cid}: {s}"
     )
+
+
+def test_first_call_checks_arguments() -> None:
+    b = make_paged_batch(
+        (1, 3), (4, 0), num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=F32, device=DEVICE, seed=1,
+    )  # fmt: skip
+    be = TritonAttentionBackend(4, 2, 64, 0.125)
+    b.meta.slot_mapping = b.meta.slot_mapping.to(torch.int32)
+    for _ in range(2):  # a first call that failed checks the next one too
+        with pytest.raises(ValueError, match="slot_mapping"):
+            be.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta)
 
 
 def test_heuristic_case_really_splits() -> None:
