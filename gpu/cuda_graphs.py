@@ -18,8 +18,8 @@ attention depends on host values (sequence count, query lengths, split choice), 
 runs eagerly; everything between two attentions (o_proj, residual, norm, MLP, the next
 layer's norm, qkv and rotary) is one graph per token-count bucket.  An H200 ran an eager
 step of a 1.24B model in 15 ms of host time for 1.2 ms of kernels (about 200 launches at
-~60 µs each on that host); in pieces a step is one replay and two attention launches a
-layer.
+~60 µs each on that host); in pieces a layer is one replay, its two attention launches
+and a copy of the attention's output.
 """
 
 from __future__ import annotations

@@ -790,7 +790,7 @@ def paged_attention(
     Sequences are ordered decodes first (num_decodes of them, one query token each).
     num_splits: None = heuristic (choose_num_splits), 1 = never split, > 1 = split the
     decode sequences' contexts into that many ranges (forcing the split path).
-    check=False skips the argument checks (see TritonBackend.forward).
+    check=False skips the argument checks (see TritonAttentionBackend.forward).
     """
     if check:
         _check_inputs(

@@ -113,7 +113,7 @@ def write_kv(
 ) -> None:
     """Store each new token's K/V at its flat slot (block * block_size + offset);
     quantized caches (int8 / uint8 fp8 values + bf16 scales) quantize on the way.
-    check=False skips the argument checks (see TritonBackend.forward)."""
+    check=False skips the argument checks (see TritonAttentionBackend.forward)."""
     if check:
         quant = check_kv_scales("write_kv", k_cache, v_cache, k_scale, v_scale)
         num_tokens, block_size, kv_heads, head_dim = _check_write_kv(
