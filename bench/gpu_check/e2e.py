@@ -153,11 +153,11 @@ def _prefill(runner: Any, b: _Batch, prompt_len: int) -> list[float]:
     return secs
 
 
-def _decode_step(runner: Any, b: _Batch, pos: int) -> float:
-    """One decode step of every request at `pos`; returns its wall seconds."""
-    from scheduler.contract import ScheduledRequest, SchedulerOutput
+def _decodes(b: _Batch, pos: int) -> list[Any]:
+    """Every request's decode row at `pos`."""
+    from scheduler.contract import ScheduledRequest
 
-    scheduled = [
+    return [
         ScheduledRequest(
             req_id=r,
             input_ids=[b.last[r]],
@@ -167,6 +167,13 @@ def _decode_step(runner: Any, b: _Batch, pos: int) -> float:
         )
         for r in b.ids
     ]
+
+
+def _decode_step(runner: Any, b: _Batch, pos: int) -> float:
+    """One decode step of every request at `pos`; returns its wall seconds."""
+    from scheduler.contract import SchedulerOutput
+
+    scheduled = _decodes(b, pos)
     so = SchedulerOutput(step=b.step, new_requests=[], scheduled=scheduled, finished_req_ids=[])
     t0 = time.perf_counter()
     out = runner.execute_model(so)  # returns host ints: the step is complete
@@ -224,24 +231,14 @@ def mixed_step_ms(runner: Any, s: Sizes, vocab: int, tag: str, decodes: int = 32
         prompt = [rng.randrange(vocab) for _ in range(n)]
         # Timing only: the new prompt borrows the first request's blocks (as many as it
         # needs), so the decodes' tokens after this are not meaningful.
-        scheduled = [
-            ScheduledRequest(
-                req_id=r,
-                input_ids=[b.last[r]],
-                start_pos=pos,
-                new_block_ids=b.table(r, pos + 1),
-                sample=True,
-            )
-            for r in b.ids
-        ] + [
-            ScheduledRequest(
-                req_id=rid,
-                input_ids=prompt,
-                start_pos=0,
-                new_block_ids=b.table(b.ids[0], n),
-                sample=True,
-            )
-        ]
+        chunk = ScheduledRequest(
+            req_id=rid,
+            input_ids=prompt,
+            start_pos=0,
+            new_block_ids=b.table(b.ids[0], n),
+            sample=True,
+        )
+        scheduled = [*_decodes(b, pos), chunk]
         so = SchedulerOutput(
             step=b.step,
             new_requests=[
