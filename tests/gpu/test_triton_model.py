@@ -95,11 +95,14 @@ def _recording_forward(forward, eager_prefills: list[int]):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "kv_cache_dtype"), [("llama", "auto"), ("qwen3", "int8")])
-def test_piecewise_graph_path_matches_torch(monkeypatch, arch, kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("arch", "kv_cache_dtype", "largest"), [("llama", "auto", None), ("qwen3", "int8", 16)]
+)
+def test_piecewise_graph_path_matches_torch(monkeypatch, arch, kv_cache_dtype, largest):
     """Prefill chunks and mixed prefill + decode steps through the piecewise graphs' static
     buffers (padded to a token bucket; captured on a GPU, run eagerly here): same tokens
-    as the torch backend, and the eager model forward never runs."""
+    as the torch backend, and the eager model forward never runs, unless a step has more
+    tokens than the largest bucket (`largest`: 16, under the 24-token budget)."""
     # The pieces are the generic layers a GPU runs; so is the reference, on a CPU too.
     monkeypatch.setenv("PAGESTREAM_CPU_FUSED", "0")
     model = str(tiny_checkpoint(arch))
@@ -116,13 +119,18 @@ def test_piecewise_graph_path_matches_torch(monkeypatch, arch, kv_cache_dtype):
         runner = llm.engine.runner
         eager_prefills: list[int] = []
         runner.model.forward = _recording_forward(runner.model.forward, eager_prefills)
+        if graphs and largest:
+            runner.piecewise.sizes = [b for b in runner.piecewise.sizes if b <= largest]
         try:
             outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             pw = runner.piecewise
             if graphs:
                 assert pw is not None and pw.capture == torch.cuda.is_available()
                 assert pw.replays >= 5  # every prefill chunk (and the mixed steps)
-                assert eager_prefills == []
+                if largest:  # the larger steps ran eagerly, the others in pieces
+                    assert eager_prefills and all(n > largest for n in eager_prefills)
+                else:
+                    assert eager_prefills == []
             else:
                 assert pw is None and eager_prefills
         finally:
