@@ -126,10 +126,11 @@ def test_piecewise_graph_path_matches_torch(monkeypatch, arch, kv_cache_dtype, l
             pw = runner.piecewise
             if graphs:
                 assert pw is not None and pw.capture == torch.cuda.is_available()
-                assert pw.replays >= 5  # every prefill chunk (and the mixed steps)
                 if largest:  # the larger steps ran eagerly, the others in pieces
+                    assert pw.replays >= 1
                     assert eager_prefills and all(n > largest for n in eager_prefills)
                 else:
+                    assert pw.replays >= 5  # every prefill chunk (and the mixed steps)
                     assert eager_prefills == []
             else:
                 assert pw is None and eager_prefills
