@@ -18,8 +18,8 @@ attention depends on host values (sequence count, query lengths, split choice), 
 runs eagerly; everything between two attentions (o_proj, residual, norm, MLP, the next
 layer's norm, qkv and rotary) is one graph per token-count bucket.  An H200 ran an eager
 step of a 1.24B model in 15 ms of host time for 1.2 ms of kernels (about 200 launches at
-~60 µs each on that host); in pieces a layer is one replay, its two attention launches
-and a copy of the attention's output.
+~60 µs each on that host); in pieces a layer is one replay and its two attention
+launches (writing straight into the next piece's input).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class PiecewiseGraphs:
     piece finishes the last layer and applies the final norm.  Pieces read and write
     static buffers (ids, positions, residual, q/k/v, the attention's output, the final
     hidden) allocated once at the largest bucket, so a step of n tokens in bucket T only
-    copies its ids and positions in and each attention's output out.  Rows n..T-1 are
+    copies its ids and positions in; each attention writes into the next piece's input.  Rows n..T-1 are
     padding: every op in a piece works row by row, the attention runs on the first n rows
     only, so padding never reaches a real row and writes nothing to the cache."""
 
@@ -286,15 +286,15 @@ class PiecewiseGraphs:
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         graphs = self.graphs.get(t)
-        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
+        q, k, v = self.q[:n], self.k[:n], self.v[:n]
+        out = self.attn_out[:n].view(q.shape)  # the attention writes the next piece's input
         for i, layer in enumerate(self.model.layers):
             if graphs is not None:
                 graphs[i].replay()
             else:
                 self._piece(i, t)
             kv = self.kv_caches[i]
-            o = layer.self_attn.backend.forward(q, k, v, kv[0], kv[1], meta, *kv[2:])
-            out.copy_(o.view(n, -1))
+            layer.self_attn.backend.forward(q, k, v, kv[0], kv[1], meta, *kv[2:], out=out)
         if graphs is not None:
             graphs[-1].replay()
         else:

@@ -60,7 +60,9 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, kv_heads]
         v_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        *,
+        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: `out` when given
         """Store k/v at meta.slot_mapping, then attend q over each request's context.
         With scales, the cache holds int8/fp8 values (see gpu.kv_quant): k/v are
         quantized as they are written and dequantized as the attention loads them."""

@@ -57,6 +57,8 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # The kernels' argument checks run on this backend's first call only: its shapes
         # and dtypes are the model's, fixed from then on, and the runner has checked the
@@ -80,6 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             check=check,
+            out=out,
         )
         self._checked = True
         return out

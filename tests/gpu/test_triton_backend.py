@@ -99,12 +99,18 @@ def test_triton_matches_torch_backend(case: tuple) -> None:  # type: ignore[type
     ref = torch_be.forward(b.q, b.k, b.v, k_cache_t, v_cache_t, b.meta)
     out = triton_be.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta)
     # The backend checks its arguments on the first call only; the second, unchecked
-    # launch derives the same sizes and computes the same bits.
-    again = triton_be.forward(b.q, b.k, b.v, k_cache_2, v_cache_2, b.meta)
+    # launch derives the same sizes and computes the same bits (into `out` when given).
+    buf = torch.full_like(b.q, float("nan"))
+    again = triton_be.forward(b.q, b.k, b.v, k_cache_2, v_cache_2, b.meta, out=buf)
+    assert again is buf
 
     assert torch.equal(b.k_cache, k_cache_t) and torch.equal(b.v_cache, v_cache_t), cid
     assert torch.equal(k_cache_2, b.k_cache) and torch.equal(v_cache_2, b.v_cache), cid
     assert torch.equal(again, out), cid
+    k_cache_3, v_cache_3 = k_cache_t.clone(), v_cache_t.clone()
+    buf = torch.full_like(b.q, float("nan"))
+    assert torch_be.forward(b.q, b.k, b.v, k_cache_3, v_cache_3, b.meta, out=buf) is buf
+    assert torch.equal(buf, ref), cid
     assert out.shape == b.q.shape and out.dtype == dtype
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(
