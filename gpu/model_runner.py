@@ -117,6 +117,7 @@ class ModelRunner:
         self.piecewise = None
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.kv_caches = []
+            self.spec.draft.graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -30,6 +30,7 @@ import torch
 from gpu.attention import create_attention_backend
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError
+from gpu.cuda_graphs import DecodeGraphs
 from gpu.loader import load_model
 from gpu.sampler import _MIN_TEMPERATURE, RequestSamplingState, Sampler, argmax_rows
 from scheduler.contract import ModelOutput, ScheduledRequest, TokenLogprobs
@@ -51,6 +52,7 @@ class TargetRunner(Protocol):
     block_tables: dict[str, list[int]]
     sampler: Sampler
     model: torch.nn.Module
+    graphs: DecodeGraphs | None
 
 
 def _view(state: RequestSamplingState, extra: list[int]) -> RequestSamplingState:
@@ -187,6 +189,21 @@ class DraftModel:
         ]
         # Per request: positions [0, n) hold draft KV computed from its real tokens.
         self.valid: dict[str, int] = {}
+        # The rounds after the first feed one token a request: the target's decode-graph
+        # buckets over the draft model, where the target has them (on a GPU each draft
+        # token is otherwise an eager forward, bound by its launches).
+        self.graphs: DecodeGraphs | None = None
+        tg = target.graphs
+        if tg is not None and backend.name == "triton":
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                device=self.device,
+                max_model_len=target.max_model_len,
+                block_size=self.block_size,
+                sizes=tg.sizes,
+                capture=tg.capture,
+            )
+            self.graphs.capture_all()
 
     def propose(
         self,
@@ -208,20 +225,15 @@ class DraftModel:
             feeds.append((i, st.token_ids[s:n], s))
         for rnd in range(max(sr.num_draft for sr, _ in reqs)):
             feeds.sort(key=lambda f: len(f[1]) != 1)  # one-token queries first
-            batch = layout_batch(
-                [(toks, s, block_tables[reqs[i][0].req_id]) for i, toks, s in feeds],
-                self.block_size,
-                self.device,
-            )
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            last = [batch.query_start[j] + len(toks) - 1 for j, (_, toks, _) in enumerate(feeds)]
-            logits = self.model.compute_logits(
-                hidden.index_select(0, torch.tensor(last, device=self.device))
-            )[:, : sampler.vocab_size]
+            logits = self._forward(feeds, [block_tables[reqs[i][0].req_id] for i, _, _ in feeds])
+            logits = logits[:, : sampler.vocab_size]
+            # Every greedy row's token in one transfer (a sync per row otherwise).
+            greedy = [reqs[i][1].greedy for i, _, _ in feeds]
+            top = argmax_rows(logits).tolist() if any(greedy) else []
             nxt: list[tuple[int, list[int], int]] = []
             for j, (i, toks, s) in enumerate(feeds):
                 sr, st = reqs[i]
-                tok, q = self._pick(logits[j], st, sampler)
+                tok, q = (top[j], None) if greedy[j] else self._sample(logits[j], st, sampler)
                 drafts[i].append(tok)
                 if q is not None:
                     qs[i].append(q)
@@ -234,14 +246,34 @@ class DraftModel:
                 break
         return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs, strict=True)]
 
+    def _forward(
+        self, feeds: list[tuple[int, list[int], int]], tables: list[list[int]]
+    ) -> torch.Tensor:  # [len(feeds), V]: the logits after each feed's last token
+        g = self.graphs
+        if (
+            g is not None
+            and g.bucket(len(feeds)) is not None
+            and all(len(toks) == 1 for _, toks, _ in feeds)
+        ):
+            hidden = g.run([toks[0] for _, toks, _ in feeds], [s for _, _, s in feeds], tables)
+            return self.model.compute_logits(hidden)
+        batch = layout_batch(
+            [(toks, s, bt) for (_, toks, s), bt in zip(feeds, tables, strict=True)],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        last = [batch.query_start[j] + len(toks) - 1 for j, (_, toks, _) in enumerate(feeds)]
+        return self.model.compute_logits(
+            hidden.index_select(0, torch.tensor(last, device=self.device))
+        )
+
     @staticmethod
-    def _pick(
+    def _sample(
         logits: torch.Tensor, st: RequestSamplingState, sampler: Sampler
-    ) -> tuple[int, torch.Tensor | None]:
-        """Greedy rows take the argmax; random rows sample from softmax(logits / T), which
-        is the q the acceptance test divides by."""
-        if st.greedy:
-            return int(logits.argmax()), None
+    ) -> tuple[int, torch.Tensor]:
+        """A random row samples from softmax(logits / T), which is the q the acceptance
+        test divides by (greedy rows take the argmax)."""
         t = max(st.params.temperature, _MIN_TEMPERATURE)
         q = torch.softmax(logits / t, dim=-1)
         u = float(torch.rand(1, generator=st.generator or sampler.generator, device=q.device))

@@ -181,3 +181,43 @@ async def test_greedy_identity_parallel_samples(method):
     results = await run_engine(engine, work, n=3, stagger_steps=1)
     check(model, work, results, n=3)
     assert_speculated(engine)
+
+
+@pytest.mark.slow
+async def test_greedy_identity_draft_through_decode_graphs():
+    """With the Triton backend and CUDA graphs (captured on a GPU; on a CPU the same static
+    buffers, interpreted), the draft model's one-token rounds run through its own decode
+    graphs and the target's verify steps through the piecewise graphs: HF's tokens, and
+    the same drafts as without graphs (speculation is lossless whatever the draft says,
+    so the tokens alone could not show a wrong draft)."""
+    import os
+
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    name = "llama-gqa"
+    model = target_dir(name)
+    work = workload(11, 4)
+    runs = {}
+    for graphs in (False, True):
+        engine = make_engine(
+            model,
+            num_kv_blocks=128,
+            max_num_batched_tokens=32,
+            block_size=16,
+            max_model_len=256,
+            attention_backend="triton",
+            cuda_graphs=graphs,
+            speculative_config=spec_config("draft", name),
+            threads=1,
+        )
+        runner = engine.runner
+        pieces, draft_graphs = runner.piecewise, runner.spec.draft.graphs  # (freed at shutdown)
+        assert (pieces is not None, draft_graphs is not None) == (graphs, graphs)
+        results = await run_engine(engine, work, stagger_steps=1)
+        check(model, work, results)
+        assert_speculated(engine)
+        if graphs:
+            assert pieces.replays > 0 and draft_graphs.replays > 0
+        st = engine.scheduler.spec.stats
+        runs[graphs] = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+    assert runs[True] == runs[False]

@@ -208,3 +208,33 @@ def test_shutdown_releases_kv_cache():
     assert runner.kv_caches == [] and runner.graphs is None
     if cuda:  # weights stay with the object; the cache is what was returned
         assert before - torch.cuda.memory_allocated() >= kv_bytes
+
+
+def test_draft_decode_graphs_give_the_eager_logits():
+    """The draft model's one-token rounds through its decode graphs (captured on a GPU;
+    the same padded static buffers interpreted on a CPU) give the eager forward's logits,
+    row for row, over the same draft KV."""
+    from gpu.model_runner import ModelRunner
+
+    target = tiny_checkpoint("llama")
+    draft_dir = tiny_checkpoint("llama", seed=7, num_hidden_layers=1)
+    runner = ModelRunner(
+        target, dtype="float32", attention_backend="triton", cuda_graphs=True,
+        speculative_model=draft_dir, num_kv_blocks=32, max_model_len=128,
+    )  # fmt: skip
+    draft = runner.spec.draft
+    assert draft.graphs is not None
+    tables = [[3, 9], [5], [12, 1, 7]]
+    prompts = [list(range(10, 30)), [4, 5, 6], list(range(50, 83))]
+    draft._forward([(i, p, 0) for i, p in enumerate(prompts)], tables)  # fill draft KV
+    feeds = [(i, [7 + i], len(p)) for i, p in enumerate(prompts)]
+    saved = [tuple(t.clone() for t in kv) for kv in draft.kv_caches]
+    replays = draft.graphs.replays
+    with_graphs = draft._forward(feeds, tables)
+    assert draft.graphs.replays == replays + 1
+    draft.kv_caches[:] = saved
+    graphs, draft.graphs = draft.graphs, None
+    eager = draft._forward(feeds, tables)
+    draft.graphs = graphs
+    torch.testing.assert_close(with_graphs, eager, atol=1e-5, rtol=1e-5)
+    runner.release()
