@@ -24,6 +24,7 @@ launches (writing straight into the next piece's input).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,12 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # third more rows above 512); larger steps run eagerly, where the kernels' time already
 # hides the launches'.
 DEFAULT_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+def smallest_at_least(sizes: Sequence[int], n: int) -> int | None:
+    """The bucket a step of n rows pads to (sizes ascending), or None: too large."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 # (input_ids [n], positions [n], meta) -> hidden [n, hidden]: the model's forward over
@@ -117,10 +124,7 @@ class DecodeGraphs:
         )
 
     def bucket(self, n: int) -> int | None:
-        for b in self.sizes:
-            if b >= n:
-                return b
-        return None
+        return smallest_at_least(self.sizes, n)
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.forward(self.input_ids[:b], self.positions[:b], self.metas[b])
@@ -224,10 +228,7 @@ class PiecewiseGraphs:
         self.replays = 0
 
     def bucket(self, n: int) -> int | None:
-        for b in self.sizes:
-            if b >= n:
-                return b
-        return None
+        return smallest_at_least(self.sizes, n)
 
     def _piece(self, i: int, t: int) -> None:
         """Piece i over the first t rows of the static buffers (captured as one graph)."""

@@ -287,7 +287,7 @@ class CausalLM(nn.Module):
             # Fused CPU path: a plain row copy, not an ATen index_select (an OpenMP region)
             x = cpu_kernels.gather_rows(self.embed_tokens.weight, input_ids) if self.fused else None
             if x is None:
-                x = self.embed_tokens(input_ids)
+                x = self.embed(input_ids)
         else:
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         if self.fused:

@@ -335,7 +335,9 @@ class ModelRunner:
                 keep = inputs.keep
                 pw = self.piecewise
                 if pw is not None and pw.bucket(inputs.meta.num_tokens) is not None:
-                    hidden = pw.run(inputs.input_ids, inputs.positions, inputs.meta)  # every row
+                    # Every row comes back: the eager forward's cut of the last layer to
+                    # `keep` is a host-side choice a graph cannot make per step.
+                    hidden = pw.run(inputs.input_ids, inputs.positions, inputs.meta)
                 else:
                     hidden = self.model(
                         inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, keep
