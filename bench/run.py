@@ -139,6 +139,9 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--structured-reps", type=int, default=3)
     ap.add_argument("--quant-n", type=int, default=16, help="offline requests per quant row")
     ap.add_argument("--spec-draft", default=None, help="draft model for `spec` with --model")
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="spec: no CUDA graphs (as the server flag)"
+    )
 
 
 def _header() -> str:

@@ -95,6 +95,8 @@ def _rows(
 
 
 def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: Any) -> str:
+    import torch
+
     from scheduler.sampling_params import SamplingParams
     from service.engine_setup import default_draft_dir, default_model_dir
     from service.llm import LLM
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
             num_kv_blocks=2048,
             max_num_batched_tokens=512,
             speculative_config=cfg,
+            enforce_eager=args.enforce_eager,
         )
         for mode, cfg in modes.items()
     }
@@ -144,9 +147,13 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
         for llm in llms.values():
             llm.shutdown()
     rows = _rows(list(work), runs)
+    where = f"{args.threads} threads"
+    if torch.cuda.is_available():  # the LLM runs on the GPU then
+        graphs = "eager" if args.enforce_eager else "CUDA graphs"
+        where = f"{torch.cuda.get_device_name()}, {graphs}"
     return print_table(
         f"speculative decoding, trained pair, k={K}, {OUT_TOKENS} greedy tokens, {args.dtype}, "
-        f"{args.threads} threads, median of {REPEATS} (output tokens per CPU-second; speed-up "
+        f"{where}, median of {REPEATS} (output tokens per CPU-second; speed-up "
         "vs off per CPU-second; per wall-second; mean acceptance length)",
         ["workload", "batch", "off tok/CPU-s (tok/s)", "n-gram", "draft model"],
         rows,
