@@ -308,9 +308,6 @@ class ModelRunner:
         out = ModelOutput(req_ids=[], sampled_token_ids=[], errors=errors)
         dec = self._valid_decodes(so.decodes, errors)
         scheduled = self._valid_inputs(so.scheduled, errors)
-        if self.spec is not None and dec.req_ids:
-            # The speculative path walks requests one by one anyway: give it objects.
-            scheduled, dec = dec.as_requests() + scheduled, DecodeColumns()
         if self.faults is not None:
             rids = [*dec.req_ids, *(r.req_id for r in scheduled)]
             self.faults.check_forward(so.step, [self._prompt_of(rid) for rid in rids])

@@ -316,7 +316,11 @@ class SpecRunner:
         scheduled: list[ScheduledRequest],  # the step's requests the runner kept
         copy_blocks: list[tuple[int, int]],
     ) -> None:
-        """Fill the draft slots of this step's verify chunks with the draft model."""
+        """Fill the draft slots of this step's verify chunks with the draft model.
+
+        The step's plain decodes (its columns) do not pass through here: a decode row's
+        position is never below its draft KV's valid end (`verified` keeps that end at
+        most the last token's position), so only a recomputed chunk can need the reset."""
         draft = self.draft
         if draft is None:
             return
