@@ -15,7 +15,8 @@ set -eu
 # Compose passes `PAGESTREAM_MODEL: ${PAGESTREAM_MODEL:-}` and the like, which sets the
 # variable to "" when the operator left it out.  Empty must mean "not set" (embedded
 # default model, no auth, no Redis), not "a model directory named ''".
-for var in PAGESTREAM_MODEL PAGESTREAM_API_KEY PAGESTREAM_API_KEY_FILE PAGESTREAM_REDIS_URL; do
+for var in PAGESTREAM_MODEL PAGESTREAM_API_KEY PAGESTREAM_API_KEY_FILE PAGESTREAM_REDIS_URL \
+    PAGESTREAM_ALLOWED_HOSTS; do
     eval "val=\${$var-}"
     if [ -z "$val" ]; then
         unset "$var"

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +28,11 @@ class EngineDeadError(RuntimeError):
     """The engine stopped after an executor failure; no request can be served."""
 
 
+class DuplicateRequestId(RequestRejected):
+    """A request id that is still in use by a live request (HTTP 409).  The live request
+    is never touched: the new one is refused before it is queued."""
+
+
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full; the client should retry later (HTTP 429)."""
 
@@ -44,6 +50,10 @@ class AddRequest:
 @dataclass
 class AbortRequest:
     group_id: str
+    # The stream of the request to abort: the abort only acts while that stream is still
+    # the one registered under group_id, so a consumer that never got its id (a duplicate)
+    # or whose request already ended can never abort a newer request under the same id.
+    stream: RequestStream | None = None
 
 
 @dataclass
@@ -92,7 +102,7 @@ class Tier(Protocol):
     @property
     def available(self) -> bool: ...
     async def lookup(self, hashes: list[BlockHash]) -> list[bytes]: ...
-    def publish(self, items: list[tuple[BlockHash, bytes]]) -> None: ...
+    def publish(self, items: list[tuple[BlockHash, bytes, str | None]]) -> None: ...
 
 
 class EngineCore:
@@ -120,12 +130,14 @@ class EngineCore:
         self.on_step = on_step
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
         self.streams: dict[str, RequestStream] = {}
+        self._adding: set[str] = set()  # group ids of adds still in the inbox
         self.dead: BaseException | None = None
         self.idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
         self.tokens_computed = 0  # tokens fed through the model (prefill chunks + decodes)
         self.hook_errors: dict[str, int] = {}  # failures of guarded hooks, by hook
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagestream-masks")
 
     # ---------------------------------------------------------------- control
     def start(self) -> asyncio.Task[None]:
@@ -144,9 +156,14 @@ class EngineCore:
                 raise  # a failure in stopping itself; a death was logged when it happened
         finally:
             self._task = None
+            self._mask_thread.shutdown(wait=False)
 
     def validate(self, group: list[Request]) -> None:
-        """Reject a request synchronously, before it reaches the actor."""
+        """Reject a request synchronously, before it reaches the actor: also an id that a
+        live request (or one still in the inbox) holds, as DuplicateRequestId."""
+        gid = group[0].group_id
+        if gid in self.streams or gid in self._adding:
+            raise DuplicateRequestId(f"request id {gid!r} is already in use")
         self.scheduler.check_group(group)
 
     def queued(self) -> tuple[int, int]:
@@ -192,11 +209,14 @@ class EngineCore:
         stream = RequestStream(group[0].group_id, len(group), wake_on_tokens)
         self._inbox_seqs += len(group)
         self._inbox_tokens += group[0].prompt_len
+        self._adding.add(group[0].group_id)
         self.inbox.put_nowait(AddRequest(group, stream))
         return stream
 
-    def abort(self, group_id: str) -> None:
-        self.inbox.put_nowait(AbortRequest(group_id))
+    def abort(self, group_id: str, stream: RequestStream | None = None) -> None:
+        """Abort a request; with `stream`, only if that is still its live stream (see
+        AbortRequest): what a request's own consumer passes."""
+        self.inbox.put_nowait(AbortRequest(group_id, stream))
 
     def finish_sequence(self, req_id: str) -> None:
         self.inbox.put_nowait(FinishSequence(req_id))
@@ -208,6 +228,7 @@ class EngineCore:
             self._inbox_seqs -= len(msg.group)
             self._inbox_tokens -= msg.group[0].prompt_len
             gid = msg.group[0].group_id
+            self._adding.discard(gid)
             if gid in self.streams:
                 msg.stream.fail(RequestRejected(f"request id {gid!r} is already in use"))
                 return True
@@ -222,7 +243,8 @@ class EngineCore:
         elif isinstance(msg, RemoteLookupDone):
             sched.remote_lookup_done(msg.req_id, msg.start, msg.payloads)
         elif isinstance(msg, AbortRequest):
-            self._dispatch(sched.abort(msg.group_id))
+            if msg.stream is None or self.streams.get(msg.group_id) is msg.stream:
+                self._dispatch(sched.abort(msg.group_id))
         elif isinstance(msg, FinishSequence):
             u = sched.finish_external(msg.req_id, RequestStatus.FINISHED_STOPPED)
             if u is not None:
@@ -290,7 +312,13 @@ class EngineCore:
                         return
                 if not sched.has_unfinished() and not sched.finished_req_ids:
                     continue
-                so = sched.schedule()
+                so = sched.schedule(defer_masks=True)
+                if sched.needs_masks:
+                    # Grammar masks off the event loop (llguidance releases the GIL):
+                    # a costly grammar delays this step, never the sockets.
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._mask_thread, sched.fill_masks, so
+                    )
                 if so.is_empty and not so.finished_req_ids:
                     # Nothing runnable right now (requests parked on a prefix look-up,
                     # which answers by message): wait for the next message.

@@ -14,6 +14,18 @@ model weights, dtype, block size and tokenizer (so incompatible caches never mix
     <ns>:meta           HASH   what the namespace holds (model, dtype, block size, ...)
     <ns>:kv:<hash>      STRING KV payload of a hot block (header + bytes); TTL
     <ns>:kvlru          ZSET   payload keys by last use, to enforce the byte cap
+    <ns>:tenant:<t>     ZSET   payload keys tenant <t> published, by publication time
+
+Per-tenant share (`TierConfig.tenant_share`, `--prefix-tier-key-share`): without one, a
+single API key that publishes many distinct prefixes pushes every other key's out of the
+tier's LRU.  Each publication carries its tenant (a one-way hash of the API key, never
+the key; None for unkeyed traffic, which no share applies to), and each tenant may hold
+at most `tenant_share x max_kv_bytes` of the tier (payloads are all one size, so that is
+a count of entries).  A publication past a tenant's share evicts *that tenant's own*
+oldest publications first, never another's; the tier-wide LRU cap still applies on top.
+The count lives in the store (Redis), so the share holds across every replica.  A
+tenant's set may keep members whose payloads the global LRU or a TTL already removed:
+they only make its live share smaller, and as its oldest they are the first it pops.
 
 There is no separate index of which replica caches which block: the payload keys are the
 index a look-up needs (EXISTS on the chain), and routing is the balancer's consistent
@@ -69,6 +81,8 @@ class TierConfig:
     lookup_deadline: float = 1.0  # seconds a look-up may take before we give up
     hit_threshold: int = 1  # local hits before a block's KV is published
     max_kv_bytes: int = 1 << 30  # cap on payload bytes this namespace keeps
+    # Fraction of max_kv_bytes one tenant's publications may hold (1.0: no share).
+    tenant_share: float = 1.0
     ttl_seconds: int = 24 * 3600
     max_lookup_blocks: int = 512
     meta: dict[str, str] = field(default_factory=dict)
@@ -87,11 +101,21 @@ class TierStats:
     timeouts: int = 0
 
 
+def tenant_limit(cfg: TierConfig) -> int | None:
+    """Most payloads one tenant may hold in the tier (None: no share applies)."""
+    if cfg.tenant_share >= 1.0:
+        return None
+    entries = max(1, cfg.max_kv_bytes // (cfg.payload_bytes + _HEADER.size))
+    return max(1, int(entries * cfg.tenant_share))
+
+
 class KVStore(Protocol):
     """Where the tier keeps its index and payloads."""
 
     async def get_payloads(self, hashes: Sequence[BlockHash]) -> list[bytes | None]: ...
-    async def put_payloads(self, items: Sequence[tuple[BlockHash, bytes]]) -> None: ...
+    async def put_payloads(
+        self, items: Sequence[tuple[BlockHash, bytes]], tenant: str | None = None
+    ) -> None: ...
     async def ping(self) -> None: ...
     async def close(self) -> None: ...
 
@@ -106,6 +130,9 @@ class MemoryStore:
         self.cfg = cfg
         self.payloads: OrderedDict[BlockHash, bytes] = OrderedDict()
         self.bytes = 0
+        # Each tenant's publications, oldest first (see "Per-tenant share" above).
+        self.tenants: dict[str, OrderedDict[BlockHash, None]] = {}
+        self.tenant_max = tenant_limit(cfg)
 
     @classmethod
     def for_namespace(cls, cfg: TierConfig) -> MemoryStore:
@@ -123,12 +150,23 @@ class MemoryStore:
             out.append(blob)
         return out
 
-    async def put_payloads(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+    async def put_payloads(
+        self, items: Sequence[tuple[BlockHash, bytes]], tenant: str | None = None
+    ) -> None:
         for h, blob in items:
             old = self.payloads.pop(h, None)
             self.bytes -= len(old) if old else 0
             self.payloads[h] = blob
             self.bytes += len(blob)
+        if tenant is not None and self.tenant_max is not None:
+            own = self.tenants.setdefault(tenant, OrderedDict())
+            for h, _ in items:
+                own[h] = None
+                own.move_to_end(h)
+            while len(own) > self.tenant_max:
+                h, _ = own.popitem(last=False)
+                old = self.payloads.pop(h, None)
+                self.bytes -= len(old) if old else 0
         while self.bytes > self.cfg.max_kv_bytes and self.payloads:
             _, blob = self.payloads.popitem(last=False)
             self.bytes -= len(blob)
@@ -153,6 +191,7 @@ class RedisStore:
         )
         self._meta_written = False
         self._max_entries = max(1, cfg.max_kv_bytes // (cfg.payload_bytes + _HEADER.size))
+        self._tenant_max = tenant_limit(cfg)
 
     def _kv(self, h: BlockHash) -> str:
         return f"{self.ns}:kv:{h.hex()}"
@@ -179,12 +218,15 @@ class RedisStore:
             out += await self.client.mget([self._kv(h) for h in hashes[i : min(n, i + 32)]])
         return out + [None] * (len(hashes) - len(out))
 
-    async def put_payloads(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+    async def put_payloads(
+        self, items: Sequence[tuple[BlockHash, bytes]], tenant: str | None = None
+    ) -> None:
         if not items:
             return
         ttl = self.cfg.ttl_seconds
         now = time.time()
         lru = f"{self.ns}:kvlru"
+        own = f"{self.ns}:tenant:{tenant}" if tenant and self._tenant_max else None
         pipe = self.client.pipeline(transaction=False)
         if not self._meta_written:
             pipe.hset(f"{self.ns}:meta", mapping=self.cfg.meta or {"created": str(now)})
@@ -192,9 +234,24 @@ class RedisStore:
         for h, blob in items:
             pipe.set(self._kv(h), blob, ex=ttl)
             pipe.zadd(lru, {h.hex(): now})
+        if own is not None:
+            pipe.zadd(own, {h.hex(): now for h, _ in items})
+            pipe.expire(own, ttl)
+            pipe.zcard(own)
         pipe.expire(lru, ttl)
         pipe.zcard(lru)
         res = await pipe.execute()
+        if own is not None and self._tenant_max is not None:
+            over = int(res[-3]) - self._tenant_max
+            if over > 0:
+                # Past the tenant's share: drop its own oldest publications, no one else's.
+                oldest = [m.decode() for m, _ in await self.client.zpopmin(own, over)]
+                if oldest:
+                    pipe = self.client.pipeline(transaction=False)
+                    pipe.delete(*[f"{self.ns}:kv:{m}" for m in oldest])
+                    pipe.zrem(lru, *oldest)
+                    pipe.zcard(lru)
+                    res = await pipe.execute()
         excess = int(res[-1]) - self._max_entries
         if excess > 0:
             # Over the byte cap: drop the least recently used payloads.
@@ -217,7 +274,7 @@ class PrefixTier:
         self.cfg = cfg
         self.name = name
         self.stats = TierStats()
-        self._publish: list[tuple[BlockHash, bytes]] = []
+        self._publish: list[tuple[BlockHash, bytes, str | None]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.healthy = True
@@ -269,15 +326,19 @@ class PrefixTier:
     def should_publish(self, h: BlockHash) -> bool:
         return self.available and h not in self.published
 
-    def publish(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
-        """Queue KV payloads of full blocks; written by the actor, never on the step path."""
-        for h, data in items:
+    def publish(
+        self, items: Sequence[tuple[BlockHash, bytes] | tuple[BlockHash, bytes, str | None]]
+    ) -> None:
+        """Queue KV payloads of full blocks, each (hash, payload[, tenant]); written by the
+        actor, never on the step path.  A tenant's publications count against its share."""
+        for item in items:
+            h, data = item[0], item[1]
             if h in self.published:
                 continue
             self.published[h] = None
             if len(self.published) > 65536:
                 self.published.popitem(last=False)
-            self._publish.append((h, data))
+            self._publish.append((h, data, item[2] if len(item) > 2 else None))
         self._wake.set()
 
     async def lookup(self, hashes: Sequence[BlockHash]) -> list[bytes]:
@@ -320,21 +381,25 @@ class PrefixTier:
             publish, self._publish = self._publish, []
             if not self.available:
                 # Unreachable: drop what accumulated (it is only cache metadata) and wait.
-                for h, _ in publish:
+                for h, _, _ in publish:
                     self.published.pop(h, None)
                 continue
             if not publish:
                 continue
+            by_tenant: dict[str | None, list[tuple[BlockHash, bytes]]] = {}
+            for h, d, tenant in publish:
+                by_tenant.setdefault(tenant, []).append((h, d))
             try:
-                blobs = [(h, encode_payload(d)) for h, d in publish]
-                await self.store.put_payloads(blobs)
-                self.stats.blocks_published += len(blobs)
-                self.stats.bytes_published += sum(len(d) for _, d in publish)
+                for tenant, items in by_tenant.items():
+                    blobs = [(h, encode_payload(d)) for h, d in items]
+                    await self.store.put_payloads(blobs, tenant)
+                    self.stats.blocks_published += len(blobs)
+                    self.stats.bytes_published += sum(len(d) for _, d in items)
                 self._succeeded()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                for h, _ in publish:
+                for h, _, _ in publish:
                     self.published.pop(h, None)
                 self._failed("write", e)
 

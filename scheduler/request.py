@@ -45,7 +45,7 @@ class Request:
         "block_hashes", "fork_ids", "registered", "num_preemptions", "finish_reason",
         "stop_token_id", "arrival_time", "publish_prefix", "remote_start",
         "remote_payloads", "grammar", "prompt_logprobs", "prompt_logprobs_sent",
-        "spec_accepted", "spec_trials", "__weakref__",
+        "spec_accepted", "spec_trials", "tenant", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +62,7 @@ class Request:
         arrival_time: float | None = None,
         publish_prefix: bool = False,
         grammar: GrammarMatcher | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.req_id = req_id
         self.group_id = group_id or req_id
@@ -88,6 +89,9 @@ class Request:
         # Publish every full block of this request's prompt to the shared prefix tier
         # (a client registering a system prompt), rather than waiting for hits.
         self.publish_prefix = publish_prefix
+        # Whose share of the shared prefix tier this request's publications count against
+        # (an API key's hash; None: no share applies).  See scheduler.prefix_tier.
+        self.tenant = tenant
         # KV payloads found in the shared tier: blocks [remote_start, remote_start + len).
         self.remote_start = 0
         self.remote_payloads: list[bytes] = []

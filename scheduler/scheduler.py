@@ -145,16 +145,38 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
             self.remote_pending.pop(r.req_id, None)
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, defer_masks: bool = False) -> SchedulerOutput:
         """One step: running requests first (decodes, then partly computed prompts), then
-        admissions from the waiting queue, all inside one token budget."""
+        admissions from the waiting queue, all inside one token budget.  defer_masks:
+        leave the grammar masks to `fill_masks` (the engine runs it off the event loop)."""
         self._constrained = []
         step = _StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         # No admissions in a step that preempted: the pool is already short.
         if not step.preempted:
             self._admit_waiting(step)
-        return self._step_output(step)
+        so = self._step_output(step)
+        if not defer_masks:
+            self.fill_masks(so)
+        return so
+
+    @property
+    def needs_masks(self) -> bool:
+        """The step just scheduled has constrained rows whose masks are not filled yet."""
+        return bool(self._constrained)
+
+    def fill_masks(self, so: SchedulerOutput) -> None:
+        """The grammar masks of the step just scheduled.  Reads only those requests'
+        matchers, which nothing else touches until the step's update, so it may run on
+        another thread while the engine task waits for it."""
+        constrained, self._constrained = self._constrained, []
+        if not constrained:
+            return
+        masks = bitmasks([r.grammar for r in constrained])  # type: ignore[misc]
+        # No mask for a matcher in error: its request ends on update with the reason.
+        so.grammar_bitmasks.update(
+            (r.req_id, m) for r, m in zip(constrained, masks, strict=True) if m is not None
+        )
 
     def _schedule_running(self, step: _StepPlan) -> None:
         spec = self.spec
@@ -251,11 +273,6 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
     def _step_output(self, step: _StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
         self.step_id += 1
-        masks = bitmasks([r.grammar for r in self._constrained])  # type: ignore[misc]
-        # No mask for a matcher in error: its request ends on update with the reason.
-        grammar_bitmasks = {
-            r.req_id: m for r, m in zip(self._constrained, masks, strict=True) if m is not None
-        }
         return SchedulerOutput(
             step=self.step_id,
             new_requests=step.new_reqs,
@@ -265,7 +282,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
             copy_blocks=step.copies,
             load_kv=step.load_kv,
             save_kv_blocks=self._blocks_to_save(),
-            grammar_bitmasks=grammar_bitmasks,
+            grammar_bitmasks={},
         )
 
     def _spec_room(self, req: Request, budget: int) -> int:
@@ -429,6 +446,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
         if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
             self._finish(req, RequestStatus.FINISHED_ERROR)
             update = self._update(req, [], error=why)
+            update.client_error = True
         else:
             self._push_token(req, tok)
             update = self._update(req, [tok], [lp] if params.logprobs is not None else None)
@@ -498,7 +516,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
         err = grammar.error()
         if err is None and not grammar.accept(tok):
             err = grammar.error() or f"token {tok} is not allowed here"
-        return None if err is None else f"structured output: the grammar reached a dead end ({err})"
+        return None if err is None else f"structured output: the grammar cannot go on ({err})"
 
     def _update(
         self,

@@ -56,6 +56,9 @@ class RequestUpdate(msgspec.Struct, gc=False, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # The request's own spec caused the error (its grammar hit a dead end or its time
+    # budget): the client's fault, reported as a 4xx, not the server's 500.
+    client_error: bool = False
     first_scheduled_time: float | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token
 

@@ -55,6 +55,7 @@ def merge_updates(
                 num_prompt_tokens=u.num_prompt_tokens,
                 num_cached_tokens=u.num_cached_tokens,
                 error=u.error,
+                client_error=u.client_error,
                 first_scheduled_time=u.first_scheduled_time,
                 prompt_logprobs=u.prompt_logprobs,
             )
@@ -65,6 +66,7 @@ def merge_updates(
         m.finish_reason = u.finish_reason or m.finish_reason
         m.stop_token_id = u.stop_token_id if u.stop_token_id is not None else m.stop_token_id
         m.error = u.error or m.error
+        m.client_error = m.client_error or u.client_error
         m.prompt_logprobs = m.prompt_logprobs or u.prompt_logprobs
     return list(merged.values())
 

@@ -32,12 +32,13 @@ class PrefixTierSupport:
 
     def _init_tier(self, tier: PublishPolicy | None) -> None:
         # Requests parked while the tier is asked for their prompt's KV, blocks to read
-        # out for publication, and what each step's read-outs were.
+        # out for publication (with the tenant whose share each counts against), and what
+        # each step's read-outs were.
         self.tier = tier
         self.remote_pending: dict[str, Request] = {}
         self.prefix_hits_remote = 0
-        self._to_save: dict[BlockHash, None] = {}
-        self._saving: dict[int, dict[int, BlockHash]] = {}
+        self._to_save: dict[BlockHash, str | None] = {}
+        self._saving: dict[int, dict[int, tuple[BlockHash, str | None]]] = {}
 
     def remote_lookup_plan(self, req: Request) -> tuple[int, list[BlockHash]] | None:
         """(first block index, hashes) of the prompt blocks worth asking the shared tier
@@ -82,7 +83,7 @@ class PrefixTierSupport:
         for b in hits:
             b.hits += 1
             if (b.hits >= threshold or req.publish_prefix) and tier.should_publish(b.block_hash):
-                self._to_save[b.block_hash] = None
+                self._to_save.setdefault(b.block_hash, req.tenant)
 
     def _note_registration(self, req: Request, end: int) -> None:
         """A registered prefix: publish every prompt block full once this step has run."""
@@ -91,24 +92,31 @@ class PrefixTierSupport:
         tier = self.tier
         for h in req.block_hashes[: min(end, req.prompt_len) // bs]:
             if tier is not None and tier.should_publish(h):
-                self._to_save[h] = None
+                self._to_save.setdefault(h, req.tenant)
 
-    def take_saved(self, so: SchedulerOutput, mo: ModelOutput) -> list[tuple[BlockHash, bytes]]:
-        """Payloads read out in a step, keyed by block hash, for the tier to publish."""
+    def take_saved(
+        self, so: SchedulerOutput, mo: ModelOutput
+    ) -> list[tuple[BlockHash, bytes, str | None]]:
+        """(block hash, payload, tenant) read out in a step, for the tier to publish."""
         mapping = self._saving.pop(so.step, {})
-        return [(mapping[p.block_id], p.data) for p in mo.saved_kv if p.block_id in mapping]
+        out = []
+        for p in mo.saved_kv:
+            entry = mapping.get(p.block_id)
+            if entry is not None:
+                out.append((entry[0], p.data, entry[1]))
+        return out
 
     def _blocks_to_save(self) -> list[int]:
         """The blocks this step reads out for publication (the step's id is set)."""
         if not self._to_save:
             return []
-        save: dict[int, BlockHash] = {}
+        save: dict[int, tuple[BlockHash, str | None]] = {}
         # Looked up now, after every allocation of this step: a block still cached under
         # its hash holds exactly that prefix's KV once the forward has run.
-        for h in self._to_save:
+        for h, tenant in self._to_save.items():
             b = self.kv.pool.lookup(h)
             if b is not None:
-                save[b.block_id] = h
+                save[b.block_id] = (h, tenant)
         self._to_save.clear()
         self._saving[self.step_id] = save
         return list(save)

@@ -15,19 +15,24 @@ from pathlib import Path
 import orjson
 from aiohttp import WSCloseCode, web
 
-from scheduler.engine_core import EngineDeadError, EngineOverloaded, StepInfo
+from scheduler.engine_core import (
+    DuplicateRequestId,
+    EngineDeadError,
+    EngineOverloaded,
+    StepInfo,
+)
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service import utility_api
 from service.async_engine import AsyncEngine, RequestFailed
-from service.http_util import TENANT_SALT, error_response, json_response, salted
+from service.http_util import SPEC_FIELD, TENANT_SALT, error_response, json_response, salted
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
 from service.openapi import openapi_document
 from service.prep import Preprocessor
 from service.protocol import BadRequest, check_messages, decode_prefix
-from service.request_ids import echo_request_id
-from service.security import AccessLogger
+from service.request_ids import LIVE_IDS, TENANT, echo_request_id, release_request_id
+from service.security import AccessLogger, host_refusal
 from service.state import STATE, ServerConfig, ServerState
 from service.ws import websocket_handler
 
@@ -46,15 +51,40 @@ def _bearer(request: web.Request) -> str | None:
     return None
 
 
-def _authorized(state: ServerState, given: str | None) -> tuple[bool, str | None]:
-    """(key accepted, that key's salt).  Every key is compared, so the time taken does not
-    say which one nearly matched."""
-    ok, salt = False, None
+def _authorized(state: ServerState, given: str | None) -> tuple[bool, str | None, str | None]:
+    """(key accepted, that key's salt, its tenant id).  Every key is compared, so the time
+    taken does not say which one nearly matched."""
+    ok, salt, tenant = False, None, None
     raw = (given or "").encode()
-    for key, key_salt_ in state.keys:
+    for key, key_salt_, key_tenant_ in state.keys:
         if hmac.compare_digest(raw, key):
-            ok, salt = True, key_salt_
-    return ok, salt
+            ok, salt, tenant = True, key_salt_, key_tenant_
+    return ok, salt, tenant
+
+
+@web.middleware
+async def host_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """DNS rebinding: answer only Hosts on the allow-list (`--allowed-hosts`), before
+    anything else runs (the WebSocket's same-origin check included)."""
+    state = request.app[STATE]
+    refused = host_refusal(request, state.allowed_hosts, state.trusted_proxies)
+    if refused is not None:
+        return error_response(
+            f"the {refused} header names a host this server does not answer for "
+            "(see --allowed-hosts)",
+            421,
+            refused,
+            code="host_not_allowed",
+        )
+    return await handler(request)
+
+
+def _needs_key(state: ServerState, path: str) -> bool:
+    if path.startswith(("/v1", "/debug")):
+        return True
+    return path in ("/tokenize", "/detokenize") and not state.config.public_tokenize
 
 
 @web.middleware
@@ -105,14 +135,17 @@ def close_idle_connections(state: ServerState) -> int:
 async def api_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """API key check for /v1, and OpenAI-shaped errors for everything that goes wrong."""
+    """API key check for /v1, /debug, /tokenize and /detokenize (unless --public-tokenize),
+    and OpenAI-shaped errors for everything that goes wrong."""
     state = request.app[STATE]
-    if state.keys and request.path.startswith(("/v1", "/debug")):
-        ok, salt = _authorized(state, _bearer(request))
+    if state.keys and _needs_key(state, request.path):
+        ok, salt, tenant = _authorized(state, _bearer(request))
         if not ok:
             return error_response("invalid or missing API key", 401, code="invalid_api_key")
         if salt is not None:
             request[TENANT_SALT] = salt
+        if tenant is not None:
+            request[TENANT] = tenant
     try:
         return await handler(request)
     except BadRequest as e:
@@ -134,12 +167,19 @@ async def api_middleware(
     except EngineDeadError as e:
         return error_response(str(e), 503)
     except RequestFailed as e:
-        return error_response(str(e), 500, code="request_failed")
+        param = request.get(SPEC_FIELD) if e.status < 500 else None
+        return error_response(str(e), e.status, param, code="request_failed")
+    except DuplicateRequestId as e:
+        return error_response(str(e), 409, "X-Request-Id")
+    except RequestRejected as e:  # the engine refused the request as it was queued
+        return error_response(str(e), 400)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response("internal server error", 500)
+    finally:
+        release_request_id(request)
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -362,7 +402,9 @@ async def _register_prefix(
     except RequestRejected as e:
         raise BadRequest(str(e), "prompt") from e
     result = await engine.register_prefix(
-        ids, cache_salt=salted(request.get(TENANT_SALT), req.cache_salt)
+        ids,
+        cache_salt=salted(request.get(TENANT_SALT), req.cache_salt),
+        tenant=request.get(TENANT),
     )
     if not request.app[STATE].config.enable_prompt_tokens_details:
         del result["cached_tokens"]  # an oracle for what others sent, like usage's
@@ -489,9 +531,10 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     """The application; pass `engine` to serve an already-built engine (tests, embedding)."""
     app = web.Application(
         client_max_size=config.max_request_bytes,
-        middlewares=[connection_middleware, api_middleware],
+        middlewares=[host_middleware, connection_middleware, api_middleware],
     )
     app[STATE] = ServerState(config)
+    app[LIVE_IDS] = app[STATE].request_ids
     if engine is not None:
         app[PRESET_ENGINE] = engine
     app.cleanup_ctx.append(engine_ctx)

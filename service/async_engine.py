@@ -24,6 +24,7 @@ from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.spec import SpecConfig, SpecDecoder
+from scheduler.stream import RequestStream
 from service.detokenizer import IncrementalDetokenizer, StopChecker
 from service.engine_setup import (
     EngineArgs,
@@ -43,7 +44,12 @@ class MaxTokensTooLarge(RequestRejected):
 
 
 class RequestFailed(RuntimeError):
-    """One request failed inside the engine or its output processing; the others go on."""
+    """One request failed inside the engine or its output processing; the others go on.
+    status: 400 when the request's own spec caused it (its grammar), else 500."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Sequence:
@@ -248,6 +254,8 @@ class AsyncEngine:
         """Refuse ids the model cannot embed: a client's token-id prompt, or a text whose
         tokenizer produced added tokens past the model's vocabulary."""
         vocab = self.vocab_size
+        if ids and min(ids) >= 0 and max(ids) < vocab:  # C speed: a prompt may be 1M ids
+            return ids
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(
@@ -291,7 +299,11 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         publish_prefix: bool = False,
+        *,
+        tenant: str | None = None,
     ) -> list[Request]:
+        """The request's n samples.  tenant: whose share of the shared prefix tier the
+        blocks it publishes count against (see scheduler.prefix_tier; None: no share)."""
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
         if bad is not None:
@@ -316,6 +328,7 @@ class AsyncEngine:
                 arrival_time=now,
                 publish_prefix=publish_prefix,
                 grammar=grammars[i],
+                tenant=tenant,
             )
             for i in range(params.n)
         ]
@@ -328,11 +341,16 @@ class AsyncEngine:
         cache_salt: str | None = None,
         publish_prefix: bool = False,
         final_only: bool = False,
+        *,
+        tenant: str | None = None,
     ) -> Submitted:
         """Validate and queue a request now (synchronously, so a transport can answer 400
         or 429 before it starts a response).  Pass the result to `generate`; if it is
-        never consumed, `release` it.  final_only: see `generate`."""
-        group = self.build_group(request_id, prompt_token_ids, params, cache_salt, publish_prefix)
+        never consumed, `release` it.  final_only: see `generate`; tenant: see
+        `build_group`.  An id a live request holds raises DuplicateRequestId."""
+        group = self.build_group(
+            request_id, prompt_token_ids, params, cache_salt, publish_prefix, tenant=tenant
+        )
         # Stop strings are matched here, on the consumer's side, as tokens arrive: such a
         # request's tokens must wake it or it would run on past its stop string.
         stream = self.core.add(group, wake_on_tokens=not final_only or bool(params.stop))
@@ -343,10 +361,14 @@ class AsyncEngine:
         prompts: list[tuple[str, list[int]]],
         params: SamplingParams,
         cache_salt: str | None = None,
+        *,
+        tenant: str | None = None,
     ) -> list[Submitted]:
         """Several (request id, prompt ids) as one: all validated and admitted against the
         waiting bound before any is queued."""
-        groups = [self.build_group(rid, ids, params, cache_salt) for rid, ids in prompts]
+        groups = [
+            self.build_group(rid, ids, params, cache_salt, tenant=tenant) for rid, ids in prompts
+        ]
         for g in groups:
             self.core.validate(g)
         self.core.admit(groups)
@@ -359,7 +381,7 @@ class AsyncEngine:
         """Abort a submitted request whose outputs will never be read."""
         if not sub.consumed:
             sub.consumed = True
-            self.core.abort(sub.request_id)
+            self.core.abort(sub.request_id, sub.stream)
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a request's structured-output spec off the event loop (cached by spec);
@@ -420,7 +442,10 @@ class AsyncEngine:
                     if u.error is not None:
                         # One sample failed: the request fails (its other samples are
                         # aborted on the way out), and the client is told why.
-                        raise RequestFailed(f"request {rid} failed: {u.error}")
+                        raise RequestFailed(
+                            f"request {rid} failed: {u.error}",
+                            status=400 if u.client_error else 500,
+                        )
                 if live == 0:
                     metrics.finished_time = now
                     out.finished = True
@@ -428,15 +453,21 @@ class AsyncEngine:
                     continue
                 yield out
         finally:
-            self._end_request(rid, seqs, out, unfinished=live > 0)
+            self._end_request(rid, seqs, out, unfinished=live > 0, stream=stream)
 
     def _end_request(
-        self, rid: str, seqs: list[_Sequence], out: RequestOutput, unfinished: bool
+        self,
+        rid: str,
+        seqs: list[_Sequence],
+        out: RequestOutput,
+        unfinished: bool,
+        stream: RequestStream | None = None,
     ) -> None:
         """Abort what still runs (the consumer left, or a sample failed), then tell the
-        request hooks."""
+        request hooks.  The abort names this request's own stream: a request that was
+        refused (its id in use) never aborts the live one under that id."""
         if unfinished:
-            self.core.abort(rid)
+            self.core.abort(rid, stream)
             for s in seqs:
                 if s.out.finish_reason is None:
                     s.out.finish_reason = "abort"
@@ -480,18 +511,23 @@ class AsyncEngine:
         self._apply_guarded(seq, u)
 
     async def register_prefix(
-        self, prompt_token_ids: list[int], cache_salt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str | None = None,
+        *,
+        tenant: str | None = None,
     ) -> dict[str, int]:
         """Compute a prefix (e.g. a system prompt) and publish the KV of all its full
-        blocks to the shared tier now, rather than after it proves hot."""
+        blocks to the shared tier now, rather than after it proves hot (counted against
+        `tenant`'s share of the tier)."""
         bs = self.scheduler.block_size
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         rid = f"prefix-{uuid.uuid4().hex[:16]}"
+        sub = self.submit(
+            prompt_token_ids, params, rid, cache_salt, publish_prefix=True, tenant=tenant
+        )
         last = None
-        async for out in self.generate(
-            "", params, rid, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt,
-            publish_prefix=True,
-        ):  # fmt: skip
+        async for out in self.generate("", submitted=sub):
             last = out
         assert last is not None
         return {

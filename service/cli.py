@@ -127,6 +127,15 @@ def _add_redis_args(g: Group) -> None:
         metavar="SECONDS",
         help="longest a request waits for a Redis look-up",
     )
+    g.add_argument(
+        "--prefix-tier-key-share",
+        type=float,
+        default=0.25,
+        metavar="FRACTION",
+        help="most of --redis-max-kv-memory one API key's published prefixes may hold (at "
+        "least 1/number of keys, so a few keys can fill it; no share with one key or none); "
+        "past it a key's own oldest entries are evicted, never another key's",
+    )
 
 
 def _add_queue_args(g: Group) -> None:
@@ -239,6 +248,10 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="n x prompts: sequences one request may start")  # fmt: skip
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="logprobs / top_logprobs (at most 20)")  # fmt: skip
+    g.add_argument("--max-prompt-logprob-entries", type=int,
+                   default=d.max_prompt_logprob_entries,
+                   help="prompt logprobs one response may carry: prompt tokens x (logprobs + 1), "
+                   "for each choice that repeats them (echo, prompt_logprobs)")  # fmt: skip
     g.add_argument("--max-ws-frame-bytes", type=int, default=d.max_ws_frame_bytes,
                    help="largest WebSocket frame; a bigger one closes the socket (1009)")  # fmt: skip
     g.add_argument("--max-ws-generations", type=int, default=d.max_ws_generations,
@@ -250,7 +263,15 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--template-workers", type=int, default=d.template_workers,
                    help="processes that render chat templates")  # fmt: skip
     g.add_argument("--template-timeout", type=float, default=d.template_timeout,
-                   metavar="SECONDS", help="longest one chat-template render or tokenization")  # fmt: skip
+                   metavar="SECONDS", help="longest one chat-template render")  # fmt: skip
+    g.add_argument("--tokenize-timeout", type=float, default=d.tokenize_timeout,
+                   metavar="SECONDS",
+                   help="longest one tokenization or detokenization, waiting included")  # fmt: skip
+    g.add_argument("--tokenize-workers", type=int, default=d.tokenize_workers,
+                   help="tokenizer threads, and tokenizer processes for large inputs")  # fmt: skip
+    g.add_argument("--tokenize-process-bytes", type=int, default=d.tokenize_process_bytes,
+                   help="inputs larger than this (UTF-8 bytes; 4 per token id) are tokenized "
+                   "in a worker process that is killed at --tokenize-timeout")  # fmt: skip
     g.add_argument("--template-memory", type=float, default=d.template_memory_bytes / (1 << 30),
                    metavar="GiB", help="memory a template render process may add")  # fmt: skip
     g.add_argument("--max-template-output-chars", type=int,
@@ -261,12 +282,16 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
 def limits(a: argparse.Namespace) -> Limits:
     if not 0 <= a.max_logprobs <= 20:
         raise SystemExit("--max-logprobs must be in [0, 20]")
+    if a.tokenize_timeout <= 0 or a.tokenize_workers < 1 or a.tokenize_process_bytes < 0:
+        raise SystemExit("--tokenize-timeout must be > 0, --tokenize-workers >= 1, "
+                         "--tokenize-process-bytes >= 0")  # fmt: skip
     return Limits(
         max_stop_strings=a.max_stop_strings,
         max_stop_string_chars=a.max_stop_string_chars,
         max_prompts_per_request=a.max_prompts_per_request,
         max_choices_per_request=a.max_choices_per_request,
         max_logprobs=a.max_logprobs,
+        max_prompt_logprob_entries=a.max_prompt_logprob_entries,
         max_ws_frame_bytes=a.max_ws_frame_bytes,
         max_ws_generations=a.max_ws_generations,
         max_websockets=a.max_websockets,
@@ -275,6 +300,9 @@ def limits(a: argparse.Namespace) -> Limits:
         template_timeout=a.template_timeout,
         template_memory_bytes=int(a.template_memory * (1 << 30)),
         max_template_output_chars=a.max_template_output_chars,
+        tokenize_timeout=a.tokenize_timeout,
+        tokenize_workers=a.tokenize_workers,
+        tokenize_process_bytes=a.tokenize_process_bytes,
     )
 
 
@@ -317,6 +345,15 @@ def speculative_config(a: argparse.Namespace) -> dict[str, object] | None:
     }
 
 
+def key_share(share: float, num_keys: int) -> float:
+    """The fraction of the shared prefix tier one API key may hold: --prefix-tier-key-share,
+    but at least 1/num_keys (a few keys can still fill the tier between them), and no
+    share at all (1.0) with one key or none."""
+    if not 0 < share <= 1:
+        raise SystemExit("--prefix-tier-key-share must be in (0, 1]")
+    return 1.0 if num_keys < 2 else max(share, 1.0 / num_keys)
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     bound_onednn_caches(a.onednn_cache_capacity)
     from service.app import ServerConfig, run_server
@@ -330,14 +367,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
         a.forwarded_allow_ips
         or ([_env("FORWARDED_ALLOW_IPS")] if _env("FORWARDED_ALLOW_IPS") else [])
     )
+    hosts = a.allowed_hosts or (
+        [_env("PAGESTREAM_ALLOWED_HOSTS")] if _env("PAGESTREAM_ALLOWED_HOSTS") else None
+    )
+    engine = engine_args(a)
+    engine.prefix_tier_key_share = key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys)))
     code = run_server(
         ServerConfig(
-            engine=engine_args(a),
+            engine=engine,
             host=a.host,
             port=a.port,
             api_keys=keys,
             served_model_name=a.served_model_name,
             allowed_origins=_split(a.allowed_origins),
+            allowed_hosts=_split(hosts) if hosts else None,
+            public_tokenize=a.public_tokenize,
             forwarded_allow_ips=forwarded,
             enable_prompt_tokens_details=a.enable_prompt_tokens_details,
             shared_prefix_cache=a.shared_prefix_cache,
@@ -418,6 +462,21 @@ def _add_access_args(s: argparse.ArgumentParser) -> None:
         action="append",
         help="extra origins allowed to open /v1/ws, e.g. https://chat.example.com "
         "(repeatable or comma-separated; '*' for any)",
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        action="append",
+        help="Host header names the server answers (DNS rebinding guard; others get 421): "
+        "names, .example.com for a domain and its subdomains, '*' for any; repeatable or "
+        "comma-separated.  IP addresses and localhost always pass.  Default "
+        "(PAGESTREAM_ALLOWED_HOSTS, else): the --host name, plus this machine's hostname "
+        "on 0.0.0.0 / ::; behind a proxy or ingress list the public names (or '*')",
+    )
+    s.add_argument(
+        "--public-tokenize",
+        action="store_true",
+        help="serve /tokenize and /detokenize without the API key (default: behind it "
+        "when keys are set)",
     )
     s.add_argument(
         "--forwarded-allow-ips",

@@ -8,6 +8,11 @@ from typing import Any
 from scheduler.contract import TokenLogprobs
 from service.outputs import CompletionOutput
 
+# Past this many logprob entries a non-streamed body is built off the event loop (about
+# 5 ms of work; what one response may carry is bounded by
+# Limits.max_prompt_logprob_entries and the sampled tokens).
+OFF_LOOP_LOGPROB_ENTRIES = 20_000
+
 
 def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
     """The n samples with the highest cumulative logprob (OpenAI's best_of), reindexed."""
@@ -66,6 +71,31 @@ def echo_logprobs(
                 {text(i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
             )
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class PromptLogprobs:
+    """Each prompt's echo logprobs and vLLM-shaped prompt_logprobs, built once and shared
+    by all its choices (n choices of one prompt carry the same values; `join_logprobs`
+    copies, never mutates, what it is given)."""
+
+    def __init__(self, text: Callable[[int], str]) -> None:
+        self.text = text
+        self._echo: dict[int, dict[str, Any]] = {}
+        self._vllm: dict[int, list[dict[str, Any] | None]] = {}
+
+    def echo(
+        self, i: int, plp: list[TokenLogprobs | None], prompt_ids: list[int]
+    ) -> dict[str, Any]:
+        hit = self._echo.get(i)
+        if hit is None:
+            hit = self._echo[i] = echo_logprobs(plp, self.text, prompt_ids)
+        return hit
+
+    def vllm(self, i: int, plp: list[TokenLogprobs | None] | None) -> list[Any] | None:
+        hit = self._vllm.get(i)
+        if hit is None and (hit := prompt_logprobs_json(plp, self.text)) is not None:
+            self._vllm[i] = hit
+        return hit
 
 
 def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:

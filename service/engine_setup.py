@@ -39,6 +39,9 @@ class EngineArgs:
     redis_hit_threshold: int = 1  # local hits before a block's KV is published
     redis_max_kv_bytes: int = 1 << 30  # cap on KV bytes this model keeps in Redis
     redis_lookup_deadline: float = 1.0  # seconds a Redis look-up may take
+    # Fraction of redis_max_kv_bytes one tenant (API key) may hold in the shared tier;
+    # 1.0: no per-key share (see scheduler.prefix_tier, "Per-tenant share").
+    prefix_tier_key_share: float = 1.0
     device: str | None = None
     # Fault injection for tests and drills (see scheduler/faults.py); None reads the
     # PAGESTREAM_FAULT_INJECTION environment variable, which is unset in normal serving.
@@ -103,6 +106,7 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
         lookup_deadline=args.redis_lookup_deadline,
         hit_threshold=args.redis_hit_threshold,
         max_kv_bytes=args.redis_max_kv_bytes,
+        tenant_share=args.prefix_tier_key_share,
         meta={
             "model": str(model_dir),
             "dtype": dtype,

@@ -28,6 +28,11 @@ async def wait_drained(transport: asyncio.BaseTransport | None, limit: int) -> N
         await asyncio.sleep(0.05)
 
 
+# The body field that asked for structured output: a grammar that fails mid-generation
+# (the client's fault, RequestFailed.status 400) is reported against it.
+SPEC_FIELD = web.RequestKey("pagestream_spec_field", str)
+
+
 def limit_send_buffer(request: web.Request, nbytes: int | None) -> None:
     """Cap the kernel send buffer of a streaming connection (None: the OS autotunes it,
     up to net.ipv4.tcp_wmem's maximum, 4 MiB by default).  What a stalled reader can make
@@ -68,7 +73,9 @@ def error_body(
         401: "authentication_error",
         403: "permission_error",
         404: "not_found_error",
+        409: "invalid_request_error",
         413: "invalid_request_error",
+        421: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "server_error")

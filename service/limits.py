@@ -20,14 +20,23 @@ class Limits:
     max_prompts_per_request: int = 256  # prompts in one /v1/completions body
     max_choices_per_request: int = 256  # n × prompts: sequences one request may start
     max_logprobs: int = 20  # logprobs / top_logprobs (the sampler's ceiling is 20)
+    # Prompt-logprob entries one response may carry: prompt tokens x (top + 1), repeated in
+    # each of a prompt's n choices on /v1/completions (echo with logprobs, prompt_logprobs).
+    max_prompt_logprob_entries: int = 1_000_000
     max_ws_frame_bytes: int = 1 << 20
     max_ws_generations: int = 64  # generations in flight on one WebSocket
     max_websockets: int = 1024  # open WebSockets per server
     trust_request_chat_template: bool = False
     template_workers: int = 2  # chat-template render processes
-    template_timeout: float = 3.0  # seconds one render (and one tokenization) may take
+    template_timeout: float = 3.0  # seconds one chat-template render may take
     template_memory_bytes: int = 1 << 30  # address space a render process may add
     max_template_output_chars: int = 8 << 20
+    # Tokenization (service/tokenize_pool.py): seconds one (de)tokenization may take,
+    # waiting included; threads and worker processes; bigger inputs than
+    # tokenize_process_bytes (UTF-8 bytes; 4 a token id) go to a killable process.
+    tokenize_timeout: float = 2.0
+    tokenize_workers: int = 2
+    tokenize_process_bytes: int = 256 << 10
 
     def check_sampling(self, p: SamplingParams, *, prefix: str = "", logprobs_field: str = "logprobs",
                        prompts: int = 1) -> None:  # fmt: skip
@@ -55,6 +64,19 @@ class Limits:
                 f"{what} is {p.n * prompts} sequences; at most "
                 f"{self.max_choices_per_request} per request",
                 f"{prefix}n",
+            )
+
+    def check_prompt_logprobs(self, parts: dict[str, int]) -> None:
+        """parts: request field -> the prompt-logprob entries the response would carry
+        because of it.  Past the limit, a 400 naming the field that asks for the most
+        (the response would be built, and held, whole)."""
+        total, limit = sum(parts.values()), self.max_prompt_logprob_entries
+        if total > limit:
+            field = max(parts, key=parts.__getitem__)
+            raise BadRequest(
+                f"the response would carry {total:,} prompt logprobs (prompt tokens x "
+                f"choices x ({field} + 1)); at most {limit:,} per request",
+                field,
             )
 
     def check_prompt_count(self, count: int) -> None:

@@ -4,6 +4,7 @@ text when the request offers tools)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -14,13 +15,13 @@ from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
-from service.completion_extras import prompt_logprobs_json
+from service.completion_extras import OFF_LOOP_LOGPROB_ENTRIES, prompt_logprobs_json
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge, sse
 from service.outputs import RequestOutput
 from service.protocol import BadRequest, check_messages
 from service.protocol_openai import ChatCompletionRequest, decode_chat
-from service.request_ids import request_id
+from service.request_ids import TENANT, request_id
 from service.tool_calls import (
     Mode,
     ToolStream,
@@ -63,6 +64,7 @@ class ChatServing(ServingBase):
         check_messages(req.messages)
         params = req.to_sampling_params()
         self.limits.check_sampling(params, logprobs_field="top_logprobs")
+        self.prep.check_logit_bias(params)
         mode = tool_mode(req, self.tool_call_parser)
         spec = req.structured()
         if (tc := constraint(req, mode)) is not None:
@@ -74,7 +76,7 @@ class ChatServing(ServingBase):
                 )
             spec = tc
             params = msgspec.structs.replace(params, structured_outputs=tc[0])
-        await self.compile(params, spec[1] if spec else None)
+        await self.compile(request, params, spec[1] if spec else None)
         template, template_field, kwargs = req.template_request()
         ids = await self.prep.chat_ids(
             [m.as_template_dict() for m in req.messages],
@@ -84,10 +86,16 @@ class ChatServing(ServingBase):
             kwargs=kwargs,
             tools=template_tools(req) if req.tools else None,
         )
-        rid = request_id(request, req.request_id, "chatcmpl")
+        if req.prompt_logprobs is not None:  # once per response on chat
+            self.limits.check_prompt_logprobs(
+                {"prompt_logprobs": len(ids) * (req.prompt_logprobs + 1)}
+            )
+        rid, engine_rid = request_id(request, req.request_id, "chatcmpl")
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
-        gens, subs = self._start(rid, [ids], [None], params, salt, field)
+        gens, subs = self._start(
+            engine_rid, [ids], [None], params, salt, field, tenant=request.get(TENANT)
+        )
         model = req.model or self.names[0]
         try:
             if req.stream:
@@ -144,7 +152,11 @@ class ChatServing(ServingBase):
         if req.return_token_ids:
             resp["prompt_token_ids"] = ids
         if req.prompt_logprobs is not None:
-            resp["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs, self.token_text)
+            plp = (last.prompt_logprobs, self.token_text)
+            if len(ids) * (req.prompt_logprobs + 1) > OFF_LOOP_LOGPROB_ENTRIES:
+                resp["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_json, *plp)
+            else:
+                resp["prompt_logprobs"] = prompt_logprobs_json(*plp)
         return json_response(resp)
 
     async def _chat_stream(

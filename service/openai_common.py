@@ -15,11 +15,18 @@ import orjson
 from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
-from scheduler.engine_core import EngineDeadError
+from scheduler.engine_core import DuplicateRequestId, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestFailed
-from service.http_util import SSE_HEADERS, SlowClient, error_body, limit_send_buffer, wait_drained
+from service.http_util import (
+    SPEC_FIELD,
+    SSE_HEADERS,
+    SlowClient,
+    error_body,
+    limit_send_buffer,
+    wait_drained,
+)
 from service.limits import Limits
 from service.outputs import RequestOutput, Submitted
 from service.prep import Preprocessor
@@ -181,12 +188,16 @@ class ServingBase:
                 f"the client did not read the stream for {self.send_timeout:g} s"
             ) from None
 
-    async def compile(self, params: SamplingParams, field: str | None) -> None:
+    async def compile(
+        self, request: web.Request, params: SamplingParams, field: str | None
+    ) -> None:
         """Compile the request's grammar off the loop; what cannot be compiled is a 400."""
         try:
             await self.engine.compile_grammar(params)
         except GrammarError as e:
             raise BadRequest(str(e), field) from e
+        if field is not None:
+            request[SPEC_FIELD] = field
 
     def _usage(self, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
         usage: dict[str, Any] = {
@@ -218,16 +229,21 @@ class ServingBase:
         params: SamplingParams,
         cache_salt: str | None,
         max_tokens_field: str = "max_tokens",
+        *,
+        tenant: str | None = None,
     ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
         """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
         when the queue is full), so errors come before the response starts.  The caller
-        must `release` the Submitted ones in a finally (aborts any never streamed)."""
+        must `release` the Submitted ones in a finally (aborts any never streamed).
+        request_id: the engine's (service/request_ids.py); tenant: the API key's hash."""
         suffix = len(prompts) > 1
         rids = [f"{request_id}-{i}" if suffix else request_id for i in range(len(prompts))]
         try:
             subs = self.engine.submit_many(
-                list(zip(rids, prompts, strict=True)), params, cache_salt
+                list(zip(rids, prompts, strict=True)), params, cache_salt, tenant=tenant
             )
+        except DuplicateRequestId as e:  # never with the ids request_ids.py makes
+            raise BadRequest(str(e), "X-Request-Id", status=409) from e
         except MaxTokensTooLarge as e:
             raise BadRequest(str(e), max_tokens_field) from e
         except RequestRejected as e:
@@ -293,9 +309,11 @@ class ServingBase:
             body = error_body(str(e), 400)
         elif isinstance(e, EngineDeadError):
             body = error_body(str(e), 503)
+        elif isinstance(e, RequestFailed):
+            param = request.get(SPEC_FIELD) if e.status < 500 else None
+            body = error_body(f"generation failed: {e}", e.status, param, "request_failed")
         else:
-            if not isinstance(e, RequestFailed):
-                log.exception("stream failed")
+            log.exception("stream failed")
             body = error_body(f"generation failed: {e}", 500)
         await self.write(request, resp, b"data: " + body + b"\n\n")
         await self.write(request, resp, b"data: [DONE]\n\n")

@@ -14,12 +14,32 @@ from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
-from service.completion_extras import best_of, echo_logprobs, join_logprobs, prompt_logprobs_json
+from service.completion_extras import (
+    OFF_LOOP_LOGPROB_ENTRIES,
+    PromptLogprobs,
+    best_of,
+    join_logprobs,
+)
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge
 from service.outputs import CompletionOutput, RequestOutput
 from service.protocol_openai import CompletionRequest, decode_completion
-from service.request_ids import request_id
+from service.request_ids import TENANT, request_id
+
+
+def _logprob_entries(
+    req: CompletionRequest, prompts: list[list[int]], finals: list[RequestOutput]
+) -> int:
+    """Logprob entries the response carries: sampled tokens' and echoed prompts' (top
+    alternatives + 1 each), and vLLM's prompt_logprobs, in every choice that repeats them."""
+    prompt_tokens = sum(map(len, prompts))
+    entries = 0
+    if req.logprobs is not None:
+        sampled = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        entries += (sampled + (prompt_tokens * req.n if req.echo else 0)) * (req.logprobs + 1)
+    if req.prompt_logprobs is not None:
+        entries += prompt_tokens * req.n * (req.prompt_logprobs + 1)
+    return entries
 
 
 async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -75,18 +95,22 @@ class CompletionServing(ServingBase):
         self.check_model(req.model)
         params = req.to_sampling_params()
         spec = req.structured()
-        await self.compile(params, spec[1] if spec else None)
+        await self.compile(request, params, spec[1] if spec else None)
         raw = req.prompts()
         self.limits.check_prompt_count(len(raw))
         self.limits.check_sampling(params, prompts=len(raw))
+        self.prep.check_logit_bias(params)
         prompts = await self.prep.prompt_ids(raw)
+        self._check_prompt_logprobs(req, prompts)
         texts = [p if isinstance(p, str) else None for p in raw]
-        rid = request_id(request, req.request_id, "cmpl")
+        rid, engine_rid = request_id(request, req.request_id, "cmpl")
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
-        gens, subs = self._start(rid, prompts, texts, params, salt)
+        gens, subs = self._start(
+            engine_rid, prompts, texts, params, salt, tenant=request.get(TENANT)
+        )
         model = req.model or self.names[0]
-        echo = self._echo_texts(texts, prompts) if req.echo else None
         try:
+            echo = await self._echo_texts(texts, prompts) if req.echo else None
             if req.stream:
                 return await self._completion_stream(
                     request, req, rid, model, prompts, gens, params, echo
@@ -95,12 +119,23 @@ class CompletionServing(ServingBase):
         finally:
             self._release(subs)
 
-    def _echo_texts(self, texts: list[str | None], prompts: list[list[int]]) -> list[str]:
-        """echo: each prompt as text (token-id prompts decoded), put before its choices."""
-        return [
-            t if t is not None else self.tokenizer.decode(ids)
-            for t, ids in zip(texts, prompts, strict=True)
-        ]
+    def _check_prompt_logprobs(self, req: CompletionRequest, prompts: list[list[int]]) -> None:
+        """The prompt logprobs the response would carry, bounded before any work: each of
+        a prompt's n choices repeats them (echo with logprobs, and prompt_logprobs)."""
+        tokens = sum(map(len, prompts))
+        parts = {}
+        if req.echo and req.logprobs is not None:
+            parts["logprobs"] = tokens * req.n * (req.logprobs + 1)
+        if req.prompt_logprobs is not None:
+            parts["prompt_logprobs"] = tokens * req.n * (req.prompt_logprobs + 1)
+        self.limits.check_prompt_logprobs(parts)
+
+    async def _echo_texts(self, texts: list[str | None], prompts: list[list[int]]) -> list[str]:
+        """echo: each prompt as text (token-id prompts decoded, off the event loop past
+        512 ids in all), put before its choices."""
+        given = [ids for t, ids in zip(texts, prompts, strict=True) if t is None]
+        decoded = iter(await self.prep.decode(given, param="prompt") if given else ())
+        return [t if t is not None else next(decoded) for t in texts]
 
     async def _completion_full(
         self,
@@ -112,24 +147,36 @@ class CompletionServing(ServingBase):
         echo: list[str] | None,
     ) -> web.Response:
         finals = await final_outputs(gens)
-        choices = []
-        completion = 0
-        cached = 0
-        for i, out in enumerate(finals):
-            cached += out.num_cached_tokens
-            completion += sum(len(o.token_ids) for o in out.outputs)
-            for o in best_of(out.outputs, req.n):
-                choices.append(self._completion_choice(req, i, out, o, prompts[i], echo))
-        return json_response(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": choices,
-                "usage": self._usage(sum(map(len, prompts)), completion, cached),
-            }
-        )
+
+        def build() -> web.Response:
+            choices = []
+            completion = 0
+            cached = 0
+            shared = PromptLogprobs(self.token_text)
+            for i, out in enumerate(finals):
+                cached += out.num_cached_tokens
+                completion += sum(len(o.token_ids) for o in out.outputs)
+                for o in best_of(out.outputs, req.n):
+                    choices.append(
+                        self._completion_choice(req, i, out, o, prompts[i], echo, shared)
+                    )
+            return json_response(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": choices,
+                    "usage": self._usage(sum(map(len, prompts)), completion, cached),
+                }
+            )
+
+        # Logprobs make the body tokens x choices x (logprobs + 1) values: a large one is
+        # built on a thread, so the event loop (other streams, /health) only waits its turn
+        # for the GIL, not for the whole body.
+        if _logprob_entries(req, prompts, finals) > OFF_LOOP_LOGPROB_ENTRIES:
+            return await asyncio.to_thread(build)
+        return build()
 
     def _completion_choice(
         self,
@@ -139,13 +186,13 @@ class CompletionServing(ServingBase):
         o: CompletionOutput,
         prompt: list[int],
         echo: list[str] | None,
+        shared: PromptLogprobs,
     ) -> dict[str, Any]:
         """Choice `o` of prompt `i`, whole."""
         head = "" if echo is None else echo[i]
         lp, _ = self.completion_logprobs(o.logprobs, len(head))
         if echo is not None and req.logprobs is not None and out.prompt_logprobs:
-            pre = echo_logprobs(out.prompt_logprobs, self.token_text, prompt)
-            lp = join_logprobs(pre, lp)
+            lp = join_logprobs(shared.echo(i, out.prompt_logprobs, prompt), lp)
         choice: dict[str, Any] = {
             "index": i * req.n + o.index,
             "text": head + o.text,
@@ -154,7 +201,7 @@ class CompletionServing(ServingBase):
             "stop_reason": o.stop_reason,
         }
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
+            choice["prompt_logprobs"] = shared.vllm(i, out.prompt_logprobs)
         if req.return_token_ids:
             choice["prompt_token_ids"] = prompt
             choice["token_ids"] = o.token_ids
@@ -190,15 +237,18 @@ class CompletionServing(ServingBase):
     ) -> AsyncIterator[dict[str, Any]]:
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         cached: dict[int, int] = {}  # per prompt's output (by id): its cached tokens
+        shared = PromptLogprobs(self.token_text)
         async with contextlib.aclosing(merge(gens, n)) as events:
             async for deltas, out in events:
                 choices = []
                 for d in deltas:
                     usage.completion_tokens += len(d.token_ids)
-                    prompt = prompts[d.index // n]
-                    head = echo[d.index // n] if echo is not None and d.index not in offsets else ""
+                    pi = d.index // n  # the prompt's index
+                    head = echo[pi] if echo is not None and d.index not in offsets else ""
                     choices.append(
-                        self._completion_choice_delta(req, d, out, prompt, head, offsets)
+                        self._completion_choice_delta(
+                            req, d, out, (pi, prompts[pi]), head, offsets, shared
+                        )
                     )
                 cached[id(out)] = out.num_cached_tokens
                 usage.cached = sum(cached.values())
@@ -210,16 +260,18 @@ class CompletionServing(ServingBase):
         req: CompletionRequest,
         d: ChoiceDelta,
         out: RequestOutput,
-        prompt: list[int],
+        indexed_prompt: tuple[int, list[int]],
         head: str,
         offsets: dict[int, int],
+        shared: PromptLogprobs,
     ) -> dict[str, Any]:
         """One choice's part of a chunk; its first carries the echo (`head`) and the
         prompt's logprobs and token ids."""
+        pi, prompt = indexed_prompt
         first = d.index not in offsets
         pre = None
         if head and req.logprobs is not None and out.prompt_logprobs:
-            pre = echo_logprobs(out.prompt_logprobs, self.token_text, prompt)
+            pre = shared.echo(pi, out.prompt_logprobs, prompt)
         lp, offsets[d.index] = self.completion_logprobs(
             d.logprobs, offsets.get(d.index, 0) + len(head)
         )
@@ -230,7 +282,7 @@ class CompletionServing(ServingBase):
             "finish_reason": d.finish_reason,
         }
         if first and req.prompt_logprobs is not None:
-            c["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
+            c["prompt_logprobs"] = shared.vllm(pi, out.prompt_logprobs)
         if d.finish_reason is not None:
             c["stop_reason"] = d.stop_reason
         if req.return_token_ids:

@@ -1,26 +1,36 @@
-"""Turning a request's messages or prompts into token ids, off the event loop.
+"""Turning a request's messages or prompts into token ids (and ids back into text), off
+the event loop.
 
-Chat templates render in killable worker processes (service/render_pool.py); tokenization
-of anything but a short text runs on a small thread pool (the Rust tokenizer releases the
-GIL), under the same time cap.  Every failure is a BadRequest naming the field.
+Chat templates render in killable worker processes (service/render_pool.py).  Text is
+tokenized by service/tokenize_pool.py: short texts inline, the rest on threads through
+the tokenizer's GIL-releasing calls, huge ones in worker processes killed at
+`--tokenize-timeout`.  Before any of that, a text that cannot fit in max_model_len by its
+length alone is refused: when the tokenizer cannot drop text, no token stands for more
+than `Tokenizer.max_bytes_per_token` bytes, so a text of more than max_model_len times
+that many UTF-8 bytes has more than max_model_len tokens (a 400 without tokenizing).
+Every failure is a BadRequest naming the field (or EngineOverloaded: busy, retry).
 """
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 from scheduler.engine_core import EngineOverloaded
+from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine
 from service.chat_template import TemplateError
 from service.limits import Limits
 from service.protocol import BadRequest
 from service.render_pool import RenderBusy, RenderJob, RenderPool
-
-# Below this many characters a text is encoded inline: a thread hop costs more.
-_INLINE_CHARS = 2048
+from service.tokenize_pool import (
+    TokenizeBusy,
+    TokenizeFailed,
+    TokenizePool,
+    TokenizeTimeout,
+    utf8_len,
+)
 
 
 class Preprocessor:
@@ -35,18 +45,32 @@ class Preprocessor:
             max_queued=max_queued,
             max_memory=limits.template_memory_bytes,
         )
-        self._threads = ThreadPoolExecutor(
-            max(1, limits.template_workers), thread_name_prefix="pagestream-tokenize"
+        per_token = engine.tokenizer.max_bytes_per_token
+        # The longest prompt text that could still fit (None: no bound holds for this
+        # tokenizer, and only the request and template size caps bound a text).
+        self.max_prompt_bytes = engine.max_model_len * per_token if per_token else None
+        # No worker processes when no text that passes that bound can need one (then only
+        # id lists, bounded by max_model_len and the prompt count, can be bigger: a thread).
+        small = (
+            self.max_prompt_bytes is not None
+            and self.max_prompt_bytes <= limits.tokenize_process_bytes
         )
-        self._max_queued = max_queued
-        self._queued = 0
+        self.tokens = TokenizePool(
+            engine.tokenizer.codec,
+            workers=limits.tokenize_workers,
+            processes=0 if small else limits.tokenize_workers,
+            timeout=limits.tokenize_timeout,
+            process_bytes=limits.tokenize_process_bytes,
+            max_queued=max_queued,
+        )
 
     async def start(self) -> None:
         await self.pool.start()
+        await self.tokens.start()
 
     async def close(self) -> None:
         await self.pool.close()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        await self.tokens.close()
 
     async def chat_ids(
         self,
@@ -96,36 +120,74 @@ class Preprocessor:
     async def encode(
         self, texts: list[str], add_special_tokens: bool = True, param: str = "prompt"
     ) -> list[list[int]]:
-        tok = self.engine.tokenizer
+        """Token ids of each text, checked against the model's vocabulary."""
+        for t in texts:
+            self._check_length(t, param)
+        try:
+            return await self.tokens.encode(
+                texts, add_special_tokens, check=self.engine.check_token_ids
+            )
+        except RequestRejected as e:
+            raise BadRequest(str(e), param) from e
+        except (TokenizeTimeout, TokenizeBusy, TokenizeFailed) as e:
+            raise _refusal(e, "tokenizing the prompt", param) from e
 
-        def run() -> list[list[int]]:
-            return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    async def decode(
+        self,
+        seqs: Sequence[Sequence[int]],
+        skip_special_tokens: bool = True,
+        param: str = "tokens",
+    ) -> list[str]:
+        """The text of each id list (ids already checked against the vocabulary)."""
+        try:
+            return await self.tokens.decode(seqs, skip_special_tokens)
+        except (TokenizeTimeout, TokenizeBusy, TokenizeFailed) as e:
+            raise _refusal(e, "decoding the token ids", param) from e
 
-        if sum(map(len, texts)) <= _INLINE_CHARS:
-            batch = run()
-        else:
-            if self._queued >= self._max_queued:
-                raise EngineOverloaded("the server is overloaded: too many prompts to tokenize")
-            self._queued += 1
-            loop = asyncio.get_running_loop()
-            try:
-                # The thread cannot be stopped, but its input is bounded (request size, the
-                # template's output cap), so it ends soon after the deadline even so.
-                batch = await asyncio.wait_for(
-                    loop.run_in_executor(self._threads, run), self.limits.template_timeout
-                )
-            except TimeoutError:
-                raise BadRequest(
-                    f"tokenizing the prompt took longer than {self.limits.template_timeout:g} s",
-                    param,
-                    status=413,
-                ) from None
-            finally:
-                self._queued -= 1
-        return [self._checked(ids, param) for ids in batch]
+    async def token_strs(self, ids: Sequence[int], param: str = "prompt") -> list[str]:
+        """Each id's own text (special tokens kept), as `/tokenize` returns them."""
+        try:
+            return await self.tokens.token_strs(ids)
+        except (TokenizeTimeout, TokenizeBusy, TokenizeFailed) as e:
+            raise _refusal(e, "decoding the tokens", param) from e
+
+    def _check_length(self, text: str, param: str) -> None:
+        """Refuse, without tokenizing it, a text too long to fit (see the module docs)."""
+        bound = self.max_prompt_bytes
+        if bound is None or 4 * len(text) <= bound:  # at most 4 UTF-8 bytes a character
+            return
+        size = len(text) if len(text) > bound else utf8_len(text)
+        if size > bound:
+            per_token = self.engine.tokenizer.max_bytes_per_token
+            raise BadRequest(
+                f"the prompt is {'over ' if size == len(text) else ''}{size} bytes of text; "
+                f"a token of this model's tokenizer stands for at most {per_token} bytes, so "
+                f"it has more than max_model_len ({self.engine.max_model_len}) tokens",
+                param,
+            )
+
+    def check_logit_bias(self, params: SamplingParams, param: str = "logit_bias") -> None:
+        """logit_bias keys are token ids of this model: one outside its vocabulary is a 400
+        naming `logit_bias` (the engine's own check cannot say which field it was)."""
+        vocab = self.engine.vocab_size
+        bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(
+                f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})", param
+            )
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         try:
             return self.engine.check_token_ids(ids)
         except RequestRejected as e:
             raise BadRequest(str(e), param) from e
+
+
+def _refusal(e: Exception, what: str, param: str) -> Exception:
+    """A tokenize-pool failure as the client's answer: busy -> 429; a job that ran past
+    its deadline -> 413; input the tokenizer refused -> 400."""
+    if isinstance(e, TokenizeBusy) or (isinstance(e, TokenizeTimeout) and not e.started):
+        return EngineOverloaded(f"the server is overloaded: {e}")
+    if isinstance(e, TokenizeTimeout):
+        return BadRequest(f"{what} ran {e}", param, status=413)
+    return BadRequest(f"{what} failed: {e}", param)

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from service.json_depth import TooDeep, check_depth
+
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
@@ -86,9 +88,12 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def _json_or_text(text: str) -> Any:
+    """JSON text as a value; anything else (text nested past the limit included: the
+    edges refuse that first, in `check_tool_arguments`) passes through as text."""
     try:
+        check_depth(text)
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -121,6 +126,21 @@ def check_messages(messages: list[ChatMessage], field: str = "messages") -> None
             raise BadRequest(
                 f"{field}[{i}] (role {m.role}) has no content", f"{field}[{i}].content"
             )
+    check_tool_arguments(messages, field)
+
+
+def check_tool_arguments(messages: list[ChatMessage], field: str = "messages") -> None:
+    """Tool-call arguments are JSON text the template reads as a value: held to the same
+    nesting limit as the body (service/json_depth.py)."""
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.tool_calls or ()):
+            try:
+                check_depth(call.function.arguments)
+            except TooDeep as e:
+                where = f"{field}[{i}].tool_calls[{j}].function.arguments"
+                raise BadRequest(
+                    f"{where} is JSON nested more than {e.limit} levels deep", where
+                ) from None
 
 
 class PrefixRegistration(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -149,14 +169,21 @@ def field_of(err: msgspec.ValidationError) -> str | None:
     return path or None
 
 
-def decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
-    """Decode or raise BadRequest naming the field."""
+def decode(decoder: msgspec.json.Decoder, body: bytes | str) -> Any:
+    """Decode or raise BadRequest naming the field.  Every edge decodes through here, so
+    the nesting limit (service/json_depth.py) holds for every value a client sends."""
+    try:
+        check_depth(body)
+    except TooDeep as e:
+        raise BadRequest(str(e), e.field) from None
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as e:
         raise BadRequest(str(e), field_of(e)) from e
     except msgspec.DecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError:  # unreachable under the depth limit; never a 500 if it is not
+        raise BadRequest("the request body is nested too deeply") from None
 
 
 def decode_prefix(body: bytes) -> PrefixRegistration:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct
 
 from scheduler.sampling_params import StructuredOutputsParams
+from service.json_depth import TooDeep, check_depth
 from service.protocol import BadRequest
 
 
@@ -45,7 +46,12 @@ def _schema_text(schema: dict[str, Any] | str, field: str) -> str:
     """A JSON schema as canonical JSON text (the cache key), checked to be an object."""
     if isinstance(schema, str):
         try:
+            check_depth(schema)  # a schema sent as text: the body's nesting limit holds
             schema = json.loads(schema)
+        except TooDeep as e:
+            raise BadRequest(
+                f"{field} is JSON nested more than {e.limit} levels deep", field
+            ) from None
         except ValueError as e:
             raise BadRequest(f"{field} is not valid JSON: {e}", field) from e
     if not isinstance(schema, dict):

@@ -7,8 +7,13 @@ its memory until it ends by itself.  A worker process can be killed: a render th
 past `timeout` is answered with a 4xx, its worker is killed and replaced, and the event
 loop never notices.  Each worker also runs under an address-space limit, so a template
 that allocates without bound dies alone (MemoryError or a killed worker -> 4xx).
-Tokenization stays in the server process (the Rust tokenizer releases the GIL and its
-input is bounded by the rendered text's size cap).
+The rendered text is tokenized by service/tokenize_pool.py (threads, or killable processes
+for large texts), never on the event loop.
+
+The pool heals: on every path a worker taken for a render goes back to the pool (the job
+could not be pickled, so nothing reached it; its render failed in an orderly way) or is
+killed and replaced (timeout, death, cancellation by close, any unexpected error), and a
+replacement that fails to start is retried until one does.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from service.chat_template import ChatTemplates, TemplateError
 
 log = logging.getLogger(__name__)
 _START_TIMEOUT = 120.0
+_RESPAWN_BACKOFF = (0.1, 10.0)  # first and longest wait before retrying a failed start
 
 
 @dataclass
@@ -43,7 +50,33 @@ class RenderBusy(RuntimeError):
     """Every worker is busy and the queue of renders waiting for one is full."""
 
 
-def _limit_memory(max_bytes: int) -> None:
+class _Unsendable(Exception):
+    """The job could not be pickled: nothing was sent, the worker is as it was."""
+
+    def __init__(self, cause: BaseException, param: str) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}"[:200])
+        self.param = param
+
+
+def _pickle_job(job: RenderJob) -> memoryview:
+    """The job as bytes for the pipe, or _Unsendable naming the part that cannot be sent
+    (a value nested too deeply for the pickler, an object that does not pickle)."""
+    try:
+        return ForkingPickler.dumps(job)
+    except Exception as e:  # RecursionError, PicklingError, TypeError, MemoryError...
+        parts = (("chat_template_kwargs", job.kwargs), ("tools", job.tools),
+                 ("chat_template", job.chat_template), ("messages", job.messages))  # fmt: skip
+        param = "messages"
+        for name, value in parts:
+            try:
+                ForkingPickler.dumps(value)
+            except Exception:
+                param = name
+                break
+        raise _Unsendable(e, param) from e
+
+
+def limit_memory(max_bytes: int) -> None:
     if max_bytes <= 0 or sys.platform != "linux":
         return
     import resource
@@ -74,15 +107,20 @@ def render_job(templates: ChatTemplates, job: RenderJob) -> str:
 
 def _worker_main(conn: multiprocessing.connection.Connection, templates: ChatTemplates,
                  max_memory: int) -> None:  # fmt: skip
-    _limit_memory(max_memory)
+    limit_memory(max_memory)
     if isinstance(templates.source, str):  # warm the checkpoint's own template
         templates.compile(templates.source)
     conn.send(("ready", "", None))
     while True:
         try:
-            job: RenderJob = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, OSError, KeyboardInterrupt):
             return
+        try:
+            job: RenderJob = ForkingPickler.loads(data)
+        except Exception as e:  # the whole message was read: the pipe is still in step
+            conn.send(("err", f"the render job could not be read ({e!r})"[:300], "messages"))
+            continue
         param = "chat_template" if job.chat_template else "messages"
         try:
             reply: tuple[str, str, str | None] = ("ok", render_job(templates, job), None)
@@ -117,8 +155,12 @@ class _Worker:
         self.conn.recv()
 
     def roundtrip(self, job: RenderJob) -> tuple[str, str, str | None]:
-        self.conn.send(job)
+        payload = _pickle_job(job)  # raises _Unsendable before anything is sent
+        self.conn.send_bytes(payload)
         return self.conn.recv()
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):
@@ -154,7 +196,17 @@ class RenderPool:
         self._threads = ThreadPoolExecutor(self.size, thread_name_prefix="pagestream-render-io")
         self._spawns: set[asyncio.Task[None]] = set()
         self._jobs: set[asyncio.Task[Any]] = set()
-        self.killed = 0  # renders stopped at the deadline or by the memory limit
+        self._closed = False
+        self.killed = 0  # workers killed and replaced (deadline, memory limit, death...)
+
+    @property
+    def idle_workers(self) -> int:
+        """Workers waiting for a render (all of them, when the pool is quiet and whole)."""
+        return self._idle.qsize() if self._idle is not None else 0
+
+    @property
+    def live_workers(self) -> int:
+        return len(self._all)
 
     async def start(self) -> None:
         self._idle = asyncio.Queue()
@@ -163,12 +215,27 @@ class RenderPool:
     async def _replace(self) -> None:
         loop = asyncio.get_running_loop()
         w = await loop.run_in_executor(None, _Worker, self._ctx, self.templates, self.max_memory)
+        if self._closed:  # the pool closed while this one started
+            w.kill()
+            return
         self._all.add(w)
         assert self._idle is not None
         self._idle.put_nowait(w)
 
+    async def _respawn(self) -> None:
+        """Start a replacement worker, retrying (with backoff) until one starts."""
+        delay, longest = _RESPAWN_BACKOFF
+        while not self._closed:
+            try:
+                await self._replace()
+                return
+            except Exception:
+                log.exception("a chat-template worker did not start; retrying in %g s", delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, longest)
+
     def _respawn_later(self) -> None:
-        task = asyncio.create_task(self._replace())
+        task = asyncio.create_task(self._respawn())
         self._spawns.add(task)
         task.add_done_callback(self._spawns.discard)
 
@@ -180,6 +247,9 @@ class RenderPool:
         self._waiting += 1
         try:
             worker = await self._idle.get()
+            while not worker.alive():  # it died while idle (a signal, the OOM killer)
+                self._discard(worker)
+                worker = await self._idle.get()
         finally:
             self._waiting -= 1
         # The round trip runs as its own task: a caller cancelled mid-render (a client
@@ -194,25 +264,38 @@ class RenderPool:
         return text
 
     async def _roundtrip(self, worker: _Worker, job: RenderJob) -> tuple[str, str, str | None]:
+        """One render on `worker`.  Every way out gives the worker back (it is known to be
+        idle and in step) or kills and replaces it (its state is unknown)."""
         param = "chat_template" if job.chat_template else "messages"
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._threads, worker.roundtrip, job)
         try:
+            fut = loop.run_in_executor(self._threads, worker.roundtrip, job)
             reply = await asyncio.wait_for(fut, self.timeout)
+        except _Unsendable as e:  # nothing reached the worker
+            self._give_back(worker)
+            raise TemplateError(
+                f"{e.param} cannot be passed to the chat template ({e})", e.param
+            ) from None
         except TimeoutError:
             self._discard(worker)
             raise TemplateError(
                 f"rendering the chat template took longer than {self.timeout:g} s", param
             ) from None
-        except asyncio.CancelledError:  # the pool is closing
-            self._discard(worker)
-            raise
         except (EOFError, OSError, ValueError) as e:  # the worker died (memory limit)
             self._discard(worker)
             raise TemplateError(f"the chat template crashed its renderer ({e!r})", param) from e
-        assert self._idle is not None
-        self._idle.put_nowait(worker)
+        except BaseException:  # cancelled (the pool is closing) or anything unforeseen
+            self._discard(worker)
+            raise
+        self._give_back(worker)
         return reply
+
+    def _give_back(self, worker: _Worker) -> None:
+        assert self._idle is not None
+        if self._closed:
+            worker.kill()
+        else:
+            self._idle.put_nowait(worker)
 
     def _job_done(self, task: asyncio.Task[Any]) -> None:
         self._jobs.discard(task)
@@ -226,6 +309,7 @@ class RenderPool:
         self._respawn_later()
 
     async def close(self) -> None:
+        self._closed = True
         tasks = [*self._spawns, *self._jobs]
         for t in tasks:
             t.cancel()

@@ -1,8 +1,9 @@
 """What the server's handlers share: its configuration and its state.
 
 Both the HTTP routes (app.py) and the WebSocket handler (ws.py) import this module; it
-imports neither, so the service's modules form no loop.  The Origin check and the API-key
-salts are in service/security.py.
+imports neither, so the service's modules form no loop.  The Host allow-list, the Origin
+check, the API-key salts and tenant ids are in service/security.py; live request ids in
+service/request_ids.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from service.limits import Limits
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
 from service.prep import Preprocessor
-from service.security import key_salt, parse_networks
+from service.request_ids import LiveRequestIds
+from service.security import AllowedHosts, key_salt, key_tenant, parse_networks
 
 
 @dataclass
@@ -33,6 +35,12 @@ class ServerConfig:
     api_keys: list[str] = field(default_factory=list)
     served_model_name: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    # Host headers answered (DNS rebinding; see security.AllowedHosts): None = the --host
+    # name (plus the machine's hostname on 0.0.0.0 / ::); IP addresses and localhost
+    # always pass; ["*"] = any.  Anything else gets 421.
+    allowed_hosts: list[str] | None = None
+    # /tokenize and /detokenize without the API key (they are behind it when keys are set).
+    public_tokenize: bool = False
     # Peers whose X-Forwarded-Host/-Proto/-Port and Forwarded headers are believed (IPs or
     # CIDRs; "*" = any).  Empty: those headers are ignored, as a client could forge them.
     forwarded_allow_ips: list[str] = field(default_factory=list)
@@ -67,12 +75,15 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         keys = ([config.api_key] if config.api_key else []) + list(config.api_keys)
-        # Each key with the salt its prefix blocks are hashed under (None when shared).
-        self.keys: list[tuple[bytes, str | None]] = [
-            (k.encode(), None if config.shared_prefix_cache else key_salt(k))
+        # Each key with the salt its prefix blocks are hashed under (None when shared) and
+        # its tenant id (request-id namespace, share of the shared prefix tier).
+        self.keys: list[tuple[bytes, str | None, str]] = [
+            (k.encode(), None if config.shared_prefix_cache else key_salt(k), key_tenant(k))
             for k in dict.fromkeys(keys)
         ]
         self.trusted_proxies = parse_networks(config.forwarded_allow_ips)
+        self.allowed_hosts = AllowedHosts.build(config.allowed_hosts, config.host)
+        self.request_ids = LiveRequestIds()
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.prep: Preprocessor | None = None

@@ -15,28 +15,37 @@ itself); each sample of each request gets a deep copy, which the scheduler drive
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from scheduler.sampling_params import StructuredOutputsParams
 from scheduler.structured import GrammarMatcher
+from service.grammar_workers import (
+    TOKEN_BUDGET_S,
+    GrammarError,
+    GrammarWorkers,
+    grammar_source,
+    make_tokenizer,
+    parser_limits,
+    submit_big_stack,
+)
 
 # A grammar source (schema text, regex, grammar, choices) larger than this is refused.
 MAX_SOURCE_BYTES = 256 << 10
-# A compile that takes longer is refused (the worker finishes it in the background).
-COMPILE_TIMEOUT_S = 10.0
+# A compile that takes longer is refused (its worker process is killed): 200x what a
+# large schema takes, and twice it (the worker's, then the server's) stays under the 3 s
+# in which a hostile request must have its 4xx.
+COMPILE_TIMEOUT_S = 1.0
 CACHE_SIZE = 256
-# JSON is written compactly with readable separators: a fixed layout (no free whitespace)
-# also means a model cannot wander off into an endless run of spaces.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+PIN_S = 30.0
+MAX_CACHED = 4 * CACHE_SIZE
 
 
 _EXECUTOR: llguidance.LLExecutor | None = None
@@ -52,32 +61,80 @@ def _executor() -> llguidance.LLExecutor:
         return _EXECUTOR
 
 
-class GrammarError(ValueError):
-    """A spec the engine cannot compile; the message says why (the caller names the field)."""
-
-
 class LLGuidanceMatcher:
-    """scheduler.structured.GrammarMatcher over an llguidance LLMatcher."""
+    """scheduler.structured.GrammarMatcher over an llguidance LLMatcher, on a time budget.
 
-    __slots__ = ("m", "words")
+    An ambiguous grammar (`a: a a a | a a | "x"`) makes llguidance's Earley sets, and so
+    each token's work, grow with the output: 20 ms a token after 275 tokens, a second
+    after 800, all of it inside the engine's step (and `consume_token` holds the GIL).
+    llguidance's own fuel limits do not bound wall time, so each matcher times itself: a
+    token whose advance plus next mask took over TOKEN_BUDGET_S puts the matcher in error,
+    and the scheduler ends its request with that reason (a 4xx-class failure: the
+    client's grammar).  Masks computed together on llguidance's pool are timed as a
+    batch; a batch over the budget makes its matchers suspects, timed one by one next
+    token, so one costly grammar cannot hide behind, or be blamed on, its neighbours."""
+
+    __slots__ = ("m", "over", "spent", "suspect", "words")
 
     def __init__(self, m: llguidance.LLMatcher, words: int) -> None:
         self.m = m
         self.words = words  # int32 words in a mask
+        self.spent = 0.0  # seconds on the current token: its advance, then its mask
+        self.suspect = False
+        self.over: str | None = None
+
+    def _charge(self, seconds: float) -> None:
+        self.spent += seconds
+        if self.spent > TOKEN_BUDGET_S and self.over is None:
+            self.over = (
+                f"the grammar needed {self.spent * 1e3:.1f} ms for one token (the limit is "
+                f"{TOKEN_BUDGET_S * 1e3:.0f} ms): it is too ambiguous"
+            )
 
     def bitmask(self) -> bytes | None:
+        if self.over is not None:
+            return None
+        t0 = time.perf_counter()
         mask = self.m.compute_bitmask()
-        return None if self.m.is_error() else mask
+        self._charge(time.perf_counter() - t0)
+        self.suspect = False
+        # llguidance pads its mask; every mask of a step must be `words` long, as the
+        # batch's are (the runner stacks them into one array).
+        return None if self.m.is_error() or self.over is not None else mask[: 4 * self.words]
 
     @classmethod
     def batch_bitmasks(cls, matchers: list[LLGuidanceMatcher]) -> list[bytes | None]:
-        """Many masks at once on llguidance's thread pool, which runs without the GIL."""
-        out = np.zeros((len(matchers), matchers[0].words), dtype=np.int32)
-        fill_next_token_bitmask_par(_executor(), [(w.m, i) for i, w in enumerate(matchers)], out)
-        return [None if w.m.is_error() else out[i].tobytes() for i, w in enumerate(matchers)]
+        """Many masks at once on llguidance's thread pool, which runs without the GIL
+        (suspects and matchers already over budget are asked one by one)."""
+        masks: list[bytes | None] = [None] * len(matchers)
+        batch = []
+        for i, w in enumerate(matchers):
+            if w.suspect or w.over is not None:
+                masks[i] = w.bitmask()
+            else:
+                batch.append(i)
+        if not batch:
+            return masks
+        out = np.zeros((len(batch), matchers[0].words), dtype=np.int32)
+        t0 = time.perf_counter()
+        fill_next_token_bitmask_par(
+            _executor(), [(matchers[i].m, j) for j, i in enumerate(batch)], out
+        )
+        took = time.perf_counter() - t0
+        for j, i in enumerate(batch):
+            w = matchers[i]
+            w.suspect = took + w.spent > TOKEN_BUDGET_S
+            masks[i] = None if w.m.is_error() else out[j].tobytes()
+        return masks
 
     def accept(self, token_id: int) -> bool:
-        return self.m.consume_token(token_id)
+        if self.over is not None:
+            return False
+        self.spent = 0.0
+        t0 = time.perf_counter()
+        ok = self.m.consume_token(token_id)
+        self._charge(time.perf_counter() - t0)
+        return ok and self.over is None
 
     def rollback(self, num_tokens: int) -> None:
         self.m.rollback(num_tokens)
@@ -87,109 +144,107 @@ class LLGuidanceMatcher:
         return self.m.is_stopped()
 
     def error(self) -> str | None:
+        if self.over is not None:
+            return self.over
         return self.m.get_error() if self.m.is_error() else None
 
 
-def grammar_source(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar for a spec (raises GrammarError on malformed input)."""
-    kind = spec.kind
-    if kind == "json":
-        assert spec.json is not None
-        opts = {**_JSON_OPTIONS, "lenient": not spec.strict}
-        try:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.json, overrides=opts)
-        except ValueError as e:
-            raise GrammarError(f"not a JSON schema: {e}") from e
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"}, overrides=_JSON_OPTIONS
-        )
-    if kind == "regex":
-        assert spec.regex is not None
-        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
-    if kind == "choice":
-        assert spec.choice is not None
-        # Lark string literals take JSON's escapes, so any choice text is quoted exactly.
-        alts = " | ".join(json.dumps(c) for c in spec.choice)
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {alts}")
-    assert spec.grammar is not None
-    try:
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
-    except GbnfToLarkError as e:
-        raise GrammarError(f"not a Lark or GBNF grammar: {e}") from e
-
-
-def source_size(spec: StructuredOutputsParams) -> int:
+def check_size(spec: StructuredOutputsParams) -> None:
     parts = (spec.json, spec.regex, spec.grammar, *(spec.choice or ()))
-    return sum(len(p.encode()) for p in parts if p)
+    size = sum(len(p.encode()) for p in parts if p)
+    if size > MAX_SOURCE_BYTES:
+        raise GrammarError(f"the {spec.kind} is {size} bytes; the limit is {MAX_SOURCE_BYTES}")
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer, off the event loop, with an LRU cache."""
+    """Compiles specs for one tokenizer with an LRU cache; `compile` never runs untrusted
+    compilation in this process before a worker process survived it
+    (service/grammar_workers.py), and never on the event loop."""
 
     def __init__(
-        self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...]
+        self,
+        tokenizer_json: Path,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        *,
+        workers: int = 2,
+        timeout: float = COMPILE_TIMEOUT_S,
     ) -> None:
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self.timeout = timeout
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[StructuredOutputsParams, llguidance.LLMatcher] = OrderedDict()
+        # spec -> (prototype, when `compile` last asked for it)
+        self._cache: OrderedDict[StructuredOutputsParams, tuple[llguidance.LLMatcher, float]]
+        self._cache = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self.workers = GrammarWorkers(
+            tokenizer_json, vocab_size, self.eos_token_ids, workers=workers, timeout=timeout
+        )
         self.compiles = 0  # cache misses (tests and metrics read it)
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         """Built on first use (a few hundred ms for a large vocabulary), then shared."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    self.tokenizer_json.read_text(encoding="utf-8"),
-                    n_vocab=self.vocab_size,
-                    eos_token=self.eos_token_ids,
+                self._tokenizer = make_tokenizer(
+                    self.tokenizer_json, self.vocab_size, self.eos_token_ids
                 )
             return self._tokenizer
 
-    def compile_sync(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        size = source_size(spec)
-        if size > MAX_SOURCE_BYTES:
-            raise GrammarError(f"the {spec.kind} is {size} bytes; the limit is {MAX_SOURCE_BYTES}")
-        grammar = grammar_source(spec)
-        # Terse errors: a dead end's reason goes back to the client as stop_reason, and
-        # the verbose form dumps the parser state and the whole grammar.
-        limits = llguidance.LLParserLimits(verbose_errors=False)
-        m = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=limits)
+    def _compile_text(self, kind: str, grammar: str) -> llguidance.LLMatcher:
+        m = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=parser_limits())
         if m.is_error():
-            raise GrammarError(f"cannot compile the {spec.kind}: {m.get_error()}")
+            raise GrammarError(f"cannot compile the {kind}: {m.get_error()}")
         return m
+
+    def compile_trusted(self, spec: StructuredOutputsParams) -> None:
+        """Compile in this process, on the calling thread, with no worker first: for specs
+        the caller wrote itself (benchmarks), never a client's."""
+        check_size(spec)
+        self._cache[spec] = (self._compile_text(spec.kind, grammar_source(spec)), 0.0)
 
     async def compile(self, spec: StructuredOutputsParams) -> None:
         """Make sure `spec` is compiled (raises GrammarError); the loop never blocks."""
-        if spec in self._cache:
+        loop = asyncio.get_running_loop()
+        hit = self._cache.get(spec)
+        if hit is not None:
+            self._cache[spec] = (hit[0], loop.time())
             self._cache.move_to_end(spec)
             return
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, self.compile_sync, spec)
+        check_size(spec)
+        grammar = await self.workers.check(spec)  # raises GrammarError
+        fut = submit_big_stack(self._pool, self._compile_text, spec.kind, grammar)
         try:
-            proto = await asyncio.wait_for(fut, COMPILE_TIMEOUT_S)
+            proto = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout)
         except TimeoutError as e:
-            raise GrammarError(
-                f"the {spec.kind} took over {COMPILE_TIMEOUT_S:.0f} s to compile"
-            ) from e
+            raise GrammarError(f"the {spec.kind} took over {self.timeout:g} s to compile") from e
         self.compiles += 1
-        self._cache[spec] = proto
-        while len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        self._cache[spec] = (proto, loop.time())
+        self._evict(loop.time())
+
+    def _evict(self, now: float) -> None:
+        """Least recently used first, but never one a request compiled in the last
+        PIN_S seconds: it may be between `compile` and `matchers` (tokenizing, rendering),
+        and `matchers` must not compile.  Past MAX_CACHED even those go."""
+        excess = len(self._cache) - CACHE_SIZE
+        for spec, (_, used) in list(self._cache.items()):
+            if excess <= 0:
+                break
+            if now - used > PIN_S or len(self._cache) > MAX_CACHED:
+                del self._cache[spec]
+                excess -= 1
 
     def matchers(self, spec: StructuredOutputsParams, n: int) -> list[GrammarMatcher]:
-        """Fresh matchers for the n samples of a request; `compile(spec)` must have run
-        (compiles here, synchronously, if the entry was evicted since)."""
-        proto = self._cache.get(spec)
-        if proto is None:
-            proto = self.compile_sync(spec)
-            self._cache[spec] = proto
+        """Fresh matchers for the n samples of a request; `compile(spec)` must have run."""
+        hit = self._cache.get(spec)
+        if hit is None:  # only past MAX_CACHED distinct specs within PIN_S
+            raise GrammarError(f"the {spec.kind} was evicted by newer grammars; send it again")
         words = (self.tokenizer().vocab_size + 31) // 32
-        return [LLGuidanceMatcher(proto.deep_copy(), words) for _ in range(n)]
+        return [LLGuidanceMatcher(hit[0].deep_copy(), words) for _ in range(n)]
 
     def shutdown(self) -> None:
+        self.workers.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -9,12 +9,15 @@ Chat templates are rendered the way transformers renders them, so prompts match 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.pre_tokenizers import ByteLevel
 
 from service.chat_template import NAMED_SPECIAL_TOKENS, ChatTemplates
 
@@ -51,6 +54,128 @@ def _id_list(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+# How much a Unicode normalization form can shrink UTF-8 text, at most: a 4-byte character
+# becomes one ASCII byte under NFKC (U+1D400 -> "A"); canonical composition shrinks less
+# (3.5x: U+1FBE U+0308 U+0301 -> U+0390).  Checked over every code point and composition.
+_UNICODE_NORMALIZATION_SHRINK = 4
+
+
+def _normalizer_shrink(spec: Mapping[str, Any] | None) -> float | None:
+    """At most how many times fewer UTF-8 bytes the normalizer's output can have than its
+    input, or None when it can delete text (Strip, BertNormalizer, a Replace by "", ...)."""
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        total = 1.0
+        for part in spec.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            total *= f
+        return total
+    if kind == "Prepend":
+        return 1.0
+    if kind == "Replace":
+        pattern, content = spec.get("pattern") or {}, spec.get("content")
+        if not isinstance(content, str) or not content or "String" not in pattern:
+            return None  # deletes, or a regex whose matches have no length bound
+        return max(1.0, len(str(pattern["String"]).encode()) / len(content.encode()))
+    if kind in ("NFC", "NFD", "NFKC", "NFKD"):
+        return float(_UNICODE_NORMALIZATION_SHRINK)
+    return None
+
+
+def _pre_tokenizer_kind(spec: Mapping[str, Any] | None) -> str | None:
+    """'bytes' (a ByteLevel step maps each byte to one character), 'chars', or None when a
+    step can drop text (Whitespace, BertPreTokenizer, a split that removes its
+    delimiters, ...)."""
+    if spec is None:
+        return "chars"
+    kind = spec.get("type")
+    if kind == "Sequence":
+        kinds = [_pre_tokenizer_kind(p) for p in spec.get("pretokenizers", [])]
+        if None in kinds:
+            return None
+        return "bytes" if "bytes" in kinds else "chars"
+    if kind == "ByteLevel":
+        return "bytes"
+    if kind in ("Metaspace", "Digits"):
+        return "chars"
+    if kind in ("Split", "Punctuation") and str(spec.get("behavior", "")).lower() != "removed":
+        return "chars"
+    return None
+
+
+def bytes_per_token_bound(spec: Mapping[str, Any]) -> int | None:
+    """An M such that any text of b UTF-8 bytes encodes to at least b / M tokens under the
+    tokenizer.json `spec`; None when no such bound holds.
+
+    It holds when the pipeline cannot drop text: the normalizer only rewrites (its worst
+    shrink factor F), the pre-tokenizer only splits, the BPE model can spell every byte
+    (byte-level: the 256-character alphabet is in the vocabulary; otherwise byte fallback
+    with all 256 `<0xNN>` tokens), no added token swallows the whitespace beside it
+    (lstrip / rstrip) and nothing truncates.  Then every byte of the normalized text is
+    covered by one token, and a token covers at most L bytes (its vocabulary string: one
+    byte per character for byte-level vocabularies, its UTF-8 length otherwise, or an
+    added token's content), so M = ceil(F * L).  WordPiece (long words become one [UNK]),
+    Unigram and any step not named above give None."""
+    if spec.get("truncation"):
+        return None
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    kind = _pre_tokenizer_kind(spec.get("pre_tokenizer"))
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    if shrink is None or kind is None or model.get("type") != "BPE" or not isinstance(vocab, dict):
+        return None
+    if kind == "bytes":
+        if not all(ch in vocab for ch in ByteLevel.alphabet()):
+            return None
+        longest = max(map(len, vocab), default=1)
+    else:
+        if not model.get("byte_fallback") or not all(f"<0x{b:02X}>" in vocab for b in range(256)):
+            return None
+        longest = max((len(k.encode()) for k in vocab), default=1)
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    longest = max([longest, *(len(str(a.get("content", "")).encode()) for a in added)])
+    return math.ceil(shrink * max(1, longest))
+
+
+@dataclass(frozen=True)
+class Codec:
+    """What encoding and decoding need, and nothing else, so it pickles small: a worker
+    process (service/tokenize_pool.py) gets one.  The batch calls are the `tokenizers`
+    calls that release the GIL while the Rust code runs (`encode` and `decode` hold it
+    for their whole run), and `encode_batch_fast` skips the offsets, whose bookkeeping
+    costs as much memory as the rest and is freed with the GIL held."""
+
+    backend: _HFTokenizer
+    bos_token_id: int | None = None  # prepended with add_special_tokens
+    eos_token_id: int | None = None  # appended with add_special_tokens
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        run = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        out = [e.ids for e in run(list(texts), add_special_tokens=add_special_tokens)]
+        if add_special_tokens:
+            for ids in out:
+                if self.bos_token_id is not None:
+                    ids.insert(0, self.bos_token_id)
+                if self.eos_token_id is not None:
+                    ids.append(self.eos_token_id)
+        return out
+
+    def decode_batch(
+        self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
+        return self.backend.decode_batch(
+            [list(s) for s in seqs], skip_special_tokens=skip_special_tokens
+        )
 
 
 class Tokenizer:
@@ -90,6 +215,11 @@ class Tokenizer:
         pp_eos = len(full) > len(plain) and full[-1:] == [self.eos_token_id]
         self._prepend_bos = add_bos_token and self.bos_token_id is not None and not pp_bos
         self._append_eos = add_eos_token and self.eos_token_id is not None and not pp_eos
+        self.codec = Codec(
+            tokenizer,
+            self.bos_token_id if self._prepend_bos else None,
+            self.eos_token_id if self._append_eos else None,
+        )
         self.templates = ChatTemplates(chat_template, self.special_tokens)
 
     @classmethod
@@ -133,7 +263,7 @@ class Tokenizer:
         max_len = cfg.get("model_max_length")
         if not isinstance(max_len, int | float) or max_len >= _NO_LIMIT:
             max_len = None
-        return cls(
+        tok = cls(
             backend,
             special_tokens=special,
             extra_special_tokens=extra,
@@ -143,6 +273,8 @@ class Tokenizer:
             add_eos_token=bool(cfg.get("add_eos_token", False)),
             extra_eos_token_ids=_id_list(gen.get("eos_token_id")),
         )
+        tok.max_bytes_per_token  # noqa: B018 - computed here, at load, not on a request
+        return tok
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -172,6 +304,12 @@ class Tokenizer:
         ids.update(self._extra_special_ids)
         return sorted(ids)
 
+    @cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """At most how many UTF-8 bytes of text one token stands for (see
+        `bytes_per_token_bound`), or None when this tokenizer can drop text."""
+        return bytes_per_token_bound(json.loads(self._tok.to_str()))
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -188,6 +326,19 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """`encode` of each text, with the GIL released while the tokenizer runs (for
+        threads; see `Codec`)."""
+        return self.codec.encode_batch(texts, add_special_tokens)
+
+    def decode_batch(
+        self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
+        """`decode` of each id list, with the GIL released while the tokenizer runs."""
+        return self.codec.decode_batch(seqs, skip_special_tokens)
 
     def apply_chat_template(
         self,

@@ -119,7 +119,7 @@ class HermesParser:
             try:
                 obj = json.loads(body)
                 calls.append(_call(obj["name"], obj.get("arguments", {})))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 return text, []  # not a well-formed call: leave it as content
         content = text[: text.index(self.start)].strip()
         return content or None, calls
@@ -150,7 +150,7 @@ class Llama3JsonParser:
                 pos = len(body) - len(rest) + 1
                 while pos < len(body) and body[pos].isspace():
                     pos += 1
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return text, []
         return None, calls
 
@@ -177,7 +177,7 @@ def parse_output(
         try:
             items = json.loads(text)
             return None, [_call(c["name"], c["parameters"]) for c in items]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return text, []  # cut short (length): no complete call to report
     assert parser is not None
     return parser.parse(text)

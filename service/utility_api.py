@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -11,7 +10,14 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from service.http_util import json_response
-from service.protocol import BadRequest, ChatMessage, NonNegInt, Tool, decode
+from service.protocol import (
+    BadRequest,
+    ChatMessage,
+    NonNegInt,
+    Tool,
+    check_tool_arguments,
+    decode,
+)
 from service.tool_calls import tools_for_template
 
 if TYPE_CHECKING:
@@ -66,6 +72,7 @@ async def tokenize(serving: OpenAIServing, request: web.Request) -> web.Response
             )
         # The same path as chat completions: sandboxed render in the worker pool (never on
         # the event loop), request templates only when the operator trusts them.
+        check_tool_arguments(req.messages)
         kwargs = dict(req.chat_template_kwargs or {})
         template = kwargs.pop("chat_template", None)
         ids = await serving.prep.chat_ids(
@@ -82,23 +89,28 @@ async def tokenize(serving: OpenAIServing, request: web.Request) -> web.Response
         )
     out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
     if req.return_token_strs:
-        out["token_strs"] = [serving.token_text(t) for t in ids]
+        out["token_strs"] = await serving.prep.token_strs(ids)
     return json_response(out)
 
 
 async def detokenize(serving: OpenAIServing, request: web.Request) -> web.Response:
     req: Detokenize = decode(_detokenize, await request.read())
     serving.check_model(req.model)
-    vocab = serving.engine.vocab_size
-    bad = next((t for t in req.tokens if t >= vocab), None)
-    if bad is not None:
+    engine = serving.engine
+    # No output of this model is longer than max_model_len: more ids than that would only
+    # make the server build a huge text (a 4 MiB body holds 2 million ids).
+    if len(req.tokens) > engine.max_model_len:
+        raise BadRequest(
+            f"{len(req.tokens)} token ids; at most max_model_len ({engine.max_model_len})",
+            "tokens",
+        )
+    vocab = engine.vocab_size
+    if req.tokens and max(req.tokens) >= vocab:
+        bad = next(t for t in req.tokens if t >= vocab)
         raise BadRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
-    tok = serving.engine.tokenizer
-    if len(req.tokens) <= 2048:
-        return json_response({"prompt": tok.decode(req.tokens)})
-    # A body may hold a million ids: decode those off the event loop (the Rust tokenizer
-    # releases the GIL), so other streams never wait on it.
-    return json_response({"prompt": await asyncio.to_thread(tok.decode, req.tokens)})
+    # Off the event loop past 512 ids (service/tokenize_pool.py).
+    (text,) = await serving.prep.decode([req.tokens])
+    return json_response({"prompt": text})
 
 
 async def version_handler(request: web.Request) -> web.Response:

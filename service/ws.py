@@ -25,6 +25,7 @@ from service.async_engine import MaxTokensTooLarge, RequestFailed
 from service.http_util import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
 from service.protocol import BadRequest, check_messages
 from service.protocol_ws import WSCancel, WSGenerate, WSPing, decode_ws
+from service.request_ids import TENANT
 from service.security import check_origin
 from service.state import STATE, ServerState
 from service.structured import GrammarError
@@ -45,6 +46,10 @@ class WSSession:
     ) -> None:
         self.ws = ws
         self.tenant_salt = tenant_salt  # the API key's prefix-cache salt (see app.py)
+        # The API key's tenant id (its share of the shared prefix tier).  Generation ids
+        # are this socket's own: `cancel` only looks in self.tasks, and each engine id is
+        # unique (request_ids.LiveRequestIds.engine_id), so no socket reaches another's.
+        self.tenant = request.get(TENANT) if request is not None else None
         self.state = state
         self.conn_id = conn_id
         self.request = request
@@ -169,7 +174,7 @@ class WSSession:
         elif isinstance(frame, WSGenerate):
             if frame.id in self.tasks:
                 self.error(
-                    frame.id, 400, f"a generation with id {frame.id!r} is already running", "id"
+                    frame.id, 409, f"a generation with id {frame.id!r} is already running", "id"
                 )
             elif self.state.draining:
                 self.error(frame.id, 503, "the server is shutting down")
@@ -203,7 +208,8 @@ class WSSession:
                     self.state.metrics.on_rejected("overloaded")
                 self.error(gid, 429, str(e))
             except RequestFailed as e:
-                self.error(gid, 500, str(e))
+                spec = frame.params.structured() if e.status < 500 else None
+                self.error(gid, e.status, str(e), f"params.{spec[1]}" if spec else None)
             except EngineDeadError as e:
                 self.error(gid, 503, str(e))
             except asyncio.CancelledError:
@@ -232,6 +238,7 @@ class WSSession:
         assert engine is not None and prep is not None
         params = frame.params.to_sampling_params()
         prep.limits.check_sampling(params, prefix="params.")
+        prep.check_logit_bias(params, "params.logit_bias")
         spec = frame.params.structured()
         try:
             await engine.compile_grammar(params)
@@ -250,10 +257,10 @@ class WSSession:
         """Queue the request, send a `delta` frame per step and choice, then `done`."""
         engine, gid = self.state.engine, frame.id
         assert engine is not None
-        rid = f"ws-{self.conn_id}-{gid}"
+        rid = self.state.request_ids.engine_id(f"ws-{self.conn_id}-{gid}")
         salt = salted(self.tenant_salt, frame.cache_salt)
         try:
-            sub = engine.submit(ids, params, rid, salt)
+            sub = engine.submit(ids, params, rid, salt, tenant=self.tenant)
         except MaxTokensTooLarge as e:
             raise BadRequest(str(e), "params.max_tokens") from e
         gen = engine.generate("", submitted=sub)
@@ -304,7 +311,9 @@ def _frame_id(data: str) -> str | None:
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
 
     state = request.app[STATE]
-    if not check_origin(request, state.config.allowed_origins, state.trusted_proxies):
+    if not check_origin(
+        request, state.config.allowed_origins, state.trusted_proxies, state.allowed_hosts
+    ):
         return web.Response(status=403, text="cross-origin WebSocket refused")
     limits = state.config.limits
     # Sockets still in their handshake count too, so concurrent upgrades cannot overshoot.

@@ -210,8 +210,11 @@ def test_compose_variables(base: dict[str, Any]) -> None:
     """Unset variables resolve to "" (the entrypoint treats that as unset) or a default."""
     env = _engines(base)["engine1"]["environment"]
     assert env["PAGESTREAM_MODEL"] == "" and env["PAGESTREAM_API_KEY"] == ""
+    # nginx passes the client's Host on: the replicas answer any unless told the names.
+    assert env["PAGESTREAM_ALLOWED_HOSTS"] == "*"
     custom = _resolved(
         BASE,
+        PAGESTREAM_ALLOWED_HOSTS="chat.example.com",
         PAGESTREAM_API_KEY="sk-test",
         PAGESTREAM_MODEL="/models/m",
         PAGESTREAM_MODELS="/srv/models",
@@ -220,6 +223,7 @@ def test_compose_variables(base: dict[str, Any]) -> None:
     )
     for svc in _engines(custom).values():
         assert svc["environment"]["PAGESTREAM_API_KEY"] == "sk-test"
+        assert svc["environment"]["PAGESTREAM_ALLOWED_HOSTS"] == "chat.example.com"
         assert svc["environment"]["PAGESTREAM_MODEL"] == "/models/m"
         assert "/srv/models:/models:ro" in svc["volumes"]
     assert _published_ports(custom["services"]["lb"]) == ["9100"]

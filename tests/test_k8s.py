@@ -217,6 +217,8 @@ def test_volumes_hold_the_model_and_keys(built) -> None:
     one(e.docs, "PersistentVolumeClaim", pvc)
     keys = _flag(e.args, "--api-key-file")
     assert keys and any(keys.startswith(p + "/") for p in mounts)
+    # The Ingress passes the client's Host on: the pods must be told which to answer.
+    assert _flag(e.args, "--allowed-hosts")
 
 
 def test_redis_url_memory_and_network_policy(built) -> None:

@@ -88,7 +88,7 @@ def test_dead_end_finishes_with_error_and_reason():
     _, ups = step(s, {"c": 8})  # a token the grammar refuses
     (u,) = ups
     assert u.finish_reason == "error" and u.new_token_ids == []
-    assert "dead end" in u.error and "token 8" in u.error
+    assert "cannot go on" in u.error and "token 8" in u.error
     assert not s.has_unfinished() and s.kv.usage == 0
 
 

@@ -62,13 +62,16 @@ def test_echo_text_and_logprobs(client):
 
 
 def test_detokenize_long_token_list_matches_short_pieces(client):
-    """Past 2048 ids /detokenize decodes off the loop; the text is the same."""
-    ids = [5, 6, 7, 8] * 1500
+    """Past 512 ids /detokenize decodes off the loop (service/tokenize_pool.py); the text
+    is the same.  More ids than max_model_len are refused (no output is that long)."""
+    ids = [5, 6, 7, 8] * 500  # 2,000 ids; max_model_len is 2,048
 
     def detok(t):
         return client.post("/../detokenize", body={"tokens": t}, cast_to=object)["prompt"]
 
-    assert detok(ids) == detok([5, 6, 7, 8]) * 1500
+    assert detok(ids) == detok([5, 6, 7, 8]) * 500
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        detok(ids * 2)
 
 
 def test_best_of_returns_the_most_likely_n(client):

@@ -227,7 +227,7 @@ def test_offline_stop_strings_stop_the_engine_promptly(offline):
         ({"prompt": "x", "temperature": 9}, 400, "temperature", "<= 2"),
         ({"prompt": "x", "logit_bias": {"a": 2}}, 400, "logit_bias", "token ids"),
         ({"prompt": "x", "logit_bias": {"1": 200}}, 400, "logit_bias", "[-100, 100]"),
-        ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "prompt", "vocabulary"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias", "vocabulary"),
         ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
         ({"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
         ({"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of", ">= n"),
@@ -332,7 +332,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     ).encode()
     s = socket.create_connection(("127.0.0.1", server.config.port), timeout=30)
     s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )

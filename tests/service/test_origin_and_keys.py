@@ -121,7 +121,10 @@ def test_access_log_redacts_api_key(caplog) -> None:
 
 # ------------------------------------------------------------------ live: origin, keys
 async def test_websocket_behind_proxy_headers(model) -> None:
-    with live_server(model, forwarded_allow_ips=["127.0.0.1"]) as s:
+    # The proxy's public name must be on --allowed-hosts (the trusted proxy's
+    # X-Forwarded-Host is checked like a Host: tests/service/test_tenancy.py).
+    kw = {"forwarded_allow_ips": ["127.0.0.1"], "allowed_hosts": ["chat.example"]}
+    with live_server(model, **kw) as s:
         hdr = {"Origin": "http://chat.example:8080", "X-Forwarded-Host": "chat.example:8080"}
         async with websockets.connect(s.ws_url, additional_headers=hdr) as ws:
             await ws.send('{"type": "ping"}')
