@@ -14,6 +14,8 @@ Sections (all by default):
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
   spec       speculative decoding (off / n-gram / draft model) on the trained pair
   tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
+  crowded    served (3 req/s) and offline beside 0 / 1 / 2 busy processes: the engine's
+             own thread choice vs a fixed --threads team
 
 Writes bench/results/latest.md; offline and serve_vllm also leave offline.json /
 serve_compare.json there and PNG charts beside latest.md (--charts-dir elsewhere):
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded",
     )
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
@@ -129,6 +131,8 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cmp-max-len", type=int, default=1024, help="serve_vllm: max_model_len")
     ap.add_argument("--cmp-vllm-first", action="store_true", help="serve_vllm: vLLM first")
     ap.add_argument("--cmp-reps", type=int, default=1, help="serve_vllm: runs per server, pooled")
+    ap.add_argument("--crowded-rate", type=float, default=3.0, help="crowded: Poisson req/s")
+    ap.add_argument("--crowded-offline-n", type=int, default=24, help="crowded: offline requests")
     ap.add_argument(
         "--charts-dir",
         default=None,
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "quant": bench_quant,
         "spec": bench_spec,
         "tp": bench_tp,
+        "crowded": bench_crowded,
     }
     for s in sections:
         if s not in table:
@@ -195,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(written to {RESULTS / 'latest.md'})")
     write_charts(args)
     return 0
+
+
+def bench_crowded(args: argparse.Namespace) -> str:
+    from bench.crowded import run as run_crowded
+
+    return run_crowded(args, _print_table, model_dir)
 
 
 def bench_sampler(args: argparse.Namespace) -> str:

@@ -19,6 +19,7 @@ from gpu.attention import create_attention_backend
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
 from gpu.cpu_linear import warm_onednn
+from gpu.cpu_threads import ThreadGovernor
 from gpu.cuda_graphs import DEFAULT_SIZES, DEFAULT_TOKEN_SIZES, DecodeGraphs, PiecewiseGraphs
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
@@ -67,7 +68,11 @@ class ModelRunner:
         speculative_model: str | Path | None = None,
         speculation: bool = False,
         tp: TPGroup | None = None,
+        cpu_threads: int | str | None = None,
     ) -> None:
+        """cpu_threads (CPU only): a count fixes torch's threads; "auto" lets
+        gpu/cpu_threads.py size the team before each step from the CPUs this process may
+        use and what other processes take of them; None leaves torch's setting alone."""
         self.faults = faults  # fault injection (tests and drills); None in normal serving
         self.model_dir = Path(model_dir)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
@@ -81,6 +86,11 @@ class ModelRunner:
                 str(self.dtype).removeprefix("torch."),
                 " (auto: the CPU's native dtype)" if dtype == "auto" else "",
             )  # fmt: skip
+        self.threads: ThreadGovernor | None = None
+        if self.device.type == "cpu" and cpu_threads == "auto":
+            self.threads = ThreadGovernor()
+        elif self.device.type == "cpu" and isinstance(cpu_threads, int):
+            torch.set_num_threads(cpu_threads)
         self._set_lengths(block_size, max_model_len)
         cfg = self.config
         # Tensor parallelism: this rank's share of the heads (and so of every KV block).
@@ -300,6 +310,8 @@ class ModelRunner:
         built, its inputs are out of range, its row fails to sample) is reported in
         `ModelOutput.errors` and the others go on; anything else raises (engine failure)."""
         t0 = time.perf_counter()
+        if self.threads is not None:
+            self.threads.tick()
         errors = self._apply_request_changes(so)
         if so.copy_blocks:
             self._copy_blocks(so.copy_blocks)

@@ -118,8 +118,6 @@ class AsyncEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> AsyncEngine:
         """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
-        import torch
-
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
 
         model_dir = Path(args.model) if args.model else ensure_default_model()
@@ -149,10 +147,9 @@ class AsyncEngine:
             return cls._assemble(args, executor, model_dir, spec, faults)
 
         def build() -> ModelRunner:
-            if threads:
-                torch.set_num_threads(threads)
             return ModelRunner(
                 **runner_kwargs,
+                cpu_threads=threads or "auto",
                 faults=faults,
                 speculation=spec is not None,
                 speculative_model=spec.model if spec and spec.method == "draft" else None,

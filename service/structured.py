@@ -65,8 +65,8 @@ class LLGuidanceMatcher:
     """scheduler.structured.GrammarMatcher over an llguidance LLMatcher, on a time budget.
 
     An ambiguous grammar (`a: a a a | a a | "x"`) makes llguidance's Earley sets, and so
-    each token's work, grow with the output: 20 ms a token after 275 tokens, a second
-    after 800, all of it inside the engine's step (and `consume_token` holds the GIL).
+    each token's work, grow with the output until a token takes seconds, all of it inside
+    the engine's step (and `consume_token` holds the GIL).
     llguidance's own fuel limits do not bound wall time, so each matcher times itself: a
     token whose advance plus next mask took over TOKEN_BUDGET_S puts the matcher in error,
     and the scheduler ends its request with that reason (a 4xx-class failure: the
