@@ -23,13 +23,9 @@ compiled first:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import multiprocessing
 import multiprocessing.connection
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -42,6 +38,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from scheduler.sampling_params import StructuredOutputsParams
 from service.render_pool import limit_memory
+from service.worker_pool import START_TIMEOUT, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +49,6 @@ log = logging.getLogger(__name__)
 TOKEN_BUDGET_S = 0.05
 WORKER_STACK = 8 << 20  # what a Linux main thread gets by default (ulimit -s)
 SERVER_STACK = 64 << 20  # virtual: only the pages a compile touches are committed
-_START_TIMEOUT = 120.0
 _STACK_LOCK = threading.Lock()
 
 
@@ -169,34 +165,12 @@ def _worker_main(
             return
 
 
-class _Worker:
-    def __init__(self, ctx: Any, args: tuple[Any, ...]) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_worker_main, args=(child, *args), daemon=True, name="pagestream-grammar"
-        )
-        self.proc.start()
-        child.close()
-        # Start-up (imports, the tokenizer) is not compile time.
-        if not self.conn.poll(_START_TIMEOUT):
-            self.kill()
-            raise RuntimeError(f"a grammar worker did not start in {_START_TIMEOUT} s")
-        self.conn.recv()
-
-    def roundtrip(self, spec: StructuredOutputsParams) -> tuple[str, str]:
-        self.conn.send(spec)
-        return self.conn.recv()
-
-    def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.proc.kill()
-        with contextlib.suppress(Exception):
-            self.conn.close()
-        with contextlib.suppress(Exception):
-            self.proc.join(5)
+class _Worker(Worker):
+    target = _worker_main
+    name = "pagestream-grammar"
 
 
-class GrammarWorkers:
+class GrammarWorkers(WorkerPool[_Worker]):
     """`workers` checking processes, started on first use; `check(spec)` returns the
     grammar text to compile in-process or raises GrammarError."""
 
@@ -211,63 +185,33 @@ class GrammarWorkers:
         max_memory: int = 2 << 30,
         remember: int = 256,
     ) -> None:
+        super().__init__(max(1, workers), "grammar", "a grammar worker")
         self._args = (tokenizer_json, vocab_size, eos, max_memory)
-        self.size = max(1, workers)
         self.timeout = timeout
         self.remember = remember
-        method = "forkserver" if sys.platform == "linux" else "spawn"
-        self._ctx = multiprocessing.get_context(method)
-        self._idle: asyncio.Queue[_Worker] | None = None
-        self._all: set[_Worker] = set()
-        self._io = ThreadPoolExecutor(self.size, thread_name_prefix="pagestream-grammar-io")
-        self._spawns: set[asyncio.Task[None]] = set()
-        self._jobs: set[asyncio.Task[Any]] = set()
         self._refused: OrderedDict[StructuredOutputsParams, str] = OrderedDict()
-        self.killed = 0  # workers lost to a crash or a deadline (tests and metrics read it)
 
-    async def _ensure_started(self) -> asyncio.Queue[_Worker]:
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-            for _ in range(self.size):
-                self._respawn_later()
-        return self._idle
-
-    async def _replace(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                w = await loop.run_in_executor(None, _Worker, self._ctx, self._args)
-                break
-            except Exception:  # the machine is out of processes or memory: try again
-                log.exception("a grammar worker did not start; retrying in 1 s")
-                await asyncio.sleep(1.0)
-        self._all.add(w)
-        assert self._idle is not None
-        self._idle.put_nowait(w)
-
-    def _respawn_later(self) -> None:
-        task = asyncio.create_task(self._replace())
-        self._spawns.add(task)
-        task.add_done_callback(self._spawns.discard)
+    def _start_worker(self) -> _Worker:
+        return _Worker(self._ctx, *self._args)
 
     async def check(self, spec: StructuredOutputsParams) -> str:
         why = self._refused.get(spec)
         if why is not None:
             raise GrammarError(why)
-        idle = await self._ensure_started()
-        while True:
-            async with asyncio.timeout(_START_TIMEOUT):  # the server's fault: a 500
-                worker = await idle.get()
-            if worker.proc.is_alive():
-                break
-            # Died while idle (the OOM killer, an operator): not this spec's fault.
-            self._discard(worker)
-        # Its own task: a caller that goes away mid-compile leaves the worker to finish
-        # (or be killed at the deadline) and return to the pool.
-        task = asyncio.ensure_future(self._roundtrip(worker, spec))
-        self._jobs.add(task)
-        task.add_done_callback(self._job_done)
-        status, text = await asyncio.shield(task)
+        if self._idle is None:  # started on first use
+            self._open()
+            for _ in range(self.size):
+                self._spawn_later()
+        # No worker within START_TIMEOUT is the server's fault: TimeoutError, a 500.
+        worker = await self._take(time.monotonic() + START_TIMEOUT)
+        try:
+            status, text = await self._run(worker, lambda w: w.roundtrip(spec), self.timeout)
+        except TimeoutError:
+            status, text = "err", f"the {spec.kind} took over {self.timeout:g} s to compile"
+        except (EOFError, OSError, ValueError):
+            log.warning("a grammar worker died compiling a %s; replaced", spec.kind)
+            why = "too deeply nested or too large"
+            status, text = "err", f"the {spec.kind} crashed the grammar compiler ({why})"
         if status != "ok":
             self._refused[spec] = text
             while len(self._refused) > self.remember:
@@ -275,48 +219,9 @@ class GrammarWorkers:
             raise GrammarError(text)
         return text
 
-    async def _roundtrip(self, worker: _Worker, spec: StructuredOutputsParams) -> tuple[str, str]:
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._io, worker.roundtrip, spec)
-        try:
-            reply = await asyncio.wait_for(fut, self.timeout)
-        except TimeoutError:
-            self._discard(worker)
-            return "err", f"the {spec.kind} took over {self.timeout:g} s to compile"
-        except asyncio.CancelledError:  # closing
-            self._discard(worker)
-            raise
-        except (EOFError, OSError, ValueError):
-            self._discard(worker)
-            log.warning("a grammar worker died compiling a %s; replaced", spec.kind)
-            return "err", (
-                f"the {spec.kind} crashed the grammar compiler (too deeply nested or too large)"
-            )
-        except BaseException:
-            self._discard(worker)
-            raise
-        assert self._idle is not None
-        self._idle.put_nowait(worker)
-        return reply
-
-    def _job_done(self, task: asyncio.Task[Any]) -> None:
-        self._jobs.discard(task)
-        if not task.cancelled():
-            task.exception()
-
-    def _discard(self, worker: _Worker) -> None:
-        self.killed += 1
-        self._all.discard(worker)
-        worker.kill()
-        self._respawn_later()
-
-    def close(self) -> None:
-        for t in [*self._spawns, *self._jobs]:
-            t.cancel()
-        for w in list(self._all):
-            w.kill()
-        self._all.clear()
-        self._io.shutdown(wait=False, cancel_futures=True)
+    def close(self) -> None:  # type: ignore[override]
+        # Synchronous for GrammarCompiler.shutdown: the cancelled tasks end on their own.
+        self._shut_down()
 
 
 def submit_big_stack(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:

@@ -19,21 +19,16 @@ replacement that fails to start is retried until one does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from service.chat_template import ChatTemplates, TemplateError
+from service.worker_pool import Worker, WorkerPool
 
-log = logging.getLogger(__name__)
-_START_TIMEOUT = 120.0
 _RESPAWN_BACKOFF = (0.1, 10.0)  # first and longest wait before retrying a failed start
 
 
@@ -138,40 +133,17 @@ def _worker_main(conn: multiprocessing.connection.Connection, templates: ChatTem
             return
 
 
-class _Worker:
-    def __init__(self, ctx: Any, templates: ChatTemplates, max_memory: int) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_worker_main, args=(child, templates, max_memory), daemon=True,
-            name="pagestream-render",
-        )  # fmt: skip
-        self.proc.start()
-        child.close()
-        # Start-up (a fresh interpreter importing its modules) is not render time: wait
-        # for the worker to say it is ready before it takes jobs with a deadline.
-        if not self.conn.poll(_START_TIMEOUT):
-            self.kill()
-            raise RuntimeError(f"a chat-template worker did not start in {_START_TIMEOUT} s")
-        self.conn.recv()
+class _Worker(Worker):
+    target = _worker_main
+    name = "pagestream-render"
 
     def roundtrip(self, job: RenderJob) -> tuple[str, str, str | None]:
         payload = _pickle_job(job)  # raises _Unsendable before anything is sent
         self.conn.send_bytes(payload)
         return self.conn.recv()
 
-    def alive(self) -> bool:
-        return self.proc.is_alive()
 
-    def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.proc.kill()
-        with contextlib.suppress(Exception):
-            self.conn.close()
-        with contextlib.suppress(Exception):
-            self.proc.join(5)
-
-
-class RenderPool:
+class RenderPool(WorkerPool[_Worker]):
     """`workers` render processes; `render()` waits for a free one (at most `max_queued`
     renders wait; past that RenderBusy), and a render past `timeout` seconds is killed."""
 
@@ -183,138 +155,44 @@ class RenderPool:
         max_queued: int = 256,
         max_memory: int = 1 << 30,
     ) -> None:
+        super().__init__(max(1, workers), "render", "a chat-template worker")
         self.templates = templates
-        self.size = max(1, workers)
         self.timeout = timeout
         self.max_queued = max_queued
         self.max_memory = max_memory
-        method = "forkserver" if sys.platform == "linux" else "spawn"
-        self._ctx = multiprocessing.get_context(method)
-        self._idle: asyncio.Queue[_Worker] | None = None
-        self._all: set[_Worker] = set()
-        self._waiting = 0
-        self._threads = ThreadPoolExecutor(self.size, thread_name_prefix="pagestream-render-io")
-        self._spawns: set[asyncio.Task[None]] = set()
-        self._jobs: set[asyncio.Task[Any]] = set()
-        self._closed = False
-        self.killed = 0  # workers killed and replaced (deadline, memory limit, death...)
 
-    @property
-    def idle_workers(self) -> int:
-        """Workers waiting for a render (all of them, when the pool is quiet and whole)."""
-        return self._idle.qsize() if self._idle is not None else 0
+    def _start_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.templates, self.max_memory)
 
-    @property
-    def live_workers(self) -> int:
-        return len(self._all)
+    def _respawn_backoff(self) -> tuple[float, float]:
+        return _RESPAWN_BACKOFF
 
     async def start(self) -> None:
-        self._idle = asyncio.Queue()
-        await asyncio.gather(*(self._replace() for _ in range(self.size)))
-
-    async def _replace(self) -> None:
-        loop = asyncio.get_running_loop()
-        w = await loop.run_in_executor(None, _Worker, self._ctx, self.templates, self.max_memory)
-        if self._closed:  # the pool closed while this one started
-            w.kill()
-            return
-        self._all.add(w)
-        assert self._idle is not None
-        self._idle.put_nowait(w)
-
-    async def _respawn(self) -> None:
-        """Start a replacement worker, retrying (with backoff) until one starts."""
-        delay, longest = _RESPAWN_BACKOFF
-        while not self._closed:
-            try:
-                await self._replace()
-                return
-            except Exception:
-                log.exception("a chat-template worker did not start; retrying in %g s", delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, longest)
-
-    def _respawn_later(self) -> None:
-        task = asyncio.create_task(self._respawn())
-        self._spawns.add(task)
-        task.add_done_callback(self._spawns.discard)
+        self._open()
+        await asyncio.gather(*(self._start_one() for _ in range(self.size)))
 
     async def render(self, job: RenderJob) -> str:
         """The rendered prompt text; TemplateError (a 4xx) for a bad or runaway template."""
         assert self._idle is not None, "RenderPool.start() was not awaited"
         if self._waiting >= self.max_queued and self._idle.empty():
             raise RenderBusy(f"{self._waiting} chat templates are already waiting to render")
-        self._waiting += 1
-        try:
-            worker = await self._idle.get()
-            while not worker.alive():  # it died while idle (a signal, the OOM killer)
-                self._discard(worker)
-                worker = await self._idle.get()
-        finally:
-            self._waiting -= 1
-        # The round trip runs as its own task: a caller cancelled mid-render (a client
-        # that went away) leaves the worker to finish and return to the pool, rather than
-        # killing it, so cancels cannot be used to churn processes.
-        task = asyncio.ensure_future(self._roundtrip(worker, job))
-        self._jobs.add(task)
-        task.add_done_callback(self._job_done)
-        status, text, err_param = await asyncio.shield(task)
-        if status != "ok":
-            raise TemplateError(text, err_param)
-        return text
-
-    async def _roundtrip(self, worker: _Worker, job: RenderJob) -> tuple[str, str, str | None]:
-        """One render on `worker`.  Every way out gives the worker back (it is known to be
-        idle and in step) or kills and replaces it (its state is unknown)."""
+        worker = await self._take()
         param = "chat_template" if job.chat_template else "messages"
-        loop = asyncio.get_running_loop()
         try:
-            fut = loop.run_in_executor(self._threads, worker.roundtrip, job)
-            reply = await asyncio.wait_for(fut, self.timeout)
+            reply = await self._run(
+                worker, lambda w: w.roundtrip(job), self.timeout, keeps=(_Unsendable,)
+            )
         except _Unsendable as e:  # nothing reached the worker
-            self._give_back(worker)
             raise TemplateError(
                 f"{e.param} cannot be passed to the chat template ({e})", e.param
             ) from None
         except TimeoutError:
-            self._discard(worker)
             raise TemplateError(
                 f"rendering the chat template took longer than {self.timeout:g} s", param
             ) from None
         except (EOFError, OSError, ValueError) as e:  # the worker died (memory limit)
-            self._discard(worker)
             raise TemplateError(f"the chat template crashed its renderer ({e!r})", param) from e
-        except BaseException:  # cancelled (the pool is closing) or anything unforeseen
-            self._discard(worker)
-            raise
-        self._give_back(worker)
-        return reply
-
-    def _give_back(self, worker: _Worker) -> None:
-        assert self._idle is not None
-        if self._closed:
-            worker.kill()
-        else:
-            self._idle.put_nowait(worker)
-
-    def _job_done(self, task: asyncio.Task[Any]) -> None:
-        self._jobs.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a caller that went away does not want it
-
-    def _discard(self, worker: _Worker) -> None:
-        self.killed += 1
-        self._all.discard(worker)
-        worker.kill()
-        self._respawn_later()
-
-    async def close(self) -> None:
-        self._closed = True
-        tasks = [*self._spawns, *self._jobs]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for w in list(self._all):
-            w.kill()
-        self._all.clear()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        status, text, err_param = reply
+        if status != "ok":
+            raise TemplateError(text, err_param)
+        return text

@@ -46,8 +46,6 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
-import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import sys
@@ -58,13 +56,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from service.tokenizer import Codec
+from service.worker_pool import Worker, WorkerPool
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 INLINE_BYTES = 2048
 _ID_BYTES = 4  # what one token id counts for in a job's size
-_START_TIMEOUT = 120.0
 _RESPAWN_BACKOFF = (0.5, 30.0)  # first and longest wait between failed worker starts
 _WORKER_NICE = 10
 
@@ -179,19 +176,9 @@ def _worker_main(conn: multiprocessing.connection.Connection, codec: Codec) -> N
         _trim_heap()
 
 
-class _Worker:
-    def __init__(self, ctx: Any, codec: Codec) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_worker_main, args=(child, codec), daemon=True, name="pagestream-tokenize"
-        )
-        self.proc.start()
-        child.close()
-        # Start-up (an interpreter importing its modules) is not job time.
-        if not self.conn.poll(_START_TIMEOUT):
-            self.kill()
-            raise RuntimeError(f"a tokenizer worker did not start in {_START_TIMEOUT} s")
-        self.conn.recv()
+class _Worker(Worker):
+    target = _worker_main
+    name = "pagestream-tokenize"
 
     def roundtrip(self, job: tuple[Any, ...]) -> Any:
         """Send a job, wait for its reply (on an I/O thread).  Ids travel packed, and are
@@ -206,16 +193,8 @@ class _Worker:
             return [_unpack(p) for p in payload]
         return payload
 
-    def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.proc.kill()
-        with contextlib.suppress(Exception):
-            self.conn.close()
-        with contextlib.suppress(Exception):
-            self.proc.join(5)
 
-
-class TokenizePool:
+class TokenizePool(WorkerPool[_Worker]):
     """See the module docstring.  `workers` threads and `processes` worker processes (as
     many as threads by default; started in the background by `start()`; with none, every
     job runs in a thread)."""
@@ -236,73 +215,28 @@ class TokenizePool:
         self.timeout = timeout
         self.process_bytes = process_bytes
         self.max_queued = max_queued
+        super().__init__(self.processes, "tokenize", "a tokenizer worker")
         self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="pagestream-tokenize")
-        self._io = ThreadPoolExecutor(
-            max(1, self.processes), thread_name_prefix="pagestream-tokenize-io"
-        )
-        method = "forkserver" if sys.platform == "linux" else "spawn"
-        self._ctx = multiprocessing.get_context(method)
-        self._idle: asyncio.Queue[_Worker] | None = None
-        self._all: set[_Worker] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._thread_jobs = 0  # waiting for or running on a thread
-        self._process_waiting = 0
-        self._closed = False
-        self.killed = 0  # worker processes killed (deadline or failure)
 
     # -- life cycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start the worker processes in the background: the server does not wait for them
         (only a prompt over `process_bytes` needs one, and it waits for one)."""
-        self._idle = asyncio.Queue()
+        self._open()
         for _ in range(self.processes):
-            self._spawn_later(0.0)
+            self._spawn_later()
 
-    def _spawn_later(self, delay: float) -> None:
-        task = asyncio.create_task(self._spawn(delay))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _start_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.codec)
 
-    async def _spawn(self, delay: float) -> None:
-        """Start one worker, retrying with back-off until one starts (or the pool closes):
-        the pool never shrinks."""
-        loop = asyncio.get_running_loop()
-        first, longest = _RESPAWN_BACKOFF
-        failures = 0
-        while not self._closed:
-            if delay:
-                await asyncio.sleep(delay)
-            try:
-                w = await loop.run_in_executor(None, _Worker, self._ctx, self.codec)
-            except Exception as e:
-                failures += 1
-                delay = min(longest, max(first, delay * 2))
-                if failures == 1:
-                    log.exception("a tokenizer worker failed to start; retrying in %.1f s", delay)
-                else:
-                    log.warning("a tokenizer worker failed to start again (%r); retrying in "
-                                "%.1f s", e, delay)  # fmt: skip
-                continue
-            if self._closed:
-                w.kill()
-                return
-            self._all.add(w)
-            assert self._idle is not None
-            self._idle.put_nowait(w)
-            return
+    def _respawn_backoff(self) -> tuple[float, float]:
+        return _RESPAWN_BACKOFF
 
     async def close(self) -> None:
-        self._closed = True
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for w in list(self._all):
-            w.kill()
-        self._all.clear()
+        await super().close()
         self._threads.shutdown(wait=False, cancel_futures=True)
-        self._io.shutdown(wait=False, cancel_futures=True)
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -380,37 +314,15 @@ class TokenizePool:
         check: Callable[[list[int]], object] | None = None,
     ) -> Any:
         assert self._idle is not None, "TokenizePool.start() was not awaited"
-        if self._idle.empty() and self._process_waiting >= 4 * self.processes:
-            raise TokenizeBusy(f"{self._process_waiting} large prompts already wait to tokenize")
-        self._process_waiting += 1
+        if self._idle.empty() and self._waiting >= 4 * self.processes:
+            raise TokenizeBusy(f"{self._waiting} large prompts already wait to tokenize")
         try:
-            while True:
-                worker = await asyncio.wait_for(
-                    self._idle.get(), max(0.0, deadline - time.monotonic())
-                )
-                if worker.proc.is_alive():
-                    break
-                self._discard(worker)  # it died idle (not this job's doing): wait for another
+            worker = await self._take(deadline)
         except TimeoutError:
             raise self._timeout(False) from None
-        finally:
-            self._process_waiting -= 1
-        # The round trip is its own task: a caller that goes away (a closed connection)
-        # leaves it to end by its deadline and return or replace its worker.
-        task = asyncio.ensure_future(self._roundtrip(worker, job, deadline, check))
-        self._tasks.add(task)
-        task.add_done_callback(self._job_done)
-        return await asyncio.shield(task)
 
-    async def _roundtrip(
-        self,
-        worker: _Worker,
-        job: tuple[Any, ...],
-        deadline: float,
-        check: Callable[[list[int]], object] | None,
-    ) -> Any:
-        def io() -> Any:
-            out = worker.roundtrip(job)
+        def io(w: _Worker) -> Any:
+            out = w.roundtrip(job)
             for ids in out if check is not None else ():
                 try:
                     check(ids)
@@ -418,44 +330,17 @@ class TokenizePool:
                     return _Refused(e)
             return out
 
-        healthy = False
+        # A refusal (TokenizeFailed, or `check`'s) is a clean reply: the worker stays.
+        timeout = max(0.0, deadline - time.monotonic())
         try:
-            fut = asyncio.get_running_loop().run_in_executor(self._io, io)
-            try:
-                out = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise self._timeout(True) from None
-            except TokenizeFailed:
-                healthy = True  # the worker answered: the input was refused
-                raise
-            except (EOFError, OSError) as e:
-                raise TokenizeFailed(f"its tokenizer worker died ({e!r})") from None
-            healthy = True
-            if isinstance(out, _Refused):
-                raise out.error
-            return out
-        finally:
-            # Every way out but a clean reply (the deadline, a crash, a pickling or pipe
-            # error, cancellation at close) replaces the worker.
-            if healthy and not self._closed:
-                assert self._idle is not None
-                self._idle.put_nowait(worker)
-            else:
-                self._discard(worker)
-
-    def _job_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a caller that went away does not want it
-
-    def _discard(self, worker: _Worker) -> None:
-        self._all.discard(worker)
-        with contextlib.suppress(Exception):
-            worker.proc.kill()  # now; reaping it (a join) happens off the loop
-        asyncio.get_running_loop().run_in_executor(None, worker.kill)
-        if not self._closed:
-            self.killed += 1
-            self._spawn_later(0.0)
+            out = await self._run(worker, io, timeout, keeps=(TokenizeFailed,))
+        except TimeoutError:
+            raise self._timeout(True) from None
+        except (EOFError, OSError) as e:
+            raise TokenizeFailed(f"its tokenizer worker died ({e!r})") from None
+        if isinstance(out, _Refused):
+            raise out.error
+        return out
 
     def _timeout(self, started: bool) -> TokenizeTimeout:
         if started:
@@ -463,7 +348,3 @@ class TokenizePool:
         return TokenizeTimeout(
             f"no tokenizer was free within {self.timeout:g} s (the server is busy)", False
         )
-
-    @property
-    def idle_workers(self) -> int:
-        return 0 if self._idle is None else self._idle.qsize()
