@@ -137,6 +137,9 @@ def test_stop_aborts_and_frees_kv(server: LiveServer, context: Any) -> None:
     page.wait_for_function(
         "() => (document.querySelector('.msg.assistant .text')?.textContent.length ?? 0) > 0"
     )
+    if not page.locator("#stop").is_enabled():  # say why the reply ended, not just "timeout"
+        frames = [f for f in sockets.received if f.get("type") != "delta"]
+        pytest.fail(f"the reply ended before Stop could land: {frames[-3:]!r}")
     page.click("#stop")
 
     expect(bubble).to_have_attribute("data-finish", "abort")
