@@ -83,13 +83,14 @@ def offline(args: argparse.Namespace, path: Path, threads: int | None, busy: int
             "n": args.crowded_offline_n}  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.crowded", json.dumps(spec)],
-        stdout=subprocess.PIPE, text=True, env=_env(),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
     )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
     # The neighbours start once the engine is built and warm (the worker says so).
-    assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "warm"
     with neighbours(busy):
-        os.kill(proc.pid, 10)  # SIGUSR1: go
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
         out = proc.stdout.readline()
     proc.wait(60)
     return float(out)
@@ -97,7 +98,6 @@ def offline(args: argparse.Namespace, path: Path, threads: int | None, busy: int
 
 def _offline_worker(spec: dict) -> None:
     import random
-    import signal
 
     from scheduler.sampling_params import SamplingParams
     from service.llm import LLM
@@ -109,11 +109,8 @@ def _offline_worker(spec: dict) -> None:
     outs = [rng.randrange(16, 64) for _ in prompts]
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     llm.generate(prompts[:2], warm)
-    go = signal.sigtimedwait if hasattr(signal, "sigtimedwait") else None
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     print("warm", flush=True)
-    if go is not None:
-        go({signal.SIGUSR1}, 60)
+    sys.stdin.readline()  # "go": the neighbours are running
     t0 = time.perf_counter()
     res = llm.generate(
         prompts,

@@ -89,7 +89,7 @@ def check_spec(tok: llguidance.LLTokenizer, spec: StructuredOutputsParams) -> tu
         if m.is_error():
             return "err", f"the {kind} fails before its first token: {m.get_error()}"
         if took > TOKEN_BUDGET_S:
-            return "err", (
+            return "slow", (
                 f"the {kind} needs {took * 1e3:.0f} ms for its first token (the limit is "
                 f"{TOKEN_BUDGET_S * 1e3:.0f} ms a token): it is too costly to enforce"
             )
@@ -207,15 +207,16 @@ class GrammarWorkers(WorkerPool[_Worker]):
         try:
             status, text = await self._run(worker, lambda w: w.roundtrip(spec), self.timeout)
         except TimeoutError:
-            status, text = "err", f"the {spec.kind} took over {self.timeout:g} s to compile"
+            status, text = "slow", f"the {spec.kind} took over {self.timeout:g} s to compile"
         except (EOFError, OSError, ValueError):
             log.warning("a grammar worker died compiling a %s; replaced", spec.kind)
             why = "too deeply nested or too large"
             status, text = "err", f"the {spec.kind} crashed the grammar compiler ({why})"
-        if status != "ok":
+        if status == "err":  # a crash or a compile error: the same spec fails the same way
             self._refused[spec] = text
             while len(self._refused) > self.remember:
                 self._refused.popitem(last=False)
+        if status != "ok":  # "slow" depends on the machine's load: not remembered
             raise GrammarError(text)
         return text
 
