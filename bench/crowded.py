@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.serve_sweep import _free_port, _wait_health
+from bench.serve_vllm import _stop
 
 _TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
@@ -70,11 +71,7 @@ def served(args: argparse.Namespace, path: Path, threads: int | None, busy: int)
         with neighbours(busy):
             return load(args.cmp_prompts, args.crowded_rate, 7)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
 
 
 def offline(args: argparse.Namespace, path: Path, threads: int | None, busy: int) -> float:
