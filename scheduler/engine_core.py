@@ -327,6 +327,7 @@ class EngineCore:
                 t0 = time.perf_counter()
                 mo = await self.executor.execute(so)
                 updates = sched.update_from_output(so, mo)
+                sched.observe_step_time(time.perf_counter() - t0)
                 if self.tier is not None:
                     self._feed_tier(so, mo)
                 self.num_steps += 1

@@ -80,6 +80,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
         self.num_preemptions = 0
         self.step_id = 0
         self._constrained: list[Request] = []  # sampling rows with a grammar, this step
+        self._timed: tuple[int, bool] | None = None  # (decode rows, speculated) of a pure step
         self._init_tier(tier)
 
     # ---------------------------------------------------------------- intake
@@ -154,7 +155,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
         self._schedule_running(step)
         # No admissions in a step that preempted: the pool is already short.
         if not step.preempted:
+            left = step.budget
             self._admit_waiting(step)
+            if step.budget != left:
+                self._timed = None  # a prompt chunk rides along: not a pure decode step
         so = self._step_output(step)
         if not defer_masks:
             self.fill_masks(so)
@@ -179,15 +183,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
         )
 
     def _schedule_running(self, step: _StepPlan) -> None:
-        spec = self.spec
-        # vLLM's rule: no speculation while more requests than disable_by_batch_size are
-        # running or queued (a batch ramping up through its prefills counts already).
-        speculate = spec is not None and spec.enabled_for_step(
-            len(self.running) + len(self.waiting)
-        )
+        plans = self._plan_drafts(step.budget)
         rest = self.running
         # Plain decodes in bulk first (a speculating step proposes drafts for each).
-        if not speculate and (taken := self._schedule_columnar(step.budget)) is not None:
+        if not plans and (taken := self._schedule_columnar(step.budget)) is not None:
             step.decodes, rest = taken
             step.budget -= len(step.decodes.req_ids)
         # Decodes first, then partly computed prompts: a long prompt never delays a decode.
@@ -207,16 +206,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
             n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
             drafts: list[int] | None = None
             num_draft = 0
-            if (
-                speculate
-                and n == 1 == req.num_tokens - req.num_computed_tokens
-                and not req.fork_ids
-                # A constrained request's mask is for one position; its drafts would need
-                # a matcher walked ahead and rolled back, which is not built.
-                and req.grammar is None
-            ):
-                assert spec is not None
-                drafts, num_draft = spec.plan(req, self._spec_room(req, step.budget))
+            if (plan := plans.get(req.req_id)) is not None and n == 1:
+                # Planned against the whole budget; what is left of it caps the drafts.
+                num_draft = max(0, min(plan[1], self._spec_room(req, step.budget)))
+                drafts = plan[0][:num_draft]
             while allocate(req, n + num_draft, copies) is None:
                 victim = self._newest_unscheduled(step)
                 self._preempt(victim)
@@ -228,6 +221,38 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
             self._schedule(req, n, scheduled, new_reqs, drafts, num_draft)
             done.add(req.req_id)
             step.budget -= n + num_draft
+
+    def _plan_drafts(self, budget: int) -> dict[str, tuple[list[int], int]]:
+        """Each speculating decode's (drafts, slots), or none when this step should not
+        speculate (spec.StepCostPolicy weighs its measured cost against the tokens the
+        rows' acceptance rates promise).  Also notes what the step is, for its timing."""
+        spec = self.spec
+        self._timed = None
+        if spec is None or not spec.enabled_for_step(len(self.running) + len(self.waiting)):
+            return {}
+        decodes = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
+        plans: dict[str, tuple[list[int], int]] = {}
+        expected = float(len(decodes))
+        for req in decodes:
+            # A constrained request's mask is for one position; its drafts would need a
+            # matcher walked ahead and rolled back, which is not built.
+            if req.fork_ids or req.grammar is not None:
+                continue
+            drafts, num_draft = spec.plan(req, self._spec_room(req, budget))
+            if num_draft:
+                plans[req.req_id] = (drafts, num_draft)
+                expected += spec.expected_accepted(req, num_draft)
+        speculate = bool(plans) and spec.policy.choose(len(decodes), expected)
+        if decodes and len(decodes) == len(self.running):
+            self._timed = (len(decodes), speculate)  # a pure decode step: comparable
+        return plans if speculate else {}
+
+    def observe_step_time(self, seconds: float) -> None:
+        """The last scheduled step took `seconds` (execute and update): the speculation
+        policy learns from pure decode steps (a prefill chunk would blur the figure)."""
+        if self.spec is not None and self._timed is not None:
+            self.spec.policy.observe(*self._timed, seconds)
+            self._timed = None
 
     def _admit_waiting(self, step: _StepPlan) -> None:
         bs = self.block_size

@@ -34,11 +34,10 @@ class SpecConfig:
     model: str | None = None  # draft checkpoint (method "draft")
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    # Speculation pauses in steps with more requests running or queued than this (a busy
-    # batch is already compute-bound, and verifying k+1 tokens per request would slow it).
-    # Measured on the trained pair (docs/PERFORMANCE.md): batch 1 gains 1.2-4x, batch 4
-    # gains 2.6x on copy-heavy text but loses 25-33% on free text, batch 32 must not pay.
-    disable_by_batch_size: int = 4
+    # vLLM's hard cap: no speculation in steps with more requests running or queued than
+    # this.  None (the default) leaves it to the measured policy (StepCostPolicy), which
+    # finds where a batch is compute-bound on this machine rather than guessing a size.
+    disable_by_batch_size: int | None = None
     # Each request drafts only as deep as its j-th draft is still accepted with at least
     # this probability (estimated rate ** j); below it for even one token it stops
     # speculating, except for an occasional probe, so a hopeless proposer costs little.
@@ -58,7 +57,7 @@ class SpecConfig:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min}, {self.prompt_lookup_max}"
             )
-        if self.disable_by_batch_size < 1:
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
         if not 0.0 <= self.min_acceptance_rate < 1.0:
             raise ValueError(
@@ -160,9 +159,19 @@ class SpecDecoder:
             else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         )
         self.stats = SpecStats(accepted_by_position=[0] * self.k)
+        self.policy = StepCostPolicy()
 
     def enabled_for_step(self, num_requests: int) -> bool:
-        return num_requests <= self.config.disable_by_batch_size
+        cap = self.config.disable_by_batch_size
+        return cap is None or num_requests <= cap
+
+    def expected_accepted(self, req: Request, num_draft: int) -> float:
+        """Drafts a verify of `num_draft` tokens is expected to keep: the j-th survives
+        with probability rate ** j."""
+        r = req.spec_rate
+        if r >= 1.0:
+            return float(num_draft)
+        return r * (1.0 - r**num_draft) / (1.0 - r)
 
     def plan(self, req: Request, room: int) -> tuple[list[int], int]:
         """(draft tokens, slots) for one decoding request: n-gram drafts come as tokens;
@@ -199,3 +208,50 @@ class SpecDecoder:
         trials = num_accepted + (num_accepted < num_draft)
         req.spec_accepted = self.EMA * req.spec_accepted + (1 - self.EMA) * num_accepted
         req.spec_trials = self.EMA * req.spec_trials + (1 - self.EMA) * trials
+
+
+class StepCostPolicy:
+    """Whether a decode step speculates, from what steps measurably cost on this machine.
+
+    A verify step runs k+1 query tokens per row and (draft method) k draft passes: on a
+    memory-bound step (small batch, weights far bigger than the cache) that is nearly free,
+    on a compute-bound one (larger batch, or a CPU shared with other work) it costs about
+    k+1 times a plain step, and where the line falls depends on the model, the machine and
+    its load, not on a batch size fixed in advance.  So each batch size keeps a moving
+    average of the seconds a plain decode step and a speculating step took (timed around
+    execute and update, so host work counts), and a step speculates when the tokens it is
+    expected to emit (rows plus each row's expected accepted drafts, from its own
+    acceptance rate) per predicted second beat the plain step's rows per second.
+    An unmeasured side is tried once; the side not chosen is re-measured every
+    EXPLORE_EVERY steps of that size, so a change of load or of text is followed, at a
+    bounded cost (one step in EXPLORE_EVERY at the worse side).
+    """
+
+    EMA = 0.8
+    EXPLORE_EVERY = 32
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> EMA
+        self.visits: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """Batch sizes 1-4 apart, then powers of two (the cost moves slowly with size)."""
+        return rows if rows <= 4 else 1 << (rows - 1).bit_length()
+
+    def choose(self, rows: int, expected_tokens: float) -> bool:
+        """Speculate in a step of `rows` decodes expected to emit `expected_tokens`?"""
+        b = self.bucket(rows)
+        spec, plain = self.seconds.get((b, True)), self.seconds.get((b, False))
+        if spec is None:
+            return True
+        if plain is None:
+            return False
+        better = expected_tokens * plain > rows * spec
+        n = self.visits[b] = self.visits.get(b, 0) + 1
+        return better != (n % self.EXPLORE_EVERY == 0)
+
+    def observe(self, rows: int, speculated: bool, seconds: float) -> None:
+        key = (self.bucket(rows), speculated)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else self.EMA * old + (1 - self.EMA) * seconds

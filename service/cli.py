@@ -173,7 +173,9 @@ def _add_speculative_args(g: Group) -> None:
         "--speculative-disable-by-batch-size",
         type=int,
         default=SpecConfig.disable_by_batch_size,
-        help="no speculation in steps with more requests running or queued than this",
+        help="no speculation in steps with more requests running or queued than this "
+        "(default: none; a step speculates when its measured cost pays for the tokens its "
+        "drafts are expected to add)",
     )
     g.add_argument(
         "--speculative-min-acceptance-rate",

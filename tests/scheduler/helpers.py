@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.contract import SchedulerOutput
@@ -54,8 +55,10 @@ def drive(
     arrivals: dict[int, list[list[Request]]],
     max_steps: int = 100_000,
     check_invariants: bool = True,
+    step_seconds: Callable[[SchedulerOutput], float] | None = None,
 ) -> Run:
-    """Run until every request finished; arrivals[k] are added before step k."""
+    """Run until every request finished; arrivals[k] are added before step k.
+    step_seconds: what each step "took", told to the scheduler as the engine does."""
     run = Run()
     step = 0
     pending = dict(arrivals)
@@ -73,6 +76,8 @@ def drive(
             run.outputs.setdefault(u.req_id, []).extend(u.new_token_ids)
             if u.finish_reason:
                 run.finish[u.req_id] = u.finish_reason
+        if step_seconds is not None:
+            sched.observe_step_time(step_seconds(so))
         if check_invariants:
             assert_pool_consistent(sched)
         step += 1

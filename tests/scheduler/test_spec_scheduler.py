@@ -125,6 +125,62 @@ def test_batch_size_turns_speculation_off():
     assert_all_free(sched, runner)
 
 
+def _speculating(so) -> bool:
+    return any(r.num_draft for r in so.scheduled)
+
+
+def _cost_run(seconds, seed: int):
+    sched, runner = spec_scheduler(num_blocks=512, budget=256)
+    sched.spec.config.disable_by_batch_size = None
+    work = workload(seed, 8, shared=0)
+    work = [(p, 120) for p, _ in work]
+    arrivals = {0: [make_group(f"r{i}", p, m) for i, (p, m) in enumerate(work)]}
+    run = drive(sched, runner, arrivals, step_seconds=seconds)
+    check_outputs(run, work)
+    assert_all_free(sched, runner)
+    decode_steps = [so for so in run.steps[2:] if so.num_scheduled_tokens]
+    return sum(map(_speculating, decode_steps)) / len(decode_steps)
+
+
+def test_measured_cost_decides_whether_a_step_speculates():
+    # Compute-bound: every query token costs the same, so a verify step's k + 1 tokens
+    # cost more than the drafts it keeps can pay for; only the policy's re-measuring
+    # steps (one in 32 per batch size) speculate.  Memory-bound: a step costs nearly
+    # the same whatever its tokens, so drafts are nearly free and nearly every step
+    # speculates.  The output is the same either way.
+    def compute_bound(so):
+        return 1.0 + so.num_scheduled_tokens
+
+    def memory_bound(so):
+        return 1.0 + 0.01 * so.num_scheduled_tokens
+
+    assert _cost_run(compute_bound, 5) < 0.1
+    assert _cost_run(memory_bound, 5) > 0.8
+
+
+def test_cost_policy_weighs_expected_tokens_against_measured_seconds():
+    from scheduler.spec import StepCostPolicy
+
+    p = StepCostPolicy()
+    assert p.choose(8, 9.0)  # nothing measured: try speculating once
+    p.observe(8, True, 3.0)
+    assert not p.choose(8, 9.0)  # plain unmeasured: time it
+    p.observe(8, False, 1.0)
+    # A verify step costs 3x a plain one: worth it only if it emits over 3x the tokens
+    # (24 for 8 rows); every 32nd step re-times the side not chosen.
+    choices = [p.choose(8, 20.0) for _ in range(64)]
+    assert sum(choices) == 2
+    choices = [p.choose(8, 30.0) for _ in range(64)]
+    assert sum(choices) == 62
+    # Sizes 5-8 share a bucket; 9 starts the next, measured afresh.
+    assert p.bucket(5) == p.bucket(8) == 8 and p.bucket(9) == 16
+    assert p.choose(9, 9.5)
+    # The moving average follows a change of load.
+    for _ in range(30):
+        p.observe(8, True, 1.2)
+    assert p.seconds[(8, True)] < 1.3
+
+
 def test_draft_depth_follows_acceptance():
     spec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=4))
     # The j-th draft is accepted with probability rate ** j; draft while that is >= 0.2.
