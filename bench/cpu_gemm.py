@@ -1,7 +1,15 @@
-"""CPU projection GEMMs: a model's projections in sequence, this tree against a git revision.
+"""CPU projection GEMMs: a model's projections in sequence, this tree against a git revision,
+or (--ceilings) each projection against the machine's memory and compute ceilings.
 
     python -m bench.cpu_gemm --baseline REV [--kernel dpbf16|sgemm512|sgemm] [--preset mid]
                              [--rows 16,38,64] [--rounds 15] [--no-lm-head] [--threads 2]
+    python -m bench.cpu_gemm --ceilings [--preset llama1b] [--rows 1,16,64,512]
+
+--ceilings: per kind of projection (qkv, o, gate_up, down, lm_head; every layer's, in
+sequence, so the weights stream from memory as in a step) the median time, the weight
+bytes read per second as a fraction of a STREAM-like copy's bandwidth, and GFLOP/s as a
+fraction of a register FMA loop's (bench/cpu_ceilings.py).  Decode-size rows are bound by
+the first, prefill-size rows by the second.
 
 One step's projections, as the model runs them: per layer qkv, o, the gated gate_up
 (SiLU·up as its epilogue) and down, then the lm_head, each layer with weights of its own,
@@ -70,6 +78,7 @@ class Proj:
     k: int
     gated: bool
     packed: torch.Tensor
+    kind: str = ""
 
 
 def projections(kernel: str, preset: str, lm_head: bool) -> list[Proj]:
@@ -79,16 +88,16 @@ def projections(kernel: str, preset: str, lm_head: bool) -> list[Proj]:
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = []
     for _ in range(cfg.num_layers):
-        shapes += [(qkv, h, False), (cfg.num_heads * cfg.head_dim, h, False)]
-        shapes += [(2 * inter, h, True), (h, inter, False)]
+        shapes += [(qkv, h, False, "qkv"), (cfg.num_heads * cfg.head_dim, h, False, "o")]
+        shapes += [(2 * inter, h, True, "gate_up"), (h, inter, False, "down")]
     if lm_head:
-        shapes.append((cfg.vocab_size, h, False))
+        shapes.append((cfg.vocab_size, h, False, "lm_head"))
     pack = getattr(cpu_kernels, f"{kernel}_pack")
     gated_pack = cpu_kernels.gated_kernel(kernel).pack
     out = []
-    for n, k, gated in shapes:
+    for n, k, gated, kind in shapes:
         w = (torch.randn(n, k) * 0.02).to(dtype)
-        out.append(Proj(n, k, gated, gated_pack(w, n // 2) if gated else pack(w)))
+        out.append(Proj(n, k, gated, gated_pack(w, n // 2) if gated else pack(w), kind))
     return out
 
 
@@ -150,13 +159,55 @@ def bench(args: argparse.Namespace) -> None:
         )
 
 
+def ceilings(args: argparse.Namespace) -> None:
+    from bench import cpu_ceilings
+
+    kernel, dtype = args.kernel, KERNELS[args.kernel].dtype
+    lib = cpu_kernels.load()
+    assert lib is not None
+    _bind(lib, kernel)
+    copy = cpu_ceilings.copy_bandwidth(args.threads)
+    read = cpu_ceilings.read_bandwidth(args.threads)
+    peak = cpu_ceilings.peak_flops(args.threads)
+    print(
+        f"\n{kernel} ({dtype}), preset {args.preset}, {args.threads} threads, median of "
+        f"{args.rounds}; ceilings: STREAM copy {copy / 1e9:.1f} GB/s, read {read / 1e9:.1f} "
+        f"GB/s, FMA loop {peak / 1e9:.0f} GFLOP/s (fp32)\n"
+    )
+    print("| projection | rows | ms (all layers) | weights GB/s | of copy | of read | "
+          "GFLOP/s | of FMA peak |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    projs = projections(kernel, args.preset, not args.no_lm_head)
+    for kind in dict.fromkeys(p.kind for p in projs):
+        group = [p for p in projs if p.kind == kind]
+        nbytes = sum(p.packed.numel() * p.packed.element_size() for p in group)
+        for m in args.rows:
+            xs = [torch.randn(m, p.k).to(dtype) for p in group]
+            ys = [torch.empty(m, p.n // 2 if p.gated else p.n, dtype=dtype) for p in group]
+            run_sequence(lib, kernel, group, xs, ys, args.threads)
+            times = []
+            for _ in range(args.rounds):
+                t = time.perf_counter()
+                run_sequence(lib, kernel, group, xs, ys, args.threads)
+                times.append(time.perf_counter() - t)
+            t = statistics.median(times)
+            flops = sum(2 * p.n * p.k for p in group) * m
+            print(
+                f"| {kind} | {m} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} | "
+                f"{nbytes / t / copy:.0%} | {nbytes / t / read:.0%} | {flops / t / 1e9:.0f} | "
+                f"{flops / t / peak:.0%} |",
+                flush=True,
+            )
+
+
 def default_kernel() -> str:
     return next((name for name, k in KERNELS.items() if k.available()), "sgemm")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", metavar="REV", required=True, help="git revision to time")
+    ap.add_argument("--baseline", metavar="REV", help="git revision to time")
+    ap.add_argument("--ceilings", action="store_true", help="vs the machine's ceilings")
     ap.add_argument("--kernel", choices=sorted(KERNELS), help="default: the widest built")
     ap.add_argument("--preset", default="mid", choices=sorted(PRESETS))
     ap.add_argument("--rows", default="16,38,64", help="rows per product, comma-separated")
@@ -171,7 +222,12 @@ def main() -> None:
     args.kernel = args.kernel or default_kernel()
     if not KERNELS[args.kernel].available():
         raise SystemExit(f"{args.kernel} is not built on this CPU")
-    bench(args)
+    if args.ceilings:
+        ceilings(args)
+    elif args.baseline:
+        bench(args)
+    else:
+        ap.error("give --baseline REV or --ceilings")
 
 
 if __name__ == "__main__":

@@ -63,10 +63,27 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 
 # --------------------------------------------------------------------------- offline
+# A workload per preset where the default one would take too long: the 1B shape decodes
+# ~20x slower than `mid` on two cores (n, prompt min/max, output min/max).
+PRESET_WORKLOADS = {"llama1b": (24, 32, 256, 16, 64)}
+
+
 def bench_offline(args: argparse.Namespace) -> str:
     from bench.offline import run as run_offline
 
-    return run_offline(args, _print_table, model_dir)
+    presets = [p.strip() for p in (args.offline_presets or args.preset).split(",") if p.strip()]
+    if args.model:
+        presets = presets[:1]
+    text, first = [], None
+    for preset in presets:
+        a = argparse.Namespace(**vars(args))
+        a.preset = preset
+        if preset in PRESET_WORKLOADS and not args.offline_keep_workload:
+            a.n, a.prompt_min, a.prompt_max, a.out_min, a.out_max = PRESET_WORKLOADS[preset]
+        text.append(run_offline(a, _print_table, model_dir))
+        first = first or getattr(a, "offline_results", None)
+    args.offline_results = first  # the charts draw the first preset's figures
+    return "\n".join(text)
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -115,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_section_args(ap: argparse.ArgumentParser) -> None:
     """The flags of single sections: offline, serve_vllm, structured, quant, spec."""
     ap.add_argument("--offline-reps", type=int, default=2, help="alternated runs per engine")
+    ap.add_argument(
+        "--offline-presets",
+        default=None,
+        help="offline: comma-separated presets, each its own table (default: --preset); "
+        "llama1b runs 24 requests, prompts 32-256, outputs 16-64",
+    )
+    ap.add_argument(
+        "--offline-keep-workload",
+        action="store_true",
+        help="offline: the --n/--prompt/--out flags for every preset",
+    )
     ap.add_argument(
         "--offline-dtypes",
         default="native,other",

@@ -110,6 +110,22 @@ PRESETS: dict[str, Preset] = {
         init_std=0.02,
         dtype="bfloat16",
     ),
+    # Llama-3.2-1B's shape (tied embeddings, GQA 32/8), with the local 32k vocabulary
+    # instead of its 128k one: the size users run on a CPU, where the projections'
+    # weights (2 GB in bf16) stream from memory every decode step.
+    "llama1b": Preset(
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        init_std=0.02,
+        dtype="bfloat16",
+    ),
 }
 
 ARCHS: dict[str, tuple[str, str]] = {

@@ -32,3 +32,31 @@ def test_cpu_gemm_times_head_against_this_tree():
     ).returncode
     if not kernels_changed:  # the same source on both sides: the same bits
         assert all(ln.rstrip().endswith("| yes |") for ln in rows), rows
+
+
+@pytest.mark.skipif(not cpu_kernels.sgemm_available(), reason="needs the AVX2 sgemm")
+def test_cpu_gemm_ceilings_reports_each_projection_against_both_ceilings():
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.cpu_gemm", "--ceilings", "--kernel", "sgemm",
+         "--preset", "tiny", "--rows", "1,64", "--rounds", "2", "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "STREAM copy" in r.stdout and "FMA loop" in r.stdout, r.stdout
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    kinds = {c[0].strip() for c in rows[1:]}
+    assert kinds == {"qkv", "o", "gate_up", "down", "lm_head"}, rows
+    # Fractions of ceilings measured in the same run; on a machine busy with other work
+    # the two sides see different shares of the cores, so only their form is checked.
+    for cells in rows[1:]:
+        assert float(cells[4].strip(" %")) > 0 and float(cells[7].strip(" %")) >= 0, cells
+
+
+def test_peak_flops_loop_counts_what_it_runs():
+    from bench.cpu_ceilings import peak_flops
+
+    one = peak_flops(1, reps=2, iters=2_000_000)
+    # Any x86-64 core with AVX2 does at least a few GFLOP/s and at most ~200 per core
+    # (two 512-bit FMA pipes at 6 GHz).
+    assert 2e9 < one < 2.5e11
