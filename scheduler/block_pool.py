@@ -4,6 +4,10 @@ A freed block keeps its hash and stays findable until it is handed out again ("l
 eviction"), so a prompt seen a while ago can still hit.  Allocation pops from the head of
 the free queue (least recently freed first); the hot path raises no exceptions and
 returns None when the pool is short.
+
+Blocks a conversation pinned (scheduler/pins.py) wait in a second queue once free:
+allocation takes from it only when the plain free queue is empty, so pinned KV is
+evicted after every unpinned cached block, and still in LRU order among itself.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ def hash_block(
 
 
 class Block:
-    __slots__ = ("block_hash", "block_id", "hits", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "hits", "next_free", "pins", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.hits = 0  # prefix-cache hits since it was cached (hot blocks get published)
+        self.pins = 0  # conversations pinning it; free with pins > 0: in the pinned queue
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -114,12 +119,17 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeQueue(self.blocks)
+        self.pinned_queue = FreeQueue(())
         self.cached: dict[BlockHash, Block] = {}
         self.on_event = on_event
+        # Told when a pinned block is evicted after all (the pool ran out of unpinned
+        # ones), so the pins forget it.
+        self.on_pinned_evict: Callable[[Block], None] | None = None
+        self.num_pinned = 0  # blocks with pins > 0, free or in use
 
     @property
     def num_free(self) -> int:
-        return self.free_queue.size
+        return self.free_queue.size + self.pinned_queue.size
 
     @property
     def num_used(self) -> int:
@@ -131,16 +141,60 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[Block] | None:
         """n fresh blocks (ref 1), evicting cached ones lazily; None if fewer are free."""
-        if n > self.free_queue.size:
-            return None
+        free = self.free_queue
+        if n > free.size:
+            if n > free.size + self.pinned_queue.size:
+                return None
+            return self._allocate_into_pinned(n)
         out = []
         for _ in range(n):
-            b = self.free_queue.popleft()
+            b = free.popleft()
             if b.block_hash is not None:
                 self._evict(b)
             b.ref_cnt = 1
             out.append(b)
         return out
+
+    def _allocate_into_pinned(self, n: int) -> list[Block]:
+        """n blocks when the plain free queue is short: all of it, then the least
+        recently freed pinned blocks, whose pins are dropped."""
+        out = []
+        for _ in range(n):
+            q = self.free_queue if self.free_queue.size else self.pinned_queue
+            b = q.popleft()
+            if b.pins:
+                self._drop_pins(b)
+                if self.on_pinned_evict is not None:
+                    self.on_pinned_evict(b)
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def _drop_pins(self, b: Block) -> None:
+        b.pins = 0
+        self.num_pinned -= 1
+
+    def pin(self, b: Block) -> None:
+        """One more conversation prefers to keep this block."""
+        b.pins += 1
+        if b.pins == 1:
+            self.num_pinned += 1
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+                self.pinned_queue.append(b)
+
+    def unpin(self, b: Block) -> None:
+        """One conversation less pins it; with none left, a free block goes back to the
+        plain free queue (at its tail: it was used no longer ago than its pin)."""
+        assert b.pins > 0, f"unpin of an unpinned {b}"
+        b.pins -= 1
+        if b.pins == 0:
+            self.num_pinned -= 1
+            if b.ref_cnt == 0:
+                self.pinned_queue.remove(b)
+                self.free_queue.append(b)
 
     def _evict(self, b: Block) -> None:
         h = b.block_hash
@@ -159,7 +213,7 @@ class BlockPool:
         """Take a reference on (cached) blocks, reviving free ones."""
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free_queue.remove(b)
+                (self.pinned_queue if b.pins else self.free_queue).remove(b)
             b.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -169,7 +223,7 @@ class BlockPool:
             assert b.ref_cnt > 0, f"double free of {b}"
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                (self.pinned_queue if b.pins else self.free_queue).append(b)
 
     def uncache(self, b: Block) -> None:
         """Forget a block's hash (its KV cannot be trusted, e.g. its request failed)."""
@@ -191,6 +245,12 @@ class BlockPool:
         """Forget every cached hash (only when no block is in use)."""
         if self.num_used:
             return False
+        for b in list(self.pinned_queue):
+            self.pinned_queue.remove(b)
+            self._drop_pins(b)
+            if self.on_pinned_evict is not None:
+                self.on_pinned_evict(b)
+            self.free_queue.append(b)
         for b in list(self.cached.values()):
             self._evict(b)
         return True

@@ -73,6 +73,13 @@ class RemoteLookupDone:
 
 
 @dataclass
+class ReleaseConversation:
+    """Drop a conversation's KV pin now (its WebSocket closed)."""
+
+    key: str
+
+
+@dataclass
 class StepInfo:
     so: SchedulerOutput
     mo: ModelOutput
@@ -91,7 +98,15 @@ class ExecutorFailed:
     error: BaseException
 
 
-Message = AddRequest | AbortRequest | FinishSequence | RemoteLookupDone | ExecutorFailed | _Stop
+Message = (
+    AddRequest
+    | AbortRequest
+    | FinishSequence
+    | RemoteLookupDone
+    | ReleaseConversation
+    | ExecutorFailed
+    | _Stop
+)
 
 
 class Tier(Protocol):
@@ -115,6 +130,7 @@ class EngineCore:
         tier: Tier | None = None,
         max_waiting_requests: int | None = None,
         max_waiting_tokens: int | None = None,
+        max_waiting_per_tenant: int | None = None,
     ) -> None:
         self.scheduler = scheduler
         # Admission bound: sequences (and prompt tokens) queued but not yet running.  The
@@ -123,6 +139,10 @@ class EngineCore:
         self.max_waiting_tokens = max_waiting_tokens
         self._inbox_seqs = 0  # added but not yet handed to the scheduler
         self._inbox_tokens = 0
+        # One tenant's (API key's) own bound, below the global one, so a key that floods
+        # meets its 429s while the queue still has room for every other key.
+        self.max_waiting_per_tenant = max_waiting_per_tenant
+        self._inbox_tenants: dict[str | None, int] = {}
         self.num_rejected = 0
         self.tier = tier
         self._lookups: set[asyncio.Task[None]] = set()
@@ -180,6 +200,7 @@ class EngineCore:
     def admit(self, groups: list[list[Request]]) -> None:
         """Raise EngineOverloaded if queueing all these groups would pass the waiting bound
         (checked as one, so a multi-prompt request is taken whole or not at all)."""
+        self._admit_tenant(groups)
         if self.max_waiting_requests is None and self.max_waiting_tokens is None:
             return
         seqs, tokens = self.queued()
@@ -198,6 +219,26 @@ class EngineCore:
                 f"{self.max_waiting_tokens}); retry later"
             )
 
+    def tenant_queued(self, tenant: str) -> int:
+        """Requests of one tenant waiting for their first step (inbox and look-ups too)."""
+        sched = self.scheduler
+        parked = sum(1 for r in sched.remote_pending.values() if r.tenant == tenant)
+        return sched.waiting.count(tenant) + parked + self._inbox_tenants.get(tenant, 0)
+
+    def _admit_tenant(self, groups: list[list[Request]]) -> None:
+        limit, tenant = self.max_waiting_per_tenant, groups[0][0].tenant if groups else None
+        if limit is None or tenant is None:
+            return
+        waiting = self.tenant_queued(tenant)
+        if waiting + len(groups) > limit:
+            self.num_rejected += 1
+            raise EngineOverloaded(
+                f"this API key has {waiting} requests waiting (its limit is {limit}); retry later"
+            )
+
+    def release_conversation(self, key: str) -> None:
+        self.inbox.put_nowait(ReleaseConversation(key))
+
     def add(self, group: list[Request], wake_on_tokens: bool = True) -> RequestStream:
         """Queue a request (all n samples) and return its output stream.  Raises
         RequestRejected (bad request), EngineOverloaded (queue full), EngineDeadError.
@@ -209,6 +250,8 @@ class EngineCore:
         stream = RequestStream(group[0].group_id, len(group), wake_on_tokens)
         self._inbox_seqs += len(group)
         self._inbox_tokens += group[0].prompt_len
+        tenant = group[0].tenant
+        self._inbox_tenants[tenant] = self._inbox_tenants.get(tenant, 0) + 1
         self._adding.add(group[0].group_id)
         self.inbox.put_nowait(AddRequest(group, stream))
         return stream
@@ -227,6 +270,7 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             self._inbox_seqs -= len(msg.group)
             self._inbox_tokens -= msg.group[0].prompt_len
+            self._inbox_left(msg.group[0].tenant)
             gid = msg.group[0].group_id
             self._adding.discard(gid)
             if gid in self.streams:
@@ -249,11 +293,20 @@ class EngineCore:
             u = sched.finish_external(msg.req_id, RequestStatus.FINISHED_STOPPED)
             if u is not None:
                 self._dispatch([u])
+        elif isinstance(msg, ReleaseConversation):
+            sched.kv.pins.unpin(msg.key)
         elif isinstance(msg, ExecutorFailed):
             raise msg.error
         elif isinstance(msg, _Stop):
             return False
         return True
+
+    def _inbox_left(self, tenant: str | None) -> None:
+        n = self._inbox_tenants[tenant] - 1
+        if n:
+            self._inbox_tenants[tenant] = n
+        else:
+            del self._inbox_tenants[tenant]
 
     def _start_lookup(self, req: Request) -> None:
         """Ask the shared tier for the prompt blocks we lack; the request waits, parked,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from scheduler.block_pool import Block, BlockEvent, BlockPool, hash_block
 from scheduler.contract import DecodeColumns
+from scheduler.pins import ConversationPins
 from scheduler.request import Request
 
 
@@ -18,10 +19,16 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         on_event: Callable[[BlockEvent], None] | None = None,
+        max_pinned_blocks: int = 0,
+        session_ttl: float = 0.0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, on_event)
+        # Pins mean nothing without the prefix cache: a next turn could not hit them.
+        self.pins = ConversationPins(
+            self.pool, max_pinned_blocks if enable_prefix_caching else 0, session_ttl
+        )
         self.req_blocks: dict[str, list[Block]] = {}
         # The same tables as plain ids, kept in step so a step copies them with list().
         self.req_block_ids: dict[str, list[int]] = {}

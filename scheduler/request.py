@@ -45,7 +45,7 @@ class Request:
         "block_hashes", "fork_ids", "registered", "num_preemptions", "finish_reason",
         "stop_token_id", "arrival_time", "publish_prefix", "remote_start",
         "remote_payloads", "grammar", "prompt_logprobs", "prompt_logprobs_sent",
-        "spec_accepted", "spec_trials", "tenant", "__weakref__",
+        "spec_accepted", "spec_trials", "tenant", "conversation", "priority", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -63,6 +63,8 @@ class Request:
         publish_prefix: bool = False,
         grammar: GrammarMatcher | None = None,
         tenant: str | None = None,
+        conversation: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.req_id = req_id
         self.group_id = group_id or req_id
@@ -92,6 +94,11 @@ class Request:
         # Whose share of the shared prefix tier this request's publications count against
         # (an API key's hash; None: no share applies).  See scheduler.prefix_tier.
         self.tenant = tenant
+        # The conversation whose KV this turn pins when it ends (scheduler/pins.py): a
+        # key the service makes per tenant, so no key reaches another's pins.
+        self.conversation = conversation
+        # Order within the tenant's waiting line, lower first (scheduler/fair_queue.py).
+        self.priority = priority
         # KV payloads found in the shared tier: blocks [remote_start, remote_start + len).
         self.remote_start = 0
         self.remote_payloads: list[bytes] = []

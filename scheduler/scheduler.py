@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +24,9 @@ from scheduler.contract import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from scheduler.fair_queue import FairQueue
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.pins import ConversationSupport
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
 from scheduler.scheduler_types import (
     RequestRejected,
@@ -55,7 +56,7 @@ class _StepPlan:
     decode_ids: set[str] | None = None  # their ids, built only if a preemption asks
 
 
-class Scheduler(ColumnarDecodes, PrefixTierSupport):
+class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -71,8 +72,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             on_event=on_block_event,
+            max_pinned_blocks=int(config.pinned_kv_fraction * config.num_kv_blocks),
+            session_ttl=config.session_ttl,
         )
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue(config.tenant_weights, fair=config.scheduling_policy == "fair")
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
@@ -151,6 +154,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
         admissions from the waiting queue, all inside one token budget.  defer_masks:
         leave the grammar masks to `fill_masks` (the engine runs it off the event loop)."""
         self._constrained = []
+        self.kv.pins.expire()
         step = _StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         # No admissions in a step that preempted: the pool is already short.
@@ -257,7 +261,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
     def _admit_waiting(self, step: _StepPlan) -> None:
         bs = self.block_size
         while self.waiting and step.budget > 0:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if len(self.running) + 1 + len(req.fork_ids) > self.config.max_num_seqs:
                 break
             # Prompt logprobs need every prompt position computed: no prefix hits.
@@ -577,6 +581,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
     def _finish(self, req: Request, status: RequestStatus, drop_private: bool = False) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        if req.conversation is not None:
+            self._end_turn(req, status)
         self.kv.free(req, drop_private=drop_private)
         req.status = status
         req.finish_reason = FINISH_REASONS[status]
@@ -598,4 +604,5 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport):
             num_preemptions=self.num_preemptions,
             prefix_hits_remote=self.prefix_hits_remote,
             spec=self.spec.stats if self.spec is not None else None,
+            pins=self.kv.pins.snapshot(),
         )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from scheduler.contract import TokenLogprobs
+from scheduler.pins import PinStats
 from scheduler.spec import SpecStats
 
 if TYPE_CHECKING:
@@ -28,8 +29,21 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    # Waiting-queue policy (scheduler/fair_queue.py): "fair" = deficit round robin on
+    # prompt tokens across tenants (weights by tenant id, default 1), priority within
+    # one; "fcfs" = one line for all, by priority then arrival.
+    scheduling_policy: str = "fair"
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Conversation pins (scheduler/pins.py): at most this fraction of the blocks, each
+    # pin kept for session_ttl seconds (0 for either: no pinning).
+    pinned_kv_fraction: float = 0.25
+    session_ttl: float = 300.0
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fair", "fcfs"):
+            raise ValueError("scheduling_policy must be 'fair' or 'fcfs'")
+        if not 0 <= self.pinned_kv_fraction <= 1:
+            raise ValueError("pinned_kv_fraction must be in [0, 1]")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
@@ -123,3 +137,4 @@ class SchedulerStats:
     prefix_hits_remote: int = 0
     extra: dict[str, float] = field(default_factory=dict)
     spec: SpecStats | None = None  # speculative decoding counters (cumulative)
+    pins: PinStats | None = None  # conversation pins (gauges and cumulative counters)

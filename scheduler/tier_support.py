@@ -4,11 +4,11 @@ publish.  A part of `Scheduler` (scheduler/scheduler.py), kept apart as one conc
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Protocol
 
 from scheduler.block_pool import BlockHash
 from scheduler.contract import ModelOutput, SchedulerOutput
+from scheduler.fair_queue import FairQueue
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
 
@@ -27,7 +27,7 @@ class PrefixTierSupport:
     config: Any  # SchedulerConfig
     block_size: int
     kv: KVCacheManager
-    waiting: deque[Request]
+    waiting: FairQueue
     step_id: int
 
     def _init_tier(self, tier: PublishPolicy | None) -> None:
@@ -69,11 +69,7 @@ class PrefixTierSupport:
             return  # aborted meanwhile
         req.remote_start, req.remote_payloads = start, payloads
         req.status = RequestStatus.WAITING
-        # Back into the queue in arrival order.
-        i = len(self.waiting)
-        while i > 0 and self.waiting[i - 1].arrival_time > req.arrival_time:
-            i -= 1
-        self.waiting.insert(i, req)
+        self.waiting.append(req)  # its tenant's line keeps arrival order
 
     def _note_hits(self, req: Request, hits: list) -> None:
         tier = self.tier

@@ -94,8 +94,10 @@ def assert_pool_consistent(sched: Scheduler) -> None:
             owners[b.block_id] = owners.get(b.block_id, 0) + 1
     for b in pool.blocks:
         assert b.ref_cnt == owners.get(b.block_id, 0), f"{b} owners={owners.get(b.block_id)}"
-    free = list(pool.free_queue)
+    free = list(pool.free_queue) + list(pool.pinned_queue)
     assert len(free) == pool.num_free
+    assert all(b.pins for b in pool.pinned_queue)
+    assert not any(b.pins for b in pool.free_queue)
     assert all(b.ref_cnt == 0 for b in free)
     assert pool.num_free + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_blocks
     for rid, blocks in sched.kv.req_blocks.items():
