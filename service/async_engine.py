@@ -101,6 +101,7 @@ class AsyncEngine:
             tier=tier,
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
+            max_waiting_per_tenant=args.max_waiting_per_key,
         )
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
@@ -197,6 +198,10 @@ class AsyncEngine:
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
+                scheduling_policy=args.scheduling_policy,
+                tenant_weights=dict(args.tenant_weights or {}),
+                pinned_kv_fraction=args.pinned_kv_fraction,
+                session_ttl=args.session_ttl,
             ),
             tier=tier,
             spec=SpecDecoder(spec) if spec is not None else None,
@@ -298,9 +303,14 @@ class AsyncEngine:
         publish_prefix: bool = False,
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
+        priority: int = 0,
     ) -> list[Request]:
         """The request's n samples.  tenant: whose share of the shared prefix tier the
-        blocks it publishes count against (see scheduler.prefix_tier; None: no share)."""
+        blocks it publishes count against (see scheduler.prefix_tier; None: no share),
+        and of the waiting queue (scheduler.fair_queue); conversation: the key its KV is
+        pinned under when it ends (scheduler.pins); priority: its place in its tenant's
+        line, lower first."""
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
         if bad is not None:
@@ -326,6 +336,8 @@ class AsyncEngine:
                 publish_prefix=publish_prefix,
                 grammar=grammars[i],
                 tenant=tenant,
+                conversation=conversation,
+                priority=priority,
             )
             for i in range(params.n)
         ]
@@ -340,14 +352,18 @@ class AsyncEngine:
         final_only: bool = False,
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
+        priority: int = 0,
     ) -> Submitted:
         """Validate and queue a request now (synchronously, so a transport can answer 400
         or 429 before it starts a response).  Pass the result to `generate`; if it is
         never consumed, `release` it.  final_only: see `generate`; tenant: see
-        `build_group`.  An id a live request holds raises DuplicateRequestId."""
+        `build_group` (also conversation, priority).  An id a live request holds raises
+        DuplicateRequestId."""
         group = self.build_group(
-            request_id, prompt_token_ids, params, cache_salt, publish_prefix, tenant=tenant
-        )
+            request_id, prompt_token_ids, params, cache_salt, publish_prefix,
+            tenant=tenant, conversation=conversation, priority=priority,
+        )  # fmt: skip
         # Stop strings are matched here, on the consumer's side, as tokens arrive: such a
         # request's tokens must wake it or it would run on past its stop string.
         stream = self.core.add(group, wake_on_tokens=not final_only or bool(params.stop))
@@ -360,12 +376,13 @@ class AsyncEngine:
         cache_salt: str | None = None,
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
+        priority: int = 0,
     ) -> list[Submitted]:
         """Several (request id, prompt ids) as one: all validated and admitted against the
-        waiting bound before any is queued."""
-        groups = [
-            self.build_group(rid, ids, params, cache_salt, tenant=tenant) for rid, ids in prompts
-        ]
+        waiting bound before any is queued (tenant, conversation, priority: `build_group`)."""
+        kw = {"tenant": tenant, "conversation": conversation, "priority": priority}
+        groups = [self.build_group(rid, ids, params, cache_salt, **kw) for rid, ids in prompts]
         for g in groups:
             self.core.validate(g)
         self.core.admit(groups)

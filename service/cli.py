@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_step_args(g)
     _add_redis_args(g)
     _add_queue_args(g)
+    _add_conversation_args(g)
     _add_speculative_args(g)
     _add_device_args(g)
 
@@ -138,6 +139,40 @@ def _add_redis_args(g: Group) -> None:
     )
 
 
+def _add_conversation_args(g: Group) -> None:
+    g.add_argument(
+        "--scheduling-policy",
+        choices=["fair", "fcfs"],
+        default="fair",
+        help="admission from the waiting queue: fair = deficit round robin on prompt tokens "
+        "across API keys (weights from --api-key-file), `priority` within a key; fcfs = "
+        "one line for all, by priority then arrival",
+    )
+    g.add_argument(
+        "--max-waiting-requests-per-key",
+        type=int,
+        default=512,
+        help="requests one API key may have waiting; past it that key gets 429 while others "
+        "still queue (0: only the global bounds)",
+    )
+    g.add_argument(
+        "--pinned-kv-fraction",
+        type=float,
+        default=0.25,
+        metavar="FRACTION",
+        help="most of the KV cache conversations may pin (conversation_id / session_id, a "
+        "WebSocket's session): their last turn's blocks are evicted after unpinned ones "
+        "(0: no pinning)",
+    )
+    g.add_argument(
+        "--session-ttl",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long a conversation's last turn stays pinned",
+    )
+
+
 def _add_queue_args(g: Group) -> None:
     g.add_argument(
         "--max-waiting-requests",
@@ -231,6 +266,10 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         device=a.device,
         max_waiting_requests=a.max_waiting_requests or None,
         max_waiting_tokens=a.max_waiting_tokens or None,
+        max_waiting_per_key=a.max_waiting_requests_per_key or None,
+        scheduling_policy=a.scheduling_policy,
+        pinned_kv_fraction=a.pinned_kv_fraction,
+        session_ttl=a.session_ttl,
         speculative_config=speculative_config(a),
         tensor_parallel_size=a.tensor_parallel_size,
         tensor_parallel_timeout=a.tensor_parallel_timeout,
@@ -325,11 +364,36 @@ def _split(values: list[str] | None) -> list[str]:
 
 def read_key_file(path: str) -> list[str]:
     """One API key per line; blank lines and lines starting with # are skipped."""
+    return [key for key, _ in parse_key_file(path)]
+
+
+def parse_key_file(path: str) -> list[tuple[str, float]]:
+    """(key, weight) per line: `KEY` or `KEY weight=W` (W > 0, the key's share of the
+    waiting queue under --scheduling-policy fair; default 1).  A line of one key, the
+    older format, reads as before."""
+    out = []
     with open(path, encoding="utf-8") as f:
-        keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:
+        for n, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts or parts[0].startswith("#"):
+                continue
+            key, *attrs = parts
+            weight = 1.0
+            for attr in attrs:
+                name, _, value = attr.partition("=")
+                try:
+                    weight = float(value) if name == "weight" else -1.0
+                except ValueError:
+                    weight = -1.0
+                if not 0 < weight < float("inf"):
+                    raise SystemExit(
+                        f"--api-key-file {path}, line {n}: expected `KEY` or `KEY weight=W` "
+                        "with W > 0"
+                    )
+            out.append((key, weight))
+    if not out:
         raise SystemExit(f"--api-key-file {path}: no keys in it")
-    return keys
+    return out
 
 
 def speculative_config(a: argparse.Namespace) -> dict[str, object] | None:
@@ -359,12 +423,13 @@ def key_share(share: float, num_keys: int) -> float:
 def cmd_serve(a: argparse.Namespace) -> int:
     bound_onednn_caches(a.onednn_cache_capacity)
     from service.app import ServerConfig, run_server
+    from service.security import key_tenant
 
     keys = list(a.api_key or [])
     if not keys and _env("PAGESTREAM_API_KEY"):
         keys = [_env("PAGESTREAM_API_KEY")]
-    if a.api_key_file:
-        keys += read_key_file(a.api_key_file)
+    weighted = parse_key_file(a.api_key_file) if a.api_key_file else []
+    keys += [k for k, _ in weighted]
     forwarded = _split(
         a.forwarded_allow_ips
         or ([_env("FORWARDED_ALLOW_IPS")] if _env("FORWARDED_ALLOW_IPS") else [])
@@ -374,6 +439,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     )
     engine = engine_args(a)
     engine.prefix_tier_key_share = key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys)))
+    engine.tenant_weights = {key_tenant(k): w for k, w in weighted if w != 1.0}
     code = run_server(
         ServerConfig(
             engine=engine,
@@ -446,7 +512,8 @@ def _add_access_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--api-key-file",
         default=_env("PAGESTREAM_API_KEY_FILE"),
-        help="file with one API key per line (# comments), added to --api-key",
+        help="file with one API key per line (# comments), added to --api-key; a line may "
+        "add `weight=W`, the key's fair share of the queue (default 1)",
     )
     s.add_argument(
         "--shared-prefix-cache",

@@ -50,6 +50,15 @@ class EngineArgs:
     # (the offline LLM API queues everything it is given).
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    # One API key's own bound on its waiting requests (None: only the global ones).
+    max_waiting_per_key: int | None = None
+    # Waiting-queue policy: "fair" (deficit round robin on prompt tokens across API keys,
+    # weighted by tenant_weights: tenant id -> weight, default 1) or "fcfs".
+    scheduling_policy: str = "fair"
+    tenant_weights: dict[str, float] | None = None
+    # Conversation KV pins: at most this fraction of the KV blocks, for session_ttl s.
+    pinned_kv_fraction: float = 0.25
+    session_ttl: float = 300.0
     kv_cache_dtype: str = "auto"  # auto (the model dtype), int8 or fp8 (e4m3)
     # weights: None (as stored, or AWQ when the checkpoint says), int8
     quantization: str | None = None

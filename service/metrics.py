@@ -14,6 +14,7 @@ from prometheus_client import (
 )
 
 from scheduler.engine_core import StepInfo
+from scheduler.pins import PinStats
 from scheduler.prefix_tier import TierStats
 from scheduler.scheduler import SchedulerStats
 from scheduler.spec import SpecStats
@@ -43,6 +44,7 @@ class Metrics:
         self._add_scheduler_state()
         self._add_throughput()
         self._add_failures_and_load()
+        self._add_conversations()
         self.extra_counters: dict[str, Counter] = {}
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._last_extra: dict[str, float] = {}
@@ -158,6 +160,60 @@ class Metrics:
             [*m, "reason"], registry=r,
         )  # fmt: skip
 
+    def _add_conversations(self) -> None:
+        """Conversation KV pins (scheduler/pins.py) and whether follow-up turns hit."""
+        r, m = self.registry, ["model_name"]
+        self.pinned_blocks = Gauge(
+            "pagestream_kv_pinned_blocks",
+            "KV blocks pinned for conversations' next turns (in use or free).",
+            m, registry=r,
+        )  # fmt: skip
+        self.pinned_conversations = Gauge(
+            "pagestream_pinned_conversations", "Conversations holding a KV pin.", m, registry=r
+        )
+        self.followups = Counter(
+            "pagestream_conversation_followup_turns",
+            "Finished turns of conversations seen before (turn 2 and later).",
+            m, registry=r,
+        )  # fmt: skip
+        self.followup_hits = Counter(
+            "pagestream_conversation_followup_hit_turns",
+            "Follow-up turns whose prompt hit the prefix cache (over followup_turns: the "
+            "turn-2 hit rate).",
+            m, registry=r,
+        )  # fmt: skip
+        self.followup_tokens = Counter(
+            "pagestream_conversation_followup_prompt_tokens",
+            "Prompt tokens of follow-up turns, and of them served from a prefix cache "
+            "(kind=cached).",
+            [*m, "kind"], registry=r,
+        )  # fmt: skip
+        self.pins_dropped = Counter(
+            "pagestream_conversation_pins_dropped",
+            "Pinned blocks evicted anyway (reason=evicted: no unpinned block was left) and "
+            "pins that reached --session-ttl (reason=expired).",
+            [*m, "reason"], registry=r,
+        )  # fmt: skip
+
+    def on_pins(self, st: PinStats) -> None:
+        name = self.model_name
+        self.pinned_blocks.labels(name).set(st.pinned_blocks)
+        self.pinned_conversations.labels(name).set(st.conversations)
+        counters = (
+            ("followup_turns", self.followups.labels(name)),
+            ("followup_hit_turns", self.followup_hits.labels(name)),
+            ("followup_prompt_tokens", self.followup_tokens.labels(name, "prompt")),
+            ("followup_cached_tokens", self.followup_tokens.labels(name, "cached")),
+            ("evicted_blocks", self.pins_dropped.labels(name, "evicted")),
+            ("expired", self.pins_dropped.labels(name, "expired")),
+        )
+        for attr, counter in counters:
+            value, key = getattr(st, attr), f"pins:{attr}"
+            last = self._last_extra.get(key, 0)
+            if value > last:
+                counter.inc(value - last)
+                self._last_extra[key] = value
+
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         """A further counter (e.g. the Redis tier's), registered once."""
         if name not in self.extra_counters:
@@ -240,6 +296,8 @@ class Metrics:
         c["generation_tokens"].inc(len(mo.req_ids) + sum(len(a) for a in mo.spec_accepted.values()))
         if stats.spec is not None:
             self._on_spec(stats.spec)
+        if stats.pins is not None:
+            self.on_pins(stats.pins)
         last = self._last
         if stats.prefix_queries > last.prefix_queries:
             c["prefix_queries"].inc(stats.prefix_queries - last.prefix_queries)
@@ -313,6 +371,8 @@ class Metrics:
         c["waiting"].set(stats.num_waiting)
         c["kv_usage"].set(stats.kv_usage)
         self.kv_blocks_used.labels(self.model_name).set(kv_blocks_used)
+        if stats.pins is not None:
+            self.on_pins(stats.pins)
         for hook, n in hook_errors.items():
             self.hook_errors.labels(self.model_name, hook).set(n)
 

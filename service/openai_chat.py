@@ -21,7 +21,7 @@ from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge, 
 from service.outputs import RequestOutput
 from service.protocol import BadRequest, check_messages
 from service.protocol_openai import ChatCompletionRequest, decode_chat
-from service.request_ids import TENANT, request_id
+from service.request_ids import TENANT, conversation_key, request_id
 from service.tool_calls import (
     Mode,
     ToolStream,
@@ -93,9 +93,12 @@ class ChatServing(ServingBase):
         rid, engine_rid = request_id(request, req.request_id, "chatcmpl")
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        tenant = request.get(TENANT)
+        conversation = conversation_key(tenant, req.conversation_id or req.session_id)
         gens, subs = self._start(
-            engine_rid, [ids], [None], params, salt, field, tenant=request.get(TENANT)
-        )
+            engine_rid, [ids], [None], params, salt, field,
+            tenant=tenant, conversation=conversation, priority=req.priority,
+        )  # fmt: skip
         model = req.model or self.names[0]
         try:
             if req.stream:

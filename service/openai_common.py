@@ -231,17 +231,21 @@ class ServingBase:
         max_tokens_field: str = "max_tokens",
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
+        priority: int = 0,
     ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
         """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
         when the queue is full), so errors come before the response starts.  The caller
         must `release` the Submitted ones in a finally (aborts any never streamed).
-        request_id: the engine's (service/request_ids.py); tenant: the API key's hash."""
+        request_id: the engine's (service/request_ids.py); tenant: the API key's hash;
+        conversation: the key its KV is pinned under (request_ids.conversation_key)."""
         suffix = len(prompts) > 1
         rids = [f"{request_id}-{i}" if suffix else request_id for i in range(len(prompts))]
         try:
             subs = self.engine.submit_many(
-                list(zip(rids, prompts, strict=True)), params, cache_salt, tenant=tenant
-            )
+                list(zip(rids, prompts, strict=True)), params, cache_salt,
+                tenant=tenant, conversation=conversation, priority=priority,
+            )  # fmt: skip
         except DuplicateRequestId as e:  # never with the ids request_ids.py makes
             raise BadRequest(str(e), "X-Request-Id", status=409) from e
         except MaxTokensTooLarge as e:

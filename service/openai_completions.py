@@ -23,8 +23,9 @@ from service.completion_extras import (
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge
 from service.outputs import CompletionOutput, RequestOutput
+from service.protocol import BadRequest
 from service.protocol_openai import CompletionRequest, decode_completion
-from service.request_ids import TENANT, request_id
+from service.request_ids import TENANT, conversation_key, request_id
 
 
 def _logprob_entries(
@@ -105,9 +106,14 @@ class CompletionServing(ServingBase):
         texts = [p if isinstance(p, str) else None for p in raw]
         rid, engine_rid = request_id(request, req.request_id, "cmpl")
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
+        tenant, cid = request.get(TENANT), req.conversation_id or req.session_id
+        if cid is not None and len(prompts) > 1:
+            field = "conversation_id" if req.conversation_id else "session_id"
+            raise BadRequest(f"{field} takes one prompt (a conversation's next turn)", field)
         gens, subs = self._start(
-            engine_rid, prompts, texts, params, salt, tenant=request.get(TENANT)
-        )
+            engine_rid, prompts, texts, params, salt,
+            tenant=tenant, conversation=conversation_key(tenant, cid), priority=req.priority,
+        )  # fmt: skip
         model = req.model or self.names[0]
         try:
             echo = await self._echo_texts(texts, prompts) if req.echo else None

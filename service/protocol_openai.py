@@ -30,6 +30,9 @@ from service.protocol import (
 )
 from service.protocol_structured import ResponseFormat, StructuredOutputsRequest, structured_spec
 
+# Printable, as it names a conversation in logs and pins; 256 characters at most.
+ConversationId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
 
 class StreamOptions(Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False
@@ -86,7 +89,12 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     return_tokens_as_token_ids: Any = None
-    priority: int = 0
+    # Order within the API key's waiting line, lower first (vLLM's; scheduler/fair_queue.py).
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    # The conversation this turn belongs to: its KV stays pinned for the next turn
+    # (scheduler/pins.py).  Either name; the same conversation for the same API key.
+    conversation_id: ConversationId | None = None
+    session_id: ConversationId | None = None
 
     _REFUSED = (
         "guided_whitespace_pattern",
@@ -110,8 +118,11 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
                 "spaces_between_special_tokens=false is not supported by this server",
                 "spaces_between_special_tokens",
             )
-        if self.priority != 0:
-            raise BadRequest("priority scheduling is not supported by this server", "priority")
+        if None not in (self.conversation_id, self.session_id) and (
+            self.conversation_id != self.session_id
+        ):
+            raise BadRequest("conversation_id and session_id name different conversations",
+                             "session_id")  # fmt: skip
         if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
             raise BadRequest(
                 f"guided_decoding_backend {self.guided_decoding_backend!r} is not available; "

@@ -102,3 +102,12 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
     rid = request.get(REQUEST_ID) or request.headers.get("X-Request-Id")
     if rid and rid.isprintable() and len(rid) <= 256:
         response.headers["X-Request-Id"] = rid
+
+
+def conversation_key(tenant: str | None, conversation_id: str | None) -> str | None:
+    """The engine's key of a client's conversation (scheduler/pins.py), in its tenant's
+    namespace like request ids: the same id from another API key is another conversation,
+    so no key can pin, replace or release another's."""
+    if conversation_id is None:
+        return None
+    return f"{tenant or ''}\x1f{conversation_id}"

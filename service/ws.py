@@ -25,7 +25,7 @@ from service.async_engine import MaxTokensTooLarge, RequestFailed
 from service.http_util import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
 from service.protocol import BadRequest, check_messages
 from service.protocol_ws import WSCancel, WSGenerate, WSPing, decode_ws
-from service.request_ids import TENANT
+from service.request_ids import TENANT, conversation_key
 from service.security import check_origin
 from service.state import STATE, ServerState
 from service.structured import GrammarError
@@ -50,6 +50,10 @@ class WSSession:
         # are this socket's own: `cancel` only looks in self.tasks, and each engine id is
         # unique (request_ids.LiveRequestIds.engine_id), so no socket reaches another's.
         self.tenant = request.get(TENANT) if request is not None else None
+        # The socket is one conversation: each generation's KV stays pinned for the next
+        # (scheduler/pins.py) until the socket closes.  \x1e keeps it apart from any
+        # client-given conversation id (those are printable).
+        self.conversation = conversation_key(self.tenant, f"\x1ews{conn_id}")
         self.state = state
         self.conn_id = conn_id
         self.request = request
@@ -146,6 +150,9 @@ class WSSession:
             for t in self.tasks.values():
                 t.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            if self.state.engine is not None and self.conversation is not None:
+                # After the aborts its generations queued: the last one pins nothing then.
+                self.state.engine.core.release_conversation(self.conversation)
             if self._closer is not None:
                 await asyncio.gather(self._closer, writer, return_exceptions=True)
             else:
@@ -260,7 +267,9 @@ class WSSession:
         rid = self.state.request_ids.engine_id(f"ws-{self.conn_id}-{gid}")
         salt = salted(self.tenant_salt, frame.cache_salt)
         try:
-            sub = engine.submit(ids, params, rid, salt, tenant=self.tenant)
+            sub = engine.submit(
+                ids, params, rid, salt, tenant=self.tenant, conversation=self.conversation
+            )
         except MaxTokensTooLarge as e:
             raise BadRequest(str(e), "params.max_tokens") from e
         gen = engine.generate("", submitted=sub)

@@ -887,7 +887,9 @@ HOSTILE_SAMPLING = {
     "temperature": st.sampled_from([-0.1, 2.1, 1e308]),
     "top_p": st.sampled_from([0, 1.5]),
     "min_tokens": st.sampled_from([MAX_TOKENS + 1, 10**6]),
-    "priority": st.sampled_from([1, -1]),
+    "priority": st.sampled_from([2**31, -(2**31) - 1, 10**30]),
+    "conversation_id": st.sampled_from(["", "c" * 257, 5, "a\x00b"]),
+    "session_id": st.sampled_from(["", "s" * 257, [], "a\nb"]),
     "guided_decoding_backend": st.sampled_from(["xgrammar", ""]),
     "stream_options": st.just({"include_usage": True}),  # without stream
     "model": odd_text,

@@ -388,7 +388,6 @@ REFUSED_CHAT = {
     "kv_transfer_params": {},
     "vllm_xargs": {"a": 1},
     "return_tokens_as_token_ids": True,
-    "priority": 1,
     "spaces_between_special_tokens": False,
 }
 REFUSED_COMPLETIONS = {"suffix": "x", "prompt_embeds": "AAAA", "add_special_tokens": False}
