@@ -591,15 +591,20 @@ class ModelRunner:
             tgt = torch.tensor(pr.targets[a : a + 128], dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))[:, :vocab]
             lp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
-            tok_lp = lp.gather(1, tgt.unsqueeze(1)).squeeze(1).tolist()
+            tok = lp.gather(1, tgt.unsqueeze(1))  # [P, 1]
+            # vLLM's rank: how many tokens are at least as likely as this one.
+            ranks = (lp >= tok).sum(-1).tolist()
+            tok_lp = tok.squeeze(1).tolist()
             if pr.top_n:
                 top_v, top_i = lp.topk(pr.top_n, dim=-1)
                 vals, ids = top_v.tolist(), top_i.tolist()
             else:
                 vals = ids = [[] for _ in tok_lp]
             out += [
-                TokenLogprobs(t, v, i, tv)
-                for t, v, i, tv in zip(pr.targets[a : a + 128], tok_lp, ids, vals, strict=True)
+                TokenLogprobs(t, v, i, tv, r)
+                for t, v, i, tv, r in zip(
+                    pr.targets[a : a + 128], tok_lp, ids, vals, ranks, strict=True
+                )
             ]
         return out
 

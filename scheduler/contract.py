@@ -173,6 +173,9 @@ class TokenLogprobs(msgspec.Struct, gc=False, array_like=True):
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    # The token's rank in the whole distribution (1 = most likely), as vLLM's
+    # prompt_logprobs report it; set for prompt tokens only.
+    rank: int | None = None
 
 
 class ModelOutput(msgspec.Struct, gc=False, kw_only=True):

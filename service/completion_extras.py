@@ -13,6 +13,15 @@ from service.outputs import CompletionOutput
 # Limits.max_prompt_logprob_entries and the sampled tokens).
 OFF_LOOP_LOGPROB_ENTRIES = 20_000
 
+# A token the grammar forbids has logprob -inf, which JSON cannot carry (it would go out as
+# null, and clients such as lm-eval take max() over the values).  vLLM and OpenAI report
+# this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
     """The n samples with the highest cumulative logprob (OpenAI's best_of), reindexed."""
@@ -31,7 +40,7 @@ def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
 def prompt_logprobs_json(
     plp: list[TokenLogprobs | None] | None, text: Callable[[int], str]
 ) -> list[dict[str, Any] | None] | None:
-    """vLLM's shape: per prompt token, {token id: {logprob, rank?, decoded_token}} holding
+    """vLLM's shape: per prompt token, {token id: {logprob, rank, decoded_token}} holding
     the prompt token and the top alternatives; None for the first token."""
     if plp is None:
         return None
@@ -40,13 +49,17 @@ def prompt_logprobs_json(
         if lp is None:
             out.append(None)
             continue
+        # vLLM's order: the prompt token first (with its rank in the whole vocabulary),
+        # then the top alternatives by rank; a prompt token among them keeps that rank.
         entry = {
-            str(i): {"logprob": v, "rank": r, "decoded_token": text(i)}
-            for r, (i, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1)
+            str(lp.token_id): {
+                "logprob": finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": text(lp.token_id),
+            }
         }
-        entry.setdefault(
-            str(lp.token_id), {"logprob": lp.logprob, "decoded_token": text(lp.token_id)}
-        )
+        for r, (i, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+            entry[str(i)] = {"logprob": finite(v), "rank": r, "decoded_token": text(i)}
         out.append(entry)
     return out
 
@@ -66,9 +79,9 @@ def echo_logprobs(
             lps.append(None)
             tops.append(None)
         else:
-            lps.append(lp.logprob)
+            lps.append(finite(lp.logprob))
             tops.append(
-                {text(i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+                {text(i): finite(v) for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
             )
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
-from service.completion_extras import OFF_LOOP_LOGPROB_ENTRIES, prompt_logprobs_json
+from service.completion_extras import OFF_LOOP_LOGPROB_ENTRIES, finite, prompt_logprobs_json
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge, sse
 from service.outputs import RequestOutput
@@ -44,12 +44,12 @@ class ChatServing(ServingBase):
             content.append(
                 {
                     "token": tok,
-                    "logprob": lp.logprob,
+                    "logprob": finite(lp.logprob),
                     "bytes": list(tok.encode()),
                     "top_logprobs": [
                         {
                             "token": (t := self.token_text(i)),
-                            "logprob": v,
+                            "logprob": finite(v),
                             "bytes": list(t.encode()),
                         }
                         for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
@@ -129,8 +129,9 @@ class ChatServing(ServingBase):
             finish = o.finish_reason
             if mode is not None:
                 content, calls = parse_output(mode, o.text, parser, req)
+                message["content"] = content
                 if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    message["tool_calls"] = calls
                     if mode != "named" and finish == "stop":
                         finish = "tool_calls"
             choice: dict[str, Any] = {
@@ -180,7 +181,11 @@ class ChatServing(ServingBase):
         tools = {i: ToolStream(mode, parser, req) for i in range(params.n)} if mode else {}
         usage = StreamUsage.of(len(ids), req.stream_options)
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        role = {"role": "assistant", "content": ""}
+        # A reply that may be tool calls opens without `content: ""`: OpenAI's does, and a
+        # client that sees an empty content string first may take the reply for text.
+        role: dict[str, Any] = (
+            {"role": "assistant"} if mode else {"role": "assistant", "content": ""}
+        )
         head = [
             {"index": i, "delta": dict(role), "logprobs": None, "finish_reason": None}
             for i in range(params.n)
@@ -205,14 +210,20 @@ class ChatServing(ServingBase):
         async with contextlib.aclosing(merge([gen], n)) as events:
             async for deltas, out in events:
                 usage.cached = out.num_cached_tokens
-                choices = []
+                choices, ends = [], []
                 for d in deltas:
                     usage.completion_tokens += len(d.token_ids)
                     choice = self._chat_choice_delta(req, d, tools.get(d.index), mode)
-                    if choice is not None:
-                        choices.append(choice)
+                    if choice is None:
+                        continue
+                    if choice["delta"].get("tool_calls") and choice["finish_reason"]:
+                        choice, end = _split_finish(choice)
+                        ends.append(end)
+                    choices.append(choice)
                 if choices:
                     yield self._chunk(base, choices, usage)
+                if ends:
+                    yield self._chunk(base, ends, usage)
 
     def _chat_choice_delta(
         self, req: ChatCompletionRequest, d: ChoiceDelta, ts: ToolStream | None, mode: Mode | None
@@ -240,3 +251,18 @@ class ChatServing(ServingBase):
         if req.return_token_ids:
             c["token_ids"] = d.token_ids
         return c
+
+
+def _split_finish(choice: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A finishing choice whose delta carries tool calls, as OpenAI streams it: the calls
+    first, then `finish_reason` in a chunk of its own with an empty delta.  The openai
+    SDK's stream helper closes a call (`tool_calls.function.arguments.done`) only when a
+    later chunk finishes the choice; one chunk holding both never closes the last call."""
+    first = {k: v for k, v in choice.items() if k != "stop_reason"}
+    first["finish_reason"] = None
+    end = {"index": choice["index"], "delta": {}, "logprobs": None}
+    end["finish_reason"] = choice["finish_reason"]
+    end["stop_reason"] = choice.get("stop_reason")
+    if "token_ids" in choice:
+        end["token_ids"] = []
+    return first, end

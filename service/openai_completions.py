@@ -18,6 +18,7 @@ from service.completion_extras import (
     OFF_LOOP_LOGPROB_ENTRIES,
     PromptLogprobs,
     best_of,
+    finite,
     join_logprobs,
 )
 from service.http_util import TENANT_SALT, json_response, salted
@@ -72,10 +73,10 @@ class CompletionServing(ServingBase):
         for lp in lps:
             tok = self.token_text(lp.token_id)
             tokens.append(tok)
-            token_lps.append(lp.logprob)
+            token_lps.append(finite(lp.logprob))
             tops.append(
                 {
-                    self.token_text(i): v
+                    self.token_text(i): finite(v)
                     for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
                 }
             )
@@ -161,7 +162,8 @@ class CompletionServing(ServingBase):
             shared = PromptLogprobs(self.token_text)
             for i, out in enumerate(finals):
                 cached += out.num_cached_tokens
-                completion += sum(len(o.token_ids) for o in out.outputs)
+                if not req.echo_only:
+                    completion += sum(len(o.token_ids) for o in out.outputs)
                 for o in best_of(out.outputs, req.n):
                     choices.append(
                         self._completion_choice(req, i, out, o, prompts[i], echo, shared)
@@ -196,21 +198,23 @@ class CompletionServing(ServingBase):
     ) -> dict[str, Any]:
         """Choice `o` of prompt `i`, whole."""
         head = "" if echo is None else echo[i]
-        lp, _ = self.completion_logprobs(o.logprobs, len(head))
+        only = req.echo_only
+        lp, _ = self.completion_logprobs(None if only else o.logprobs, len(head))
         if echo is not None and req.logprobs is not None and out.prompt_logprobs:
             lp = join_logprobs(shared.echo(i, out.prompt_logprobs, prompt), lp)
         choice: dict[str, Any] = {
             "index": i * req.n + o.index,
-            "text": head + o.text,
+            "text": head if only else head + o.text,
             "logprobs": lp if req.logprobs is not None else None,
-            "finish_reason": o.finish_reason,
-            "stop_reason": o.stop_reason,
+            # max_tokens 0 is reached before any token (OpenAI's legacy answer too)
+            "finish_reason": "length" if only else o.finish_reason,
+            "stop_reason": None if only else o.stop_reason,
         }
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = shared.vllm(i, out.prompt_logprobs)
         if req.return_token_ids:
             choice["prompt_token_ids"] = prompt
-            choice["token_ids"] = o.token_ids
+            choice["token_ids"] = [] if only else o.token_ids
         return choice
 
     async def _completion_stream(
@@ -248,6 +252,8 @@ class CompletionServing(ServingBase):
             async for deltas, out in events:
                 choices = []
                 for d in deltas:
+                    if req.echo_only:  # the one token it ran is not part of the reply
+                        d = ChoiceDelta(d.index, "", [], None, d.finish_reason and "length", None)
                     usage.completion_tokens += len(d.token_ids)
                     pi = d.index // n  # the prompt's index
                     head = echo[pi] if echo is not None and d.index not in offsets else ""

@@ -288,7 +288,8 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
 class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str | NonNegInt | list[NonNegInt]]
-    max_tokens: PositiveInt | None = 16
+    # 0 only with echo (see echo_only).
+    max_tokens: NonNegInt | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -297,8 +298,20 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
     add_special_tokens: bool = True
     prompt_embeds: Any = None
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's `echo` with `max_tokens: 0`: the prompt alone (and its logprobs), no
+        output; lm-eval's local-completions scores a continuation this way."""
+        return self.echo and self.max_tokens == 0
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest(
+                "max_tokens must be >= 1 (0 is taken only with echo, which then "
+                "returns the prompt alone)",
+                "max_tokens",
+            )
         if self.suffix:
             raise BadRequest("suffix (insertion) is not supported by this server", "suffix")
         if self.prompt_embeds is not None:
@@ -343,7 +356,10 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
             logprobs = logprobs or 0
         if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
             extra["prompt_logprobs"] = self.logprobs
-        return self.sampling_params(self.max_tokens, logprobs, **extra)
+        # echo_only runs the prompt through one step, as vLLM does: its logprobs come out
+        # of that prefill, and the one token sampled after it is not returned.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self.sampling_params(max_tokens, logprobs, **extra)
 
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

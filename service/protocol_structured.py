@@ -43,7 +43,11 @@ class StructuredOutputsRequest(Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 def _schema_text(schema: dict[str, Any] | str, field: str) -> str:
-    """A JSON schema as canonical JSON text (the cache key), checked to be an object."""
+    """A JSON schema as compact JSON text (also the grammar cache's key), checked to be an
+    object.  Key order is kept, never sorted: the grammar writes properties in the order
+    the schema lists them (reasoning before answer is the point of such a schema), as
+    OpenAI's strict mode and vLLM do; two schemas that differ only in order are two
+    grammars."""
     if isinstance(schema, str):
         try:
             check_depth(schema)  # a schema sent as text: the body's nesting limit holds
@@ -56,7 +60,7 @@ def _schema_text(schema: dict[str, Any] | str, field: str) -> str:
             raise BadRequest(f"{field} is not valid JSON: {e}", field) from e
     if not isinstance(schema, dict):
         raise BadRequest(f"{field} must be a JSON schema object", field)
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 Spec = tuple[StructuredOutputsParams, str]  # the constraint, and the field that asked

@@ -63,23 +63,88 @@ def constraint(
         field = f"tools[{i}].function.parameters"
     elif mode == "required":
         assert req.tools
+        params, defs = _hoist_defs([_params_schema(t) for t in req.tools])
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.function.name}, "parameters": _params_schema(t)},
+                "properties": {"name": {"const": t.function.name}, "parameters": p},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for t in req.tools
+            for t, p in zip(req.tools, params, strict=True)
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         field = "tools"
     else:
         return None
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    # Key order kept: arguments come out in the order the tool's schema lists them.
+    text = json.dumps(schema, separators=(",", ":"))
     return StructuredOutputsParams(json=text, strict=True), field
+
+
+_DEFS_KEYS = ("$defs", "definitions")
+
+
+def _hoist_defs(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each tool's parameters, moved under the array schema "required" builds, with the
+    root-relative pointers in them still pointing where they did.
+
+    A `$ref` such as "#/$defs/Item" (pydantic's nested models) resolves against the
+    document root, which is now the array: each tool's `$defs` / `definitions` move to the
+    root's `$defs` (a name another tool already took gets a suffix, so two tools' different
+    "Item"s stay apart), and every other root-relative pointer ("#", "#/properties/x") is
+    prefixed with the path the tool's parameters now sit at."""
+    defs: dict[str, Any] = {}
+    out = []
+    for i, schema in enumerate(schemas):
+        renames: dict[tuple[str, str], str] = {}
+        own = {k: schema[k] for k in _DEFS_KEYS if isinstance(schema.get(k), dict)}
+        for key, table in own.items():
+            for name in table:
+                new, n = name, 1
+                while new in defs or new in renames.values():
+                    new, n = f"{name}_{n}", n + 1
+                renames[key, name] = new
+        here = f"/items/anyOf/{i}/properties/parameters"
+
+        def fix(ref: str, renames: dict[tuple[str, str], str] = renames, here: str = here) -> str:
+            if not ref.startswith("#"):
+                return ref  # not a pointer into this document
+            parts = ref[1:].split("/")
+            if len(parts) >= 3 and parts[0] == "" and (parts[1], _unescape(parts[2])) in renames:
+                new = renames[parts[1], _unescape(parts[2])]
+                return "#/$defs/" + "/".join([_escape(new), *parts[3:]])
+            return "#" + here + ref[1:]
+
+        body = _rewrite_refs({k: v for k, v in schema.items() if k not in own}, fix)
+        for key, table in own.items():
+            for name, sub in table.items():
+                defs[renames[key, name]] = _rewrite_refs(sub, fix)
+        out.append(body)
+    return out, defs
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _unescape(segment: str) -> str:
+    return segment.replace("~1", "/").replace("~0", "~")
+
+
+def _rewrite_refs(node: Any, fix: Any) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: fix(v) if k == "$ref" and isinstance(v, str) else _rewrite_refs(v, fix)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_rewrite_refs(v, fix) for v in node]
+    return node
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -121,8 +186,9 @@ class HermesParser:
                 calls.append(_call(obj["name"], obj.get("arguments", {})))
             except (ValueError, KeyError, TypeError, RecursionError):
                 return text, []  # not a well-formed call: leave it as content
-        content = text[: text.index(self.start)].strip()
-        return content or None, calls
+        # The text before the first call, as streamed (vLLM's hermes parser keeps it whole
+        # too): a stream cannot take back whitespace it already sent.
+        return text[: text.index(self.start)] or None, calls
 
 
 class Llama3JsonParser:
@@ -174,13 +240,44 @@ def parse_output(
         assert isinstance(req.tool_choice, NamedToolChoice)
         return None, [_call(req.tool_choice.function.name, text)]
     if mode == "required":
-        try:
-            items = json.loads(text)
-            return None, [_call(c["name"], c["parameters"]) for c in items]
-        except (ValueError, KeyError, TypeError, RecursionError):
-            return text, []  # cut short (length): no complete call to report
+        return None, _required_calls(text)
     assert parser is not None
     return parser.parse(text)
+
+
+_PARTIAL_CALL = re.compile(
+    r'\s*,?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*'
+)
+
+
+def _required_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of a "required" choice's JSON array.  One cut short by max_tokens keeps
+    what OpenAI keeps of a truncated call (finish_reason stays "length"): every call whose
+    name was written, the last one's arguments as far as they got (not valid JSON); the
+    array itself never becomes content."""
+    try:
+        return [_call(c["name"], c["parameters"]) for c in json.loads(text)]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        pass
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    body = text.lstrip()
+    if not body.startswith("["):
+        return calls
+    pos = 1
+    while True:
+        while pos < len(body) and body[pos] in " \t\n\r,":
+            pos += 1
+        try:
+            item, end = decoder.raw_decode(body, pos)
+            calls.append(_call(item["name"], item["parameters"]))
+            pos = end
+        except (ValueError, KeyError, TypeError, RecursionError):
+            break
+    m = _PARTIAL_CALL.match(body, pos)
+    if m is not None:
+        calls.append(_call(json.loads(m.group(1)), body[m.end() :]))
+    return calls
 
 
 class ToolStream:

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from service.protocol_openai import decode_chat
-from service.tool_calls import HermesParser, Llama3JsonParser, ToolStream, constraint, tool_mode
+from service.tool_calls import (
+    HermesParser,
+    Llama3JsonParser,
+    ToolStream,
+    constraint,
+    parse_output,
+    tool_mode,
+)
 
 TOOLS = [
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
@@ -24,7 +31,8 @@ def test_hermes_parser():
     p = HermesParser()
     text = 'Let me see.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>'
     content, calls = p.parse(text)
-    assert content == "Let me see."
+    # The text before the first call as it is, as a stream sends it (vLLM's parser too).
+    assert content == "Let me see.\n"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("f", {"a": 1}),
         ("g", {}),
@@ -82,3 +90,60 @@ def test_modes_and_constraints():
     spec, field = constraint(chat(tool_choice="required", parallel_tool_calls=False), "required")
     schema = json.loads(spec.json)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2 and field == "tools"
+
+
+def _pydantic_like(item_props):
+    # What pydantic writes for a model with a nested one: $defs at the root, $ref into it.
+    return {
+        "$defs": {
+            "Item": {"type": "object", "properties": item_props, "required": list(item_props)}
+        },
+        "type": "object",
+        "properties": {"item": {"$ref": "#/$defs/Item"}, "n": {"type": "integer"}},
+        "required": ["item", "n"],
+    }
+
+
+def _resolve(root, ref):
+    node = root
+    for part in ref.removeprefix("#/").split("/"):
+        key = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    return node
+
+
+def test_required_hoists_each_tools_defs_apart():
+    a = _pydantic_like({"sku": {"type": "string"}})
+    b = _pydantic_like({"qty": {"type": "integer"}})  # another "Item"
+    b["properties"]["self"] = {"$ref": "#/properties/n"}  # a pointer that is not into $defs
+    tools = [
+        {"type": "function", "function": {"name": "a", "parameters": a}},
+        {"type": "function", "function": {"name": "b", "parameters": b}},
+    ]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+    spec, _ = constraint(decode_chat(json.dumps(body).encode()), "required")
+    root = json.loads(spec.json)
+    pa, pb = (c["properties"]["parameters"] for c in root["items"]["anyOf"])
+    assert "$defs" not in pa and "$defs" not in pb
+    assert _resolve(root, pa["properties"]["item"]["$ref"])["properties"] == {
+        "sku": {"type": "string"}
+    }
+    assert _resolve(root, pb["properties"]["item"]["$ref"])["properties"] == {
+        "qty": {"type": "integer"}
+    }
+    assert _resolve(root, pb["properties"]["self"]["$ref"]) == {"type": "integer"}
+    # the schema's own key order survives (no sort): item before n
+    assert list(pa["properties"]) == ["item", "n"]
+
+
+def test_required_cut_short_keeps_calls_not_content():
+    req = chat(tool_choice="required")
+    done = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": "x'
+    content, calls = parse_output("required", done, None, req)
+    assert content is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("f", '{"a": 1}'),
+        ("g", '{"b": "x'),  # as far as it got, as OpenAI reports a truncated call
+    ]
+    assert parse_output("required", '[{"name": "f", "param', None, req) == (None, [])
+    assert parse_output("required", "[", None, req) == (None, [])
