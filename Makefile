@@ -20,7 +20,7 @@ $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,clients]"
 	touch $@
 
 # tcmalloc under the server where Debian's libtcmalloc-minimal4 is installed (as the image

@@ -1,0 +1,69 @@
+"""LangChain's ChatOpenAI, unchanged, against a live server: structured output by JSON
+schema and by function calling, bound tools, and streaming (text and tool calls)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from langchain_core.messages import AIMessageChunk
+from langchain_openai import ChatOpenAI
+
+from tests.clients.conftest import MODEL_NAME as MODEL
+from tests.clients.test_openai_sdk import MODELS, Answer, PlaceOrder, Refund
+
+PROMPT = "Order two widgets, then explain."
+
+
+@pytest.fixture(scope="module")
+def llm(server) -> ChatOpenAI:
+    return ChatOpenAI(
+        model=MODEL, base_url=server.url + "/v1", api_key="x", temperature=0,
+        max_tokens=300, max_retries=0, timeout=120,
+    )  # fmt: skip
+
+
+def test_structured_output_by_json_schema_keeps_key_order(llm):
+    out = llm.with_structured_output(Answer, method="json_schema", include_raw=True).invoke(PROMPT)
+    assert out["parsing_error"] is None and isinstance(out["parsed"], Answer)
+    assert list(json.loads(out["raw"].content)) == ["reasoning", "answer"]
+
+
+def test_structured_output_by_function_calling_with_nested_models(llm):
+    # LangChain names the function in tool_choice.  strict: without it the schema leaves
+    # additionalProperties open, and this model fills them until max_tokens.
+    out = llm.with_structured_output(Refund, method="function_calling", strict=True).invoke(PROMPT)
+    assert isinstance(out, Refund)
+
+
+def test_bind_tools_any_makes_calls_with_nested_models(llm):
+    # tool_choice "any" is OpenAI's "required": both tools' schemas in one grammar.
+    bound = llm.bind_tools(
+        [PlaceOrder, Refund], tool_choice="any", parallel_tool_calls=False, strict=True
+    )
+    msg = bound.invoke(PROMPT)
+    (call,) = msg.tool_calls
+    assert msg.invalid_tool_calls == [] and msg.response_metadata["finish_reason"] == "tool_calls"
+    assert isinstance(MODELS[call["name"]].model_validate(call["args"]), MODELS[call["name"]])
+
+
+def test_streamed_text_is_the_invoked_text(llm):
+    short = llm.bind(max_tokens=24)
+    chunks = list(short.stream(PROMPT))
+    assert len(chunks) > 3  # streamed as it came, not at the end
+    assert "".join(c.content for c in chunks) == short.invoke(PROMPT).content
+
+
+def test_streamed_tool_calls_merge_into_the_invoked_calls(llm):
+    bound = llm.bind_tools(
+        [PlaceOrder, Refund], tool_choice="any", parallel_tool_calls=False, strict=True, seed=2
+    ).bind(temperature=1.0)
+    whole = bound.invoke(PROMPT)
+    merged: AIMessageChunk | None = None
+    for chunk in bound.stream(PROMPT):
+        merged = chunk if merged is None else merged + chunk
+    assert merged is not None and merged.content == ""
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [
+        (c["name"], c["args"]) for c in whole.tool_calls
+    ]
+    assert merged.response_metadata["finish_reason"] == "tool_calls"
