@@ -18,6 +18,8 @@ Sections (all by default):
              own thread choice vs a fixed --threads team
   fair       an interactive API key's TTFT while another key floods the server: FCFS vs
              fair shares (--fair-* flags size it)
+  host       the server's own cost per token with a stand-in model (instant or a fixed
+             device time a step), SSE and WebSocket streams at 64 / 256 / 1,024
 
 Writes bench/results/latest.md; offline and serve_vllm also leave offline.json /
 serve_compare.json there and PNG charts beside latest.md (--charts-dir elsewhere):
@@ -104,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,host",
     )
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
@@ -164,6 +166,9 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cmp-max-len", type=int, default=1024, help="serve_vllm: max_model_len")
     ap.add_argument("--cmp-vllm-first", action="store_true", help="serve_vllm: vLLM first")
     ap.add_argument("--cmp-reps", type=int, default=1, help="serve_vllm: runs per server, pooled")
+    ap.add_argument("--host-streams", default="64,256,1024", help="host: streams at once")
+    ap.add_argument("--host-tokens", type=int, default=256, help="host: tokens a stream")
+    ap.add_argument("--host-step-ms", default="0,8", help="host: stand-in device ms a step")
     ap.add_argument("--crowded-rate", type=float, default=3.0, help="crowded: Poisson req/s")
     ap.add_argument("--crowded-offline-n", type=int, default=24, help="crowded: offline requests")
     ap.add_argument(
@@ -219,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp": bench_tp,
         "crowded": bench_crowded,
         "fair": bench_fair,
+        "host": bench_host,
     }
     for s in sections:
         if s not in table:
@@ -240,6 +246,12 @@ def bench_crowded(args: argparse.Namespace) -> str:
     from bench.crowded import run as run_crowded
 
     return run_crowded(args, _print_table, model_dir)
+
+
+def bench_host(args: argparse.Namespace) -> str:
+    from bench.host import run as run_host
+
+    return run_host(args, _print_table)
 
 
 def bench_fair(args: argparse.Namespace) -> str:

@@ -1,0 +1,82 @@
+"""`pagestream serve` with a stand-in model, for the host benchmark (bench/host.py).
+
+    python -m bench.host_server --step-ms 8 [any `pagestream serve` flag]
+
+Everything is the real server (HTTP, WebSocket, tokenizer, detokenizer, scheduler, engine
+loop, metrics) except the model: `HostRunner` samples a fixed cycle of word tokens for
+every row after `--step-ms` of sleep (0: at once), the time a device would take for the
+step.  Sleeping releases the GIL, as a GPU step does, so what the host does meanwhile
+overlaps it exactly as it would; what the host does between steps shows as the step
+period above `--step-ms`.  Bench-only: the product has no such flag.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from scheduler.contract import ModelOutput, SchedulerOutput
+from scheduler.executor import ThreadExecutor
+
+WORDS = " the quick brown fox jumps over a lazy dog while streams keep flowing"
+
+
+class HostRunner:
+    """Answers every step with the next word of WORDS for each sampling row."""
+
+    def __init__(self, tokens: list[int], vocab_size: int, step_s: float, max_model_len: int):
+        self.tokens = tokens
+        self.step_s = step_s
+        self.config = SimpleNamespace(vocab_size=vocab_size)
+        self.device = torch.device("cpu")
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = 1 << 16
+        self.steps = 0
+
+    def execute_model(self, so: SchedulerOutput) -> ModelOutput:
+        if self.step_s:
+            time.sleep(self.step_s)
+        ids = list(so.decodes.req_ids)  # the columnar decodes sample first, in order
+        for r in so.scheduled:
+            if r.sample:
+                ids.append(r.req_id)
+                ids += r.fork_ids
+        self.steps += 1
+        toks, n = self.tokens, len(self.tokens)
+        base = self.steps
+        return ModelOutput(
+            req_ids=ids, sampled_token_ids=[toks[(base + i) % n] for i in range(len(ids))]
+        )
+
+
+def main(argv: list[str]) -> int:
+    from service.async_engine import AsyncEngine
+    from service.cli import build_parser, server_config
+    from service.engine_setup import ensure_default_model
+    from service.tokenizer import Tokenizer
+
+    step_ms = 0.0
+    if "--step-ms" in argv:
+        i = argv.index("--step-ms")
+        step_ms = float(argv[i + 1])
+        del argv[i : i + 2]
+    a = build_parser().parse_args(["serve", *argv])
+    config = server_config(a)
+    # The real checkpoint's tokenizer (and its vocabulary), never its weights.
+    model_dir = Path(a.model) if a.model else ensure_default_model()
+    tok = Tokenizer.from_dir(model_dir)
+    runner = HostRunner(tok.encode(WORDS, add_special_tokens=False), tok.vocab_size,
+                        step_ms / 1e3, 4096)  # fmt: skip
+    engine = AsyncEngine._assemble(config.engine, ThreadExecutor(runner), model_dir, None, None)
+    from service.app import run_server
+
+    return run_server(config, engine)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,29 @@
+"""bench.host drives the real server with its stand-in model over SSE and WebSocket and
+reads the server's CPU and steps: every stream gets all its tokens, the figures add up."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.host import run
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join([title, " | ".join(header), *(" | ".join(r) for r in rows)])
+
+
+def test_host_section_measures_both_protocols_and_both_device_times():
+    args = argparse.Namespace(host_streams="2,6", host_tokens=12, host_step_ms="0,5")
+    text = run(args, _table)
+    rows = [line.split(" | ") for line in text.splitlines()[2:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (p, n, d) for d in ("0", "5") for p in ("sse", "ws") for n in ("2", "6")
+    ]
+    for r in rows:
+        assert float(r[3].replace(",", "")) > 0  # delivered tok/s
+        assert float(r[6]) > 0  # server CPU per token: the server did the work
+        steps = int(r[7].split()[0])
+        assert steps >= 12  # one token a step per stream: at least max_tokens steps
+        if r[2] == "5":
+            # A 5 ms device step bounds the rate: at most streams / 5 ms tokens a second.
+            assert float(r[3].replace(",", "")) <= int(r[1]) / 0.005 * 1.05
