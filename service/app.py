@@ -256,6 +256,7 @@ def _openai_serving(
         max_buffered_bytes=state.config.max_buffered_bytes,
         prompt_tokens_details=state.config.enable_prompt_tokens_details,
         tool_call_parser=state.config.tool_call_parser,
+        streams=state.streams,
     )
 
 
@@ -367,6 +368,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generation(request, chat=False)
+
+
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    """GET /v1/streams/{id}: a stream whose connection dropped, from Last-Event-ID on
+    (service/resume.py).  Served while draining too: draining waits for such streams."""
+    serving = request.app[STATE].serving
+    if serving is None:
+        return error_response("the model is still loading", 503)
+    return await serving.resume(request)
 
 
 async def register_prefix(request: web.Request) -> web.StreamResponse:
@@ -549,6 +559,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/streams/{id}", resume_stream)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)
     if config.enable_debug_routes:

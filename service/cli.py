@@ -458,6 +458,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_buffered_bytes=a.max_buffered_bytes,
             send_timeout=a.send_timeout,
             socket_send_buffer=a.socket_send_buffer,
+            resume_grace=a.resume_grace,
+            resume_buffer_bytes=a.resume_buffer_bytes,
             enable_debug_routes=a.enable_debug_routes,
             limits=limits(a),
             access_log=not a.disable_access_log,
@@ -574,6 +576,17 @@ def _add_stream_args(s: argparse.ArgumentParser) -> None:
         "--send-timeout", type=float, default=30.0, metavar="SECONDS",
         help="longest one WebSocket frame or SSE chunk may wait for the client to read it "
         "before the stream is aborted",
+    )  # fmt: skip
+    s.add_argument(
+        "--resume-grace", type=float, default=5.0, metavar="SECONDS",
+        help="a stream whose client disconnects runs on this long for the client to resume "
+        "it (SSE: GET /v1/streams/{id} with Last-Event-ID; WebSocket: a resume frame); "
+        "then it is aborted; 0 aborts at once",
+    )  # fmt: skip
+    s.add_argument(
+        "--resume-buffer-bytes", type=int, default=1 << 20, metavar="BYTES",
+        help="newest event bytes kept per stream for a resume; a stream that makes more "
+        "while no connection holds it is aborted",
     )  # fmt: skip
     s.add_argument(
         "--socket-send-buffer", type=int, default=None, metavar="BYTES",

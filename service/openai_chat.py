@@ -102,7 +102,8 @@ class ChatServing(ServingBase):
         model = req.model or self.names[0]
         try:
             if req.stream:
-                return await self._chat_stream(request, req, rid, model, ids, gens[0], params, mode)
+                stream = self._chat_stream(request, req, rid, model, ids, gens[0], params, mode)
+                return await self.streamed(request, rid, subs, stream)
             return await self._chat_full(req, rid, model, ids, gens[0], params, mode)
         finally:
             self._release(subs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ from service.outputs import RequestOutput, Submitted
 from service.prep import Preprocessor
 from service.protocol import BadRequest
 from service.protocol_openai import StreamOptions
+from service.request_ids import TENANT, take_claim
+from service.resume import STREAM_LOG, SSESink, StreamRegistry, follow
 from service.structured import GrammarError
 
 log = logging.getLogger(__name__)
@@ -152,8 +154,10 @@ class ServingBase:
         max_buffered_bytes: int = 4 << 20,
         prompt_tokens_details: bool = False,
         tool_call_parser: str | None = None,
+        streams: StreamRegistry | None = None,
     ) -> None:
         self.engine = engine
+        self.streams = streams  # resumable streams (service/resume.py); None: off
         self.details = prompt_tokens_details
         self.prep = prep
         self.limits: Limits = prep.limits
@@ -170,6 +174,16 @@ class ServingBase:
         limit_send_buffer(request, self.socket_send_buffer)
 
     async def write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """One event of the stream `request` answers: into its resume log when it has one
+        (service/resume.py: the log writes it to whichever connection follows it), else
+        straight to `resp`."""
+        stream = request.get(STREAM_LOG)
+        if stream is not None:
+            await stream.put(data)
+        else:
+            await self.send(request, resp, data)
+
+    async def send(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
         """One SSE write, bounded: while more than `max_buffered_bytes` wait in the socket's
         buffer the stream pauses (so does its generator: the engine merges what piles up),
         and a client that does not drain it within `send_timeout` seconds loses its
@@ -263,7 +277,50 @@ class ServingBase:
             self.engine.release(sub)
 
     # ---------------------------------------------------------------- streams
+    async def streamed(
+        self,
+        request: web.Request,
+        rid: str,
+        subs: list[Submitted],
+        stream: Coroutine[Any, Any, web.StreamResponse],
+    ) -> web.StreamResponse:
+        """Serve `stream` (a route's `_..._stream`) so that it outlives its connection:
+        it runs as its own task writing into a resume log keyed by the response id, and
+        this connection follows the log (service/resume.py).  The producer takes `subs`
+        over (the caller's list is emptied: its finally must not abort them).  Without
+        resume (--resume-grace 0) the stream runs here and ends with its connection."""
+        log = None if self.streams is None else self.streams.open(request.get(TENANT), "sse", rid)
+        if log is None:
+            return await stream
+        assert self.streams is not None
+        log.claim = take_claim(request)
+        request[STREAM_LOG] = log
+        owned = list(subs)
+        subs.clear()
+        self.streams.run(log, stream, lambda: self._release(owned))
+        resp = await self._prepare_sse(request)
+        if await follow(log, SSESink(lambda data: self.send(request, resp, data)), 0):
+            await resp.write_eof()
+        return resp
+
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/streams/{id}: the events after Last-Event-ID, then the live tail."""
+        if self.streams is None or not self.streams.enabled:
+            raise BadRequest("streams are not resumable here (--resume-grace 0)", "id", 404)
+        log, after = self.streams.lookup_sse(request, request.get(TENANT))
+        resp = await self._prepare_sse(request)
+        await self.send(request, resp, self.streams.retry_field())
+        if await follow(log, SSESink(lambda data: self.send(request, resp, data)), after):
+            await resp.write_eof()
+        return resp
+
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
+        stream = request.get(STREAM_LOG)
+        if stream is not None:
+            return stream  # type: ignore[return-value]  # written to as a response is
+        return await self._prepare_sse(request)
+
+    async def _prepare_sse(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         self.limit_send_buffer(request)
         await resp.prepare(request)

@@ -119,9 +119,10 @@ class CompletionServing(ServingBase):
         try:
             echo = await self._echo_texts(texts, prompts) if req.echo else None
             if req.stream:
-                return await self._completion_stream(
+                stream = self._completion_stream(
                     request, req, rid, model, prompts, gens, params, echo
                 )
+                return await self.streamed(request, rid, subs, stream)
             return await self._completion_full(req, rid, model, prompts, gens, echo)
         finally:
             self._release(subs)

@@ -1,6 +1,6 @@
-"""WebSocket frames (`/v1/ws`): `generate`, `cancel` and `ping`, a tagged union decoded
-with unknown fields forbidden; a failure is a `BadRequest` naming the field, which the
-session answers with an `error` frame."""
+"""WebSocket frames (`/v1/ws`): `generate`, `cancel`, `ping` and `resume`, a tagged
+union decoded with unknown fields forbidden; a failure is a `BadRequest` naming the
+field, which the session answers with an `error` frame."""
 
 from __future__ import annotations
 
@@ -87,11 +87,20 @@ class WSPing(Struct, forbid_unknown_fields=True, tag="ping", tag_field="type", k
     pass
 
 
-ClientFrame = WSGenerate | WSCancel | WSPing
+class WSResume(Struct, forbid_unknown_fields=True, tag="resume", tag_field="type", kw_only=True):
+    """Follow a generation started on another (lost) socket: its frames after `after`
+    (a `seq`), then the rest; `resume` is the token its `delta` frames carry."""
+
+    id: RequestId
+    resume: Annotated[str, Meta(min_length=1, max_length=64)]
+    after: NonNegInt = 0
+
+
+ClientFrame = WSGenerate | WSCancel | WSPing | WSResume
 
 
 _ws_decoder = msgspec.json.Decoder(ClientFrame)
 
 
-def decode_ws(frame: str | bytes) -> WSGenerate | WSCancel | WSPing:
+def decode_ws(frame: str | bytes) -> WSGenerate | WSCancel | WSPing | WSResume:
     return decode(_ws_decoder, frame)

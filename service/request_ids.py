@@ -88,6 +88,12 @@ def request_id(request: web.Request, body_id: str | None, prefix: str) -> tuple[
     return public, ids.engine_id(public)
 
 
+def take_claim(request: web.Request) -> tuple[str | None, str] | None:
+    """Take the request's client-id claim over (a resumable stream outlives its handler
+    and releases the id when its log is dropped, service/resume.py)."""
+    return request.pop(_CLAIM, None)  # type: ignore[no-any-return]
+
+
 def release_request_id(request: web.Request) -> None:
     """The request's handler is done: its client id may be used again."""
     claim = request.get(_CLAIM)

@@ -22,6 +22,7 @@ from service.metrics import Metrics
 from service.openai_api import OpenAIServing
 from service.prep import Preprocessor
 from service.request_ids import LiveRequestIds
+from service.resume import DEFAULT_BUFFER_BYTES, DEFAULT_GRACE_S, StreamRegistry
 from service.security import AllowedHosts, key_salt, key_tenant, parse_networks
 
 
@@ -59,6 +60,11 @@ class ServerConfig:
     max_buffered_bytes: int = 4 << 20
     send_timeout: float = 30.0
     socket_send_buffer: int | None = None  # SO_SNDBUF of streaming connections (None: OS)
+    # Resumable streams (service/resume.py): how long a generation whose connection
+    # dropped runs on waiting for a resume (0: aborted at once), and the newest event
+    # bytes kept per stream for one.
+    resume_grace: float = DEFAULT_GRACE_S
+    resume_buffer_bytes: int = DEFAULT_BUFFER_BYTES
     # An engine failure ends the process (exit code ENGINE_FAILURE_EXIT) once clients have
     # their errors, so a supervisor restarts it.  `pagestream serve` sets it; an embedded
     # server (tests) keeps running, unhealthy.
@@ -84,6 +90,12 @@ class ServerState:
         self.trusted_proxies = parse_networks(config.forwarded_allow_ips)
         self.allowed_hosts = AllowedHosts.build(config.allowed_hosts, config.host)
         self.request_ids = LiveRequestIds()
+        self.streams = StreamRegistry(
+            config.resume_grace,
+            config.resume_buffer_bytes,
+            self.request_ids,
+            busy=(self.inflight_inc, self.inflight_dec),
+        )
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.prep: Preprocessor | None = None

@@ -1,10 +1,12 @@
 """WebSocket transport: many concurrent generations multiplexed on one socket.
 
 Client frames (JSON, `type`-tagged): `generate` {id, messages | prompt, params},
-`cancel` {id}, `ping`.  Server frames: `delta` {id, index, text, token_ids}, `done`
-{id, finish_reason, finish_reasons, usage}, `error` {id, code, message, param}, `pong`.
-A frame that does not parse gets an `error` frame; the socket stays usable.  Closing the
-socket aborts every generation it started.
+`cancel` {id}, `ping`, `resume` {id, resume, after}.  Server frames: `delta` {id, index,
+text, token_ids}, `done` {id, finish_reason, finish_reasons, usage}, `error` {id, code,
+message, param}, `pong`.  A frame that does not parse gets an `error` frame; the socket
+stays usable.  Closing the socket aborts every generation it started, except resumable
+ones (`--resume-grace` > 0: frames also carry `seq`, deltas a `resume` token), which run
+on for the grace period for a `resume` frame on another socket (service/resume.py).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from scheduler.scheduler import RequestRejected
 from service.async_engine import MaxTokensTooLarge, RequestFailed
 from service.http_util import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
 from service.protocol import BadRequest, check_messages
-from service.protocol_ws import WSCancel, WSGenerate, WSPing, decode_ws
+from service.protocol_ws import WSCancel, WSGenerate, WSPing, WSResume, decode_ws
 from service.request_ids import TENANT, conversation_key
+from service.resume import StreamLog, resume_ws, ws_detach, ws_log
 from service.security import check_origin
 from service.state import STATE, ServerState
 from service.structured import GrammarError
@@ -58,6 +61,7 @@ class WSSession:
         self.conn_id = conn_id
         self.request = request
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.attached: dict[str, Any] = {}  # id -> resume.WSSink of generations it holds
         # Recently finished ids, so a cancel that crossed its `done` is not an error.
         self.finished: collections.deque[str] = collections.deque(maxlen=256)
         # One writer drains this queue, so concurrent generations never interleave frames.
@@ -74,9 +78,12 @@ class WSSession:
         self._closer: asyncio.Task[None] | None = None
 
     def send(self, frame: dict[str, Any]) -> None:
+        if not self.closing:
+            self.send_data(orjson.dumps(frame))
+
+    def send_data(self, data: bytes) -> None:
         if self.closing:
             return
-        data = orjson.dumps(frame)
         self.outbox_bytes += len(data)
         if self.outbox_bytes + self._transport_buffered() > self.max_buffered:
             self.too_slow(f"more than {self.max_buffered} bytes are waiting for it")
@@ -87,8 +94,24 @@ class WSSession:
         transport = self.request.transport if self.request is not None else None
         return transport.get_write_buffer_size() if transport is not None else 0
 
-    def error(self, gen_id: str | None, code: int, message: str, param: str | None = None) -> None:
-        self.send({"type": "error", "id": gen_id, "code": code, "message": message, "param": param})
+    def error(
+        self,
+        gen_id: str | None,
+        code: int,
+        message: str,
+        param: str | None = None,
+        stream: StreamLog | None = None,
+    ) -> None:
+        frame = {"type": "error", "id": gen_id, "code": code, "message": message, "param": param}
+        self.emit(stream, frame)
+
+    def emit(self, stream: StreamLog | None, frame: dict[str, Any]) -> None:
+        """A generation's frame: through its resume log when it has one (numbered, kept,
+        sent on whichever socket holds the generation now), else on this socket."""
+        if stream is None:
+            self.send(frame)
+        else:
+            stream.put_frame(frame)
 
     def too_slow(self, why: str) -> None:
         """The client does not read: abort its generations (their KV blocks are freed at
@@ -147,9 +170,11 @@ class WSSession:
                 elif msg.type == WSMsgType.ERROR:
                     break
         finally:
-            for t in self.tasks.values():
+            # Resumable generations run on for the grace period (service/resume.py).
+            ended = [t for gid, t in self.tasks.items() if not ws_detach(self, gid)]
+            for t in ended:
                 t.cancel()
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            await asyncio.gather(*ended, return_exceptions=True)
             if self.state.engine is not None and self.conversation is not None:
                 # After the aborts its generations queued: the last one pins nothing then.
                 self.state.engine.core.release_conversation(self.conversation)
@@ -178,6 +203,8 @@ class WSSession:
             elif frame.id not in self.finished:
                 self.error(frame.id, 404, f"no generation with id {frame.id!r} is running")
             # else: the cancel crossed the `done` on the wire; nothing left to stop.
+        elif isinstance(frame, WSResume):
+            resume_ws(self, frame.id, frame.resume, frame.after)
         elif isinstance(frame, WSGenerate):
             if frame.id in self.tasks:
                 self.error(
@@ -201,43 +228,50 @@ class WSSession:
         (frame or closed socket) ends it with finish reason `abort`."""
         assert self.state.engine is not None and self.state.prep is not None
         gid = frame.id
+        stream = ws_log(self, gid)  # None when --resume-grace is 0
         self.state.inflight_inc()
         try:
             try:
                 ids, params = await self._prepare(frame)
-                await self._stream(frame, ids, params)
+                await self._stream(frame, ids, params, stream)
             except BadRequest as e:
-                self.error(gid, e.status, e.message, e.param)
+                self.error(gid, e.status, e.message, e.param, stream)
             except RequestRejected as e:
-                self.error(gid, 400, str(e), "prompt")
+                self.error(gid, 400, str(e), "prompt", stream)
             except EngineOverloaded as e:
                 if self.state.metrics is not None:
                     self.state.metrics.on_rejected("overloaded")
-                self.error(gid, 429, str(e))
+                self.error(gid, 429, str(e), stream=stream)
             except RequestFailed as e:
                 spec = frame.params.structured() if e.status < 500 else None
-                self.error(gid, e.status, str(e), f"params.{spec[1]}" if spec else None)
+                self.error(gid, e.status, str(e), f"params.{spec[1]}" if spec else None, stream)
             except EngineDeadError as e:
-                self.error(gid, 503, str(e))
+                self.error(gid, 503, str(e), stream=stream)
             except asyncio.CancelledError:
-                if not self.ws.closed:
-                    self.send(
+                if stream is not None or not self.ws.closed:
+                    self.emit(
+                        stream,
                         {
                             "type": "done",
                             "id": gid,
                             "finish_reason": "abort",
                             "finish_reasons": ["abort"],
                             "usage": None,
-                        }
+                        },
                     )
                 raise
             except Exception as e:
                 log.exception("generation %s failed", gid)
-                self.error(gid, 500, f"generation failed: {e}")
+                self.error(gid, 500, f"generation failed: {e}", stream=stream)
         finally:
-            self.tasks.pop(gid, None)
+            if self.tasks.get(gid) is asyncio.current_task():  # not if resumed elsewhere
+                del self.tasks[gid]
             self.finished.append(gid)
             self.state.inflight_dec()
+            if stream is not None:
+                stream.finish()
+                if (sink := self.attached.get(gid)) is not None and sink.stream is stream:
+                    del self.attached[gid]
 
     async def _prepare(self, frame: WSGenerate) -> tuple[list[int], SamplingParams]:
         """Validate the frame, compile its grammar, and tokenize its prompt."""
@@ -260,7 +294,9 @@ class WSSession:
             (ids,) = await prep.prompt_ids([frame.prompt])  # type: ignore[list-item]
         return ids, params
 
-    async def _stream(self, frame: WSGenerate, ids: list[int], params: SamplingParams) -> None:
+    async def _stream(
+        self, frame: WSGenerate, ids: list[int], params: SamplingParams, stream: StreamLog | None
+    ) -> None:
         """Queue the request, send a `delta` frame per step and choice, then `done`."""
         engine, gid = self.state.engine, frame.id
         assert engine is not None
@@ -279,14 +315,15 @@ class WSSession:
                 last = out
                 for o in out.outputs:
                     if o.delta_text or o.delta_token_ids:
-                        self.send(
+                        self.emit(
+                            stream,
                             {
                                 "type": "delta",
                                 "id": gid,
                                 "index": o.index,
                                 "text": o.delta_text,
                                 "token_ids": o.delta_token_ids,
-                            }
+                            },
                         )
         assert last is not None
         completion = sum(len(o.token_ids) for o in last.outputs)
@@ -296,14 +333,15 @@ class WSSession:
             "completion_tokens": completion,
             "total_tokens": len(ids) + completion,
         }
-        self.send(
+        self.emit(
+            stream,
             {
                 "type": "done",
                 "id": gid,
                 "finish_reason": reasons[0],
                 "finish_reasons": reasons,
                 "usage": usage,
-            }
+            },
         )
 
 

@@ -3,6 +3,9 @@
 // The protocol (see service/ws.py): we send `generate` {id, messages, params} and
 // `cancel` {id}; the server answers with `delta` {id, text, token_ids} frames, then one
 // `done` {id, finish_reason, usage} (finish_reason "abort" after a cancel) or an `error`.
+// With resumable streams each of those frames has a `seq` and deltas a `resume` token:
+// when the socket drops mid-reply, the next socket sends `resume` {id, resume, after}
+// and the reply goes on where it stopped (the server keeps generating meanwhile).
 // Model output is untrusted text: it only ever reaches the DOM through text nodes.
 "use strict";
 
@@ -33,6 +36,9 @@
   const PERSISTED = ["system", "maxTokens", "temperature", "topP", "seed", "ignoreEos"];
   const RETRY_MIN_MS = 500;
   const RETRY_MAX_MS = 10000;
+  // How long a reply waits for a new socket to resume it; the server gives up on it after
+  // its --resume-grace (5 s by default) anyway, and a late resume is refused.
+  const RESUME_WINDOW_MS = 10000;
 
   let ws = null; // the live socket, or null while (re)connecting
   let retryDelay = 0; // grows while the server stays unreachable
@@ -115,17 +121,27 @@
       connectedOnce = true;
       retryDelay = 0;
       setStatus("open", "connected");
+      if (current && current.resuming) {
+        current.resuming = false;
+        clearTimeout(current.resumeTimer);
+        const { id, resume, seq } = current;
+        sock.send(JSON.stringify({ type: "resume", id, resume, after: seq }));
+      }
       updateButtons();
       loadModelName();
     };
     sock.onmessage = (ev) => {
       if (ws === sock) onFrame(ev.data);
     };
-    sock.onclose = () => {
+    sock.onclose = (ev) => {
       if (ws !== sock) return;
       ws = null;
-      // The server aborts a socket's generations when it closes; say so in the bubble.
-      if (current) failCurrent("connection lost; the reply was not completed");
+      const why = "connection lost; the reply was not completed";
+      // 1006: the connection died without a close frame (a network blip), so the server
+      // may still be generating it.  Any close the server sent (going away, too slow,
+      // engine failure) ended the reply there.
+      if (ev.code === 1006) suspendCurrent(why);
+      else if (current) failCurrent(why);
       scheduleReconnect();
       updateButtons();
     };
@@ -148,10 +164,28 @@
     const old = ws;
     ws = null; // detach first so the old socket's close event is ignored
     if (old) old.close();
-    if (current) failCurrent("connection closed to reconnect; the reply was not completed");
+    if (current && !current.resuming) {
+      failCurrent("connection closed to reconnect; the reply was not completed");
+    }
     retryDelay = 0;
     connect();
     updateButtons();
+  }
+
+  function suspendCurrent(why) {
+    // A reply the server can resume (it sent a token) waits for the next socket, for a
+    // while; the server aborts any other when its socket closes, so say so in the bubble.
+    const gen = current;
+    if (gen === null) return;
+    if (!gen.resume) {
+      failCurrent(why);
+      return;
+    }
+    gen.resuming = true;
+    clearTimeout(gen.resumeTimer);
+    gen.resumeTimer = setTimeout(() => {
+      if (current === gen && gen.resuming) failCurrent(why);
+    }, RESUME_WINDOW_MS);
   }
 
   async function loadModelName() {
@@ -259,6 +293,10 @@
       tFirst: null,
       tLast: null,
       cancelling: false,
+      resume: null, // the server's resume token, once a delta brought it
+      seq: 0, // the last frame of this generation shown
+      resuming: false,
+      resumeTimer: null,
     };
     ws.send(JSON.stringify({ type: "generate", id: current.id, messages, params: readParams() }));
     els.input.value = "";
@@ -287,7 +325,9 @@
   }
 
   function onDelta(f) {
-    if (current === null || f.id !== current.id || f.index !== 0) return;
+    if (current === null || f.id !== current.id) return;
+    if (f.resume) current.resume = f.resume;
+    if (f.index !== 0) return;
     const follow = nearBottom();
     const now = performance.now();
     const n = (f.token_ids || []).length;
@@ -380,6 +420,10 @@
     } catch {
       notice("the server sent a frame that is not JSON");
       return;
+    }
+    if (current !== null && f.id === current.id && Number.isInteger(f.seq)) {
+      if (f.seq <= current.seq) return; // shown already (a resume starts after it)
+      current.seq = f.seq;
     }
     if (f.type === "delta") onDelta(f);
     else if (f.type === "done") onDone(f);

@@ -1291,8 +1291,10 @@ def check_http(w: Watched, path: str, body: Any) -> None:
         return
     assert status == 200, context
     assert took < OK_BUDGET_S, context
-    if raw.startswith(b"data: "):  # a stream: no error event blames the server
-        events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    if raw.startswith((b"data: ", b"id: ")):  # a stream: no error event blames the server
+        # Each event is `id: N` (service/resume.py), then its data.
+        lines = raw.replace(b"\n\n", b"\n").split(b"\n")
+        events = [line[6:] for line in lines if line.startswith(b"data: ")]
         assert events[-1] == b"[DONE]", context
         for e in events[:-1]:
             obj = parse(e, context)

@@ -315,16 +315,19 @@ def test_raw_sse_format(server):
         assert r.headers["Content-Type"].startswith("text/event-stream")
         raw = r.read().decode()
     events = [e for e in raw.split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    # Each event is numbered (`id:`, what a resume starts after: service/resume.py).
+    assert [e.split("\n")[0] for e in events] == [f"id: {i}" for i in range(1, len(events) + 1)]
+    assert all(e.split("\n")[1].startswith("data: ") for e in events)
+    assert events[-1].endswith("\ndata: [DONE]")
+    payloads = [json.loads(e.split("\n")[1][6:]) for e in events[:-1]]
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 5
     assert payloads[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
     """Read two SSE events of a long generation, drop the connection, and the engine
-    must abort the request and free its blocks within a step or so."""
+    must abort the request and free its blocks once the resume grace period is over
+    (within a step or so with --resume-grace 0: tests/service/test_resume.py)."""
     import socket
 
     body = json.dumps(
@@ -343,7 +346,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         got += chunk
     assert not server.kv_all_free(), "the request should be running"
     s.close()
-    server.wait_kv_free(timeout=10)
+    server.wait_kv_free(timeout=server.config.resume_grace + 10)
     stats = server.on_loop(lambda: server.engine.scheduler.stats())
     assert stats.num_running == 0 and stats.kv_usage == 0
 
