@@ -90,6 +90,10 @@ class WSSession:
             return
         self.outbox.put_nowait(data)
 
+    def release_conversation(self) -> None:
+        if self.state.engine is not None and self.conversation is not None:
+            self.state.engine.core.release_conversation(self.conversation)
+
     def _transport_buffered(self) -> int:
         transport = self.request.transport if self.request is not None else None
         return transport.get_write_buffer_size() if transport is not None else 0
@@ -170,8 +174,14 @@ class WSSession:
                 elif msg.type == WSMsgType.ERROR:
                     break
         finally:
-            # Resumable generations run on for the grace period (service/resume.py).
-            ended = [t for gid, t in self.tasks.items() if not ws_detach(self, gid)]
+            # Resumable generations run on for the grace period (service/resume.py); each
+            # unpins the socket's conversation again as it ends (it pinned its own KV).
+            ended = []
+            for gid, t in self.tasks.items():
+                if ws_detach(self, gid):
+                    t.add_done_callback(lambda _: self.release_conversation())
+                else:
+                    ended.append(t)
             for t in ended:
                 t.cancel()
             await asyncio.gather(*ended, return_exceptions=True)

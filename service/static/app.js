@@ -163,10 +163,15 @@
   function reconnectNow() {
     const old = ws;
     ws = null; // detach first so the old socket's close event is ignored
-    if (old) old.close();
     if (current && !current.resuming) {
+      // Given up here, so stop it there too: a closed socket's generations would run on
+      // for the server's resume grace period.
+      if (old && old.readyState === WebSocket.OPEN) {
+        old.send(JSON.stringify({ type: "cancel", id: current.id }));
+      }
       failCurrent("connection closed to reconnect; the reply was not completed");
     }
+    if (old) old.close();
     retryDelay = 0;
     connect();
     updateButtons();

@@ -417,9 +417,27 @@ async def test_ws_no_resume_within_grace_frees_everything(server) -> None:
     await asyncio.to_thread(server.wait_kv_free, GRACE + 5)
     await asyncio.to_thread(wait_for, lambda: logs(server) == 0, 5, "the log to drop")
     assert await asyncio.to_thread(aborted, server) == n_aborted + 1
+    pool = server.engine.scheduler.kv.pool  # num_used: pinned free blocks count too
+    await asyncio.to_thread(wait_for, lambda: server.on_loop(lambda: pool.num_used) == 0, 5,
+                            "no block held or pinned")  # fmt: skip
     assert server.on_loop(lambda: server.state.inflight) == 0
     async with websockets.connect(ws_url(server)) as ws2:
         await ws2.send(json.dumps({"type": "resume", "id": "lost",
                                    "resume": frames[0]["resume"], "after": 1}))  # fmt: skip
         err = json.loads(await ws2.recv())
         assert (err["type"], err["code"]) == ("error", 404)
+
+
+async def test_ws_generation_that_ends_after_its_socket_leaves_no_pinned_kv(server) -> None:
+    """A socket's conversation KV is unpinned when it closes (scheduler pins); a
+    generation that ran on after the close and then ended must not leave its KV pinned."""
+    await asyncio.to_thread(server.wait_kv_free, 10)
+    ws = await websockets.connect(ws_url(server))
+    await ws.send(generate("short", max_tokens=120))
+    await ws_frames(ws, "short", lambda f: f["type"] == "delta")
+    ws.transport.abort()
+    await asyncio.to_thread(wait_for, lambda: not busy(server), 10, "the generation to end")
+    pool = server.engine.scheduler.kv.pool
+    # num_used counts pinned free blocks too (they wait in their own queue).
+    await asyncio.to_thread(wait_for, lambda: server.on_loop(lambda: pool.num_used) == 0, 5,
+                            "its KV to be unpinned")  # fmt: skip
