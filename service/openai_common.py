@@ -39,6 +39,13 @@ from service.structured import GrammarError
 log = logging.getLogger(__name__)
 
 
+async def end_stream(resp: web.StreamResponse) -> None:
+    """The chunked stream's terminator.  A client may close as soon as it reads [DONE]
+    (it has the whole answer): the closed transport is then no error of the request's."""
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+
+
 @dataclass(slots=True)
 class ChoiceDelta:
     """A snapshot of one choice's progress, taken when its generator yields."""
@@ -300,7 +307,7 @@ class ServingBase:
         self.streams.run(log, stream, lambda: self._release(owned))
         resp = await self._prepare_sse(request)
         if await follow(log, SSESink(lambda data: self.send(request, resp, data)), 0):
-            await resp.write_eof()
+            await end_stream(resp)
         return resp
 
     async def resume(self, request: web.Request) -> web.StreamResponse:
@@ -311,7 +318,7 @@ class ServingBase:
         resp = await self._prepare_sse(request)
         await self.send(request, resp, self.streams.retry_field())
         if await follow(log, SSESink(lambda data: self.send(request, resp, data)), after):
-            await resp.write_eof()
+            await end_stream(resp)
         return resp
 
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
@@ -358,7 +365,7 @@ class ServingBase:
             totals = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
             await self.write(request, resp, sse({**base, "choices": [], "usage": totals}))
         await self.write(request, resp, b"data: [DONE]\n\n")
-        await resp.write_eof()
+        await end_stream(resp)
         return resp
 
     async def _stream_error(
@@ -378,5 +385,5 @@ class ServingBase:
             body = error_body(f"generation failed: {e}", 500)
         await self.write(request, resp, b"data: " + body + b"\n\n")
         await self.write(request, resp, b"data: [DONE]\n\n")
-        await resp.write_eof()
+        await end_stream(resp)
         return resp
