@@ -571,16 +571,17 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     return app
 
 
-def run_server(config: ServerConfig) -> int:
+def run_server(config: ServerConfig, engine: AsyncEngine | None = None) -> int:
     """Serve until SIGTERM/SIGINT, on uvloop when available; returns the exit code
-    (non-zero after an engine failure)."""
+    (non-zero after an engine failure).  `engine`: one built already (bench.host_server's,
+    around a stand-in model)."""
     try:
         import uvloop
 
         loop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover
         loop = asyncio.new_event_loop()
-    app = create_app(config)
+    app = create_app(config, engine)
     url = f"http://{config.host}:{config.port}/"
 
     def announce(_: str) -> None:

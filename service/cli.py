@@ -7,10 +7,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from scheduler.spec import SpecConfig
 from service.async_engine import EngineArgs
 from service.limits import Limits
+
+if TYPE_CHECKING:
+    from service.app import ServerConfig
 
 # What add_argument_group returns; argparse exports no public name for it.
 Group = argparse._ArgumentGroup
@@ -420,9 +424,10 @@ def key_share(share: float, num_keys: int) -> float:
     return 1.0 if num_keys < 2 else max(share, 1.0 / num_keys)
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    bound_onednn_caches(a.onednn_cache_capacity)
-    from service.app import ServerConfig, run_server
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from `serve`'s flags (bench.host_server builds its own
+    engine around the same)."""
+    from service.app import ServerConfig
     from service.security import key_tenant
 
     keys = list(a.api_key or [])
@@ -440,32 +445,37 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = engine_args(a)
     engine.prefix_tier_key_share = key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys)))
     engine.tenant_weights = {key_tenant(k): w for k, w in weighted if w != 1.0}
-    code = run_server(
-        ServerConfig(
-            engine=engine,
-            host=a.host,
-            port=a.port,
-            api_keys=keys,
-            served_model_name=a.served_model_name,
-            allowed_origins=_split(a.allowed_origins),
-            allowed_hosts=_split(hosts) if hosts else None,
-            public_tokenize=a.public_tokenize,
-            forwarded_allow_ips=forwarded,
-            enable_prompt_tokens_details=a.enable_prompt_tokens_details,
-            shared_prefix_cache=a.shared_prefix_cache,
-            max_request_bytes=a.max_request_bytes,
-            shutdown_timeout=a.shutdown_timeout,
-            max_buffered_bytes=a.max_buffered_bytes,
-            send_timeout=a.send_timeout,
-            socket_send_buffer=a.socket_send_buffer,
-            resume_grace=a.resume_grace,
-            resume_buffer_bytes=a.resume_buffer_bytes,
-            enable_debug_routes=a.enable_debug_routes,
-            limits=limits(a),
-            access_log=not a.disable_access_log,
-            tool_call_parser=a.tool_call_parser,
-        )
+    return ServerConfig(
+        engine=engine,
+        host=a.host,
+        port=a.port,
+        api_keys=keys,
+        served_model_name=a.served_model_name,
+        allowed_origins=_split(a.allowed_origins),
+        allowed_hosts=_split(hosts) if hosts else None,
+        public_tokenize=a.public_tokenize,
+        forwarded_allow_ips=forwarded,
+        enable_prompt_tokens_details=a.enable_prompt_tokens_details,
+        shared_prefix_cache=a.shared_prefix_cache,
+        max_request_bytes=a.max_request_bytes,
+        shutdown_timeout=a.shutdown_timeout,
+        max_buffered_bytes=a.max_buffered_bytes,
+        send_timeout=a.send_timeout,
+        socket_send_buffer=a.socket_send_buffer,
+        resume_grace=a.resume_grace,
+        resume_buffer_bytes=a.resume_buffer_bytes,
+        enable_debug_routes=a.enable_debug_routes,
+        limits=limits(a),
+        access_log=not a.disable_access_log,
+        tool_call_parser=a.tool_call_parser,
     )
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    bound_onednn_caches(a.onednn_cache_capacity)
+    from service.app import run_server
+
+    code = run_server(server_config(a))
     if code:
         # The engine failed.  Exit now, even if a step is stuck in a broken device: the
         # executor's worker thread is not a daemon, and interpreter exit would join it.
