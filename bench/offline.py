@@ -205,7 +205,8 @@ def time_engines(
         for kind in ("transformers", "pagestream")
     ]
     if args.vllm_python:
-        for eager in (False, True):
+        modes = getattr(args, "offline_vllm_modes", "compiled,eager").split(",")
+        for eager in [m == "eager" for m in ("compiled", "eager") if m in modes]:
             makers.append((f"vLLM {'eager' if eager else 'compiled'}",
                            lambda e=eager: vllm_engine(path, dtype, args, warm, e)))  # fmt: skip
     engines, failed = [], []

@@ -365,6 +365,7 @@ class EngineCore:
                         return
                 if not sched.has_unfinished() and not sched.finished_req_ids:
                     continue
+                begun = time.perf_counter()
                 so = sched.schedule(defer_masks=True)
                 if sched.needs_masks:
                     # Grammar masks off the event loop (llguidance releases the GIL):
@@ -380,12 +381,14 @@ class EngineCore:
                 t0 = time.perf_counter()
                 mo = await self.executor.execute(so)
                 updates = sched.update_from_output(so, mo)
-                sched.observe_step_time(time.perf_counter() - t0)
                 if self.tier is not None:
                     self._feed_tier(so, mo)
                 self.num_steps += 1
                 self.tokens_computed += so.num_scheduled_tokens
                 self._dispatch(updates)
+                # The whole step, scheduling included: proposing drafts and laying out
+                # verify rows are host work a speculating step adds.
+                sched.observe_step_time(time.perf_counter() - begun)
                 if self.on_step is not None:
                     self.run_guarded(
                         "on_step hook", self.on_step, StepInfo(so, mo, time.perf_counter() - t0)

@@ -235,21 +235,31 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         if spec is None or not spec.enabled_for_step(len(self.running) + len(self.waiting)):
             return {}
         decodes = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
-        plans: dict[str, tuple[list[int], int]] = {}
+        wanted: list[tuple[Request, int]] = []
         expected = float(len(decodes))
+        worst = 1.0 + spec.k  # the fewest tokens a row is expected to emit
         for req in decodes:
             # A constrained request's mask is for one position; its drafts would need a
             # matcher walked ahead and rolled back, which is not built.
-            if req.fork_ids or req.grammar is not None:
-                continue
-            drafts, num_draft = spec.plan(req, self._spec_room(req, budget))
-            if num_draft:
-                plans[req.req_id] = (drafts, num_draft)
-                expected += spec.expected_accepted(req, num_draft)
-        speculate = bool(plans) and spec.policy.choose(len(decodes), expected)
+            k = 0
+            if not req.fork_ids and req.grammar is None:
+                k = spec.wanted(req, self._spec_room(req, budget))
+            gain = spec.expected_accepted(req, k) if k else 0.0
+            if k:
+                wanted.append((req, k))
+                expected += gain
+            worst = min(worst, 1.0 + gain)
+        # Decided before any proposing: a plain step must not pay for n-gram look-ups.
+        speculate = bool(wanted) and spec.policy.choose(len(decodes), expected, worst)
+        plans: dict[str, tuple[list[int], int]] = {}
+        if speculate:
+            for req, k in wanted:
+                drafts, num_draft = spec.propose(req, k)
+                if num_draft:
+                    plans[req.req_id] = (drafts, num_draft)
         if decodes and len(decodes) == len(self.running):
-            self._timed = (len(decodes), speculate)  # a pure decode step: comparable
-        return plans if speculate else {}
+            self._timed = (len(decodes), bool(plans))  # a pure decode step: comparable
+        return plans
 
     def observe_step_time(self, seconds: float) -> None:
         """The last scheduled step took `seconds` (execute and update): the speculation

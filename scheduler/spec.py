@@ -173,21 +173,30 @@ class SpecDecoder:
             return float(num_draft)
         return r * (1.0 - r**num_draft) / (1.0 - r)
 
-    def plan(self, req: Request, room: int) -> tuple[list[int], int]:
-        """(draft tokens, slots) for one decoding request: n-gram drafts come as tokens;
-        the draft model gets slots to fill.  `room` is the most drafts that fit (token
-        budget, max_tokens, max_model_len)."""
+    def wanted(self, req: Request, room: int) -> int:
+        """How many tokens `req` would draft this step (0: none), before any proposing:
+        its depth for its acceptance rate, or an occasional one-token probe.  `room` is
+        the most drafts that fit (token budget, max_tokens, max_model_len)."""
         k = min(self.depth(req.spec_rate), room)
         if k <= 0:
             # Too unlikely to be accepted: an occasional one-token probe keeps the
             # estimate moving (a request's text may turn repetitive later).
             if room <= 0 or req.num_output_tokens % self.PROBE_EVERY:
-                return [], 0
+                return 0
             k = 1
+        return k
+
+    def propose(self, req: Request, k: int) -> tuple[list[int], int]:
+        """(draft tokens, slots) for `k` wanted drafts: n-gram drafts come as tokens (maybe
+        fewer); the draft model gets k slots to fill."""
         if self.in_executor:
             return [], k
         drafts = self.proposer.propose(req, k)
         return drafts, len(drafts)
+
+    def plan(self, req: Request, room: int) -> tuple[list[int], int]:
+        k = self.wanted(req, room)
+        return self.propose(req, k) if k else ([], 0)
 
     def depth(self, rate: float) -> int:
         """How many tokens to draft at per-token acceptance rate `rate`: the j-th draft is
@@ -218,10 +227,17 @@ class StepCostPolicy:
     on a compute-bound one (larger batch, or a CPU shared with other work) it costs about
     k+1 times a plain step, and where the line falls depends on the model, the machine and
     its load, not on a batch size fixed in advance.  So each batch size keeps a moving
-    average of the seconds a plain decode step and a speculating step took (timed around
-    execute and update, so host work counts), and a step speculates when the tokens it is
-    expected to emit (rows plus each row's expected accepted drafts, from its own
-    acceptance rate) per predicted second beat the plain step's rows per second.
+    average of the seconds a plain decode step and a speculating step took (timed from
+    scheduling to dispatch, so host work counts), and a step speculates when
+
+    - the tokens it is expected to emit (rows plus each row's expected accepted drafts,
+      from its own acceptance rate) per predicted second beat the plain step's rows per
+      second (throughput), and
+    - no row is expected to decode more than 5% slower than in a plain step: every row
+      waits for the whole step, so one with few or no drafts (free text beside copied
+      text) pays the verify step's cost without its gain, and in a batch that ends with
+      its slowest request, throughput won on the others is lost time (TPOT).
+
     An unmeasured side is tried once; the side not chosen is re-measured every
     EXPLORE_EVERY steps of that size, so a change of load or of text is followed, at a
     bounded cost (one step in EXPLORE_EVERY at the worse side).
@@ -229,6 +245,7 @@ class StepCostPolicy:
 
     EMA = 0.8
     EXPLORE_EVERY = 32
+    MAX_ROW_SLOWDOWN = 0.95  # a row's expected speed in a verify step vs a plain one
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> EMA
@@ -239,15 +256,19 @@ class StepCostPolicy:
         """Batch sizes 1-4 apart, then powers of two (the cost moves slowly with size)."""
         return rows if rows <= 4 else 1 << (rows - 1).bit_length()
 
-    def choose(self, rows: int, expected_tokens: float) -> bool:
-        """Speculate in a step of `rows` decodes expected to emit `expected_tokens`?"""
+    def choose(self, rows: int, expected_tokens: float, worst_row: float = 1.0) -> bool:
+        """Speculate in a step of `rows` decodes expected to emit `expected_tokens`, the
+        least of them `worst_row` tokens (1: a row without drafts)?"""
         b = self.bucket(rows)
         spec, plain = self.seconds.get((b, True)), self.seconds.get((b, False))
         if spec is None:
             return True
         if plain is None:
             return False
-        better = expected_tokens * plain > rows * spec
+        better = (
+            expected_tokens * plain > rows * spec
+            and worst_row * plain >= self.MAX_ROW_SLOWDOWN * spec
+        )
         n = self.visits[b] = self.visits.get(b, 0) + 1
         return better != (n % self.EXPLORE_EVERY == 0)
 

@@ -152,7 +152,7 @@ def test_measured_cost_decides_whether_a_step_speculates():
         return 1.0 + so.num_scheduled_tokens
 
     def memory_bound(so):
-        return 1.0 + 0.01 * so.num_scheduled_tokens
+        return 1.0 + 0.001 * so.num_scheduled_tokens
 
     assert _cost_run(compute_bound, 5) < 0.1
     assert _cost_run(memory_bound, 5) > 0.8
@@ -167,14 +167,18 @@ def test_cost_policy_weighs_expected_tokens_against_measured_seconds():
     assert not p.choose(8, 9.0)  # plain unmeasured: time it
     p.observe(8, False, 1.0)
     # A verify step costs 3x a plain one: worth it only if it emits over 3x the tokens
-    # (24 for 8 rows); every 32nd step re-times the side not chosen.
-    choices = [p.choose(8, 20.0) for _ in range(64)]
+    # (24 for 8 rows) and no row emits under 3 x 0.95; every 32nd step re-times the side
+    # not chosen.
+    choices = [p.choose(8, 20.0, 2.5) for _ in range(64)]
     assert sum(choices) == 2
-    choices = [p.choose(8, 30.0) for _ in range(64)]
+    choices = [p.choose(8, 30.0, 3.5) for _ in range(64)]
     assert sum(choices) == 62
+    # Enough tokens in all, but one row without drafts would decode 3x slower: plain.
+    choices = [p.choose(8, 30.0, 1.0) for _ in range(64)]
+    assert sum(choices) == 2
     # Sizes 5-8 share a bucket; 9 starts the next, measured afresh.
     assert p.bucket(5) == p.bucket(8) == 8 and p.bucket(9) == 16
-    assert p.choose(9, 9.5)
+    assert p.choose(9, 9.5, 1.0)
     # The moving average follows a change of load.
     for _ in range(30):
         p.observe(8, True, 1.2)
