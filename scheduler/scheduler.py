@@ -56,6 +56,10 @@ class _StepPlan:
     decode_ids: set[str] | None = None  # their ids, built only if a preemption asks
 
 
+def _seeded_sampling(req: Request) -> bool:
+    return req.params.seed is not None and req.params.temperature > 0
+
+
 class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
     def __init__(
         self,
@@ -240,9 +244,12 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         worst = 1.0 + spec.k  # the fewest tokens a row is expected to emit
         for req in decodes:
             # A constrained request's mask is for one position; its drafts would need a
-            # matcher walked ahead and rolled back, which is not built.
+            # matcher walked ahead and rolled back, which is not built.  A seeded sampling
+            # request never drafts: how many uniforms a verify draws depends on its drafts,
+            # and whether a step speculates depends on measured time, so its output must
+            # not (it equals the output without speculation, under any load).
             k = 0
-            if not req.fork_ids and req.grammar is None:
+            if not req.fork_ids and req.grammar is None and not _seeded_sampling(req):
                 k = spec.wanted(req, self._spec_room(req, budget))
             gain = spec.expected_accepted(req, k) if k else 0.0
             if k:

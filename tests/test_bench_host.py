@@ -19,9 +19,12 @@ def test_host_section_measures_both_protocols_and_both_device_times():
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (p, n, d) for d in ("0", "5") for p in ("sse", "ws") for n in ("2", "6")
     ]
+    # Server CPU comes from /proc in clock ticks (10 ms): a tiny round may read 0, but the
+    # rounds together must show the server did the work.
+    assert sum(float(r[6]) for r in rows) > 0
     for r in rows:
         assert float(r[3].replace(",", "")) > 0  # delivered tok/s
-        assert float(r[6]) > 0  # server CPU per token: the server did the work
+        assert float(r[6]) >= 0
         steps = int(r[7].split()[0])
         assert steps >= 12  # one token a step per stream: at least max_tokens steps
         if r[2] == "5":

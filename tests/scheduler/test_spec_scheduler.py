@@ -236,3 +236,20 @@ def test_ngram_proposer():
     assert p.propose(req([1, 2, 3, 4]), 2) == []
     assert p.propose(req([9] * 8), 3) == [9, 9, 9]
     assert p.propose(req([9] * 4), 3) == [9]  # the longest n wins, even if cut short
+
+
+def test_a_seeded_sampling_request_never_drafts():
+    # Whether a step speculates depends on measured time; a seeded request's verify draws
+    # depend on its drafts; so it must never draft (its output then equals decoding
+    # without speculation, under any load).  A greedy request beside it still drafts.
+    sched, runner = spec_scheduler(num_blocks=128, budget=64)
+    prompt = [0, 1, 2, 0, 1, 2, 0, 1]
+    seeded = Request(
+        "s", prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
+        eos_token_ids=(), max_tokens=24,
+    )  # fmt: skip
+    run = drive(sched, runner, {0: [[seeded], make_group("g", prompt, 24)]})
+    drafted = {r.req_id for so in run.steps for r in so.scheduled if r.num_draft}
+    assert "g" in drafted and "s" not in drafted
+    assert len(run.outputs["s"]) == 24
+    assert_all_free(sched, runner)
