@@ -58,6 +58,11 @@ MAX_TOKENS = 8  # every generated request asks for at most this many tokens a ch
 # and 8 decode steps of the tiny model: tens of ms; at most 256 choices; the background
 # stream).  5.4 s; the 200s seen take under 1.1 s.
 OK_BUDGET_S = 2 * COMPILE_TIMEOUT_S + MAX_TOKENS * TOKEN_BUDGET_S + 1.0
+# The watch's client loop runs in this process beside Hypothesis, which builds examples
+# on the GIL: on a slow 2-core CPU (a Zen 2) its readings took 0.53-0.61 s once a full
+# run, a different body each time and never alone.  Twice the per-row budget here; the
+# per-row hostile tests keep it, and a stall of the server itself still shows.
+PROPERTY_SLACK = 2.0
 HANG_S = 30.0  # a request that has no answer by then is reported as a hang
 VOCAB = 2048  # the tiny llama's
 MAX_REQUEST_BYTES = 4 << 20  # `serve`'s --max-request-bytes default
@@ -1201,7 +1206,9 @@ class Watched:
 
     def blame(self, what: str) -> None:
         w = self.watch
-        if w.health_max >= HEALTH_BUDGET_S or w.gap_max >= GAP_BUDGET_S:
+        if w.health_max >= PROPERTY_SLACK * HEALTH_BUDGET_S or w.gap_max >= (
+            PROPERTY_SLACK * GAP_BUDGET_S
+        ):
             if len(self.worst) < 5:
                 self.worst.append(
                     f"health {w.health_max:.2f} s, gap {w.gap_max:.2f} s after {what}"
