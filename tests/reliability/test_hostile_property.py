@@ -1235,7 +1235,7 @@ def watched(server, what: str) -> Iterator[Watched]:
     try:
         yield w
         try:
-            w.watch.check(what)
+            w.watch.check(what, PROPERTY_SLACK)
         except AssertionError as e:
             raise AssertionError(f"{e}; first seen: {w.worst}") from None
         assert not w.worst, f"{what}: budgets exceeded: {w.worst}"
