@@ -194,10 +194,6 @@ class SpecDecoder:
         drafts = self.proposer.propose(req, k)
         return drafts, len(drafts)
 
-    def plan(self, req: Request, room: int) -> tuple[list[int], int]:
-        k = self.wanted(req, room)
-        return self.propose(req, k) if k else ([], 0)
-
     def depth(self, rate: float) -> int:
         """How many tokens to draft at per-token acceptance rate `rate`: the j-th draft is
         accepted with probability rate ** j, and is worth its cost while that stays at or

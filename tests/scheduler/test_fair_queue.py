@@ -14,6 +14,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.scheduler.fake_runner import FakeRunner
 from tests.scheduler.helpers import assert_all_free, drive
+from tests.scheduler.test_admission import _Exec
 
 _t = iter(range(1, 1 << 30))
 
@@ -105,15 +106,6 @@ def test_scheduler_admits_the_interactive_key_first():
         assert_all_free(sched, runner)
     assert order["fcfs"] == [f"f{i}" for i in range(10)] + ["c0", "c1"]
     assert order["fair"][:3] == ["c0", "c1", "f0"]
-
-
-class _Exec:
-    def __init__(self, runner: FakeRunner) -> None:
-        self.runner = runner
-
-    async def execute(self, so):
-        await asyncio.sleep(0)
-        return self.runner.execute_model(so)
 
 
 async def test_one_keys_bound_leaves_room_for_others():

@@ -190,15 +190,15 @@ def test_draft_depth_follows_acceptance():
     # The j-th draft is accepted with probability rate ** j; draft while that is >= 0.2.
     assert [spec.depth(r) for r in (1.0, 0.9, 0.6, 0.5, 0.3, 0.19)] == [4, 4, 3, 2, 1, 0]
     req = Request("x", [1, 2, 1, 2, 1, 2, 1, 2], SamplingParams(), max_tokens=100)
-    assert spec.plan(req, 10)[1] == 4  # a fresh request drafts the full k
+    assert spec.wanted(req, 10) == 4  # a fresh request drafts the full k
     for _ in range(6):  # every verify rejects the first draft
         spec.observe(req, 4, 0)
     assert req.spec_rate < 0.2
     # Off, but for a one-token probe every PROBE_EVERY output tokens.
     req.token_ids += [1] * (spec.PROBE_EVERY - req.num_output_tokens % spec.PROBE_EVERY + 1)
-    assert spec.plan(req, 10) == ([], 0)
+    assert spec.wanted(req, 10) == 0
     req.token_ids.pop()
-    assert req.num_output_tokens % spec.PROBE_EVERY == 0 and spec.plan(req, 10)[1] == 1
+    assert req.num_output_tokens % spec.PROBE_EVERY == 0 and spec.wanted(req, 10) == 1
     for _ in range(20):  # it turns repetitive: every draft accepted again
         spec.observe(req, 1, 1)
     assert spec.depth(req.spec_rate) == 4
