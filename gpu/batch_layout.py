@@ -33,10 +33,13 @@ def layout_batch(
     block_size: int,
     device: torch.device,
     decodes: DecodeRows | None = None,
+    trees: Sequence[tuple[list[int], list[int]] | None] | None = None,
 ) -> Batch:
     """Flatten sequences into one step's tensors and attention metadata: `decodes` first
     (rows 0..), then `seqs`, whose decodes (one-token queries) must come first.  The
-    target and the draft model share it."""
+    target and the draft model share it.  `trees` (aligned with `seqs`): for a Medusa
+    verify chunk, each token's position past the start and its visible chunk rows
+    (gpu/medusa.py); its slots stay consecutive."""
     bs = block_size
     nd = 0
     if decodes is not None:
@@ -55,15 +58,21 @@ def layout_batch(
     for i, bt in enumerate(d_tables):
         tables[i, : len(bt)] = bt
     num_decodes = nd
+    bits: list[int] | None = None
+    if trees is not None and any(tr is not None for tr in trees):
+        bits = [-1] * nd
     for i, (ids, s, bt) in enumerate(seqs, nd):
         n = len(ids)
         input_ids += ids
+        tree = trees[i - nd] if bits is not None and trees is not None else None
+        if bits is not None:
+            bits += [-1] * n if tree is None else tree[1]
         if n == 1:
             num_decodes += 1
             positions.append(s)
             slots.append(bt[s // bs] * bs + s % bs)
         else:
-            positions += range(s, s + n)
+            positions += range(s, s + n) if tree is None else [s + o for o in tree[0]]
             slots += [bt[p // bs] * bs + p % bs for p in range(s, s + n)]
         qsl.append(qsl[-1] + n)
         seq_lens.append(s + n)
@@ -86,5 +95,6 @@ def layout_batch(
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         block_size=bs,
+        tree_bits=None if bits is None else t(bits, torch.int64),
     )
     return Batch(t(input_ids, torch.int64), t(positions, torch.int64), meta, qsl[:-1])

@@ -165,6 +165,8 @@ class LayerStack:
             return False
         if meta.num_decodes < meta.num_seqs and not self.prefill:
             return False
+        if meta.tree_bits is not None:  # tree attention: the per-layer path applies it
+            return False
         if self.max_rows is not None and t > self.max_rows:
             return False
         if residual.dtype != self.dtype or residual.stride(1) != 1:

@@ -36,6 +36,11 @@ class AttentionMetadata:
     # from max_seq_len on the host; a captured CUDA graph pins 1, since its launch must
     # not depend on a host value that changes between replays.
     num_splits: int | None = None
+    # Tree attention (Medusa verify chunks, gpu/medusa.py): per token, the rows of its own
+    # chunk it may see, bit j for the chunk's j-th token, on top of the causal mask (keys
+    # before the chunk stay visible; a chunk past 64 tokens sees its later keys causally).
+    # -1 (every bit) for an ordinary token; None when the step has no tree.
+    tree_bits: torch.Tensor | None = None  # [num_tokens] int64
 
 
 class AttentionBackend(ABC):

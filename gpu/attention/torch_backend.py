@@ -79,10 +79,21 @@ def paged_attention_reference(
         scores = torch.einsum("lhd,shd->hls", qi, kc) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [L, S]
+        if meta.tree_bits is not None:
+            mask &= tree_mask(meta.tree_bits[start:end], seq_len - (end - start), seq_len)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, vc).to(q.dtype)
     return out
+
+
+def tree_mask(bits: torch.Tensor, ctx: int, seq_len: int) -> torch.Tensor:  # [L, S] bool
+    """Which keys each of a chunk's rows may see under its tree bits (AttentionMetadata):
+    every key before the chunk, chunk row j where bit j is set, and past 64 rows all."""
+    rel = torch.arange(seq_len, device=bits.device) - ctx
+    in_bits = (rel >= 0) & (rel < 64)
+    seen = (bits[:, None] >> rel.clamp(0, 63)[None, :]) & 1
+    return ~in_bits[None, :] | seen.bool()
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -175,15 +186,16 @@ class TorchAttentionBackend(AttentionBackend):
             if j > i:
                 cpu_kernels.prefill_attention(
                     q, k_cache, v_cache, meta.block_tables[i:j], meta.query_start_loc[i : j + 1],
-                    meta.seq_lens[i:j], self.scale, out, *sc,
+                    meta.seq_lens[i:j], self.scale, out, *sc, tree_bits=meta.tree_bits,
                 )  # fmt: skip
                 start += sum(lens[i:j])
                 i = j
                 continue
             end = start + lens[i]
             out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc
-            )
+                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc,
+                None if meta.tree_bits is None else meta.tree_bits[start:end],
+            )  # fmt: skip
             i, start = i + 1, end
 
     # Fresh tokens from which a prefill chunk takes torch's SDPA under auto (bf16 on AMX):
@@ -246,13 +258,14 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         i: int,
         sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        tree_bits: torch.Tensor | None = None,  # [L] this chunk's (AttentionMetadata)
     ) -> torch.Tensor:
         qlen = q.shape[0]
         seq_len = meta.seq_lens_cpu[i]
         ctx = seq_len - qlen
         group = self.num_heads // self.num_kv_heads
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-        if ctx == 0 and sc[0] is None:
+        if ctx == 0 and sc[0] is None and tree_bits is None:
             # Nothing cached before this chunk: attend over the fresh K/V directly.  (A
             # quantized cache reads the stored values, as every later step and the
             # kernels do.)
@@ -270,6 +283,8 @@ class TorchAttentionBackend(AttentionBackend):
             # Query j sits at position ctx + j and sees keys 0..ctx + j (bottom-right causal).
             q_pos = torch.arange(ctx, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            if tree_bits is not None:
+                mask &= tree_mask(tree_bits, ctx, seq_len)
             o = F.scaled_dot_product_attention(
                 qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=group > 1
             )

@@ -83,6 +83,7 @@ class TritonAttentionBackend(AttentionBackend):
             v_scale=v_scale,
             check=check,
             out=out,
+            tree_bits=meta.tree_bits,
         )
         self._checked = True
         return out

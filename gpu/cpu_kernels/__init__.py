@@ -166,13 +166,13 @@ def load() -> ctypes.CDLL | None:
         fn.restype = None
     for name in ("ps_prefill_f32", "ps_prefill_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32, p]
         fn.restype = None
     lib.ps_decode_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, i64, i32, i32,
                                     i32, i32, i32, f32, i32]  # fmt: skip
     lib.ps_decode_quant.restype = None
     lib.ps_prefill_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, p, i64, i32,
-                                     i32, i32, i32, i32, f32, i32]  # fmt: skip
+                                     i32, i32, i32, i32, f32, i32, p]  # fmt: skip
     lib.ps_prefill_quant.restype = None
     lib.ps_isa.restype = ctypes.c_char_p
     lib.ps_add_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i32, i32, f32, i32]
@@ -301,9 +301,11 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # written in place at the requests' rows
     k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, Hkv] bf16
     v_scale: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64 (AttentionMetadata.tree_bits)
 ) -> torch.Tensor:
     """Causal attention of every request's chunk over its paged context, in one call:
-    query j of a chunk of length L sits at position seq_len - L + j and sees keys up to it.
+    query j of a chunk of length L sits at position seq_len - L + j and sees keys up to it
+    (and, with tree_bits, only the chunk keys its bits name).
     Rows of q/out outside the requests' ranges are left alone."""
     lib = load()
     assert lib is not None
@@ -323,13 +325,18 @@ def prefill_attention(
     qsl = query_start_loc.contiguous()
     lens = seq_lens.contiguous()
     _, hq, d = q.shape
+    tree = None
+    if tree_bits is not None:
+        assert tree_bits.dtype == torch.int64 and tree_bits.shape[0] >= q.shape[0]
+        tree_bits = tree_bits.contiguous()
+        tree = tree_bits.data_ptr()
     if k_scale is not None and v_scale is not None:
         lib.ps_prefill_quant(
             _quant_kind(k_cache), int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0),
             k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
             tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
             dst.data_ptr(), dst.stride(0), b, hq, k_cache.shape[2], d, k_cache.shape[1], scale,
-            torch.get_num_threads(),
+            torch.get_num_threads(), tree,
         )  # fmt: skip
     else:
         fn = lib.ps_prefill_bf16 if q.dtype == torch.bfloat16 else lib.ps_prefill_f32
@@ -337,7 +344,7 @@ def prefill_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
             dst.data_ptr(), dst.stride(0), b, hq, k_cache.shape[2], d, k_cache.shape[1], scale,
-            torch.get_num_threads(),
+            torch.get_num_threads(), tree,
         )  # fmt: skip
     if dst is not out:
         lo, hi = int(qsl[0]), int(qsl[-1])

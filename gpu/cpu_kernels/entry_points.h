@@ -26,11 +26,12 @@ void ps_decode_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uin
 void ps_prefill_f32(const float* q, int64_t q_stride, const float* kc, const float* vc,
                     const int32_t* tables, int64_t tstride, const int32_t* qsl,
                     const int32_t* seq_lens, float* out, int64_t out_stride, int nseq, int nheads,
-                    int nkv, int dim, int bs, float scale, int nthreads);
+                    int nkv, int dim, int bs, float scale, int nthreads, const int64_t* tree);
 void ps_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                      const int32_t* tables, int64_t tstride, const int32_t* qsl,
                      const int32_t* seq_lens, uint16_t* out, int64_t out_stride, int nseq,
-                     int nheads, int nkv, int dim, int bs, float scale, int nthreads);
+                     int nheads, int nkv, int dim, int bs, float scale, int nthreads,
+                     const int64_t* tree);
 void ps_dpbf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads);
 int ps_dpbf16_silu(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,

@@ -131,7 +131,8 @@ void attend(const Step& s, const Layer& L, const char* qv, int64_t qs, char* ov,
            s.head_dim, s.block_size, s.scale, s.nthreads);
   if (np)
     prefill(q, qs, kc, vc, s.tables + nd * s.tstride, s.tstride, s.qsl + nd, s.lens + nd, o,
-            os, np, s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, s.nthreads);
+            os, np, s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, s.nthreads,
+            nullptr);  // tree steps (Medusa verify) are not given to the stack
 }
 
 }  // namespace

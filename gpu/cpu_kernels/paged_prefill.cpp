@@ -272,6 +272,9 @@ struct Args {
   float scale;
   const uint16_t* ks = nullptr;  // quantized: [num_blocks, bs, nkv] bf16 scales of kc / vc
   const uint16_t* vs = nullptr;
+  // Tree attention (gpu/medusa.py): per query token (absolute row, like q), bit j set when
+  // it may see its chunk's j-th key; keys before the chunk, and past 64, stay causal.
+  const int64_t* tree = nullptr;
 };
 
 struct Item {
@@ -445,6 +448,15 @@ void run_item(const Args<T, C>& a, const Item& it, Work& w) {
       // Keys after this vector's last row are masked for all its rows: p = 0, no exp (and
       // the score micro-tiles may have skipped them).
       const int live = std::min(nk, static_cast<int>(vec_last(v)) - k0 + 1);
+      if (a.tree) {
+        for (int l = 0; l < kW && kW * v + l < rows; ++l) {
+          const int64_t bits = a.tree[tok0 + (kW * v + l) / group];
+          for (int j = 0; j < live; ++j) {
+            const int rel = k0 + j - ctx;
+            if (rel >= 0 && rel < 64 && !((bits >> rel) & 1)) s[j * rp + kW * v + l] = kNeg;
+          }
+        }
+      }
       vf mt = bcast(kNeg);
       if (diag) {
         const vf pos = *reinterpret_cast<const vf*>(qpos + kW * v);
@@ -620,18 +632,19 @@ int ps_prefill_bf16_dot() { return PS_DPBF16; }
 void ps_prefill_f32(const float* q, int64_t q_stride, const float* kc, const float* vc,
                     const int32_t* tables, int64_t tstride, const int32_t* qsl,
                     const int32_t* seq_lens, float* out, int64_t out_stride, int nseq, int nheads,
-                    int nkv, int dim, int bs, float scale, int nthreads) {
+                    int nkv, int dim, int bs, float scale, int nthreads, const int64_t* tree) {
   prefill<float>({q, q_stride, kc, vc, tables, tstride, qsl, seq_lens, out, out_stride, nseq,
-                  nheads, nkv, dim, bs, scale},
+                  nheads, nkv, dim, bs, scale, nullptr, nullptr, tree},
                  nthreads);
 }
 
 void ps_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                      const int32_t* tables, int64_t tstride, const int32_t* qsl,
                      const int32_t* seq_lens, uint16_t* out, int64_t out_stride, int nseq,
-                     int nheads, int nkv, int dim, int bs, float scale, int nthreads) {
+                     int nheads, int nkv, int dim, int bs, float scale, int nthreads,
+                     const int64_t* tree) {
   prefill<uint16_t>({q, q_stride, kc, vc, tables, tstride, qsl, seq_lens, out, out_stride, nseq,
-                     nheads, nkv, dim, bs, scale},
+                     nheads, nkv, dim, bs, scale, nullptr, nullptr, tree},
                     nthreads);
 }
 
@@ -641,13 +654,14 @@ void ps_prefill_quant(int kind, int bf16, const void* q, int64_t q_stride, const
                       const void* vc, const uint16_t* ks, const uint16_t* vs, const int32_t* tables,
                       int64_t tstride, const int32_t* qsl, const int32_t* seq_lens, void* out,
                       int64_t out_stride, int nseq, int nheads, int nkv, int dim, int bs,
-                      float scale, int nthreads) {
+                      float scale, int nthreads, const int64_t* tree) {
   auto run = [&](auto tq, auto tc) {
     using T = decltype(tq);
     using C = decltype(tc);
     Args<T, C> a{static_cast<const T*>(q), q_stride, static_cast<const C*>(kc),
                  static_cast<const C*>(vc), tables, tstride, qsl, seq_lens,
-                 static_cast<T*>(out), out_stride, nseq, nheads, nkv, dim, bs, scale, ks, vs};
+                 static_cast<T*>(out), out_stride, nseq, nheads, nkv, dim, bs, scale, ks, vs,
+                 tree};
     prefill<T, C>(a, nthreads);
   };
   if (bf16)

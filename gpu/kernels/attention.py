@@ -137,6 +137,9 @@ def _attend_tiles(
     stride_sb,
     stride_ss,
     QUANT: tl.constexpr,  # 0: K/V in IN_DTYPE; 1: int8; 2: fp8 e4m3 bytes
+    tree_bits,  # [BLOCK_M] int64: each row's visible chunk keys (HAS_TREE), else unused
+    ctx_len,  # tokens before the chunk (HAS_TREE)
+    HAS_TREE: tl.constexpr,
 ):
     """Online softmax over keys [kv_start, kv_end) of one kv head, in TILE_N-key steps.
     Returns (acc [BLOCK_M, HEAD_DIM]: the unnormalised output, m_i [BLOCK_M]: the running
@@ -183,6 +186,12 @@ def _attend_tiles(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N]
         # Key must exist and not lie after the query (causal within the chunk).
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_TREE:
+            # Tree attention (gpu/medusa.py): chunk key j only where the row's bit j is set.
+            rel = offs_n - ctx_len
+            in_bits = (rel >= 0) & (rel < 64)
+            bit = (tree_bits[:, None] >> tl.where(in_bits, rel, 0).to(tl.int64)[None, :]) & 1
+            visible = visible & (((rel < 0) | (rel >= 64))[None, :] | (bit != 0))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -278,6 +287,8 @@ def _paged_attention_kernel(
     stride_sb,
     stride_ss,
     QUANT: tl.constexpr,
+    tree_ptr,  # [num_tokens] int64 tree bits (AttentionMetadata.tree_bits), or None
+    HAS_TREE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -305,6 +316,10 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = _load_q(q_ptr, q_rows[:, None] * stride_qt, head, row_ok, stride_qh, HEAD_DIM, DOT_DTYPE)
     q_pos = ctx_len + tok  # query j sits at position ctx_len + j
+    if HAS_TREE:
+        tree_bits = tl.load(tree_ptr + q_rows, mask=row_ok, other=-1)
+    else:
+        tree_bits = q_rows
 
     # Keys up to the last query of this program; none for a program past the chunk's end
     # (the layout over-allocates up to one program per sequence).
@@ -339,6 +354,9 @@ def _paged_attention_kernel(
         stride_sb,
         stride_ss,
         QUANT,
+        tree_bits,
+        ctx_len,
+        HAS_TREE,
     )
     # A sequence with no keys (seq_len 0: a padding slot in a CUDA-graph batch) gets zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -433,6 +451,9 @@ def _paged_attention_split_kernel(
         stride_sb,
         stride_ss,
         QUANT,
+        q_pos,
+        0,
+        False,
     )
     # An empty split leaves (NEG_BIG, 0, 0), which the merge weighs as nothing.
     part = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
@@ -730,6 +751,7 @@ def _launch_varlen(
     num_tokens: int,
     max_query_len: int,
     cfg: AttentionKernelConfig,
+    tree_bits: torch.Tensor | None = None,
 ) -> None:
     """The one-launch path over every sequence in `seqs` (num_tokens query tokens)."""
     q = args["q_ptr"]
@@ -759,6 +781,8 @@ def _launch_varlen(
         BLOCK_M=block_m,
         TILE_N=cfg.tile_n or tile_n,
         SINGLE_TOKEN=single_token,
+        tree_ptr=tree_bits,
+        HAS_TREE=tree_bits is not None,
         **args,
         **seqs,
         num_warps=cfg.num_warps or num_warps,
@@ -784,6 +808,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, kv_heads]
     v_scale: torch.Tensor | None = None,
     check: bool = True,
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64 (AttentionMetadata.tree_bits)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attend each query over its sequence's paged context (cached tokens + this chunk).
 
@@ -831,5 +856,5 @@ def paged_attention(
         block_tables = block_tables[num_decodes:]
         num_tokens -= num_decodes
     seqs = _seq_args(query_start_loc, seq_lens, block_tables)
-    _launch_varlen(out, args, seqs, num_tokens, max_query_len, cfg)
+    _launch_varlen(out, args, seqs, num_tokens, max_query_len, cfg, tree_bits)
     return out
