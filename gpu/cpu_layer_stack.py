@@ -9,9 +9,9 @@ order, from C: the same bits, one crossing a step.
 It takes a model only where every projection runs on one of pagestream's packed kernels
 (vdpbf16ps or, up to AMX_MAX_ROWS rows, AMX in bf16; the AVX-512 or AVX2 sgemm in
 float32) with the gate_up's SiLU·up as its epilogue, attention on the compiled kernels, an
-unquantized K/V cache, no per-head q/k norm and no tensor parallelism; and a step with
-prompt rows only where the backend gives every chunk to the compiled prefill kernel (not
-SDPA).  Anything else keeps the Python path.  PAGESTREAM_LAYER_STACK=0 turns it off.
+unquantized K/V cache, no per-head q/k norm and no tensor or pipeline parallelism; and a
+step with prompt rows only where the backend gives every chunk to the compiled prefill
+kernel (not SDPA).  Anything else keeps the Python path.  PAGESTREAM_LAYER_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class LayerStack:
     def build(cls, model: nn.Module) -> LayerStack | None:
         """A stack for `model` (packed and fused for the CPU), or None where it does not
         take it (see the module's docstring)."""
-        if not enabled() or getattr(model, "tp", None) is not None:
+        if not enabled() or getattr(model, "tp", None) is not None or getattr(model, "pp", None):
             return None
         lib = cpu_kernels.load()
         if lib is None or not hasattr(lib, "ps_layer_stack"):

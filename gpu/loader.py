@@ -12,6 +12,7 @@ from gpu.attention.base import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.model import CausalLM, Rotary
 from gpu.quant_linear import AWQLinear, quantize_model_int8, unpack_awq
+from gpu.pp import PPStage
 from gpu.tp import TPGroup, local_config, shard_range
 
 # Keys some checkpoints carry that hold no weights we need.
@@ -121,11 +122,15 @@ def _read_sliced(f: object, name: str, cfg: ModelConfig, tp: TPGroup | None) -> 
 
 
 def read_checkpoint(
-    path: str | Path, cfg: ModelConfig, tp: TPGroup | None = None
+    path: str | Path, cfg: ModelConfig, tp: TPGroup | None = None, pp: PPStage | None = None
 ) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint, checked against the config (names and shapes).  With
-    `tp`, each sharded tensor is only this rank's slice (gpu.tp.shard_range)."""
+    `tp`, each sharded tensor is only this rank's slice (gpu.tp.shard_range); with `pp`,
+    only the tensors this pipeline stage holds are read (the others' shapes are checked)."""
     expected = _expected_shapes(cfg)
+    wanted = set(expected)
+    if pp is not None:
+        wanted = {n for n in expected if pp.holds(n, cfg.tie_word_embeddings)}
     tensors: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in _safetensors_files(Path(path)):
@@ -145,8 +150,9 @@ def read_checkpoint(
                         f"{path}: tensor {name} has shape {shape}, "
                         f"config.json implies {expected[name]}"
                     )
-                tensors[name] = _read_sliced(f, name, cfg, tp)
-    missing = [n for n in expected if n not in tensors]
+                if name in wanted:
+                    tensors[name] = _read_sliced(f, name, cfg, tp)
+    missing = [n for n in wanted if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: checkpoint is missing tensors: {_fmt(missing)}")
     if unexpected:
@@ -156,21 +162,26 @@ def read_checkpoint(
     return tensors
 
 
-def _to_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _to_state_dict(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], pp: PPStage | None = None
+) -> dict[str, torch.Tensor]:
     """HF names -> ours, fusing q/k/v and gate/up so each layer runs two fewer matmuls.
-    (AWQ checkpoints: everything but the projection weights; see _awq_layers.)"""
+    (AWQ checkpoints: everything but the projection weights; see _awq_layers.)  A
+    pipeline stage's layers are numbered from 0 in its model."""
     if cfg.awq_group_size:
         for i in range(cfg.num_layers):
             for part in _PROJECTIONS:
                 hf[f"model.layers.{i}.{part}.weight"] = torch.empty(0)  # placeholders
+    empty = torch.empty(0, cfg.hidden_size)  # an embedding this stage does not hold
     sd = {
-        "embed_tokens.weight": hf["model.embed_tokens.weight"],
+        "embed_tokens.weight": hf.get("model.embed_tokens.weight", empty),
         "norm.weight": hf["model.norm.weight"],
     }
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and "lm_head.weight" in hf:
         sd["lm_head_weight"] = hf["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
+    start, stop = (0, cfg.num_layers) if pp is None else (pp.start, pp.stop)
+    for i in range(start, stop):
+        p, q = f"model.layers.{i}.", f"layers.{i - start}."
         attn = p + "self_attn."
         sd[q + "self_attn.qkv_proj.weight"] = torch.cat(
             [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
@@ -230,6 +241,7 @@ def load_model(
     max_positions: int,
     quantization: str | None = None,
     tp: TPGroup | None = None,
+    pp: PPStage | None = None,
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors into it.
     quantization: None, "int8" (weight-only, quantized here from a 16/32-bit checkpoint)
@@ -246,10 +258,10 @@ def load_model(
         raise ModelLoadError(
             f"{path}: an AWQ checkpoint is already quantized; drop --quantization int8"
         )
-    hf = read_checkpoint(path, cfg, tp)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in _to_state_dict(cfg, hf).items()}
+    hf = read_checkpoint(path, cfg, tp, pp)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in _to_state_dict(cfg, hf, pp).items()}
     with torch.device("meta"):
-        model = CausalLM(local_config(cfg, tp), backend, max_positions, tp)
+        model = CausalLM(local_config(cfg, tp, pp), backend, max_positions, tp, pp)
     if cfg.awq_group_size:
         _awq_layers(cfg, hf, model, sd, dtype, device)
         sd = {k: v for k, v in sd.items() if not k.endswith("proj.bias")}

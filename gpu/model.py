@@ -28,6 +28,7 @@ from gpu.cpu_linear import (
     use_sgemm,
     use_sgemm512,
 )
+from gpu.pp import PPStage
 from gpu.tp import TPGroup, vocab_parallel_embed
 
 
@@ -246,11 +247,19 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         tp: TPGroup | None = None,
+        pp: PPStage | None = None,
     ):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Pipeline parallelism: `config.num_layers` is this stage's share; the embedding is
+        # held where it is read (stage 0, and the last stage when the lm_head is tied to
+        # it), elsewhere it has no rows.
+        self.pp = pp
+        vocab = config.vocab_size
+        if pp is not None and not (pp.first or (pp.last and config.tie_word_embeddings)):
+            vocab = 0
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, tp) for _ in range(config.num_layers)
         )
@@ -266,7 +275,7 @@ class CausalLM(nn.Module):
         self.lm_head_packed: PackedLinear | None = None  # set by pack_for_cpu()
         # --quantization int8: the logits GEMM reads an int8 copy (gpu/quant_linear.py).
         self.lm_head_int8: nn.Module | None = None
-        if not config.tie_word_embeddings:
+        if not config.tie_word_embeddings and (pp is None or pp.last):
             self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
 
     def forward(
@@ -283,23 +292,39 @@ class CausalLM(nn.Module):
         nothing of one row reaches another, so the rest of that layer (o_proj, the MLP:
         ~1/num_layers of a prompt's FLOPs) runs for the kept rows only.  The CPU layer
         stack also attends for them only."""
+        return self.forward_layers(self.embed_input(input_ids), positions, kv_caches, meta, keep)
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp is None:
             # Fused CPU path: a plain row copy, not an ATen index_select (an OpenMP region)
             x = cpu_kernels.gather_rows(self.embed_tokens.weight, input_ids) if self.fused else None
             if x is None:
                 x = self.embed(input_ids)
-        else:
-            x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
+            return x
+        return vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
+
+    def forward_layers(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the embeddings, or the previous stage's output
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+        keep: list[int] | None = None,
+    ) -> torch.Tensor:
+        """This model's layers (a pipeline stage's: then `x` may come from the previous
+        stage), then the final norm; a stage that is not the last returns the residual
+        stream after its last layer instead, every row (what the next stage takes)."""
+        last_stage = self.pp is None or self.pp.last
         if self.fused:
-            h = self._forward_fused(x, positions, kv_caches, meta, keep)
+            h = self._forward_fused(x, positions, kv_caches, meta, keep, last_stage)
         else:
-            rows = _carried_rows(keep, x)
+            rows = _carried_rows(keep, x) if last_stage else None
             rope = self.rope(positions, x.dtype)
             last = len(self.layers) - 1
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 x = layer(x, rope, kv, meta, rows if i == last else None)
-            h = self.norm(x)
-        return h[:0] if keep == [] else h
+            h = self.norm(x) if last_stage else x
+        return h[:0] if keep == [] and last_stage else h
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # the generic (GPU) path
         return self.embed_tokens(input_ids)
@@ -317,14 +342,16 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
         keep: list[int] | None = None,
+        last_stage: bool = True,
     ) -> torch.Tensor:
         if self.layer_stack is not None:  # every layer in one compiled call
             h = self.layer_stack.run(residual, positions, kv_caches, meta, keep)
             if h is not None:
                 return h
-        rows = _carried_rows(keep, residual)
+        rows = _carried_rows(keep, residual) if last_stage else None
         rope = (positions, self.rotary.cos, self.rotary.sin)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        norms: list[RMSNorm | None] = [layer.input_layernorm for layer in self.layers[1:]]
+        norms.append(self.norm if last_stage else None)
         first = self.layers[0].input_layernorm
         h = cpu_kernels.add_rms_norm(None, residual, first.weight, first.eps)
         last = len(self.layers) - 1
@@ -332,6 +359,8 @@ class CausalLM(nn.Module):
             m, residual = layer.forward_fused(
                 h, residual, rope, kv, meta, rows if i == last else None
             )
+            if norm is None:  # a pipeline stage before the last: the residual stream goes on
+                return residual + m
             h = cpu_kernels.add_rms_norm(m, residual, norm.weight, norm.eps)
         return h
 
@@ -393,14 +422,15 @@ class CausalLM(nn.Module):
         if not linears_packable(dtype):
             return 0
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        head = 0 if self.lm_head_int8 is not None else w.nbytes
+        has_head = self.pp is None or self.pp.last  # a pipeline stage before the last has none
+        head = 0 if self.lm_head_int8 is not None or not has_head else w.nbytes
         amx = decode_on_amx(self, dtype, head)
         n = pack_model_linears(self, dtype, amx)
         scratch = Scratch()
         for layer in self.layers:
             if isinstance(layer.mlp.gate_up_proj, PackedLinear):
                 layer.mlp.gate_up_proj.scratch = scratch  # each dead once SiLU * up ran
-        if self.lm_head_int8 is not None:
+        if self.lm_head_int8 is not None or not has_head:
             return n
         self.lm_head_packed = PackedLinear.of_weight(
             w, use_sgemm(dtype), amx, use_dpbf16(dtype), use_sgemm512(dtype)

@@ -26,6 +26,7 @@ from gpu.loader import load_model
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
 from gpu.step_rows import PromptRows, SampleRows, StepInputs
+from gpu.pp import PPStage, run_pipeline
 from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
 from scheduler.contract import (
     DecodeColumns,
@@ -70,6 +71,7 @@ class ModelRunner:
         tp: TPGroup | None = None,
         cpu_threads: int | str | None = None,
     ) -> None:
+        pp: PPStage | None = None,
         """cpu_threads (CPU only): a count fixes torch's threads; "auto" lets
         gpu/cpu_threads.py size the team before each step from the CPUs this process may
         use and what other processes take of them; None leaves torch's setting alone."""
@@ -100,7 +102,13 @@ class ModelRunner:
             if speculation or speculative_model is not None:
                 raise ModelLoadError("speculative decoding does not run tensor-parallel")
             cuda_graphs = False  # collectives are not captured; eager steps
-        self.local_config = local_config(cfg, tp)
+        # Pipeline parallelism: this stage's layers (and their KV), gpu/pp.py.
+        self.pp = pp
+        if pp is not None:
+            if speculation or speculative_model is not None:
+                raise ModelLoadError("speculative decoding does not run pipeline-parallel")
+            cuda_graphs = False  # a step is several micro-batch forwards with sends between
+        self.local_config = local_config(cfg, tp, pp)
         self._load_weights(attention_backend, quantization, tp)
         self._make_kv_cache(num_kv_blocks, kv_cache_bytes, tp)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
@@ -171,7 +179,7 @@ class ModelRunner:
         )
         self.model = load_model(
             self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len,
-            quantization, tp,
+            quantization, tp, self.pp,
         )  # fmt: skip
         # Bytes of weights this process holds (1/N of the sharded ones under TP).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -197,6 +205,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv()
         log.info(
             "KV cache: %d blocks of %d tokens, %s (%d bytes per token over all layers), %.2f GiB",
+        if self.pp is not None:  # and over every stage (each holds its own layers' share)
+            self.num_kv_blocks = self.pp.min_int(self.num_kv_blocks)
             self.num_kv_blocks, block_size, self.kv_cache_dtype,
             self.kv_bytes_per_block // block_size,
             self.num_kv_blocks * self.kv_bytes_per_block / (1 << 30),
@@ -234,7 +244,7 @@ class ModelRunner:
             enabled = self.graphs is not None
         if not enabled:
             return None
-        if self.attn_backend.name != "triton" or self.tp is not None:
+        if self.attn_backend.name != "triton" or self.tp is not None or self.pp is not None:
             raise ModelLoadError("piecewise CUDA graphs need the triton backend, without TP")
         pw = PiecewiseGraphs(
             self.model,
@@ -323,7 +333,9 @@ class ModelRunner:
         if self.faults is not None:
             rids = [*dec.req_ids, *(r.req_id for r in scheduled)]
             self.faults.check_forward(so.step, [self._prompt_of(rid) for rid in rids])
-        if scheduled or dec.req_ids:
+        if self.pp is not None and (scheduled or dec.req_ids):
+            out = run_pipeline(self, self.pp, dec, scheduled, errors, so.grammar_bitmasks, out)
+        elif scheduled or dec.req_ids:
             graphs = self.graphs
             verify: list[tuple[ScheduledRequest, int]] = []
             if self.spec is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,38 +29,66 @@ class TPGroup:
     rank: int
     size: int
     device: str = "cpu"  # where small control tensors live (NCCL takes CUDA tensors only)
+    # The tensor-parallel subgroup under pipeline parallelism (one per stage); None is the
+    # default group (every rank: tensor parallelism alone).
+    group: Any = None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t
 
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """[R, V/N] on every rank -> [R, V] on every rank (rank order = vocab order)."""
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous())
+        dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
     def min_int(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
 
-def init_group(rank: int, size: int, port: int, backend: str, timeout_s: float) -> TPGroup:
-    """Join the group on a loopback port; every collective after this times out after
-    timeout_s (a dead or hung rank fails the step instead of hanging it)."""
+def init_group(
+    rank: int,
+    size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    *,
+    addr: str = "127.0.0.1",
+    local_rank: int | None = None,
+    tp_size: int | None = None,
+) -> TPGroup:
+    """Join the group (rank 0 listens on addr:port, the others connect there); every
+    collective after this times out after timeout_s (a dead or hung rank fails the step
+    instead of hanging it).  `size` is the world: tp_size x pipeline stages; with fewer
+    tensor-parallel ranks than that, each stage's tp_size ranks (stage-major) get a
+    subgroup, and the TPGroup returned is this rank's."""
     device = "cpu"
     if backend == "nccl":
-        device = f"cuda:{rank}"
-        torch.cuda.set_device(rank)
+        local = rank if local_rank is None else local_rank
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{addr}:{port}",
         rank=rank,
         world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return TPGroup(rank, size, device)
+    tp_size = size if tp_size is None else tp_size
+    if tp_size == size:
+        return TPGroup(rank, size, device)
+    if tp_size == 1:  # pipeline stages of one rank each: no subgroup to make
+        return TPGroup(0, 1, device)
+    mine = None
+    for stage in range(size // tp_size):  # every rank creates every group, in one order
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        if rank in ranks:
+            mine = g
+    return TPGroup(rank % tp_size, tp_size, device, mine)
 
 
 def check_tp_config(cfg: ModelConfig, size: int) -> None:
@@ -87,8 +116,11 @@ def check_tp_config(cfg: ModelConfig, size: int) -> None:
         )
 
 
-def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
-    """The shapes one rank's modules have: its heads, its intermediate and vocab slice."""
+def local_config(cfg: ModelConfig, tp: TPGroup | None, pp: Any = None) -> ModelConfig:
+    """The shapes one rank's modules have: its heads, its intermediate and vocab slice,
+    and under pipeline parallelism (`pp`, a gpu.pp.PPStage) its stage's layers."""
+    if pp is not None:
+        cfg = replace(cfg, num_layers=pp.stop - pp.start)
     if tp is None or tp.size == 1:
         return cfg
     n = tp.size
@@ -141,7 +173,7 @@ def gather_kv_heads(x: torch.Tensor, cfg: ModelConfig, tp: TPGroup) -> torch.Ten
     order (a replicated head is taken from the first rank holding it).  The result is
     laid out as a TP=1 cache's, so prefix-tier payloads do not depend on the TP size."""
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
     step = 1 if cfg.num_kv_heads % tp.size == 0 else tp.size // cfg.num_kv_heads
     return torch.cat(parts[::step], dim=2)
 

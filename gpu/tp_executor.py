@@ -16,6 +16,13 @@ waits for its next step indefinitely, and a collective would time out; the pipe 
 tells a worker when the server is gone (EOF).  A rank that dies makes rank 0's next
 collective (or pipe write) fail at once; one that hangs makes it time out after
 `timeout_s`.  Either way the step raises, the engine fails, and the server exits non-zero.
+
+Pipeline parallelism (gpu/pp.py) runs in the same processes: P stages of T ranks, every
+rank still gets every step over its pipe.  Several hosts: node 0 (this process) holds
+global ranks 0..L-1 (L = P x T / nnodes), node k spawns ranks kL..kL+L-1
+(`run_worker_node`), which rendezvous through torch.distributed at master_addr:master_port
+and take their steps over a TCP connection to master_port + 1 instead of a pipe (the same
+byte protocol: msgspec, never pickle, since the peer is on the network).
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from typing import Any
 
 import msgspec
 
-from gpu.config import ModelLoadError
+from gpu.config import ModelConfig, ModelLoadError
+from gpu.pp import DEFAULT_MICRO_BATCHES, make_stage
 from gpu.tp import core_sets, free_port, init_group, pin_thread
 from scheduler.contract import ModelOutput, SchedulerOutput
 from scheduler.executor import ThreadExecutor
@@ -44,6 +52,43 @@ log = logging.getLogger(__name__)
 _STOP = b"X"
 _STATS = b"?"
 _STEP = b"S"
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_msg = msgspec.msgpack.Decoder(tuple[str, Any]).decode
+
+
+class Topology(msgspec.Struct, frozen=True):
+    """How the ranks are laid out: T x P ranks (stage-major) over nnodes hosts."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free loopback port (one host)
+    timeout_s: float = 60.0
+    micro_batches: int = DEFAULT_MICRO_BATCHES
+
+    @property
+    def world(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def per_node(self) -> int:
+        return self.world // self.nnodes
+
+    @property
+    def step_port(self) -> int:
+        """Where node 0 takes the other nodes' ranks' step connections."""
+        return self.master_port + 1
+
+    def check(self) -> None:
+        if self.nnodes < 1 or self.world % self.nnodes:
+            raise ModelLoadError(
+                f"{self.world} ranks (tensor x pipeline parallel size) do not split evenly "
+                f"over --nnodes {self.nnodes}"
+            )
+        if self.nnodes > 1 and not self.master_port:
+            raise ModelLoadError("--nnodes > 1 needs --master-addr and --master-port")
 
 
 def _backend(device: str | None) -> str:
@@ -60,34 +105,60 @@ def _rank_device(device: str | None, rank: int) -> str | None:
     return device
 
 
+def _build_runner(
+    rank: int,
+    local_rank: int,
+    topo: Topology,
+    runner_kwargs: dict[str, Any],
+    faults: Any,
+) -> Any:
+    """Join the group as `rank` and load this rank's part of the model: its tensor
+    shard of its pipeline stage's layers."""
+    from gpu.model_runner import ModelRunner
+
+    device = runner_kwargs.get("device")
+    port = topo.master_port
+    group = init_group(
+        rank, topo.world, port, _backend(device), topo.timeout_s,
+        addr=topo.master_addr, local_rank=local_rank, tp_size=topo.tp_size,
+    )  # fmt: skip
+    tp = group if topo.tp_size > 1 else None
+    pp = None
+    if topo.pp_size > 1:
+        cfg = ModelConfig.from_dir(runner_kwargs["model_dir"])
+        pp = make_stage(cfg, rank, topo.pp_size, topo.tp_size, topo.micro_batches, group.device)
+    kwargs = dict(runner_kwargs, device=_rank_device(device, local_rank))
+    return ModelRunner(**kwargs, faults=faults, tp=tp, pp=pp)
+
+
 def _worker_main(
     rank: int,
-    size: int,
-    port: int,
-    runner_kwargs: dict[str, Any],
+    local_rank: int,
+    topo: Topology,
+    runner_kwargs: dict[str, Any] | None,
     cores: list[int] | None,
     threads: int | None,
-    timeout_s: float,
     conn: Any,
     faults: Any,
 ) -> None:
     """A rank > 0: build its shard, then run every step the pipe brings until told to
-    stop or until the server process goes away."""
-    from gpu.model_runner import ModelRunner
-
+    stop or until the server process goes away.  conn None / runner_kwargs None: a rank
+    on another node, which connects to node 0 for both first (_connect)."""
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
         f.write(f"pagestream-tp{rank}")  # so ps / top name the rank (Linux)
     try:
+        if conn is None:
+            conn, runner_kwargs, topo = _connect(rank, topo)
+        assert runner_kwargs is not None
         pin_thread(cores, threads)
-        device = runner_kwargs.get("device")
-        tp = init_group(rank, size, port, _backend(device), timeout_s)
-        kwargs = dict(runner_kwargs, device=_rank_device(device, rank))
-        runner = ModelRunner(**kwargs, faults=faults, tp=tp)
+        runner = _build_runner(rank, local_rank, topo, runner_kwargs, faults)
     except BaseException as e:
-        with contextlib.suppress(OSError):
-            conn.send(("error", f"rank {rank} failed to start: {e!r}"))
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(_encode(("error", f"rank {rank} failed to start: {e!r}")))
+        log.error("rank %d failed to start: %r", rank, e)
         raise SystemExit(1) from e
-    conn.send(("ready", runner.weight_bytes))
+    conn.send_bytes(_encode(("ready", runner.weight_bytes)))
     decode = msgspec.msgpack.Decoder(SchedulerOutput).decode
     while True:
         try:
@@ -97,18 +168,98 @@ def _worker_main(
         if msg == _STOP:
             break
         if msg == _STATS:
-            conn.send(("stats", runner.weight_bytes))
+            conn.send_bytes(_encode(("stats", runner.weight_bytes)))
             continue
         try:
             runner.execute_model(decode(memoryview(msg)[1:]))
         except BaseException:
-            log.exception("tensor-parallel rank %d failed a step", rank)
+            log.exception("rank %d failed a step", rank)
             # Exiting closes this rank's sockets: rank 0's collective fails at once
             # instead of waiting out the timeout.
             os._exit(1)
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+class _Hello(msgspec.Struct, frozen=True):
+    rank: int
+    topology: Topology
+
+
+class _Setup(msgspec.Struct, frozen=True):
+    runner_kwargs: dict[str, Any]
+    topology: Topology
+
+
+def _connect(rank: int, topo: Topology) -> tuple[Any, dict[str, Any], Topology]:
+    """A remote rank's step connection to node 0, retried while node 0 starts; node 0
+    answers with the engine's runner arguments (one configuration, from node 0's flags)."""
+    from multiprocessing.connection import Client
+
+    deadline = time.monotonic() + topo.timeout_s + 300
+    while True:
+        try:
+            conn = Client((topo.master_addr, topo.step_port), family="AF_INET")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    conn.send_bytes(msgspec.msgpack.encode(_Hello(rank, topo)))
+    if not conn.poll(topo.timeout_s + 300):
+        raise ModelLoadError("node 0 did not answer")
+    setup = msgspec.msgpack.decode(conn.recv_bytes(), type=_Setup)
+    mine, theirs = topo, setup.topology
+    if (mine.tp_size, mine.pp_size, mine.nnodes) != (theirs.tp_size, theirs.pp_size, theirs.nnodes):
+        raise ModelLoadError(
+            f"this node has tensor/pipeline/nodes {mine.tp_size}/{mine.pp_size}/{mine.nnodes}, "
+            f"node 0 {theirs.tp_size}/{theirs.pp_size}/{theirs.nnodes}"
+        )
+    return conn, setup.runner_kwargs, theirs
+
+
+def run_worker_node(topo: Topology, node_rank: int, threads: int | None = None) -> int:
+    """A node other than 0 (`serve --node-rank k`): spawn its ranks, wait for them; an
+    exit code other than 0 if one failed (the others are then killed)."""
+    import signal
+
+    topo.check()
+    if not 0 < node_rank < topo.nnodes:
+        raise ModelLoadError(f"--node-rank {node_rank} is not in 1..{topo.nnodes - 1}")
+    ctx = mp.get_context("spawn")
+    per = topo.per_node
+    cores = core_sets(per) or [None] * per  # type: ignore[list-item]
+    procs = []
+    for local in range(per):
+        rank = node_rank * per + local
+        args = (rank, local, topo, None, cores[local], threads, None, None)
+        p = ctx.Process(target=_worker_main, args=args, name=f"pagestream-tp{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+
+    def stop(_sig: int, _frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    log.info("node %d: ranks %s (pids %s)", node_rank,
+             [node_rank * per + i for i in range(per)], [p.pid for p in procs])  # fmt: skip
+    try:
+        live = list(procs)
+        while live:
+            sentinel = wait_any([p.sentinel for p in live])[0]
+            dead = next(p for p in live if p.sentinel == sentinel)
+            dead.join(timeout=1)
+            live.remove(dead)
+            if dead.exitcode != 0:
+                log.error("%s exited with code %s", dead.name, dead.exitcode)
+                return 1
+        return 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
 
 
 class _Rank0Runner:
@@ -129,7 +280,8 @@ class _Rank0Runner:
 
 
 class TPExecutor(ThreadExecutor):
-    """N ranks; the engine talks to it exactly as to a ThreadExecutor."""
+    """N ranks (tensor x pipeline parallel, over one or more nodes); the engine talks to
+    it exactly as to a ThreadExecutor."""
 
     def __init__(
         self,
@@ -139,18 +291,28 @@ class TPExecutor(ThreadExecutor):
         faults: Any = None,
         threads: int | None = None,
         timeout_s: float = 60.0,
+        pipeline_size: int = 1,
+        nnodes: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        micro_batches: int = DEFAULT_MICRO_BATCHES,
     ) -> None:
-        from gpu.model_runner import ModelRunner
-
         self.size = size
         self.timeout_s = timeout_s
         self._closing = False
+        topo = Topology(
+            size, pipeline_size, nnodes, master_addr, master_port or free_port(), timeout_s,
+            micro_batches,
+        )  # fmt: skip
+        topo.check()
+        self.topology = topo
+        local = topo.per_node
         if _backend(runner_kwargs.get("device")) == "nccl":
             import torch
 
-            if torch.cuda.device_count() < size:
+            if torch.cuda.device_count() < local:
                 raise ModelLoadError(
-                    f"tensor_parallel_size {size} needs {size} CUDA devices, "
+                    f"{local} ranks on this node need {local} CUDA devices, "
                     f"{torch.cuda.device_count()} visible"
                 )
         import torch.distributed as dist
@@ -159,21 +321,22 @@ class TPExecutor(ThreadExecutor):
             raise ModelLoadError(
                 "this process already runs a tensor-parallel engine; shut it down first"
             )
-        port = free_port()
-        cores = core_sets(size) or [None] * size  # type: ignore[list-item]
+        cores = core_sets(local) or [None] * local  # type: ignore[list-item]
         self._procs: list[Any] = []
-        self._conns: list[Any] = []
-        for rank in range(1, size):
+        # Ranks 1..world-1's step connections: pipes to this node's, sockets to the others'.
+        self._conns: list[Any] = [None] * (topo.world - 1)
+        self._listener: Any = None
+        self._remote_error: str | None = None
+        if topo.nnodes > 1:
+            self._listen(dict(runner_kwargs, model_dir=str(runner_kwargs["model_dir"])))
+        for rank in range(1, local):
             # Every rank gets the fault plan: a fault that drops a request's rows on rank
             # 0 only would leave the ranks' collectives different sizes.
-            self._spawn(rank, port, runner_kwargs, cores[rank], threads, faults)
+            self._spawn(rank, runner_kwargs, cores[rank], threads, faults)
 
         def build() -> _Rank0Runner:
             pin_thread(cores[0], threads)
-            device = runner_kwargs.get("device")
-            tp = init_group(0, size, port, _backend(device), timeout_s)
-            kwargs = dict(runner_kwargs, device=_rank_device(device, 0))
-            return _Rank0Runner(ModelRunner(**kwargs, faults=faults, tp=tp), self)
+            return _Rank0Runner(_build_runner(0, 0, topo, runner_kwargs, faults), self)
 
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagestream-exec")
         try:
@@ -181,7 +344,43 @@ class TPExecutor(ThreadExecutor):
         except BaseException:
             self.shutdown(wait=False)
             raise
-        log.info("tensor parallel: %d ranks (worker pids %s)", size, self.worker_pids)
+        log.info(
+            "parallel: tensor %d x pipeline %d ranks over %d node(s) (local worker pids %s)",
+            size, pipeline_size, nnodes, self.worker_pids,
+        )  # fmt: skip
+
+    def _listen(self, runner_kwargs: dict[str, Any]) -> None:
+        """Take the other nodes' ranks' step connections (in a thread: rank 0's build
+        waits for them inside init_process_group meanwhile)."""
+        from multiprocessing.connection import Listener
+
+        topo = self.topology
+        self._listener = Listener(("0.0.0.0", topo.step_port), family="AF_INET", backlog=64)
+        setup = msgspec.msgpack.encode(_Setup(runner_kwargs, topo))
+        remote = range(topo.per_node, topo.world)
+
+        def accept() -> None:
+            waiting = set(remote)
+            while waiting:
+                try:
+                    conn = self._listener.accept()
+                except OSError:
+                    return  # closed: shutting down
+                try:
+                    if not conn.poll(30):
+                        raise ValueError("no hello")
+                    hello = msgspec.msgpack.decode(conn.recv_bytes(), type=_Hello)
+                    if hello.rank not in waiting:
+                        raise ValueError(f"rank {hello.rank} is not awaited")
+                    conn.send_bytes(setup)
+                except (ValueError, OSError, EOFError, msgspec.DecodeError) as e:
+                    log.warning("refused a step connection: %s", e)
+                    conn.close()
+                    continue
+                waiting.discard(hello.rank)
+                self._conns[hello.rank - 1] = conn
+
+        threading.Thread(target=accept, name="pagestream-tp-accept", daemon=True).start()
 
     def watch(self, on_failure: Callable[[BaseException], None]) -> None:
         """Call on_failure (from a watcher thread) when a rank exits while serving, so an
@@ -189,6 +388,8 @@ class TPExecutor(ThreadExecutor):
 
         def watcher() -> None:
             by_sentinel = {p.sentinel: p for p in self._procs}
+            if not by_sentinel:  # every other rank is on another node (see broadcast)
+                return
             dead = by_sentinel[wait_any(list(by_sentinel))[0]]
             if self._closing:
                 return
@@ -204,7 +405,6 @@ class TPExecutor(ThreadExecutor):
     def _spawn(
         self,
         rank: int,
-        port: int,
         runner_kwargs: dict[str, Any],
         cores: list[int] | None,
         threads: int | None,
@@ -212,12 +412,12 @@ class TPExecutor(ThreadExecutor):
     ) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        args = (rank, self.size, port, runner_kwargs, cores, threads, self.timeout_s, child, faults)
+        args = (rank, rank, self.topology, runner_kwargs, cores, threads, child, faults)
         p = ctx.Process(target=_worker_main, args=args, name=f"pagestream-tp{rank}", daemon=True)
         p.start()
         child.close()
         self._procs.append(p)
-        self._conns.append(parent)
+        self._conns[rank - 1] = parent
 
     @property
     def worker_pids(self) -> list[int]:
@@ -232,10 +432,10 @@ class TPExecutor(ThreadExecutor):
         ready: set[int] = set()
         while True:
             for i, conn in enumerate(self._conns):
-                if i not in ready and conn.poll():
+                if i not in ready and conn is not None and conn.poll():
                     try:
-                        kind, value = conn.recv()
-                    except EOFError:
+                        kind, value = _decode_msg(conn.recv_bytes())
+                    except (EOFError, OSError):
                         kind, value = "error", f"tensor-parallel rank {i + 1} exited at start-up"
                     if kind == "error":
                         raise ModelLoadError(value)
@@ -251,11 +451,12 @@ class TPExecutor(ThreadExecutor):
                 fut.result(timeout=0.05)
 
     def broadcast(self, msg: bytes) -> None:
-        for p, conn in zip(self._procs, self._conns, strict=True):
+        for p in self._procs:
             if not p.is_alive():
                 raise RuntimeError(
                     f"tensor-parallel {p.name} (pid {p.pid}) exited with code {p.exitcode}"
                 )
+        for conn in self._conns:  # a remote rank gone: its socket write fails here
             conn.send_bytes(msg)
 
     def rank_weight_bytes(self) -> list[int]:
@@ -269,7 +470,7 @@ class TPExecutor(ThreadExecutor):
             conn.send_bytes(_STATS)
             if not conn.poll(self.timeout_s):
                 raise RuntimeError("a tensor-parallel rank did not answer")
-            out.append(conn.recv()[1])
+            out.append(_decode_msg(conn.recv_bytes())[1])
         return out
 
     def shutdown(self, wait: bool = True) -> None:
@@ -279,7 +480,7 @@ class TPExecutor(ThreadExecutor):
         self._closing = True
         if wait:
             for conn in self._conns:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, AttributeError):
                     conn.send_bytes(_STOP)
             with contextlib.suppress(Exception):
                 self._pool.submit(_leave_group).result(timeout=self.timeout_s)
@@ -289,7 +490,10 @@ class TPExecutor(ThreadExecutor):
                 p.kill()
                 p.join(timeout=5)
         for conn in self._conns:
-            conn.close()
+            if conn is not None:
+                conn.close()
+        if self._listener is not None:
+            self._listener.close()
         self._pool.shutdown(wait=wait, cancel_futures=True)
         if wait:  # the other ranks' memory went with their processes; rank 0's is here
             self._release_runner()

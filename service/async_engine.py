@@ -143,7 +143,7 @@ class AsyncEngine:
             kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
         )
-        if args.tensor_parallel_size != 1:
+        if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1 or args.nnodes > 1:
             executor: ThreadExecutor = tp_executor(args, model_dir, runner_kwargs, faults)
             return cls._assemble(args, executor, model_dir, spec, faults)
 

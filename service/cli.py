@@ -247,6 +247,32 @@ def _add_device_args(g: Group) -> None:
 
 
 def engine_args(a: argparse.Namespace) -> EngineArgs:
+    g.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, metavar="P",
+        help="split the layers into P stages (each of --tensor-parallel-size ranks: P x T "
+        "processes), each holding its layers' weights and KV blocks",
+    )  # fmt: skip
+    g.add_argument(
+        "--pipeline-micro-batches", type=int, default=2, metavar="M",
+        help="micro-batches a step's rows are cut into, so the stages work at once",
+    )  # fmt: skip
+    g.add_argument(
+        "--nnodes", type=int, default=1,
+        help="hosts the ranks are spread over (the same flags on each, but --node-rank)",
+    )  # fmt: skip
+    g.add_argument(
+        "--node-rank", type=int, default=0,
+        help="this host's index: 0 serves the API and holds rank 0; others run ranks only",
+    )  # fmt: skip
+    g.add_argument(
+        "--master-addr", default="127.0.0.1",
+        help="node 0's address, where the ranks rendezvous (torch.distributed)",
+    )  # fmt: skip
+    g.add_argument(
+        "--master-port", type=int, default=0,
+        help="node 0's rendezvous port; the other nodes' step connections use the next one "
+        "(default with one node: a free port)",
+    )  # fmt: skip
     return EngineArgs(
         model=a.model,
         dtype=a.dtype,
@@ -280,6 +306,12 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
     )
 
 
+        pipeline_parallel_size=a.pipeline_parallel_size,
+        pipeline_micro_batches=a.pipeline_micro_batches,
+        nnodes=a.nnodes,
+        node_rank=a.node_rank,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
 def add_limit_args(p: argparse.ArgumentParser) -> None:
     d = Limits()
     g = p.add_argument_group("limits (every byte from a client is hostile)")
@@ -476,6 +508,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from service.app import run_server
 
     code = run_server(server_config(a))
+    if a.node_rank > 0:  # a worker node: its ranks only; node 0 serves
+        from service.app import ENGINE_FAILURE_EXIT
+        from service.engine_setup import run_worker_node
+
+        return ENGINE_FAILURE_EXIT if run_worker_node(engine_args(a)) else 0
     if code:
         # The engine failed.  Exit now, even if a step is stuck in a broken device: the
         # executor's worker thread is not a daemon, and interpreter exit would join it.

@@ -69,6 +69,17 @@ class EngineArgs:
     # collective may wait for a rank before the step fails (a dead or hung rank).
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 60.0
+    # Pipeline parallelism: stages the layers are split over (each of
+    # tensor_parallel_size ranks), and micro-batches a step is cut into so they overlap.
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int = 2
+    # Several hosts (torchrun's names): node 0 serves the API and holds rank 0, whose
+    # torch.distributed store listens on master_addr:master_port; the step connections
+    # of the other nodes' ranks go to master_port + 1.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
 
 def namespace_fingerprint(
@@ -133,21 +144,54 @@ def build_prefix_tier(args: EngineArgs, runner: object, model_dir: Path) -> Pref
 def tp_executor(
     args: EngineArgs, model_dir: Path, runner_kwargs: dict[str, Any], faults: FaultPlan | None
 ) -> ThreadExecutor:
-    """Check what tensor parallelism cannot do before any process starts, then spawn."""
+    """Check what tensor and pipeline parallelism cannot do before any process starts,
+    then spawn."""
     from gpu.config import ModelConfig, ModelLoadError
+    from gpu.pp import check_pp_config
     from gpu.tp import check_tp_config
     from gpu.tp_executor import TPExecutor
 
-    check_tp_config(ModelConfig.from_dir(model_dir), args.tensor_parallel_size)
+    cfg = ModelConfig.from_dir(model_dir)
+    check_tp_config(cfg, args.tensor_parallel_size)
+    check_pp_config(cfg, args.pipeline_parallel_size, args.quantization)
     if args.speculative_config:
-        raise ModelLoadError("--tensor-parallel-size > 1 does not work with speculative decoding")
+        raise ModelLoadError(
+            "--tensor-parallel-size / --pipeline-parallel-size > 1 do not work with "
+            "speculative decoding"
+        )
+    if args.pipeline_parallel_size > 1 and args.redis_url:
+        raise ModelLoadError(
+            "--pipeline-parallel-size > 1 does not work with the Redis prefix tier "
+            "(--redis-url): its KV payloads hold every layer, a stage holds its own"
+        )
+    if args.pipeline_micro_batches < 1:
+        raise ModelLoadError(
+            f"pipeline_micro_batches must be at least 1, got {args.pipeline_micro_batches}"
+        )
     return TPExecutor(
         args.tensor_parallel_size,
         runner_kwargs,
         faults=faults,
         threads=args.threads,
         timeout_s=args.tensor_parallel_timeout,
+        pipeline_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        micro_batches=args.pipeline_micro_batches,
     )
+
+
+def run_worker_node(args: EngineArgs) -> int:
+    """`serve --node-rank k` (k > 0): this node's ranks only, no API server; returns the
+    process's exit code (non-zero when a rank failed)."""
+    from gpu.tp_executor import Topology, run_worker_node as run_node
+
+    topo = Topology(
+        args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes, args.master_addr,
+        args.master_port, args.tensor_parallel_timeout, args.pipeline_micro_batches,
+    )  # fmt: skip
+    return run_node(topo, args.node_rank, args.threads)
 
 
 def default_model_dir() -> Path:

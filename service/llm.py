@@ -56,6 +56,8 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout: float = 60.0,
+        pipeline_parallel_size: int = 1,
+        pipeline_micro_batches: int = 2,
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = _offline_batch_tokens(device)
@@ -80,6 +82,8 @@ class LLM:
             speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout=tensor_parallel_timeout,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_micro_batches=pipeline_micro_batches,
         )
         self.engine = AsyncEngine.from_args(self.args)
         self._start_loop()
