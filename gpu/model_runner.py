@@ -70,8 +70,8 @@ class ModelRunner:
         speculation: bool = False,
         tp: TPGroup | None = None,
         cpu_threads: int | str | None = None,
-    ) -> None:
         pp: PPStage | None = None,
+    ) -> None:
         """cpu_threads (CPU only): a count fixes torch's threads; "auto" lets
         gpu/cpu_threads.py size the team before each step from the CPUs this process may
         use and what other processes take of them; None leaves torch's setting alone."""
@@ -202,11 +202,11 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(kv_cache_bytes)
         if tp is not None:  # one block table for all ranks: the smallest cache sets it
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
+        if self.pp is not None:  # and over every stage (each holds its own layers' share)
+            self.num_kv_blocks = self.pp.min_int(self.num_kv_blocks)
         self.kv_caches = self._allocate_kv()
         log.info(
             "KV cache: %d blocks of %d tokens, %s (%d bytes per token over all layers), %.2f GiB",
-        if self.pp is not None:  # and over every stage (each holds its own layers' share)
-            self.num_kv_blocks = self.pp.min_int(self.num_kv_blocks)
             self.num_kv_blocks, block_size, self.kv_cache_dtype,
             self.kv_bytes_per_block // block_size,
             self.num_kv_blocks * self.kv_bytes_per_block / (1 << 30),
