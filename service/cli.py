@@ -230,6 +230,11 @@ def _add_device_args(g: Group) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
     g.add_argument(
+        "--engine-thread", choices=["auto", "on", "off"], default="auto",
+        help="run the engine core (scheduling, update, grammar masks) on its own thread, "
+        "off the HTTP event loop (auto: on for CUDA, off on CPU; docs/HOST_PATH.md)",
+    )  # fmt: skip
+    g.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -244,9 +249,6 @@ def _add_device_args(g: Group) -> None:
         metavar="SECONDS",
         help="longest a collective waits for a rank; a dead or hung rank fails the engine",
     )
-
-
-def engine_args(a: argparse.Namespace) -> EngineArgs:
     g.add_argument(
         "--pipeline-parallel-size", type=int, default=1, metavar="P",
         help="split the layers into P stages (each of --tensor-parallel-size ranks: P x T "
@@ -273,6 +275,9 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         help="node 0's rendezvous port; the other nodes' step connections use the next one "
         "(default with one node: a free port)",
     )  # fmt: skip
+
+
+def engine_args(a: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=a.model,
         dtype=a.dtype,
@@ -287,6 +292,7 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         seed=a.seed,
         attention_backend=a.attention_backend,
         threads=a.threads,
+        engine_thread={"on": True, "off": False}.get(getattr(a, "engine_thread", "auto")),
         cuda_graphs=False if a.enforce_eager else None,
         enable_prefix_caching=not a.no_prefix_caching,
         redis_url=a.redis_url,
@@ -303,15 +309,15 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         speculative_config=speculative_config(a),
         tensor_parallel_size=a.tensor_parallel_size,
         tensor_parallel_timeout=a.tensor_parallel_timeout,
-    )
-
-
         pipeline_parallel_size=a.pipeline_parallel_size,
         pipeline_micro_batches=a.pipeline_micro_batches,
         nnodes=a.nnodes,
         node_rank=a.node_rank,
         master_addr=a.master_addr,
         master_port=a.master_port,
+    )
+
+
 def add_limit_args(p: argparse.ArgumentParser) -> None:
     d = Limits()
     g = p.add_argument_group("limits (every byte from a client is hostile)")
@@ -505,14 +511,14 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     bound_onednn_caches(a.onednn_cache_capacity)
-    from service.app import run_server
-
-    code = run_server(server_config(a))
     if a.node_rank > 0:  # a worker node: its ranks only; node 0 serves
         from service.app import ENGINE_FAILURE_EXIT
         from service.engine_setup import run_worker_node
 
         return ENGINE_FAILURE_EXIT if run_worker_node(engine_args(a)) else 0
+    from service.app import run_server
+
+    code = run_server(server_config(a))
     if code:
         # The engine failed.  Exit now, even if a step is stuck in a broken device: the
         # executor's worker thread is not a daemon, and interpreter exit would join it.
@@ -542,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
         "train-pair", help="train the small target + draft model pair", add_help=False
     )
     t.set_defaults(func=None)
+
+    tm = sub.add_parser(
+        "train-medusa", help="train Medusa heads for a target checkpoint", add_help=False
+    )
+    tm.set_defaults(func=None)
 
     b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
     b.set_defaults(func=None)
@@ -662,6 +673,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from modelkit.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["train-medusa"]:
+        from modelkit.medusa_train import main as medusa_main
+
+        return medusa_main(argv[1:])
     if argv[:2] == ["bench", "serve"]:
         from bench.serve import main as bench_main
 
