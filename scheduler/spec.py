@@ -234,18 +234,24 @@ class StepCostPolicy:
       text) pays the verify step's cost without its gain, and in a batch that ends with
       its slowest request, throughput won on the others is lost time (TPOT).
 
-    An unmeasured side is tried once; the side not chosen is re-measured every
-    EXPLORE_EVERY steps of that size, so a change of load or of text is followed, at a
-    bounded cost (one step in EXPLORE_EVERY at the worse side).
+    An unmeasured side is tried once; the side not chosen is re-measured after
+    EXPLORE_EVERY steps of that size, and after twice as many each time the choice stays
+    where it was (up to MAX_EXPLORE_EVERY), so a change of load or of text is followed
+    while a side that keeps losing costs ever less: a draft model must first catch up on
+    every token of the steps it sat out, so one exploring step there costs several plain
+    ones.  A choice that moves is watched closely again.
     """
 
     EMA = 0.8
     EXPLORE_EVERY = 32
+    MAX_EXPLORE_EVERY = 512
     MAX_ROW_SLOWDOWN = 0.95  # a row's expected speed in a verify step vs a plain one
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> EMA
         self.visits: dict[int, int] = {}
+        # bucket -> (visit of the next exploration, the interval, the last choice)
+        self.explore: dict[int, tuple[int, int, bool]] = {}
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -266,7 +272,16 @@ class StepCostPolicy:
             and worst_row * plain >= self.MAX_ROW_SLOWDOWN * spec
         )
         n = self.visits[b] = self.visits.get(b, 0) + 1
-        return better != (n % self.EXPLORE_EVERY == 0)
+        every = self.EXPLORE_EVERY
+        due, interval, last = self.explore.get(b, (every, every, better))
+        if better != last:
+            due, interval = n + every, every
+        explore = n >= due
+        if explore:
+            interval = min(2 * interval, self.MAX_EXPLORE_EVERY)
+            due = n + interval
+        self.explore[b] = (due, interval, better)
+        return better != explore
 
     def observe(self, rows: int, speculated: bool, seconds: float) -> None:
         key = (self.bucket(rows), speculated)

@@ -167,15 +167,16 @@ def test_cost_policy_weighs_expected_tokens_against_measured_seconds():
     assert not p.choose(8, 9.0)  # plain unmeasured: time it
     p.observe(8, False, 1.0)
     # A verify step costs 3x a plain one: worth it only if it emits over 3x the tokens
-    # (24 for 8 rows) and no row emits under 3 x 0.95; every 32nd step re-times the side
-    # not chosen.
-    choices = [p.choose(8, 20.0, 2.5) for _ in range(64)]
-    assert sum(choices) == 2
+    # (24 for 8 rows) and no row emits under 3 x 0.95.  The side not chosen is re-timed at
+    # the 32nd step, then after 64, 128, ... steps while the choice holds (to 512).
+    choices = [p.choose(8, 20.0, 2.5) for _ in range(2000)]
+    assert [i + 1 for i, c in enumerate(choices) if c] == [32, 96, 224, 480, 992, 1504]
+    # The choice moves: re-timed 32 steps later again.
     choices = [p.choose(8, 30.0, 3.5) for _ in range(64)]
-    assert sum(choices) == 62
+    assert [i for i, c in enumerate(choices) if not c] == [32]
     # Enough tokens in all, but one row without drafts would decode 3x slower: plain.
     choices = [p.choose(8, 30.0, 1.0) for _ in range(64)]
-    assert sum(choices) == 2
+    assert sum(choices) == 1
     # Sizes 5-8 share a bucket; 9 starts the next, measured afresh.
     assert p.bucket(5) == p.bucket(8) == 8 and p.bucket(9) == 16
     assert p.choose(9, 9.5, 1.0)
