@@ -148,13 +148,17 @@ def split_rows(
     weights = [1] * nd + [len(r.input_ids) for r in ordered]
     parts = max(1, min(parts, len(weights)))
     total = sum(weights)
-    bounds, acc, k = [0], 0, 1
+    bounds, acc = [0], 0
     for i, w in enumerate(weights):
+        cuts_left = parts - len(bounds)
+        if cuts_left > 0 and i > bounds[-1]:
+            # Cut before row i where that lands nearer the next share than after it, or
+            # where every row left must open a part of its own.
+            target = total * len(bounds) / parts
+            nearer = acc + w > target and target - acc <= acc + w - target
+            if nearer or len(weights) - i <= cuts_left:
+                bounds.append(i)
         acc += w
-        # Close a part once it holds its share, leaving a row for every part still open.
-        if k < parts and acc * parts >= total * k and len(weights) - (i + 1) >= parts - k:
-            bounds.append(i + 1)
-            k += 1
     bounds.append(len(weights))
     out = []
     for a, b in zip(bounds, bounds[1:], strict=False):
