@@ -230,11 +230,6 @@ def _add_device_args(g: Group) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
     g.add_argument(
-        "--engine-thread", choices=["auto", "on", "off"], default="auto",
-        help="run the engine core (scheduling, update, grammar masks) on its own thread, "
-        "off the HTTP event loop (auto: on for CUDA, off on CPU; docs/HOST_PATH.md)",
-    )  # fmt: skip
-    g.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -292,7 +287,6 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         seed=a.seed,
         attention_backend=a.attention_backend,
         threads=a.threads,
-        engine_thread={"on": True, "off": False}.get(getattr(a, "engine_thread", "auto")),
         cuda_graphs=False if a.enforce_eager else None,
         enable_prefix_caching=not a.no_prefix_caching,
         redis_url=a.redis_url,
@@ -549,11 +543,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=None)
 
-    tm = sub.add_parser(
-        "train-medusa", help="train Medusa heads for a target checkpoint", add_help=False
-    )
-    tm.set_defaults(func=None)
-
     b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
     b.set_defaults(func=None)
     return ap
@@ -673,10 +662,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from modelkit.train import main as train_main
 
         return train_main(argv[1:])
-    if argv[:1] == ["train-medusa"]:
-        from modelkit.medusa_train import main as medusa_main
-
-        return medusa_main(argv[1:])
     if argv[:2] == ["bench", "serve"]:
         from bench.serve import main as bench_main
 
