@@ -10,20 +10,28 @@ proportion to its weight, whatever the size or number of its requests, and a ten
 with one short request waits at most about one turn of the others.  A tenant whose
 queue empties leaves the round and loses its deficit (no credit is banked while idle).
 
-Preempted requests (and those sent back for recompute) go to a front line served before
-any tenant: they were admitted, and charged, once already.  With `fair=False` every
-request is one tenant's: first come, first served, priority still honoured.
+A preempted request goes back to the head of its own tenant's line (with `fair=False`,
+the one line's: first come, first served, priority still honoured): it is its tenant's
+oldest work, but the recompute costs tokens again, so it waits for its tenant's turn
+like any other request.  Otherwise preempting an over-share tenant's request to make
+room for another tenant would hand the room straight back to it.
+
+Admission order alone is not a fair share once requests run: `split_budget` splits a
+step's prompt tokens across tenants (scheduler/scheduler.py applies it, and preempts an
+over-share tenant's newest request when another tenant under its share cannot get in).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from scheduler.request import Request
 
 QUANTUM_TOKENS = 256
+_NONE = object()  # _turn: every waiting tenant is skipped
 
 
 def _order(r: Request) -> tuple[int, float]:
@@ -87,8 +95,16 @@ class FairQueue:
         self._size += 1
 
     def appendleft(self, r: Request) -> None:
-        """A preempted request: first in line, before every tenant."""
-        self.front.appendleft(r)
+        """A preempted request: first in its tenant's line (fair), or first of all."""
+        if not self.fair:
+            self.front.appendleft(r)
+            self._size += 1
+            return
+        t = self._tenant(r)
+        if t not in self.queues:
+            self.append(r)
+            return
+        self.queues[t].insert(0, r)
         self._size += 1
 
     def remove(self, r: Request) -> None:
@@ -110,19 +126,39 @@ class FairQueue:
         del self.deficit[t]
         self.ring.remove(t)
 
+    def weight(self, t: str | None) -> float:
+        return self.weights.get(t, 1.0) if t is not None else 1.0
+
+    def tenants(self) -> list[str | None]:
+        """The tenants with requests waiting (fair; with fcfs the one line, None)."""
+        return list(self.ring)
+
+    def demand(self, t: str | None, cap: int) -> int:
+        """Prompt tokens `t`'s waiting requests hold, counted up to `cap`."""
+        total = 0
+        for r in self.queues.get(t, ()):
+            total += r.num_tokens - r.num_computed_tokens
+            if total >= cap:
+                return cap
+        return total
+
     # ---------------------------------------------------------------- admission
-    def peek(self) -> Request:
-        """The request admission should take next (the same one until it is popped)."""
+    def peek(self, skip: set | frozenset = frozenset()) -> Request | None:
+        """The request admission should take next (the same one until it is popped),
+        passing over the tenants in `skip`; None when only they wait."""
         if self.front:
             return self.front[0]
-        return self.queues[self._turn()][0]
+        t = self._turn(skip)
+        return None if t is _NONE else self.queues[t][0]
 
-    def popleft(self) -> Request:
-        """Take the request `peek` named, charging its tenant its prompt tokens."""
-        self._size -= 1
+    def popleft(self, skip: set | frozenset = frozenset()) -> Request:
+        """Take the request `peek(skip)` named, charging its tenant its prompt tokens."""
         if self.front:
+            self._size -= 1
             return self.front.popleft()
-        t = self._turn()
+        t = self._turn(skip)
+        assert t is not _NONE, "nothing to pop"
+        self._size -= 1
         q = self.queues[t]
         r = q.pop(0)
         if len(self.ring) > 1:  # alone, a tenant owes no one: it joins the next round even
@@ -131,30 +167,148 @@ class FairQueue:
             self._leave(t)
         return r
 
-    def _turn(self) -> str | None:
+    def _turn(self, skip: set | frozenset = frozenset()) -> str | object | None:
         """The tenant whose head request its deficit covers, giving the next tenants
-        their quantum in turn until one is found."""
+        their quantum in turn until one is found; tenants in `skip` are passed over and
+        get no quantum.  _NONE when every waiting tenant is skipped."""
         ring, deficit, queues = self.ring, self.deficit, self.queues
-        if len(ring) == 1:
-            return ring[0]  # no one to be fair to
+        if not skip or not any(t in skip for t in ring):
+            if len(ring) == 1:
+                return ring[0]  # no one to be fair to
+            skip = frozenset()
+        else:
+            live = [t for t in ring if t not in skip]
+            if len(live) <= 1:
+                return live[0] if live else _NONE
         for attempt in range(2):
             for _ in range(len(ring)):
                 t = ring[0]
-                if deficit[t] >= queues[t][0].num_tokens:
+                if t not in skip and deficit[t] >= queues[t][0].num_tokens:
                     return t
                 ring.rotate(-1)
-                deficit[ring[0]] += self._share(ring[0])
+                if ring[0] not in skip:
+                    deficit[ring[0]] += self._share(ring[0])
             if attempt == 0:
-                self._skip_rounds()
+                self._skip_rounds(skip)
         raise AssertionError("deficit round robin found no tenant")  # pragma: no cover
 
-    def _skip_rounds(self) -> None:
+    def _skip_rounds(self, skip: set | frozenset) -> None:
         """A whole round served no one (every head costs more than a quantum): add the
         rounds that would pass likewise at once, so the next round serves someone."""
+        live = [t for t in self.ring if t not in skip]
         need = min(
-            -(-(self.queues[t][0].num_tokens - self.deficit[t]) // self._share(t))
-            for t in self.ring
+            -(-(self.queues[t][0].num_tokens - self.deficit[t]) // self._share(t)) for t in live
         )
         if need > 1:
-            for t in self.ring:
+            for t in live:
                 self.deficit[t] += (need - 1) * self._share(t)
+
+
+def split_budget(
+    budget: int, demands: dict[str | None, int], weights: dict[str | None, float]
+) -> dict[str | None, int]:
+    """Weighted max-min fair split of `budget` tokens: each tenant gets its weight's
+    share, a tenant that needs less gets what it needs and the rest goes to the others by
+    weight (work-conserving: a tenant alone gets all it can use).  Whole tokens; every
+    tenant with demand gets at least one while the budget lasts."""
+    out = {t: 0 for t in demands}
+    left = budget
+    active = {t for t, d in demands.items() if d > 0}
+    while left > 0 and active:
+        total = sum(weights[t] for t in active)
+        fair = {t: left * weights[t] / total for t in active}
+        sated = [t for t in active if demands[t] - out[t] <= fair[t]]
+        if sated:
+            for t in sated:
+                left -= demands[t] - out[t]
+                out[t] = demands[t]
+                active.discard(t)
+            continue
+        # Everyone wants more than its share: floor the shares, then hand out the tokens
+        # the flooring left over one each, heaviest weight first.
+        given = 0
+        for t in active:
+            g = int(fair[t])
+            out[t] += g
+            given += g
+        rest = left - given
+        for t in sorted(active, key=lambda t: -weights[t])[:rest]:
+            out[t] += 1
+        left = 0
+    return out
+
+
+@dataclass
+class TenantShares:
+    """One step's fair shares across the tenants with work (scheduler/scheduler.py).
+
+    `tokens`: the prompt tokens (prefill chunks and admissions) each tenant may still take
+    this step, from `split_budget`.  `seats` / `blocks`: the running sequences and KV
+    blocks each holds, against its weight's share of `max_num_seqs` and of the pool;
+    `over` are those at or past either share.  While a tenant under its shares waits,
+    the over-share tenants are passed over at admission and their newest requests are
+    the ones preempted to make room.
+    """
+
+    tokens: dict[str | None, int]
+    seats: dict[str | None, int]
+    blocks: dict[str | None, int]
+    seat_share: dict[str | None, float]
+    block_share: dict[str | None, float]
+    over: set[str | None] = field(default_factory=set)
+    done: set[str | None] = field(default_factory=set)  # passed over for the rest of the step
+
+    @classmethod
+    def build(
+        cls,
+        tenants: dict[str | None, float],
+        tokens: dict[str | None, int],
+        seats: dict[str | None, int],
+        blocks: dict[str | None, int],
+        max_seqs: int,
+        num_blocks: int,
+    ) -> TenantShares:
+        """`tenants`: weight of each tenant with work; the rest as the fields."""
+        total = sum(tenants.values())
+        sh = cls(
+            tokens=tokens,
+            seats=seats,
+            blocks=blocks,
+            seat_share={t: max(1.0, max_seqs * w / total) for t, w in tenants.items()},
+            block_share={t: num_blocks * w / total for t, w in tenants.items()},
+        )
+        sh.over = {t for t in tenants if sh._over(t)}
+        return sh
+
+    def _over(self, t: str | None) -> bool:
+        return self.seats[t] >= self.seat_share[t] or self.blocks[t] >= self.block_share[t]
+
+    def starved(self, waiting: Iterable[str | None]) -> bool:
+        """Some waiting tenant is under its shares."""
+        return any(t not in self.over for t in waiting)
+
+    def skip(self, waiting: Iterable[str | None]) -> set[str | None]:
+        """The tenants admission passes over now."""
+        return self.done | self.over if self.starved(waiting) else set(self.done)
+
+    def admitted(self, t: str | None, seqs: int, blocks: int, tokens: int) -> None:
+        self.seats[t] += seqs
+        self.blocks[t] += blocks
+        self.tokens[t] -= tokens
+        if self._over(t):
+            self.over.add(t)
+
+    def victim_tenant(self, t: str | None, short_of_seats: bool) -> str | None:
+        """The tenant other than `t` most past its share of what is short, if any is."""
+        held, share = (
+            (self.seats, self.seat_share) if short_of_seats else (self.blocks, self.block_share)
+        )
+        best, worst = None, 1.0
+        for v in self.seats:
+            if v != t and (r := held[v] / share[v]) > worst:
+                best, worst = v, r
+        return best
+
+    def preempted(self, v: str | None, blocks: int) -> None:
+        self.seats[v] -= 1
+        self.blocks[v] -= blocks

@@ -24,7 +24,7 @@ from scheduler.contract import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from scheduler.fair_queue import FairQueue
+from scheduler.fair_queue import FairQueue, TenantShares, split_budget
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.pins import ConversationSupport
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
@@ -54,6 +54,10 @@ class _StepPlan:
     preempted: bool = False
     decodes: DecodeColumns | None = None  # the columnar rows (scheduler/columnar.py)
     decode_ids: set[str] | None = None  # their ids, built only if a preemption asks
+    # Fair shares inside the step, when more than one tenant has work (else None): each
+    # tenant's prompt tokens left this step and the tenants admission passes over.
+    fair: TenantShares | None = None
+    early: list[Request] = field(default_factory=list)  # admitted before the running pass
 
 
 def _seeded_sampling(req: Request) -> bool:
@@ -81,6 +85,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         )
         self.waiting = FairQueue(config.tenant_weights, fair=config.scheduling_policy == "fair")
         self.running: list[Request] = []
+        self.tenant_seqs: dict[str | None, int] = {}  # running sequences per tenant
+        self.num_fair_preemptions = 0  # preempted to make room for a tenant under its share
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self.finished_req_ids: list[str] = []  # to tell the runner next step
@@ -160,7 +166,16 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         self._constrained = []
         self.kv.pins.expire()
         step = _StepPlan(budget=self.config.max_num_batched_tokens)
+        if self.waiting.fair and (tenants := self._tenants_with_work()):
+            step.fair = self._tenant_shares(step.budget, tenants)
+            if step.fair.starved:
+                # A tenant under its share of the running set gets in first, within its
+                # share of the step's prompt tokens, taking room from over-share tenants.
+                self._admit_waiting(step, early=True)
         self._schedule_running(step)
+        if step.early:
+            self.running += step.early
+            self._timed = None
         # No admissions in a step that preempted: the pool is already short.
         if not step.preempted:
             left = step.budget
@@ -206,12 +221,17 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         allocate = self.kv.allocate_slots
         running = RequestStatus.RUNNING
         copies, scheduled, new_reqs, done = step.copies, step.scheduled, step.new_reqs, step.done
+        fair = step.fair
         for req in order:
             if step.budget <= 0:
                 break
             if req.status != running:
                 continue  # preempted earlier in this pass
             n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
+            if fair is not None and n > 1:  # a prompt chunk: within its tenant's share
+                n = min(n, fair.tokens[req.tenant])
+                if n <= 0:
+                    continue
             drafts: list[int] | None = None
             num_draft = 0
             if (plan := plans.get(req.req_id)) is not None and n == 1:
@@ -219,7 +239,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
                 num_draft = max(0, min(plan[1], self._spec_room(req, step.budget)))
                 drafts = plan[0][:num_draft]
             while allocate(req, n + num_draft, copies) is None:
-                victim = self._newest_unscheduled(step)
+                victim = self._newest_unscheduled(step, req)
                 self._preempt(victim)
                 step.preempted = True
                 if victim is req:
@@ -229,6 +249,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
             self._schedule(req, n, scheduled, new_reqs, drafts, num_draft)
             done.add(req.req_id)
             step.budget -= n + num_draft
+            if fair is not None and n > 1:
+                fair.tokens[req.tenant] -= n
 
     def _plan_drafts(self, budget: int) -> dict[str, tuple[list[int], int]]:
         """Each speculating decode's (drafts, slots), or none when this step should not
@@ -275,12 +297,32 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
             self.spec.policy.observe(*self._timed, seconds)
             self._timed = None
 
-    def _admit_waiting(self, step: _StepPlan) -> None:
+    def _admit_waiting(self, step: _StepPlan, early: bool = False) -> None:
+        """Admissions from the waiting queue into what is left of the step's budget.
+        Under fair shares (step.fair) each tenant takes at most its share of the prompt
+        tokens, and while a tenant under its share of the running set waits, tenants
+        past theirs are passed over.  `early`: only tenants under their share, before the
+        running pass, preempting an over-share tenant's newest request when one does not
+        fit (vLLM's priority preemption, with the share as the priority)."""
         bs = self.block_size
-        while self.waiting and step.budget > 0:
-            req = self.waiting.peek()
-            if len(self.running) + 1 + len(req.fork_ids) > self.config.max_num_seqs:
-                break
+        q, fair = self.waiting, step.fair
+        while q and step.budget > 0:
+            if fair is None:
+                skip: set | frozenset = frozenset()
+                req = q.peek()
+            else:
+                skip = fair.done | fair.over if early else fair.skip(q.tenants())
+                if (req := q.peek(skip)) is None:
+                    break
+            cap = step.budget if fair is None else min(step.budget, fair.tokens[req.tenant])
+            seqs = 1 + len(req.fork_ids)
+            if cap <= 0 or len(self.running) + len(step.early) + seqs > self.config.max_num_seqs:
+                if fair is None:
+                    break
+                if cap > 0 and early and self._fair_preempt(fair, req.tenant, True):
+                    continue
+                fair.done.add(req.tenant)
+                continue
             # Prompt logprobs need every prompt position computed: no prefix hits.
             hits = (
                 [] if req.params.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
@@ -292,13 +334,18 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
                 if req.remote_start <= local < end:
                     remote = end - local
             num_hit = (local + remote) * bs
-            n = min(req.num_tokens - num_hit, step.budget)
+            n = min(req.num_tokens - num_hit, cap)
             fresh = self.kv.allocate_slots(
                 req, n, step.copies, hits, num_external_tokens=remote * bs
             )
             if fresh is None:
-                break
-            self.waiting.popleft()
+                if fair is None:
+                    break
+                if not (early and self._fair_preempt(fair, req.tenant, False)):
+                    fair.done.add(req.tenant)
+                continue
+            popped = q.popleft(skip)
+            assert popped is req
             for i in range(remote):
                 payload = req.remote_payloads[local - req.remote_start + i]
                 step.load_kv.append(KVBlockPayload(block_id=fresh[i].block_id, data=payload))
@@ -311,10 +358,71 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            (step.early if early else self.running).append(req)
+            self._count_running(req, 1)
+            if fair is not None:
+                fair.admitted(req.tenant, seqs, len(self.kv.blocks_of(req.req_id)), n)
             self._schedule(req, n, step.scheduled, step.new_reqs)
             step.done.add(req.req_id)
             step.budget -= n
+
+    # ---------------------------------------------------------------- fair shares
+    def _count_running(self, req: Request, d: int) -> None:
+        seqs = self.tenant_seqs
+        n = seqs.get(req.tenant, 0) + d
+        if n:
+            seqs[req.tenant] = n
+        else:
+            del seqs[req.tenant]
+
+    def _tenants_with_work(self) -> set[str | None] | None:
+        """The tenants with requests running or waiting, when there are two or more."""
+        tenants = set(self.tenant_seqs)
+        tenants.update(self.waiting.tenants())
+        return tenants if len(tenants) > 1 else None
+
+    def _tenant_shares(self, budget: int, tenants: set[str | None]) -> TenantShares:
+        """This step's shares: the prompt tokens (the budget after the decodes) split by
+        weight across what each tenant's prompt chunks and waiting requests could use, and
+        what each holds of the running set."""
+        q = self.waiting
+        seats = dict.fromkeys(tenants, 0)
+        blocks = dict.fromkeys(tenants, 0)
+        chunks = dict.fromkeys(tenants, 0)
+        table = self.kv.req_block_ids
+        decodes = 0
+        for r in self.running:
+            t = r.tenant
+            seats[t] += 1
+            blocks[t] += len(table.get(r.req_id, ()))
+            left = len(r.token_ids) - r.num_computed_tokens
+            if left > 1:
+                chunks[t] += left
+            else:
+                decodes += 1
+        prefill = max(budget - decodes, 0)
+        weights = {t: q.weight(t) for t in tenants}
+        demand = {t: chunks[t] + q.demand(t, prefill) for t in tenants}
+        return TenantShares.build(
+            weights,
+            split_budget(prefill, demand, weights),
+            seats,
+            blocks,
+            self.config.max_num_seqs,
+            self.kv.pool.num_blocks,
+        )
+
+    def _fair_preempt(self, fair: TenantShares, t: str | None, short_of_seats: bool) -> bool:
+        """Preempt the newest running request of the tenant most past its share of the
+        seats (or the blocks), to make room for tenant `t`; False when none is past it."""
+        v = fair.victim_tenant(t, short_of_seats)
+        if v is None:
+            return False
+        victim = next(r for r in reversed(self.running) if r.tenant == v)
+        fair.preempted(v, len(self.kv.blocks_of(victim.req_id)))
+        self._preempt(victim)
+        self.num_fair_preemptions += 1
+        return True
 
     def _step_output(self, step: _StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
@@ -400,11 +508,17 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
             sample_index=req.sample_index,
         )
 
-    def _newest_unscheduled(self, step: _StepPlan) -> Request:
+    def _newest_unscheduled(self, step: _StepPlan, for_req: Request | None = None) -> Request:
         done = step.done
         if step.decodes is not None and step.decode_ids is None:
             step.decode_ids = set(step.decodes.req_ids)
         cols = step.decode_ids or ()
+        if (fair := step.fair) is not None and for_req is not None:
+            # An over-share tenant's request goes first, unless it is the one short of room.
+            over = fair.over - {for_req.tenant}
+            for r in reversed(self.running):
+                if r.tenant in over and r.req_id not in done and r.req_id not in cols:
+                    return r
         for r in reversed(self.running):
             if r.req_id not in done and r.req_id not in cols:
                 return r
@@ -413,6 +527,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks; it recomputes later (prefix hits permitting)."""
         self.running.remove(req)
+        self._count_running(req, -1)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.columnar = False
@@ -481,6 +596,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
             child.num_cached_tokens = req.num_cached_tokens
             child.status = RequestStatus.RUNNING
             self.running.append(child)
+            self._count_running(child, 1)
             i = sampled[cid]
             updates.append(
                 self._append_token(child, mo.sampled_token_ids[i], logprobs and logprobs[i])
@@ -598,6 +714,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
     def _finish(self, req: Request, status: RequestStatus, drop_private: bool = False) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._count_running(req, -1)
         if req.conversation is not None:
             self._end_turn(req, status)
         self.kv.free(req, drop_private=drop_private)

@@ -112,6 +112,7 @@ def assert_all_free(sched: Scheduler, runner: FakeRunner | None = None) -> None:
     assert not sched.groups
     assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
     assert not sched.kv.req_blocks
+    assert not sched.tenant_seqs, sched.tenant_seqs
     if runner is not None:
         assert not runner.known, runner.known
 

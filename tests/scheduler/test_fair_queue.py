@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from scheduler.engine_core import EngineCore, EngineOverloaded
-from scheduler.fair_queue import FairQueue
+from scheduler.fair_queue import FairQueue, split_budget
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -74,19 +74,54 @@ def test_priority_orders_within_a_key_only():
     assert order.index("b") < 3  # its priority does not put it behind another key's
 
 
-def test_preempted_front_removal_and_counts():
-    q = FairQueue()
-    reqs = [_req(f"r{i}", "a" if i % 2 else "b", 20) for i in range(6)]
-    for r in reqs:
-        q.append(r)
-    back = _req("back", "b", 20)
-    q.appendleft(back)  # preempted: first whatever the shares
-    q.remove(reqs[1])
-    with pytest.raises(ValueError):
+def test_preempted_request_heads_its_line_removal_and_counts():
+    for fair in (True, False):
+        q = FairQueue(fair=fair)
+        reqs = [_req(f"r{i}", "a" if i % 2 else "b", 20) for i in range(6)]
+        for r in reqs:
+            q.append(r)
+        back = _req("back", "b", 20)
+        q.appendleft(back)  # preempted: first in its key's line (fcfs: first of all)
         q.remove(reqs[1])
-    assert len(q) == 6 and q.count("a") == 2 and q.count("b") == 4
-    assert _drain(q)[0] == "back"
-    assert not q.ring and not q.deficit
+        with pytest.raises(ValueError):
+            q.remove(reqs[1])
+        assert len(q) == 6 and q.count("a") == 2 and q.count("b") == 4
+        order = _drain(q)
+        if fair:
+            # Its key's turn decides when (the recompute costs tokens again), not its place.
+            assert [r for r in order if r not in ("r3", "r5")][:1] == ["back"]
+            assert order[0] == "r3"
+        else:
+            assert order[0] == "back"
+        assert not q.ring and not q.deficit
+
+
+def test_peek_skips_tenants_and_keeps_their_turn():
+    q = FairQueue()
+    for i in range(3):
+        q.append(_req(f"f{i}", "flood", 300))
+        q.append(_req(f"c{i}", "chat", 30))
+    assert q.peek({"flood", "chat"}) is None
+    r = q.peek({"flood"})
+    assert r is not None and r.req_id == "c0" and q.popleft({"flood"}) is r
+    assert [q.popleft({"flood"}).req_id for _ in range(2)] == ["c1", "c2"]
+    # Only the skipped tenant is left: peek says so; unskipped, it is served.
+    assert q.peek({"flood"}) is None
+    assert _drain(q) == ["f0", "f1", "f2"]
+
+
+def test_split_budget_is_weighted_max_min_and_work_conserving():
+    w = {"a": 1.0, "b": 1.0, "c": 2.0}
+    assert split_budget(100, {"a": 1000}, w) == {"a": 100}  # alone: all of it
+    assert split_budget(100, {"a": 1000, "b": 10}, w) == {"a": 90, "b": 10}
+    assert split_budget(100, {"a": 1000, "b": 1000}, w) == {"a": 50, "b": 50}
+    got = split_budget(100, {"a": 1000, "b": 1000, "c": 1000}, w)
+    assert got == {"a": 25, "b": 25, "c": 50}
+    got = split_budget(101, {"a": 1000, "b": 1000, "c": 30}, w)
+    assert got["c"] == 30 and got["a"] + got["b"] == 71 and abs(got["a"] - got["b"]) <= 1
+    assert split_budget(0, {"a": 5, "b": 5}, w) == {"a": 0, "b": 0}
+    assert split_budget(10, {"a": 0, "b": 3}, w) == {"a": 0, "b": 3}
+    assert split_budget(2, {"a": 9, "b": 9, "c": 9}, w) == {"a": 0, "b": 0, "c": 2}
 
 
 def test_scheduler_admits_the_interactive_key_first():
