@@ -28,7 +28,13 @@ $(VENV)/.stamp: pyproject.toml
 TCMALLOC := $(firstword $(wildcard /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4))
 RUN_PRELOAD := $(if $(LD_PRELOAD),,$(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC)))
 
-run: setup
+# The shipped default model (committed); the server never trains it at start-up, so a
+# tree without it gets it here first (a few CPU minutes, once).
+DEFAULT_MODEL := modelkit/pair/target/config.json
+$(DEFAULT_MODEL): | $(VENV)/.stamp
+	$(PY) -m service.cli train-pair modelkit/pair
+
+run: setup $(DEFAULT_MODEL)
 	@echo "pagestream: serving on http://$(HOST):$(PORT)/  (chat page at /, OpenAI API at /v1)"
 	$(RUN_PRELOAD) $(PY) -m service.cli serve --host $(HOST) --port $(PORT) $(ARGS)
 

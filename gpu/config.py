@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 
 from gpu import cpu_features
 from gpu.cpu_features import CpuFeatures
+from scheduler import envs
 
 # architecture name -> (biases, per-head q/k RMSNorm).  Biases as transformers builds the
 # attention: "config" = q/k/v and o_proj all follow config.json's attention_bias (default
@@ -30,10 +30,10 @@ def cache_root() -> Path:
     """Where pagestream keeps what it builds on first use (default model, test
     checkpoints, compiled CPU kernels): $PAGESTREAM_CACHE, else $XDG_CACHE_HOME/pagestream,
     else ~/.cache/pagestream."""
-    explicit = os.environ.get("PAGESTREAM_CACHE")
+    explicit = envs.PAGESTREAM_CACHE
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = envs.XDG_CACHE_HOME or str(Path.home() / ".cache")
     return Path(base) / "pagestream"
 
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 
 import torch
@@ -63,6 +62,7 @@ from torch import nn
 
 from gpu import cpu_features, cpu_kernels
 from gpu.cpu_features import CpuFeatures
+from scheduler import envs
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,7 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
     PAGESTREAM_PREFILL_GEMM: auto (float32 on a CPU without AVX-512 where pagestream's
     sgemm is not built: with it, the sgemm takes every size), mkl (any float32 model),
     onednn (never)."""
-    choice = os.environ.get("PAGESTREAM_PREFILL_GEMM", "auto")
-    if choice not in ("auto", "mkl", "onednn"):
-        raise ValueError(f"PAGESTREAM_PREFILL_GEMM must be auto, mkl or onednn, not {choice!r}")
+    choice = envs.PAGESTREAM_PREFILL_GEMM
     if dtype != torch.float32 or choice == "onednn" or not torch.backends.mkl.is_available():
         return None
     cpu = cpu or cpu_features.detect()
@@ -142,16 +140,8 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
 AMX_MAX_ROWS = 192
 
 
-_GEMM_CHOICES = ("auto", "sgemm", "amx", "dpbf16", "sgemm512", "onednn")
-
-
 def _decode_gemm() -> str:
-    choice = os.environ.get("PAGESTREAM_DECODE_GEMM", "auto")
-    if choice not in _GEMM_CHOICES:
-        raise ValueError(
-            f"PAGESTREAM_DECODE_GEMM must be one of {', '.join(_GEMM_CHOICES)}, not {choice!r}"
-        )
-    return choice
+    return envs.PAGESTREAM_DECODE_GEMM
 
 
 def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
@@ -390,7 +380,7 @@ def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
     start-up and not in the first requests' steps (10-15 ms each on a 2-core Xeon; 4.3 s
     in all for the `mid` model in bf16 at a 2,048-token budget, 8.4 s in float32).
     Returns the products run.  PAGESTREAM_CPU_WARMUP=0 skips it."""
-    if os.environ.get("PAGESTREAM_CPU_WARMUP", "1") == "0":
+    if not envs.PAGESTREAM_CPU_WARMUP:
         return 0
     head = getattr(model, "lm_head_packed", None)
     done: set[tuple] = set()
@@ -451,7 +441,7 @@ def _probe(dtype: torch.dtype) -> bool:
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    if os.environ.get("PAGESTREAM_PACK_LINEAR", "1") == "0":
+    if not envs.PAGESTREAM_PACK_LINEAR:
         return False
     return dtype in (torch.float32, torch.bfloat16) and _ops_available() and _probe(dtype)
 
@@ -514,7 +504,7 @@ def linears_packable(dtype: torch.dtype) -> bool:
     """pack_model_linears will swap a `dtype` model's linears: oneDNN packs them, or
     pagestream's sgemm takes them (also where oneDNN has no packed kernel for the dtype:
     bf16 on AVX2-only CPUs, where torch's own bf16 product runs at ~18 GFLOP/s)."""
-    if os.environ.get("PAGESTREAM_PACK_LINEAR", "1") == "0":
+    if not envs.PAGESTREAM_PACK_LINEAR:
         return False
     return use_sgemm(dtype) or use_dpbf16(dtype) or use_sgemm512(dtype) or packing_available(dtype)
 

@@ -7,7 +7,6 @@ it needs logits for.  Projections are fused (qkv, gate_up) so each layer issues 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -30,6 +29,7 @@ from gpu.cpu_linear import (
 )
 from gpu.pp import PPStage
 from gpu.tp import TPGroup, vocab_parallel_embed
+from scheduler import envs
 
 
 class RMSNorm(nn.Module):
@@ -267,7 +267,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(config, max_positions)
         self.fused = False  # set by fuse_for_cpu()
         self.layer_stack: LayerStack | None = None  # set by fuse_for_cpu()
-        if backend.name == "triton" and os.environ.get("PAGESTREAM_TRITON_ELEMENTWISE") != "0":
+        if backend.name == "triton" and envs.PAGESTREAM_TRITON_ELEMENTWISE:
             self.use_triton_elementwise()
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
         # than an alias) keeps state_dict() and assign-loading simple.

@@ -21,9 +21,10 @@ sampler, the service's output processing), so the isolation under test is the re
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from scheduler import envs
 
 ENV_VAR = "PAGESTREAM_FAULT_INJECTION"
 _KINDS = ("sample-token", "register-token", "detok-token", "forward-token", "step")
@@ -76,7 +77,7 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls, spec: str | None = None) -> FaultPlan | None:
-        return cls.parse(spec if spec is not None else os.environ.get(ENV_VAR))
+        return cls.parse(spec if spec is not None else envs.PAGESTREAM_FAULT_INJECTION)
 
     # ------------------------------------------------------------------ checks
     @staticmethod

@@ -1,4 +1,4 @@
-"""`pagestream` command line: serve, make-model, train-pair, bench serve."""
+"""`pagestream` command line: serve, make-model, train-pair; `bench ...` runs `python -m bench`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from scheduler import envs
 from scheduler.spec import SpecConfig
 from service.async_engine import EngineArgs
 from service.limits import Limits
@@ -21,7 +22,7 @@ Group = argparse._ArgumentGroup
 
 
 def _env(name: str) -> str | None:
-    return os.environ.get(name) or None
+    return envs.raw(name)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -390,7 +391,7 @@ def bound_onednn_caches(capacity: int) -> None:
     object left behind.  Read once when torch first runs a oneDNN op, so this must run
     before torch is imported; an operator's own environment wins."""
     for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        os.environ.setdefault(var, str(capacity))
+        envs.set_default(var, str(capacity))
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -510,6 +511,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from service.engine_setup import run_worker_node
 
         return ENGINE_FAILURE_EXIT if run_worker_node(engine_args(a)) else 0
+    from service.engine_setup import DefaultModelMissing, ensure_default_model
+
+    if not a.model:  # said before the server starts, not as a load failure behind /health
+        try:
+            ensure_default_model()
+        except DefaultModelMissing as e:
+            print(f"pagestream serve: {e}", file=sys.stderr)
+            return 2
     from service.app import run_server
 
     code = run_server(server_config(a))
@@ -662,10 +671,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from modelkit.train import main as train_main
 
         return train_main(argv[1:])
-    if argv[:2] == ["bench", "serve"]:
-        from bench.serve import main as bench_main
-
-        return bench_main(argv[2:])
+    if argv[:1] == ["bench"]:
+        # bench/ sits above the service (it drives servers), so the service does not
+        # import it: like git's external commands, this process becomes `python -m bench`.
+        os.execv(sys.executable, [sys.executable, "-m", "bench", *argv[1:]])
     ap = build_parser()
     a = ap.parse_args(argv)
     logging.basicConfig(

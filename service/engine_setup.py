@@ -209,20 +209,21 @@ def default_draft_dir() -> Path:
     return PAIR_DIR / "draft"
 
 
+class DefaultModelMissing(FileNotFoundError):
+    """The shipped default model is not there (a trimmed install); the server never trains
+    one at start-up, it says which command writes it."""
+
+
 def ensure_default_model() -> Path:
-    """The embedded default model; if the shipped pair is missing (a trimmed install),
-    it is trained once into the cache (a few CPU minutes)."""
+    """The embedded default model, or DefaultModelMissing naming the command that writes
+    it (`make run` runs that command first when it is missing)."""
     path = default_model_dir()
     if (path / "config.json").is_file():
         return path
-    from modelkit.make_model import cache_root
-    from modelkit.train import train_pair
-
-    cached = cache_root() / "models" / "pair"
-    if not (cached / "target" / "config.json").is_file():
-        log.info("training the embedded default model pair into %s (first use)", cached)
-        train_pair(cached)
-    return cached / "target"
+    raise DefaultModelMissing(
+        f"the default model is missing ({path / 'config.json'} not found): write it with "
+        f"`pagestream train-pair {path.parent}` (a few CPU minutes), or pass --model DIR"
+    )
 
 
 def ensure_small_model() -> Path:

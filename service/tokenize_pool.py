@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from scheduler import envs
 from service.tokenizer import Codec
 from service.worker_pool import Worker, WorkerPool
 
@@ -147,8 +148,8 @@ def _run_job(codec: Codec, job: tuple[Any, ...]) -> tuple[str, Any]:
 
 def _worker_main(conn: multiprocessing.connection.Connection, codec: Codec) -> None:
     # One core per worker: the tokenizer would otherwise fan a batch out to every core.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = "1"
+    envs.set_value("TOKENIZERS_PARALLELISM", "false")
+    envs.set_value("RAYON_NUM_THREADS", "1")
     # Below the server's own threads: a huge prompt's tokenizing takes the CPU the event
     # loop and the model step leave, not a share of theirs (other streams never notice).
     with contextlib.suppress(OSError, AttributeError):

@@ -8,12 +8,12 @@ decides at that moment whether they are compiled for a GPU or interpreted
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
+from scheduler import envs
 
 __all__ = [
     "BACKEND_NAMES",
@@ -76,7 +76,7 @@ def create_attention_backend(
 
     # name == "triton"
     if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not envs.TRITON_INTERPRET:
             raise ValueError(
                 "attention backend 'triton' needs a CUDA device; on the CPU it only runs "
                 "under Triton's interpreter (set TRITON_INTERPRET=1 before start-up; slow, "

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from gpu import cpu_features, cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.kv_quant import dequantize, write_quantized
+from scheduler import envs
 
 
 def write_kv_reference(
@@ -105,12 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self._kernel_ok: dict[torch.dtype, bool] = {}
-        choice = os.environ.get("PAGESTREAM_PREFILL_ATTENTION", "auto")
-        if choice not in ("auto", "kernel", "sdpa"):
-            raise ValueError(
-                f"PAGESTREAM_PREFILL_ATTENTION must be auto, kernel or sdpa, not {choice!r}"
-            )
-        self._prefill_choice = choice
+        self._prefill_choice = envs.PAGESTREAM_PREFILL_ATTENTION
 
     def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
         ok = self._kernel_ok.get(q.dtype)
