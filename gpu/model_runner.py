@@ -68,6 +68,7 @@ class ModelRunner:
         quantization: str | None = None,
         speculative_model: str | Path | None = None,
         speculation: bool = False,
+        speculative_medusa: str | Path | None = None,
         tp: TPGroup | None = None,
         cpu_threads: int | str | None = None,
         pp: PPStage | None = None,
@@ -122,7 +123,7 @@ class ModelRunner:
         # Speculative decoding: verification, and the draft model when there is one.
         self.spec: SpecRunner | None = None
         if speculation or speculative_model is not None:
-            self.spec = SpecRunner(self, speculative_model, attention_backend)
+            self.spec = SpecRunner(self, speculative_model, attention_backend, speculative_medusa)
 
     def release(self) -> None:
         """Frees the KV caches and captured graphs once the engine has stopped.  On a GPU
@@ -355,7 +356,11 @@ class ModelRunner:
                 samples, verify = inputs.samples, inputs.verify
                 keep = inputs.keep
                 pw = self.piecewise
-                if pw is not None and pw.bucket(inputs.meta.num_tokens) is not None:
+                if (
+                    pw is not None
+                    and inputs.meta.tree_bits is None  # (graphs captured without a tree)
+                    and pw.bucket(inputs.meta.num_tokens) is not None
+                ):
                     # Every row comes back: the eager forward's cut of the last layer to
                     # `keep` is a host-side choice a graph cannot make per step.
                     hidden = pw.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -375,6 +380,9 @@ class ModelRunner:
                 if so.grammar_bitmasks:
                     self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)
+                if self.spec is not None and self.spec.medusa is not None:
+                    # Medusa's heads read the hidden state that sampled each last token.
+                    self.spec.medusa.remember(samples.ids, samples.hidden(hidden))
             if verify:
                 assert self.spec is not None, "draft tokens sent to a runner without speculation"
                 self.spec.verify(self, hidden, verify, out)
@@ -551,6 +559,9 @@ class ModelRunner:
             None
             if dec is None or not dec.req_ids
             else (dec.token_ids, dec.positions, [tables[rid] for rid in dec.req_ids]),
+            None
+            if self.spec is None or self.spec.medusa is None
+            else [self.spec.tree_layout(r.req_id) if r.num_draft else None for r in ordered],
         )
         # Each request samples from its last known token's row; a verify chunk's draft
         # rows follow it.

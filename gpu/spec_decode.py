@@ -53,6 +53,7 @@ class TargetRunner(Protocol):
     sampler: Sampler
     model: torch.nn.Module
     graphs: DecodeGraphs | None
+    kv_caches: list[tuple[torch.Tensor, ...]]
 
 
 def _view(state: RequestSamplingState, extra: list[int]) -> RequestSamplingState:
@@ -298,17 +299,33 @@ class SpecRunner:
     """What the model runner does for speculative decoding."""
 
     def __init__(
-        self, runner: TargetRunner, draft_dir: str | Path | None, attention_backend: str
+        self,
+        runner: TargetRunner,
+        draft_dir: str | Path | None,
+        attention_backend: str,
+        medusa_dir: str | Path | None = None,
     ) -> None:
         self.draft = (
             DraftModel(draft_dir, runner, attention_backend) if draft_dir is not None else None
         )
+        # Medusa heads (gpu/medusa.py): tree-shaped verify chunks.
+        self.medusa = None
+        if medusa_dir is not None:
+            from gpu.medusa import MedusaProposer  # (it imports this module)
+
+            self.medusa = MedusaProposer(medusa_dir, runner)
         # q rows of this step's model drafts, between proposing and verifying.
         self._q: dict[str, torch.Tensor | None] = {}
 
     def drop(self, req_id: str) -> None:
         if self.draft is not None:
             self.draft.valid.pop(req_id, None)
+        if self.medusa is not None:
+            self.medusa.drop(req_id)
+
+    def tree_layout(self, req_id: str) -> tuple[list[int], list[int]] | None:
+        """A Medusa verify chunk's (position offsets, tree bits) for layout_batch."""
+        return None if self.medusa is None else self.medusa.layout(req_id)
 
     def before_step(
         self,
@@ -321,6 +338,10 @@ class SpecRunner:
         The step's plain decodes (its columns) do not pass through here: a decode row's
         position is never below its draft KV's valid end (`verified` keeps that end at
         most the last token's position), so only a recomputed chunk can need the reset."""
+        if self.medusa is not None:
+            todo_m = [sr for sr in scheduled if sr.num_draft and not sr.draft_ids]
+            if todo_m:
+                self.medusa.propose(todo_m)
         draft = self.draft
         if draft is None:
             return
@@ -347,17 +368,22 @@ class SpecRunner:
         verify: list[tuple[ScheduledRequest, int]],
         out: ModelOutput,
     ) -> None:
-        rows: list[int] = []
-        for sr, row in verify:
-            rows += range(row, row + sr.num_draft + 1)
-        logits = runner.model.compute_logits(
-            hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-        )
+        results: list[Verified] = []
+        if self.medusa is not None:
+            results = self.medusa.verify(runner, hidden, verify)
+        else:
+            rows: list[int] = []
+            for sr, row in verify:
+                rows += range(row, row + sr.num_draft + 1)
+            logits = runner.model.compute_logits(
+                hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+            )
+            states = [runner.requests[sr.req_id] for sr, _ in verify]
+            qs = [self._q.pop(sr.req_id, None) for sr, _ in verify]
+            results = verify_drafts(
+                runner.sampler, logits, states, [sr.draft_ids for sr, _ in verify], qs
+            )
         states = [runner.requests[sr.req_id] for sr, _ in verify]
-        qs = [self._q.pop(sr.req_id, None) for sr, _ in verify]
-        results = verify_drafts(
-            runner.sampler, logits, states, [sr.draft_ids for sr, _ in verify], qs
-        )
         any_lp = out.logprobs is not None or any(r.logprobs for r in results)
         if any_lp and out.logprobs is None:
             out.logprobs = [None] * len(out.req_ids)

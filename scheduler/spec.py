@@ -11,18 +11,26 @@ Two proposers sit behind one interface:
   earlier occurrence of the request's last n tokens;
 - a draft model (gpu/spec_decode.DraftModel): the scheduler only reserves k slots and the
   executor fills them, running the draft over its own paged KV that follows the target's
-  block tables.
+  block tables;
+- Medusa heads (gpu/medusa.py) on the target's own last hidden state: the scheduler
+  reserves the slots of the static candidate tree cut to the wanted depth
+  (scheduler/medusa_tree.py) and the executor fills them; one verify pass with a tree
+  mask keeps the longest accepted path.  A request's depth, acceptance rate and the
+  step-cost policy count tree levels, as they count a chain's tokens.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
+from scheduler.medusa_tree import tree_depth, tree_size
 from scheduler.request import Request
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "medusa")
 
 
 @dataclass
@@ -31,7 +39,7 @@ class SpecConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    model: str | None = None  # draft checkpoint (method "draft")
+    model: str | None = None  # draft checkpoint (method "draft"), Medusa heads ("medusa")
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # vLLM's hard cap: no speculation in steps with more requests running or queued than
@@ -52,6 +60,8 @@ class SpecConfig:
             )
         if self.method == "draft" and not self.model:
             raise ValueError("speculative method 'draft' needs a draft model directory")
+        if self.method == "medusa" and not self.model:
+            raise ValueError("speculative method 'medusa' needs a Medusa heads directory")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -117,6 +127,18 @@ def _find_back(seq: list[int], pat: list[int], start: int, stop: int = -1) -> in
     return -1
 
 
+def medusa_num_heads(path: str) -> int:
+    """The heads a Medusa checkpoint has (its config.json), which bound the tree's depth."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        n = int(cfg["medusa_num_heads"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a Medusa checkpoint (config.json: {e!r})") from e
+    if n < 1:
+        raise ValueError(f"{path}: medusa_num_heads must be >= 1, got {n}")
+    return n
+
+
 class DraftSlots:
     """The draft model proposes inside the executor: the scheduler reserves k slots."""
 
@@ -152,7 +174,13 @@ class SpecDecoder:
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.in_executor = config.method == "draft"
+        self.in_executor = config.method in ("draft", "medusa")
+        # Medusa: k is the tree's depth (one level per head at most); a verify chunk
+        # holds the tree's nodes down to the wanted depth.
+        self.tree = config.method == "medusa"
+        if self.tree:
+            assert config.model is not None
+            self.k = min(self.k, medusa_num_heads(config.model))
         self.proposer: Proposer = (
             DraftSlots()
             if self.in_executor
@@ -189,6 +217,8 @@ class SpecDecoder:
     def propose(self, req: Request, k: int) -> tuple[list[int], int]:
         """(draft tokens, slots) for `k` wanted drafts: n-gram drafts come as tokens (maybe
         fewer); the draft model gets k slots to fill."""
+        if self.tree:
+            return [], tree_size(k)
         if self.in_executor:
             return [], k
         drafts = self.proposer.propose(req, k)
@@ -208,7 +238,10 @@ class SpecDecoder:
     def observe(self, req: Request, num_draft: int, num_accepted: int) -> None:
         """Per verify step: `num_accepted` successes, then one failure unless all passed
         (the drafts after a rejection were never tried), so the ratio of the two averages
-        estimates the per-token rate whatever depth the request drafted at."""
+        estimates the per-token rate whatever depth the request drafted at.  A tree's
+        `num_draft` is its node count; its trials are its levels."""
+        if self.tree:
+            num_draft = tree_depth(num_draft, self.k)
         self.stats.record(num_draft, num_accepted)
         trials = num_accepted + (num_accepted < num_draft)
         req.spec_accepted = self.EMA * req.spec_accepted + (1 - self.EMA) * num_accepted

@@ -154,6 +154,7 @@ class AsyncEngine:
                 faults=faults,
                 speculation=spec is not None,
                 speculative_model=spec.model if spec and spec.method == "draft" else None,
+                speculative_medusa=spec.model if spec and spec.method == "medusa" else None,
             )
 
         # Built on the thread that will run every step (see ThreadExecutor).

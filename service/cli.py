@@ -197,16 +197,19 @@ def _add_queue_args(g: Group) -> None:
 def _add_speculative_args(g: Group) -> None:
     g.add_argument(
         "--speculative-method",
-        choices=["ngram", "draft"],
+        choices=["ngram", "draft", "medusa"],
         default=None,
-        help="speculative decoding: n-gram prompt lookup or a draft model (default: off)",
+        help="speculative decoding: n-gram prompt lookup, a draft model, or Medusa heads "
+        "(--speculative-model: their directory; `pagestream train-medusa` makes them) "
+        "(default: off)",
     )
     g.add_argument(
         "--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step"
     )
     g.add_argument(
-        "--speculative-model", default=None, help="draft checkpoint (same tokenizer as --model)"
-    )
+        "--speculative-model", default=None,
+        help="draft checkpoint (same tokenizer as --model), or the Medusa heads' directory",
+    )  # fmt: skip
     g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram prompt lookup")
     g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram prompt lookup")
     g.add_argument(
@@ -552,6 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=None)
 
+    tm = sub.add_parser(
+        "train-medusa", help="train Medusa heads for a target checkpoint", add_help=False
+    )
+    tm.set_defaults(func=None)
+
     b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
     b.set_defaults(func=None)
     return ap
@@ -671,6 +679,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from modelkit.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["train-medusa"]:
+        from modelkit.medusa_train import main as medusa_main
+
+        return medusa_main(argv[1:])
     if argv[:1] == ["bench"]:
         # bench/ sits above the service (it drives servers), so the service does not
         # import it: like git's external commands, this process becomes `python -m bench`.

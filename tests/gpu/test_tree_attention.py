@@ -16,7 +16,7 @@ from gpu.attention.torch_backend import (
     write_kv_reference,
 )
 from gpu.kernels.testing import make_paged_batch
-from gpu.medusa import build_tree, tree_paths
+from scheduler.medusa_tree import build_tree, tree_paths
 
 HQ, HKV, D, BS = 4, 2, 64, 16
 
