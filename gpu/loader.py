@@ -11,8 +11,8 @@ from safetensors import safe_open
 from gpu.attention.base import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.model import CausalLM, Rotary
-from gpu.quant_linear import AWQLinear, quantize_model_int8, unpack_awq
 from gpu.pp import PPStage
+from gpu.quant_linear import AWQLinear, quantize_model_int8, unpack_awq
 from gpu.tp import TPGroup, local_config, shard_range
 
 # Keys some checkpoints carry that hold no weights we need.

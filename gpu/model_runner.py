@@ -23,10 +23,10 @@ from gpu.cpu_threads import ThreadGovernor
 from gpu.cuda_graphs import DEFAULT_SIZES, DEFAULT_TOKEN_SIZES, DecodeGraphs, PiecewiseGraphs
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
+from gpu.pp import PPStage, run_pipeline
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
 from gpu.step_rows import PromptRows, SampleRows, StepInputs
-from gpu.pp import PPStage, run_pipeline
 from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
 from scheduler.contract import (
     DecodeColumns,

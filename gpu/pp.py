@@ -19,7 +19,8 @@ runs micro-batch k, this stage runs k + 1: the sends are asynchronous (isend).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -130,13 +131,6 @@ def make_stage(
     return PPStage(stage, pp_size, start, stop, tp_size, tp_rank, micro_batches, device)
 
 
-@dataclass
-class _MicroBatch:
-    dec: DecodeColumns
-    scheduled: list[ScheduledRequest]
-    pending: list[Any] = field(default_factory=list)  # isend handles and their tensors
-
-
 def split_rows(
     dec: DecodeColumns, scheduled: list[ScheduledRequest], parts: int
 ) -> list[tuple[DecodeColumns, list[ScheduledRequest]]]:
@@ -161,7 +155,7 @@ def split_rows(
         acc += w
     bounds.append(len(weights))
     out = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
+    for a, b in itertools.pairwise(bounds):
         if a == b:
             continue
         d = dec.select(list(range(a, min(b, nd)))) if a < nd else dec.select([])

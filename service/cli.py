@@ -513,7 +513,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from service.app import ENGINE_FAILURE_EXIT
         from service.engine_setup import run_worker_node
 
-        return ENGINE_FAILURE_EXIT if run_worker_node(engine_args(a)) else 0
+        code = run_worker_node(engine_args(a), health=(a.host, a.port))
+        return ENGINE_FAILURE_EXIT if code else 0
     from service.engine_setup import DefaultModelMissing, ensure_default_model
 
     if not a.model:  # said before the server starts, not as a load failure behind /health

@@ -182,16 +182,45 @@ def tp_executor(
     )
 
 
-def run_worker_node(args: EngineArgs) -> int:
+def run_worker_node(args: EngineArgs, health: tuple[str, int] | None = None) -> int:
     """`serve --node-rank k` (k > 0): this node's ranks only, no API server; returns the
-    process's exit code (non-zero when a rank failed)."""
-    from gpu.tp_executor import Topology, run_worker_node as run_node
+    process's exit code (non-zero when a rank failed).  `health`: an address where GET
+    /health and /live answer 200 while the node runs (its ranks' supervisor is alive),
+    so the probes of a pod template shared with node 0 hold on every node."""
+    from gpu.tp_executor import Topology
+    from gpu.tp_executor import run_worker_node as run_node
 
+    if health is not None:
+        _serve_node_health(*health, args.node_rank)
     topo = Topology(
         args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes, args.master_addr,
         args.master_port, args.tensor_parallel_timeout, args.pipeline_micro_batches,
     )  # fmt: skip
     return run_node(topo, args.node_rank, args.threads)
+
+
+def _serve_node_health(host: str, port: int, node_rank: int) -> None:
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = json.dumps({"status": "ok", "role": "worker node", "node_rank": node_rank}).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            known = self.path.split("?")[0] in ("/health", "/live")
+            self.send_response(200 if known else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) if known else 0))
+            self.end_headers()
+            if known:
+                self.wfile.write(body)
+
+        def log_message(self, *_args: Any) -> None:  # probes every few seconds: not logged
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="node-health", daemon=True).start()
 
 
 def default_model_dir() -> Path:

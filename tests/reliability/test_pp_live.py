@@ -58,17 +58,17 @@ def _serve(model: str, log: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both(
-    model, tmp_path
-):
+async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both(model, tmp_path):
     with LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]  # fmt: skip
-    master, http = _port_pair(), free_port()
+    master, http, http1 = _port_pair(), free_port(), free_port()
     url = f"http://127.0.0.1:{http}"
     logs = tmp_path / "node0.log", tmp_path / "node1.log"
-    # Node 1 first: its ranks wait for node 0 (as on hosts that start in any order).
-    node1 = _serve(model, logs[1], "--node-rank", "1", "--master-port", str(master))
+    # Node 1 first: its ranks wait for node 0 (as on hosts that start in any order).  It
+    # serves no API, only /health and /live for the probes of a shared pod template.
+    node1 = _serve(model, logs[1], "--node-rank", "1", "--master-port", str(master),
+                   "--port", str(http1))  # fmt: skip
     node0 = _serve(model, logs[0], "--node-rank", "0", "--master-port", str(master),
                    "--port", str(http))  # fmt: skip
     try:
@@ -77,6 +77,7 @@ async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both
         except (TimeoutError, RuntimeError) as e:
             raise AssertionError(logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]) from e
         assert tp_workers(node0.pid) == []  # node 0 runs rank 0 in the server only
+        _wait_health(f"http://127.0.0.1:{http1}", node1, timeout=10)
         (rank1,) = tp_workers(node1.pid)
         async with aiohttp.ClientSession() as s:
             got = await asyncio.gather(*(completion(s, url, body(p, 8)) for p in PROMPTS))
