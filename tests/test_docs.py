@@ -7,6 +7,7 @@ must be there beside its source.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -185,4 +186,151 @@ def test_the_member_checker_sees_a_rename() -> None:
     # Modules are checked too; variables, file names and other libraries are not.
     assert undefined_members("`m.bar` `m.nope` `meta.x` `m.json`", srcs) == [
         "m.nope: m defines no 'nope'"
+    ]
+
+
+# ----------------------------------------------------------------- the request path's calls
+# docs/ARCHITECTURE.md lists the request path as chains of functions in ```callchain
+# blocks: one `path qualname [via NAME]` a line, a blank line between chains.  Each
+# function must call (or hand on as a callback) the next one: by the next one's own name,
+# or, with `via NAME`, by calling NAME (an nn.Module or object called through __call__).
+# The files whose functions every request runs through: each must appear in a chain.
+CHAIN_FILES = {
+    "service/app.py",
+    "service/ws.py",
+    "service/prep.py",
+    "service/tokenize_pool.py",
+    "service/openai_chat.py",
+    "service/openai_common.py",
+    "service/async_engine.py",
+    "service/detokenizer.py",
+    "scheduler/engine_core.py",
+    "scheduler/scheduler.py",
+    "scheduler/kv_cache_manager.py",
+    "scheduler/executor.py",
+    "scheduler/stream.py",
+    "gpu/model_runner.py",
+    "gpu/model.py",
+    "gpu/attention/torch_backend.py",
+    "gpu/sampler.py",
+}
+_CHAIN_BLOCK = re.compile(r"```callchain\n(.*?)```", re.S)
+
+
+def doc_chains(text: str) -> list[list[tuple[str, str, str | None]]]:
+    chains = []
+    for block in _CHAIN_BLOCK.findall(text):
+        for part in re.split(r"\n\s*\n", block.strip()):
+            chain = []
+            for line in part.strip().splitlines():
+                words = line.split()
+                via = words[3] if len(words) == 4 and words[2] == "via" else None
+                if len(words) not in (2, 4) or (len(words) == 4 and via is None):
+                    raise ValueError(f"not `path qualname [via NAME]`: {line!r}")
+                chain.append((words[0], words[1], via))
+            chains.append(chain)
+    return chains
+
+
+def find_function(tree: ast.Module, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    body: list[ast.stmt] = tree.body
+    *owners, name = qualname.split(".")
+    for owner in owners:
+        cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == owner), None)
+        if cls is None:
+            return None
+        body = cls.body
+    return next(
+        (
+            n
+            for n in body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+        ),
+        None,
+    )
+
+
+def _called_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def reaches(fn: ast.AST, target: str, via: str | None) -> bool:
+    """`fn` calls `via(...)` (given), else names `target` (a call, or a callback handed on)."""
+    for node in ast.walk(fn):
+        if via is not None:
+            if isinstance(node, ast.Call) and _called_name(node.func) == via:
+                return True
+        elif isinstance(node, ast.Name | ast.Attribute) and _called_name(node) == target:
+            return True
+    return False
+
+
+def chain_problems(chains: list[list[tuple[str, str, str | None]]], root: Path) -> list[str]:
+    trees: dict[str, ast.Module] = {}
+    bad = []
+    for chain in chains:
+        fns = []
+        for path, qualname, _ in chain:
+            file = root / path
+            if not file.is_file():
+                bad.append(f"{path}: no such file")
+                fns.append(None)
+                continue
+            tree = trees.setdefault(path, ast.parse(file.read_text(), path))
+            fn = find_function(tree, qualname)
+            if fn is None:
+                bad.append(f"{path} defines no {qualname}")
+            fns.append(fn)
+        for (a, (pa, qa, _)), (pb, qb, via) in zip(zip(fns, chain), chain[1:], strict=False):
+            if a is None:
+                continue
+            if not reaches(a, qb.split(".")[-1], via):
+                how = f"calls no {via}(...)" if via else f"never names {qb.split('.')[-1]}"
+                bad.append(f"{pa} {qa} {how}: the chain's next step is {pb} {qb}")
+    return bad
+
+
+def test_the_request_path_follows_the_real_calls() -> None:
+    chains = doc_chains(DOC.read_text())
+    assert sum(len(c) for c in chains) > 30, "the callchain blocks went missing"
+    bad = chain_problems(chains, ROOT)
+    assert not bad, "docs/ARCHITECTURE.md's request path is not what the code calls:\n" + (
+        "\n".join(bad)
+    )
+    named = {path for chain in chains for path, _, _ in chain}
+    missing = sorted(CHAIN_FILES - named)
+    assert not missing, f"files of the request path in no callchain: {missing}"
+
+
+def test_the_chain_checker_sees_a_rename_and_a_reroute(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "def a():\n    b()\n\n"
+        "def b():\n    obj.model(1)\n\n"
+        "class C:\n    def forward(self):\n        self.later = self.d\n\n"
+        "    def d(self):\n        pass\n"
+    )
+    good = [[("m.py", "a", None), ("m.py", "b", None), ("m.py", "C.forward", "model")]]
+    good.append([("m.py", "C.forward", None), ("m.py", "C.d", None)])  # a callback counts
+    assert chain_problems(good, tmp_path) == []
+    renamed = [[("m.py", "a", None), ("m.py", "bb", None)]]
+    assert chain_problems(renamed, tmp_path) == [
+        "m.py defines no bb",
+        "m.py a never names bb: the chain's next step is m.py bb",
+    ]
+    rerouted = [[("m.py", "b", None), ("m.py", "a", None)]]
+    assert chain_problems(rerouted, tmp_path) == [
+        "m.py b never names a: the chain's next step is m.py a"
+    ]
+    wrong_via = [[("m.py", "a", "model"), ("m.py", "b", "model")]]
+    assert chain_problems(wrong_via, tmp_path) == [
+        "m.py a calls no model(...): the chain's next step is m.py b"
+    ]
+    text = "```callchain\nm.py a\nm.py b\n\nm.py b\nm.py C.forward via model\n```\n"
+    assert doc_chains(text) == [
+        [("m.py", "a", None), ("m.py", "b", None)],
+        [("m.py", "b", None), ("m.py", "C.forward", "model")],
     ]
