@@ -10,10 +10,13 @@ Every rank receives the same SchedulerOutput (over the executor's pipes), so eac
 lays out the same micro-batches and knows the shape of what it will receive without
 being told.  Stage 0 embeds, the last stage applies the final norm, computes logits and
 samples, then sends the step's ModelOutput (msgspec bytes) to global rank 0, the one in
-the server process.  A step's rows are split into contiguous micro-batches in step order
-(decode rows first, as a single forward lays them out): a request that hits a prefix
-block another request of the same step is writing always comes after it, so the
-writer's micro-batch has gone through each stage's layers first.  While the next stage
+the server process.  A step's rows are split into contiguous micro-batches in the order
+the scheduler wrote them (decode columns, then the other rows as scheduled): a request
+that hits a prefix block another request of the same step is writing was scheduled after
+it (the writer's allocation registered the block), so the writer's micro-batch has gone
+through each stage's layers first.  (Not the order one forward lays rows out in, one-token
+rows first: a one-token row can be a new request whose prefix another row of the step is
+writing.  Each micro-batch is laid out that way inside.)  While the next stage
 runs micro-batch k, this stage runs k + 1: the sends are asynchronous (isend).
 """
 
@@ -134,10 +137,9 @@ def make_stage(
 def split_rows(
     dec: DecodeColumns, scheduled: list[ScheduledRequest], parts: int
 ) -> list[tuple[DecodeColumns, list[ScheduledRequest]]]:
-    """Contiguous micro-batches of about equal token counts over the step's rows in the
-    order one forward lays them out (decode columns, one-token rows, then chunks)."""
-    ordered = [r for r in scheduled if len(r.input_ids) + r.num_draft == 1]
-    ordered += [r for r in scheduled if len(r.input_ids) + r.num_draft != 1]
+    """Contiguous micro-batches of about equal token counts over the step's rows in
+    scheduling order (the decode columns, then `scheduled` as it comes)."""
+    ordered = scheduled
     nd = len(dec.req_ids)
     weights = [1] * nd + [len(r.input_ids) for r in ordered]
     parts = max(1, min(parts, len(weights)))

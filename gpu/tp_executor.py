@@ -146,6 +146,7 @@ def _worker_main(
     on another node, which connects to node 0 for both first (_connect)."""
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
         f.write(f"pagestream-tp{rank}")  # so ps / top name the rank (Linux)
+    remote = conn is None
     try:
         if conn is None:
             conn, runner_kwargs, topo = _connect(rank, topo)
@@ -164,7 +165,10 @@ def _worker_main(
         try:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
-            os._exit(0)  # the server is gone; nothing to clean up that matters
+            # The server is gone; nothing to clean up that matters.  A remote node's rank
+            # says so in its exit code: its node exits non-zero and is restarted with
+            # node 0 (a clean stop comes as _STOP instead).
+            os._exit(1 if remote else 0)
         if msg == _STOP:
             break
         if msg == _STATS:

@@ -23,10 +23,11 @@ from tests.gpu.test_tensor_parallel import ENGINE, PROMPTS, hf_greedy, run
 pytest.importorskip("transformers")
 
 CASES = [
-    pytest.param(("llama", {}, 2, 1), id="llama-pp2"),
+    # Three layers over two stages (2 + 1).
+    pytest.param(("llama", {"num_hidden_layers": 3}, 2, 1), id="llama-3layers-pp2"),
     pytest.param(("llama", {}, 2, 2), id="llama-pp2xtp2"),
-    # Three layers over two stages (2 + 1); tied embeddings: the last stage holds the
-    # embedding as its lm_head, the first as its embedding.
+    # Tied embeddings: the last stage holds the embedding as its lm_head, the first as
+    # its embedding.
     pytest.param(("qwen2", {"tie_word_embeddings": True, "num_hidden_layers": 3}, 2, 1),
                  id="qwen2-tied-3layers-pp2", marks=pytest.mark.slow),
     pytest.param(("qwen3", {}, 2, 2), id="qwen3-pp2xtp2", marks=pytest.mark.slow),
@@ -112,14 +113,15 @@ def _req(rid: str, n: int) -> ScheduledRequest:
 def test_micro_batches_are_contiguous_and_balanced():
     dec = DecodeColumns(req_ids=["d0", "d1", "d2", "d3"], token_ids=[1, 2, 3, 4],
                         positions=[5, 5, 5, 5])  # fmt: skip
-    chunks = [_req("a", 1), _req("b", 6), _req("c", 2)]
+    chunks = [_req("b", 6), _req("a", 1), _req("c", 2)]
     parts = split_rows(dec, chunks, 2)
     assert len(parts) == 2
     flat = [rid for d, s in parts for rid in [*d.req_ids, *(r.req_id for r in s)]]
-    # Step order as one forward lays it out: decode columns, one-token rows, chunks.
-    assert flat == ["d0", "d1", "d2", "d3", "a", "b", "c"]
+    # Scheduling order, not one forward's layout (one-token rows first): "a" may be a new
+    # request whose prefix hit is a block "b" writes in this very step.
+    assert flat == ["d0", "d1", "d2", "d3", "b", "a", "c"]
     tokens = [len(d.req_ids) + sum(len(r.input_ids) for r in s) for d, s in parts]
-    assert tokens == [5, 8]  # 13 tokens: the cut closes the first part past half
+    assert tokens == [4, 9]  # 13 tokens: the cut lands nearest half
     assert [len(split_rows(dec, [], m)) for m in (1, 2, 3, 8)] == [1, 2, 3, 4]
     (one,) = split_rows(DecodeColumns(), [_req("x", 16)], 2)  # one row: one micro-batch
     assert one[1][0].req_id == "x"
