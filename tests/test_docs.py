@@ -7,6 +7,7 @@ must be there beside its source.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 from pathlib import Path
@@ -334,3 +335,48 @@ def test_the_chain_checker_sees_a_rename_and_a_reroute(tmp_path: Path) -> None:
         [("m.py", "a", None), ("m.py", "b", None)],
         [("m.py", "b", None), ("m.py", "C.forward", "model")],
     ]
+
+
+# ----------------------------------------------------------------- docs/FLAGS.md
+def serve_flags() -> list[str]:
+    """Every long option of `pagestream serve`, from the parser itself."""
+    from service.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    return [
+        opt
+        for action in serve._actions
+        for opt in action.option_strings
+        if opt.startswith("--") and opt != "--help"
+    ]
+
+
+def test_every_serve_flag_is_documented() -> None:
+    flags = serve_flags()
+    assert len(flags) > 60, "the flag finder stopped seeing the parser"
+    text = (ROOT / "docs" / "FLAGS.md").read_text()
+    documented = set(re.findall(r"`(--[a-z0-9-]+)", text))
+    missing = [f for f in flags if f not in documented]
+    assert not missing, f"docs/FLAGS.md does not document {missing}"
+    unknown = sorted(documented - set(flags) - {"--help"})
+    assert not unknown, f"docs/FLAGS.md documents flags serve does not have: {unknown}"
+
+
+def test_every_environment_variable_is_in_the_flags_doc() -> None:
+    from scheduler import envs
+
+    text = (ROOT / "docs" / "FLAGS.md").read_text()
+    missing = [name for name in (*envs.VARS, *envs.SETS) if f"`{name}`" not in text]
+    assert not missing, f"docs/FLAGS.md does not document {missing}"
+
+
+def test_the_readme_stays_a_front_page() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for page in ("API", "FLAGS", "LIMITS", "METRICS", "PERFORMANCE", "ARCHITECTURE"):
+        assert f"(docs/{page}.md" in readme, f"README does not link docs/{page}.md"
+        assert (ROOT / "docs" / f"{page}.md").is_file()
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", readme)
+    assert images and all((ROOT / i).is_file() for i in images), images
