@@ -12,7 +12,7 @@ Sections (all by default):
   serve_vllm pagestream's server and vLLM's OpenAI server under the same load (vLLM rows
              only with --vllm-python or $VLLM_PYTHON)
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
-  spec       speculative decoding (off / n-gram / draft model) on the trained pair
+  spec       speculative decoding (off / n-gram / draft model / Medusa) on the trained pair
   tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
   crowded    served (3 req/s) and offline beside 0 / 1 / 2 busy processes: the engine's
              own thread choice vs a fixed --threads team
@@ -192,6 +192,16 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--structured-reps", type=int, default=3)
     ap.add_argument("--quant-n", type=int, default=16, help="offline requests per quant row")
     ap.add_argument("--spec-draft", default=None, help="draft model for `spec` with --model")
+    ap.add_argument(
+        "--spec-medusa", default=None,
+        help="spec: Medusa heads for the target (default: trained once into the cache by "
+        "`pagestream train-medusa`, --spec-medusa-minutes)",
+    )  # fmt: skip
+    ap.add_argument("--spec-medusa-minutes", type=float, default=10.0,
+                    help="spec: budget to train the heads when none are given or cached")  # fmt: skip
+    ap.add_argument("--spec-batches", default="1,4,32", help="spec: batch sizes")
+    ap.add_argument("--spec-out-tokens", type=int, default=64, help="spec: tokens a request")
+    ap.add_argument("--spec-repeats", type=int, default=3, help="spec: runs per case (median)")
     ap.add_argument(
         "--enforce-eager", action="store_true", help="spec: no CUDA graphs (as the server flag)"
     )

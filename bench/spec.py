@@ -1,8 +1,10 @@
 """`make bench` section `spec`: speculative decoding on the trained pair.
 
 Output tokens per CPU-second and per wall-second, and mean acceptance length (tokens a
-verify step emits: 1 + accepted drafts per verify) at batch 1, 4 and 32, speculation off vs n-gram prompt lookup vs the
-draft model, on two workloads built from Python standard-library sources the pair was not
+verify step emits: 1 + accepted drafts per verify) at batch 1, 4 and 32, speculation off vs
+n-gram prompt lookup vs the draft model vs Medusa heads (trained on the target by
+`pagestream train-medusa` once, into the cache, unless --spec-medusa names them), on two
+workloads built from Python standard-library sources the pair was not
 trained on (the files its training held out):
 - free: the first ~160 tokens of a file, continued;
 - copy: a function, a comment saying it follows again, and its first line: the
@@ -13,6 +15,7 @@ Greedy, `ignore_eos`, fixed output length, so every mode emits the same tokens.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,22 +79,43 @@ def prompts(tok: Any, n: int) -> dict[str, list[list[int]]]:
     return {"free": free[:n], "copy": copy[:n]}
 
 
+MODES = ("ngram", "draft", "medusa")
+
+
 def _rows(
-    workloads: list[str], runs: dict[tuple[str, str, int], list[tuple[float, float, float]]]
+    workloads: list[str],
+    runs: dict[tuple[str, str, int], list[tuple[float, float, float]]],
+    batches: tuple[int, ...] = (1, 4, 32),
 ) -> list[list[str]]:
     """One table row per workload and batch: off's figures, then each mode's vs off."""
     rows = []
     for wl in workloads:
-        for batch in (1, 4, 32):
+        for batch in batches:
             base_wall, base_cpu, _ = _medians(runs[("off", wl, batch)])
             row = [wl, str(batch), f"{base_cpu:.0f} ({base_wall:.0f})"]
-            for mode in ("ngram", "draft"):
+            for mode in MODES:
                 wall, cpu, mal = _medians(runs[(mode, wl, batch)])
                 row.append(
                     f"{cpu:.0f} ({cpu / base_cpu:.2f}x; wall {wall / base_wall:.2f}x; {mal:.2f})"
                 )
             rows.append(row)
     return rows
+
+
+def medusa_heads(target: Path, given: str | None, minutes: float) -> Path:
+    """The Medusa heads to bench: --spec-medusa, else those trained for this target into
+    the cache (once; `pagestream train-medusa` with a time budget)."""
+    if given:
+        return Path(given)
+    from modelkit.make_model import cache_root
+    from modelkit.medusa_train import train_medusa
+
+    key = hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"medusa-{key}"
+    if not (out / "config.json").is_file():
+        print(f"  spec: training Medusa heads for {target} into {out}", flush=True)
+        train_medusa(target, out, minutes=minutes)
+    return out
 
 
 def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: Any) -> str:
@@ -106,14 +130,21 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
     if args.model:
         target = Path(args.model)
         draft = Path(args.spec_draft) if args.spec_draft else draft
+    batches = tuple(int(b) for b in str(getattr(args, "spec_batches", "1,4,32")).split(","))
+    out_tokens = getattr(args, "spec_out_tokens", OUT_TOKENS)
+    repeats = getattr(args, "spec_repeats", REPEATS)
+    heads = medusa_heads(
+        target, getattr(args, "spec_medusa", None), getattr(args, "spec_medusa_minutes", 10.0)
+    )
     tok = Tokenizer.from_dir(target)
-    work = prompts(tok, 32)
+    work = prompts(tok, max(max(batches), BATCH1_PROMPTS))
     modes: dict[str, dict | None] = {
         "off": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": K},
         "draft": {"method": "draft", "model": str(draft), "num_speculative_tokens": K},
+        "medusa": {"method": "medusa", "model": str(heads), "num_speculative_tokens": K},
     }
-    params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
     llms = {
         mode: LLM(
             str(target),
@@ -130,14 +161,15 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
         llm.generate(work["free"][:2], params)  # warm-up
     runs: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
     try:
-        # The modes take turns on each case (in a rotating order), REPEATS times, and each
-        # figure is the median: load from other processes then hits all three alike.
+        # The modes take turns on each case (in a rotating order), `repeats` times, and
+        # each figure is the median: load from other processes then hits all alike.
         order = list(llms.items())
         for wl, ps in work.items():
-            for batch in (1, 4, 32):
+            for batch in batches:
                 groups = [[p] for p in ps[:BATCH1_PROMPTS]] if batch == 1 else [ps[:batch]]
-                for rep in range(REPEATS):
-                    for mode, llm in order[rep % 3 :] + order[: rep % 3]:
+                for rep in range(repeats):
+                    turn = rep % len(order)
+                    for mode, llm in order[turn:] + order[:turn]:
                         runs.setdefault((mode, wl, batch), []).append(_measure(llm, groups, params))
                 for mode in llms:
                     wall, cpu, mal = _medians(runs[(mode, wl, batch)])
@@ -146,15 +178,15 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
     finally:
         for llm in llms.values():
             llm.shutdown()
-    rows = _rows(list(work), runs)
+    rows = _rows(list(work), runs, batches)
     where = f"{args.threads} threads"
     if torch.cuda.is_available():  # the LLM runs on the GPU then
         graphs = "eager" if args.enforce_eager else "CUDA graphs"
         where = f"{torch.cuda.get_device_name()}, {graphs}"
     return print_table(
-        f"speculative decoding, trained pair, k={K}, {OUT_TOKENS} greedy tokens, {args.dtype}, "
-        f"{where}, median of {REPEATS} (output tokens per CPU-second; speed-up "
+        f"speculative decoding, trained pair, k={K}, {out_tokens} greedy tokens, {args.dtype}, "
+        f"{where}, median of {repeats} (output tokens per CPU-second; speed-up "
         "vs off per CPU-second; per wall-second; mean acceptance length)",
-        ["workload", "batch", "off tok/CPU-s (tok/s)", "n-gram", "draft model"],
+        ["workload", "batch", "off tok/CPU-s (tok/s)", "n-gram", "draft model", "Medusa"],
         rows,
     )
