@@ -208,6 +208,7 @@ async def _load_engine(app: web.Application, state: ServerState) -> None:
         if str(engine.model_dir) not in names:
             names.append(str(engine.model_dir))
         metrics = _engine_metrics(engine, names[0])
+        metrics.watch_streams(state.streams)
         prep = Preprocessor(engine, state.config.limits, engine.args.max_waiting_requests or 1024)
         state.prep = prep  # before the first await: cleanup must find it
         await prep.start()

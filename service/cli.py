@@ -500,6 +500,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         socket_send_buffer=a.socket_send_buffer,
         resume_grace=a.resume_grace,
         resume_buffer_bytes=a.resume_buffer_bytes,
+        resume_buffer_total_bytes=a.resume_buffer_total_bytes,
         enable_debug_routes=a.enable_debug_routes,
         limits=limits(a),
         access_log=not a.disable_access_log,
@@ -652,6 +653,11 @@ def _add_stream_args(s: argparse.ArgumentParser) -> None:
         "--resume-buffer-bytes", type=int, default=1 << 20, metavar="BYTES",
         help="newest event bytes kept per stream for a resume; a stream that makes more "
         "while no connection holds it is aborted",
+    )  # fmt: skip
+    s.add_argument(
+        "--resume-buffer-total-bytes", type=int, default=64 << 20, metavar="BYTES",
+        help="event bytes all detached streams (no connection holds them) may buffer "
+        "together; past it the streams detached longest are aborted, their KV freed",
     )  # fmt: skip
     s.add_argument(
         "--socket-send-buffer", type=int, default=None, metavar="BYTES",

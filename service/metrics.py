@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -12,6 +14,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from scheduler.engine_core import StepInfo
 from scheduler.pins import PinStats
@@ -19,6 +23,9 @@ from scheduler.prefix_tier import TierStats
 from scheduler.scheduler import SchedulerStats
 from scheduler.spec import SpecStats
 from service.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from service.resume import StreamRegistry
 
 # The *_created series only add noise to every scrape.
 disable_created_metrics()
@@ -376,5 +383,52 @@ class Metrics:
         for hook, n in hook_errors.items():
             self.hook_errors.labels(self.model_name, hook).set(n)
 
+    def watch_streams(self, streams: StreamRegistry) -> None:
+        """Expose the resumable streams' state (service/resume.py), read at scrape time."""
+        self.registry.register(_StreamsCollector(streams, self.model_name))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StreamsCollector(Collector):
+    """Resumable streams: detached now, the bytes they buffer, resumes and expiries."""
+
+    def __init__(self, streams: StreamRegistry, model_name: str) -> None:
+        self.streams = streams
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self.streams, [self.model_name]
+        g = GaugeMetricFamily(
+            "pagestream_resume_streams_detached",
+            "Resumable streams no connection holds now (waiting for a resume or their "
+            "grace period to end).",
+            labels=["model_name"],
+        )
+        g.add_metric(m, len(s.detached))
+        yield g
+        g = GaugeMetricFamily(
+            "pagestream_resume_buffered_bytes",
+            "Event bytes the detached streams buffer (capped by --resume-buffer-total-bytes).",
+            labels=["model_name"],
+        )
+        g.add_metric(m, s.detached_bytes)
+        yield g
+        c = CounterMetricFamily(
+            "pagestream_resume_streams_resumed",
+            "Streams a reconnecting client took over (SSE Last-Event-ID, WebSocket resume).",
+            labels=["model_name"],
+        )
+        c.add_metric(m, s.resumed)
+        yield c
+        c = CounterMetricFamily(
+            "pagestream_resume_streams_expired",
+            "Streams given up with events their client never got: reason=grace (nobody "
+            "resumed in --resume-grace), buffer (over --resume-buffer-bytes with no reader), "
+            "memory (aborted, detached longest, over --resume-buffer-total-bytes).",
+            labels=["model_name", "reason"],
+        )
+        for reason, n in s.expired.items():
+            c.add_metric([*m, reason], n)
+        yield c

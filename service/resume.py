@@ -20,6 +20,10 @@ connection that drops costs the generation nothing:
 - A resume takes the log over from a connection that still holds it: the server may not
   know yet that it is dead (a phone that changed networks leaves it open until a write
   times out).  That connection's response ends there.
+- What all detached streams (no connection holds them) buffer together is bounded too,
+  by `--resume-buffer-total-bytes`: past it the streams detached longest are aborted
+  (their KV freed) and their logs emptied (a resume gets 410), oldest first, so a wave
+  of dropped connections cannot hold the server's memory for a grace period each.
 - With no connection for the grace period the generation is aborted (its KV freed) and
   the log dropped.  A finished stream's log is kept for the grace period as well (its
   last events may have died with the connection that carried them), then dropped.
@@ -50,6 +54,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 5.0
 DEFAULT_BUFFER_BYTES = 1 << 20
+# Across all detached streams: 64 full per-stream buffers (a typical answer's events are
+# far smaller, so many more streams fit).
+DEFAULT_TOTAL_BUFFER_BYTES = 64 << 20
 MAX_POSITION_DIGITS = 18  # a Last-Event-ID / `after` longer than this is not ours
 
 
@@ -77,6 +84,10 @@ class StreamLog:
         self.live = False  # the owner has caught up: new events go straight to it
         self.done = False
         self.lost = False  # events no connection got were dropped: no resume can work
+        self.lost_why = ""  # "buffer" (this stream's cap) or "memory" (the total cap)
+        self.detached = False  # in registry.detached: no connection holds it
+        self.counted = 0  # bytes of it in registry.detached_bytes
+        self.taken = False  # some connection held it once: the next to take it resumes
         self.producer: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.claim: tuple[str | None, str] | None = None  # request_ids claim to release
@@ -132,16 +143,25 @@ class StreamLog:
             seq, old = self.events.popleft()
             self.nbytes -= len(old)
             if seq > self.written:  # no connection ever got it: no resume can succeed
-                self._lose()
+                self._lose("buffer")
                 return
+        if self.detached:
+            self.registry.recount(self)
+            self.registry.enforce_total()
 
-    def _lose(self) -> None:
-        self.lost = True
+    def _lose(self, why: str) -> None:
+        registry = self.registry
+        registry.undetach(self)
+        running = self.producer is not None and not self.producer.done()
+        if running or why == "buffer" or self.written < self.last:
+            registry.expired[why] += 1  # (a finished stream fully delivered loses nothing)
+        self.lost, self.lost_why = True, why
         self.events.clear()
         self.nbytes = 0
-        log.info("stream %s: over %d bytes buffered with no reader; aborted", self.key[2],
-                 self.registry.cap)  # fmt: skip
-        if self.producer is not None and not self.producer.done():
+        cap = registry.cap if why == "buffer" else registry.total_cap
+        log.info("stream %s: over %d bytes buffered with no reader (%s); aborted",
+                 self.key[2], cap, why)  # fmt: skip
+        if running:
             self.producer.cancel()  # aborts the request: its KV blocks are freed
 
     # ------------------------------------------------------------ the readers' side
@@ -169,6 +189,10 @@ class StreamLog:
         old, self.owner, self.live = self.owner, sink, False
         if old is not None and old is not sink:
             old.displaced()
+        if self.taken:
+            self.registry.resumed += 1
+        self.taken = True
+        self.registry.undetach(self)
         self.registry.disarm(self)  # release() arms it again
 
     def go_live(self, sink: Sink) -> None:
@@ -180,11 +204,18 @@ class StreamLog:
         if self.owner is sink:
             self.owner, self.live = None, False
             self.registry.arm(self)
+            self.registry.detach(self)
 
 
 class ResumeGone(Exception):
     def __init__(self, stream: StreamLog) -> None:
-        if stream.lost:
+        if stream.lost and stream.lost_why == "memory":
+            why = (
+                "the detached streams together held more than --resume-buffer-total-bytes "
+                f"({stream.registry.total_cap}) and this one was detached longest; it was "
+                "aborted"
+            )
+        elif stream.lost:
             why = (
                 f"more than {stream.registry.cap} bytes of events were made while no "
                 "connection held this stream; it was aborted"
@@ -287,9 +318,18 @@ class StreamRegistry:
         cap: int = DEFAULT_BUFFER_BYTES,
         ids: LiveRequestIds | None = None,
         busy: tuple[Callable[[], None], Callable[[], None]] | None = None,
+        total_cap: int = DEFAULT_TOTAL_BUFFER_BYTES,
     ) -> None:
         self.grace = grace
         self.cap = cap
+        self.total_cap = total_cap
+        # Streams no connection holds, longest detached first, and the bytes they buffer.
+        self.detached: dict[tuple[str | None, str, str], StreamLog] = {}
+        self.detached_bytes = 0
+        self.resumed = 0  # logs taken over by a resuming connection
+        # Streams given up with something the client never got, by why: grace (nobody
+        # came back in time), buffer (its own cap), memory (the total cap).
+        self.expired: dict[str, int] = dict.fromkeys(("grace", "buffer", "memory"), 0)
         self.ids = ids  # the claims of client-chosen ids are released with their logs
         self.busy = busy  # (hold, unhold): a running generation keeps SIGTERM waiting
         self.logs: dict[tuple[str | None, str, str], StreamLog] = {}
@@ -349,11 +389,40 @@ class StreamRegistry:
         stream.timer = None
         if stream.owner is not None:
             return  # held again (take() disarms; kept for safety): release() re-arms
-        if stream.producer is not None and not stream.producer.done():
+        running = stream.producer is not None and not stream.producer.done()
+        if not stream.lost and (running or stream.written < stream.last):
+            self.expired["grace"] += 1
+        if running:
             stream.producer.cancel()  # nobody came back: abort, freeing its KV blocks
         self.drop(stream)
 
+    def detach(self, stream: StreamLog) -> None:
+        """No connection holds `stream` now: its bytes count against the total cap."""
+        if stream.detached or stream.lost or self.logs.get(stream.key) is not stream:
+            return
+        stream.detached = True
+        self.detached[stream.key] = stream
+        self.recount(stream)
+        self.enforce_total()
+
+    def recount(self, stream: StreamLog) -> None:
+        self.detached_bytes += stream.nbytes - stream.counted
+        stream.counted = stream.nbytes
+
+    def undetach(self, stream: StreamLog) -> None:
+        if stream.detached:
+            stream.detached = False
+            del self.detached[stream.key]
+            self.detached_bytes -= stream.counted
+            stream.counted = 0
+
+    def enforce_total(self) -> None:
+        """Over the total cap: abort the streams detached longest until under it."""
+        while self.detached_bytes > self.total_cap and self.detached:
+            next(iter(self.detached.values()))._lose("memory")
+
     def drop(self, stream: StreamLog) -> None:
+        self.undetach(stream)
         self.disarm(stream)
         if self.logs.get(stream.key) is stream:
             del self.logs[stream.key]

@@ -22,7 +22,12 @@ from service.metrics import Metrics
 from service.openai_api import OpenAIServing
 from service.prep import Preprocessor
 from service.request_ids import LiveRequestIds
-from service.resume import DEFAULT_BUFFER_BYTES, DEFAULT_GRACE_S, StreamRegistry
+from service.resume import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_GRACE_S,
+    DEFAULT_TOTAL_BUFFER_BYTES,
+    StreamRegistry,
+)
 from service.security import AllowedHosts, key_salt, key_tenant, parse_networks
 
 
@@ -62,9 +67,10 @@ class ServerConfig:
     socket_send_buffer: int | None = None  # SO_SNDBUF of streaming connections (None: OS)
     # Resumable streams (service/resume.py): how long a generation whose connection
     # dropped runs on waiting for a resume (0: aborted at once), and the newest event
-    # bytes kept per stream for one.
+    # bytes kept per stream for one, and across all streams no connection holds.
     resume_grace: float = DEFAULT_GRACE_S
     resume_buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    resume_buffer_total_bytes: int = DEFAULT_TOTAL_BUFFER_BYTES
     # An engine failure ends the process (exit code ENGINE_FAILURE_EXIT) once clients have
     # their errors, so a supervisor restarts it.  `pagestream serve` sets it; an embedded
     # server (tests) keeps running, unhealthy.
@@ -95,6 +101,7 @@ class ServerState:
             config.resume_buffer_bytes,
             self.request_ids,
             busy=(self.inflight_inc, self.inflight_dec),
+            total_cap=config.resume_buffer_total_bytes,
         )
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import websockets
 
+from service.security import key_tenant
 from tests.checkpoints import tiny_checkpoint
 from tests.service.live_server import LiveServer, live_server
 
@@ -441,3 +442,95 @@ async def test_ws_generation_that_ends_after_its_socket_leaves_no_pinned_kv(serv
     # num_used counts pinned free blocks too (they wait in their own queue).
     await asyncio.to_thread(wait_for, lambda: server.on_loop(lambda: pool.num_used) == 0, 5,
                             "its KV to be unpinned")  # fmt: skip
+
+
+# ------------------------------------------------------- the total cap and the metrics
+def metric(server: LiveServer, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (0 when absent)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+def stream_state(server: LiveServer, rid: str) -> tuple[bool, bool, str]:
+    """(done, detached, lost_why) of an SSE stream's log."""
+
+    def read() -> tuple[bool, bool, str]:
+        log = server.state.streams.find(key_tenant(KEY_A), "sse", rid)
+        assert log is not None
+        return log.done, log.detached, log.lost_why
+
+    return server.on_loop(read)
+
+
+async def _cut_after(http: aiohttp.ClientSession, server: LiveServer, max_tokens: int) -> tuple:
+    """A stream cut after 3 events: (its id, the events its client got)."""
+    r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=max_tokens))
+    events = await read_events(r, until=3)
+    cut(r)
+    return json.loads(events[-1]["data"])["id"], events
+
+
+async def test_detached_streams_share_a_total_cap_oldest_aborted_first(server, http) -> None:
+    """Two finished-but-unread streams that each fit the total cap but not together: the
+    one detached first is dropped (410 naming the flag), the newer still resumes in full;
+    a running stream over the cap is aborted at once, its KV freed.  /metrics counts it."""
+    streams = server.state.streams
+    await asyncio.to_thread(wait_logs_drained, server)
+    assert server.on_loop(lambda: (len(streams.detached), streams.detached_bytes)) == (0, 0)
+    url = server.url + "/v1/completions"
+    want = await reference(http, url, completion(max_tokens=30), chat=False)
+    await asyncio.to_thread(wait_logs_drained, server)  # its log too (kept for the grace)
+    expired = metric(server, "pagestream_resume_streams_expired_total", reason="memory")
+    resumed = metric(server, "pagestream_resume_streams_resumed_total")
+    total = streams.total_cap
+    try:
+        old, _ = await _cut_after(http, server, 30)
+        await asyncio.to_thread(wait_for, lambda: stream_state(server, old)[:2] == (True, True),
+                                10, "the first stream to end, detached")  # fmt: skip
+        size = server.on_loop(lambda: streams.detached_bytes)
+        assert size > 0 and metric(server, "pagestream_resume_buffered_bytes") == size
+        assert metric(server, "pagestream_resume_streams_detached") == 1
+        # Either stream fits alone; both do not.
+        server.on_loop(lambda: setattr(streams, "total_cap", size * 3 // 2))
+        new, events = await _cut_after(http, server, 30)
+        await asyncio.to_thread(wait_for, lambda: stream_state(server, new)[:2] == (True, True),
+                                10, "the second stream to end, detached")  # fmt: skip
+        assert stream_state(server, old) == (True, False, "memory")
+        async with http.get(f"{server.url}/v1/streams/{old}",
+                            headers={"Last-Event-ID": "3"}) as gone:  # fmt: skip
+            body = await gone.json()
+            assert gone.status == 410 and "--resume-buffer-total-bytes" in body["error"]["message"]
+        async with http.get(f"{server.url}/v1/streams/{new}",
+                            headers={"Last-Event-ID": events[-1]["id"]}) as r:  # fmt: skip
+            events += (await read_events(r))[1:]
+        check_positions(events)
+        assert answer(events, chat=False) == want
+        assert metric(server, "pagestream_resume_streams_resumed_total") == resumed + 1
+        # A running stream alone past the cap: aborted well before its grace period.
+        server.on_loop(lambda: setattr(streams, "total_cap", 4096))
+        t0 = time.monotonic()
+        running, _ = await _cut_after(http, server, 1800)
+        await asyncio.to_thread(server.wait_kv_free, GRACE)
+        assert time.monotonic() - t0 < GRACE
+        assert stream_state(server, running)[2] == "memory"
+        assert metric(server, "pagestream_resume_streams_expired_total",
+                      reason="memory") == expired + 2  # fmt: skip
+    finally:
+        server.on_loop(lambda: setattr(streams, "total_cap", total))
+    await asyncio.to_thread(wait_logs_drained, server)
+    assert metric(server, "pagestream_resume_streams_detached") == 0
+    assert metric(server, "pagestream_resume_buffered_bytes") == 0
+
+
+def test_total_cap_flag() -> None:
+    from service.cli import build_parser, server_config
+
+    a = build_parser().parse_args(["serve", "--resume-buffer-total-bytes", "12345"])
+    assert server_config(a).resume_buffer_total_bytes == 12345
+    d = build_parser().parse_args(["serve"])
+    assert server_config(d).resume_buffer_total_bytes == 64 << 20
