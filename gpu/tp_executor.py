@@ -392,17 +392,32 @@ class TPExecutor(ThreadExecutor):
 
         def watcher() -> None:
             by_sentinel = {p.sentinel: p for p in self._procs}
-            if not by_sentinel:  # every other rank is on another node (see broadcast)
-                return
-            dead = by_sentinel[wait_any(list(by_sentinel))[0]]
-            if self._closing:
-                return
-            dead.join(timeout=1)  # the sentinel closes a moment before the exit status is set
-            on_failure(
-                RuntimeError(
-                    f"tensor-parallel {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
-                )
-            )
+            per = self.topology.per_node
+            # Other nodes' ranks: their step connection closing is their exit.
+            remote = {id(c): (r, c) for r, c in enumerate(self._conns, 1) if r >= per and c}
+            waited = [*by_sentinel, *(c for _, c in remote.values())]
+            while waited:
+                ready = wait_any(waited)
+                if self._closing:
+                    return
+                for r in ready:
+                    if r in by_sentinel:
+                        dead = by_sentinel[r]
+                        dead.join(timeout=1)  # the sentinel closes just before the status is set
+                        on_failure(RuntimeError(
+                            f"tensor-parallel {dead.name} (pid {dead.pid}) exited with code "
+                            f"{dead.exitcode}"
+                        ))  # fmt: skip
+                        return
+                    rank, conn = remote[id(r)]
+                    if _peer_closed(conn):
+                        on_failure(RuntimeError(
+                            f"tensor-parallel rank {rank} (node {rank // per}) closed its "
+                            "connection"
+                        ))  # fmt: skip
+                        return
+                # A reply that a stats call is about to read: look again shortly.
+                time.sleep(0.05)
 
         threading.Thread(target=watcher, name="pagestream-tp-watch", daemon=True).start()
 
@@ -503,6 +518,23 @@ class TPExecutor(ThreadExecutor):
             self._release_runner()
         else:
             _leave_group()
+
+
+def _peer_closed(conn: Any) -> bool:
+    """Whether a readable step connection's peer has closed it (rather than sent bytes
+    that a reader will take)."""
+    import socket
+
+    s = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        s.setblocking(False)
+        return s.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        s.close()
 
 
 def _leave_group() -> None:

@@ -57,11 +57,8 @@ def _serve(model: str, log: Path, *extra: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-@pytest.mark.slow
-async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both(model, tmp_path):
-    with LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(
-            PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]  # fmt: skip
+def _two_nodes(model: str, tmp_path: Path) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+    """Node 1, then node 0; returns once node 0's /health and node 1's answer 200."""
     master, http, http1 = _port_pair(), free_port(), free_port()
     url = f"http://127.0.0.1:{http}"
     logs = tmp_path / "node0.log", tmp_path / "node1.log"
@@ -72,12 +69,37 @@ async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both
     node0 = _serve(model, logs[0], "--node-rank", "0", "--master-port", str(master),
                    "--port", str(http))  # fmt: skip
     try:
-        try:
-            _wait_health(url, node0, timeout=240)
-        except (TimeoutError, RuntimeError) as e:
-            raise AssertionError(logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]) from e
-        assert tp_workers(node0.pid) == []  # node 0 runs rank 0 in the server only
+        _wait_health(url, node0, timeout=240)
         _wait_health(f"http://127.0.0.1:{http1}", node1, timeout=10)
+    except (TimeoutError, RuntimeError) as e:
+        for p in (node0, node1):
+            p.kill()
+            p.wait()
+        raise AssertionError(logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]) from e
+    return node0, node1, url
+
+
+def _ended_with_engine_failure(node0: subprocess.Popen, node1: subprocess.Popen, log: Path):
+    try:
+        codes = node0.wait(60), node1.wait(60)
+        text = log.read_text()
+        assert codes == (ENGINE_FAILURE_EXIT, ENGINE_FAILURE_EXIT), (codes, text[-3000:])
+        assert "engine failed" in text, text[-3000:]
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both(model, tmp_path):
+    with LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]  # fmt: skip
+    node0, node1, url = _two_nodes(model, tmp_path)
+    try:
+        assert tp_workers(node0.pid) == []  # node 0 runs rank 0 in the server only
         (rank1,) = tp_workers(node1.pid)
         async with aiohttp.ClientSession() as s:
             got = await asyncio.gather(*(completion(s, url, body(p, 8)) for p in PROMPTS))
@@ -88,15 +110,23 @@ async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both
             seen = await asyncio.wait_for(stream, 60)
             assert seen.status == 200 and seen.token_ids, seen
             assert seen.error is not None and seen.error["code"] == 503 and not seen.finish, seen
-        codes = node0.wait(60), node1.wait(60)
-        text = logs[0].read_text()
-        assert codes == (ENGINE_FAILURE_EXIT, ENGINE_FAILURE_EXIT), (codes, text[-3000:])
-        assert "engine failed" in text, text[-3000:]
     finally:
-        for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _ended_with_engine_failure(node0, node1, tmp_path / "node0.log")
+
+
+@pytest.mark.slow
+def test_remote_rank_exiting_while_idle_ends_both_at_once(model, tmp_path):
+    """No request in flight: node 0 sees the remote rank's step connection close."""
+    node0, node1, _url = _two_nodes(model, tmp_path)
+    try:
+        (rank1,) = tp_workers(node1.pid)
+        os.kill(rank1, signal.SIGKILL)
+        t0 = time.monotonic()
+        node0.wait(30)
+        assert time.monotonic() - t0 < 30
+        assert "closed its connection" in (tmp_path / "node0.log").read_text()
+    finally:
+        _ended_with_engine_failure(node0, node1, tmp_path / "node0.log")
 
 
 @pytest.mark.slow
