@@ -380,3 +380,13 @@ def test_the_readme_stays_a_front_page() -> None:
         assert (ROOT / "docs" / f"{page}.md").is_file()
     images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", readme)
     assert images and all((ROOT / i).is_file() for i in images), images
+
+
+def test_the_performance_doc_is_the_current_state() -> None:
+    perf = ROOT / "docs" / "PERFORMANCE.md"
+    text = perf.read_text()
+    assert len(text.splitlines()) <= 600
+    # A journal per sitting goes to git and bench/results/: no times of day in the doc.
+    assert not re.findall(r"\b\d\d:\d\d\b", text), "a per-minute timestamp in PERFORMANCE.md"
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text)
+    assert images and all((perf.parent / i).is_file() for i in images), images
