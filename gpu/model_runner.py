@@ -23,6 +23,7 @@ from gpu.cpu_threads import ThreadGovernor
 from gpu.cuda_graphs import DEFAULT_SIZES, DEFAULT_TOKEN_SIZES, DecodeGraphs, PiecewiseGraphs
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
+from gpu.medusa import MedusaProposer
 from gpu.pp import PPStage, run_pipeline
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
@@ -123,7 +124,10 @@ class ModelRunner:
         # Speculative decoding: verification, and the draft model when there is one.
         self.spec: SpecRunner | None = None
         if speculation or speculative_model is not None:
-            self.spec = SpecRunner(self, speculative_model, attention_backend, speculative_medusa)
+            medusa = None
+            if speculative_medusa is not None:
+                medusa = MedusaProposer(speculative_medusa, self)
+            self.spec = SpecRunner(self, speculative_model, attention_backend, medusa)
 
     def release(self) -> None:
         """Frees the KV caches and captured graphs once the engine has stopped.  On a GPU

@@ -295,6 +295,21 @@ class DraftModel:
             self.valid[req_id] = known + min(num_accepted, num_draft - 1)
 
 
+class TreeProposer(Protocol):
+    """Medusa's side of a step (gpu/medusa.MedusaProposer, which imports this module)."""
+
+    def propose(self, reqs: list[ScheduledRequest]) -> None: ...
+    def layout(self, req_id: str) -> tuple[list[int], list[int]] | None: ...
+    def remember(self, ids: list[str], rows: torch.Tensor) -> None: ...
+    def drop(self, req_id: str) -> None: ...
+    def verify(
+        self,
+        runner: TargetRunner,
+        hidden: torch.Tensor,
+        verify: list[tuple[ScheduledRequest, int]],
+    ) -> list[Verified]: ...
+
+
 class SpecRunner:
     """What the model runner does for speculative decoding."""
 
@@ -303,17 +318,13 @@ class SpecRunner:
         runner: TargetRunner,
         draft_dir: str | Path | None,
         attention_backend: str,
-        medusa_dir: str | Path | None = None,
+        medusa: TreeProposer | None = None,
     ) -> None:
         self.draft = (
             DraftModel(draft_dir, runner, attention_backend) if draft_dir is not None else None
         )
         # Medusa heads (gpu/medusa.py): tree-shaped verify chunks.
-        self.medusa = None
-        if medusa_dir is not None:
-            from gpu.medusa import MedusaProposer  # (it imports this module)
-
-            self.medusa = MedusaProposer(medusa_dir, runner)
+        self.medusa = medusa
         # q rows of this step's model drafts, between proposing and verifying.
         self._q: dict[str, torch.Tensor | None] = {}
 
