@@ -1,53 +1,33 @@
-"""oneDNN linear layers with weights reordered once at load (CPU only).
+"""Linear layers with weights packed once at load (CPU only), on the kernel that is fastest
+for the CPU, the dtype and the row count.
 
-`F.linear` on CPU lays the weight out for the GEMM kernel on every call; reordering once
-saves that work each step: on the 2-core test machine 15-25% per projection in bf16 at
-decode batch sizes, and 2.5-4x in float32 (the default CPU dtype), where the packed path
-also reaches oneDNN's faster kernels.  The ops are the ones torch's own CPU compiler
-(inductor) emits for frozen linear layers; when they are missing or disagree with
-`F.linear` on a probe, the model keeps plain `nn.Linear`.
+`F.linear` on CPU lays the weight out for the GEMM kernel on every call; packing once
+saves that work each step, and in float32 the packed path also reaches oneDNN's faster
+kernels.  The ops are the ones torch's own CPU compiler (inductor) emits for frozen linear
+layers; when they are missing or disagree with `F.linear` on a probe, the model keeps
+plain `nn.Linear`.
 
-On CPUs without AVX-512, float32 products of every size run on pagestream's own AVX2
-kernel (gpu/cpu_kernels/sgemm.cpp) instead of oneDNN's: on a 2-core AMD EPYC (Zen 3, AVX2
-only), with the weights streaming from memory as in a step, it measured 1.5x oneDNN's
-packed kernel at 4-16 rows, 1.15-1.3x at 32-1,024, and 1.1-1.15x MKL's sgemm on prefill
-chunks of 1,024-2,048 rows (146-156 GFLOP/s of the two cores' ~156).  It packs its own copy
-of the weight, which replaces oneDNN's, and a row's result does not depend on the batch it
-came in (every size runs the same sums).  PAGESTREAM_DECODE_GEMM=onednn turns it off; then
-products of 512+ rows go to MKL's sgemm (through the plain weight, kept beside the packed
-one: oneDNN's AVX2 kernel reaches 115-150 GFLOP/s there, MKL 130-180), as they do with
-PAGESTREAM_PREFILL_GEMM=mkl on any float32 CPU.
+Where oneDNN leaves speed on the table, pagestream's own kernels take the products (the
+measurements behind each choice: docs/PERFORMANCE.md, "What moved the numbers"):
 
-On CPUs with AMX tiles, bfloat16 products of up to AMX_MAX_ROWS rows run on pagestream's
-AMX kernel (gpu/cpu_kernels/amx_gemm.cpp): on a 2-core Xeon with AMX it measured 1.15-1.36x
-oneDNN's packed kernel (itself on AMX) over the `mid` model's projections at 1-96 rows
-and, with its row-blocked path, 1.14-1.15x at 100-160 (mixed steps: decodes and a short
-prompt), ~1.03x at 192-256, 0.83-0.95x at 2,048.  Larger products (prefill) stay on
-oneDNN, so the layer keeps both copies of the weight: twice the projection memory, the
-price of the faster decode.
-There an MLP's gate_up runs SiLU(gate) * up as the AMX product's epilogue at decode sizes
-(amx_silu) and as oneDNN post-ops at prefill sizes (gated_linear).
-Under auto the copy is made only where it fits AMX_COPY_MEMORY_SHARE of the memory
-available; PAGESTREAM_DECODE_GEMM=amx forces it, =onednn turns it off.
+- float32 without AVX-512: the AVX2 `sgemm` (gpu/cpu_kernels/sgemm.cpp) at every size.  It
+  packs its own copy of the weight, which replaces oneDNN's, and a row's result does not
+  depend on the batch it came in (every size runs the same sums).  Without it, products of
+  512+ rows go to MKL's sgemm through the plain weight kept beside the packed one.
+- bfloat16 with AMX tiles: the AMX kernel (gpu/cpu_kernels/amx_gemm.cpp) up to
+  AMX_MAX_ROWS rows (decodes and mixed steps); larger products stay on oneDNN, so the layer
+  keeps both copies of the weight, made only where it fits AMX_COPY_MEMORY_SHARE of the
+  memory available.  An MLP's gate_up runs SiLU(gate) * up as the AMX product's epilogue
+  (amx_silu) and as oneDNN post-ops at prefill sizes (gated_linear).
+- bfloat16 with AVX512-BF16 and no AMX: the `vdpbf16ps` kernel
+  (gpu/cpu_kernels/dpbf16_gemm.cpp) at every size, one copy of the weight in its layout;
+  gate_up weights are packed for a gated epilogue (SiLU(gate) * up computed as the product
+  is rounded: the same bits as the separate pass, and no [rows, 2 x inter] tensor).
+- float32 with AVX-512 (AMX or not: AMX has no float32 product): the same kernel's float32
+  twin (`sgemm512`), with the gated epilogue too.
 
-On CPUs with AVX512-BF16 but no AMX, bfloat16 products of every size run on pagestream's
-vdpbf16ps kernel (gpu/cpu_kernels/dpbf16_gemm.cpp), one copy of the weight in its layout:
-on a 2-core AMD EPYC (Zen 5) it ran the `mid` model's decode-step GEMMs 1.1-1.4x faster
-than oneDNN's packed kernel at 16-64 rows, with the prefill chunks' products level (0.93x
-on the narrowest projection, 1.1x on the widest); PAGESTREAM_DECODE_GEMM=onednn turns it
-off.  There the MLPs' gate_up weights are packed for a gated epilogue (SiLU(gate) * up
-computed as the product is rounded, the same bits as the separate pass): on a 2-core Zen 4
-EPYC 1.02-1.07x the product + silu_mul at 16-2,048 rows, and no [rows, 2 x inter] tensor.
-
-On CPUs with AVX-512 (AMX or not: AMX has no float32 product), float32 products of every
-size run on the same kernel's float32 twin (sgemm512: one FMA per value of k where the bf16
-kernel does a vdpbf16ps per pair): on a 2-core Zen 5 EPYC the `mid` model's decode-step
-GEMMs ran 1.21-1.22x oneDNN's packed kernel at 16-38 rows, 1.05x at 64 and 0.97x on
-prefill chunks (256-2,048 rows); one copy of the weight serves both.  Its gate_up products
-take the gated epilogue too (1.06-1.08x the product + silu_mul at 16-64 rows, 1.28x at
-2,048, where the float32 [rows, 2 x inter] tensor was 46 MB a layer).  On a 2-core AMX
-Xeon the `mid` model's offline run took 9.2 s (twice) against 10.7 on oneDNN.
-PAGESTREAM_DECODE_GEMM=onednn turns it off.
+PAGESTREAM_DECODE_GEMM (scheduler/envs.py) forces one kernel or oneDNN alone, for
+comparisons.
 """
 
 from __future__ import annotations
@@ -89,8 +69,8 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(x @ gate.T) * (x @ up.T) as two oneDNN products with fused epilogues (SiLU on
     the first, the multiply on the second), bucketed like packed_linear: 1.2x the [gate; up]
-    product + silu_mul at 2,048 rows of the `mid` model on a 2-core Xeon, the [rows, 2I]
-    product never written.  SiLU takes the float32 sums, not their bf16 rounding, so the
+    product + silu_mul at prefill sizes (docs/PERFORMANCE.md), the [rows, 2I] product never
+    written.  SiLU takes the float32 sums, not their bf16 rounding, so the
     bits differ from the unfused path's (by bf16 rounding)."""
     xb = _bucketed(x)
     g = torch.ops.mkldnn._linear_pointwise(xb, gate, None, "swish", [None], "")
@@ -115,8 +95,8 @@ def _bucketed(x: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-# Rows from which MKL's sgemm beats oneDNN's packed kernel where it is used (measured on
-# Zen 3: level around 256-512 rows, MKL ahead by 15-40% from 1,024).
+# Rows from which MKL's sgemm beats oneDNN's packed kernel where it is used: the two are
+# level below it, MKL ahead above (an AVX2-only CPU's measurement; docs/PERFORMANCE.md).
 MKL_FROM_ROWS = 512
 
 
@@ -134,9 +114,9 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
     return MKL_FROM_ROWS
 
 
-# Rows up to which the AMX kernel runs a bf16 product (measured on a 2-core Xeon with AMX:
-# ahead of oneDNN by 15-36% at 1-96 rows; with its row-blocked path from 128 rows, 14-15%
-# at 100-160, ~3% at 192-256, behind at 320 and more).
+# Rows up to which the AMX kernel runs a bf16 product: ahead of oneDNN's own AMX kernel at
+# decode and mixed-step sizes, level around this size, behind at prefill sizes (measured
+# per row count on an AMX Xeon; docs/PERFORMANCE.md).
 AMX_MAX_ROWS = 192
 
 
@@ -191,9 +171,8 @@ def use_dpbf16(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 def use_sgemm512(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
     """float32 projections of every size run on dpbf16_gemm.cpp's float32 kernel rather
     than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU with AVX-512, AMX or not:
-    AMX has no float32 product, so an AMX Xeon's float32 runs on the same FMAs; measured on
-    a Zen 5 EPYC, and on an AMX Xeon where the offline run took 9.2 s against oneDNN's
-    10.7), sgemm512 (any float32 model where the kernel is built), others (never)."""
+    AMX has no float32 product, so an AMX CPU's float32 runs on the same FMAs, faster than
+    oneDNN's there too: docs/PERFORMANCE.md), sgemm512 (any float32 model where the kernel is built), others (never)."""
     choice = _decode_gemm()
     if dtype != torch.float32 or choice not in ("auto", "sgemm512"):
         return False
@@ -377,8 +356,8 @@ def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
     """Runs every oneDNN product `model` can meet once, at each bucketed row count
     (cpu_kernels.gemm_rows) up to max_rows (the step's token budget; the lm_head's up to
     max_logit_rows, the sequences a step samples), so that oneDNN builds its kernels at
-    start-up and not in the first requests' steps (10-15 ms each on a 2-core Xeon; 4.3 s
-    in all for the `mid` model in bf16 at a 2,048-token budget, 8.4 s in float32).
+    start-up and not in the first requests' steps (each build costs more than the product
+    it serves; all of them take seconds at start for a mid-sized model).
     Returns the products run.  PAGESTREAM_CPU_WARMUP=0 skips it."""
     if not envs.PAGESTREAM_CPU_WARMUP:
         return 0
@@ -410,7 +389,7 @@ class Scratch:
     """One output buffer reused by layers whose output is dead before the next of them
     runs (the MLPs' gate_up: SiLU * up consumes it).  A prefill chunk's gate_up output is
     tens of MB, above glibc's mmap threshold, so a fresh tensor is new pages every call:
-    page faults and zeroing cost 7-12% of that GEMM (2,048 x 5,632 float32 on Zen 3)."""
+    page faults and zeroing would cost a measurable share of that GEMM."""
 
     def __init__(self) -> None:
         self.buf = torch.empty(0)
@@ -503,7 +482,7 @@ def decode_on_amx(model: nn.Module, dtype: torch.dtype, extra_bytes: int = 0) ->
 def linears_packable(dtype: torch.dtype) -> bool:
     """pack_model_linears will swap a `dtype` model's linears: oneDNN packs them, or
     pagestream's sgemm takes them (also where oneDNN has no packed kernel for the dtype:
-    bf16 on AVX2-only CPUs, where torch's own bf16 product runs at ~18 GFLOP/s)."""
+    bf16 on AVX2-only CPUs, where torch's own bf16 product is emulated and slow)."""
     if not envs.PAGESTREAM_PACK_LINEAR:
         return False
     return use_sgemm(dtype) or use_dpbf16(dtype) or use_sgemm512(dtype) or packing_available(dtype)
