@@ -3,7 +3,7 @@
 At a thousand running requests almost every one is a plain decode: one known token in,
 one token out, its block table unchanged except once every `block_size` steps.  Building
 a ScheduledRequest and a RequestUpdate for each, and walking the block manager for each,
-cost ~4 us a request a step.  Here a step takes a request flagged `columnar` (see
+was most of the scheduler's time a step.  Here a step takes a request flagged `columnar` (see
 Request) with a few list comprehensions, touches the block manager only for the rows at
 a block edge, and hands the engine one token per row instead of an update object.
 

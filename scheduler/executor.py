@@ -45,7 +45,7 @@ class ThreadExecutor:
     Pass `factory` to build the runner on that same thread.  On CPU this matters a lot:
     OpenMP keeps one spinning thread team per thread that ever ran a parallel region, so
     loading the model on one thread and stepping on another leaves two teams fighting
-    for the cores (a 64-sequence decode step went from 56 ms to 87 ms)."""
+    for the cores (a decode step ran markedly slower that way)."""
 
     def __init__(
         self, runner: Runner | None = None, factory: Callable[[], Runner] | None = None

@@ -77,8 +77,8 @@ class RequestStream:
         self.n = n
         # False: a decode token does not wake the consumer, only full updates (first
         # token, finish, logprobs) and failures do; the tokens wait in _pending.  For
-        # consumers that want the final output only (LLM.generate): 64 consumers woken
-        # every step kept the loop thread busy ~0.4 ms a step while the next step waited.
+        # consumers that want the final output only (LLM.generate): waking every consumer
+        # every step kept the loop thread busy while the next step waited.
         self.wake_on_tokens = wake_on_tokens
         self._pending: list[RequestUpdate | TokenOnly] = []
         self._last: dict[str, RequestUpdate] = {}  # each sequence's latest full update

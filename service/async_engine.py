@@ -180,9 +180,8 @@ class AsyncEngine:
             )
             max_model_len = capacity
         # CPU: 1,024.  Behind a smaller budget queued prompts wait more steps, each carrying
-        # the whole decode batch (512 gave higher TTFT and TPOT and fewer tokens under load);
-        # 2,048 gained nothing over 1,024 and stalls decodes longer.  docs/PERFORMANCE.md
-        # (Zen 4, fifth session) has the paired runs.
+        # the whole decode batch (higher TTFT and TPOT, fewer tokens under load); a larger
+        # one gained nothing and stalls decodes longer (paired runs: docs/PERFORMANCE.md).
         budget = args.max_num_batched_tokens or (2048 if runner.device.type == "cuda" else 1024)
         if callable(getattr(type(runner), "warm_up", None)):  # a ModelRunner (not TP's)
             # On the step thread, before the first request: the CPU GEMMs' kernels for

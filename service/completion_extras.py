@@ -8,8 +8,8 @@ from typing import Any
 from scheduler.contract import TokenLogprobs
 from service.outputs import CompletionOutput
 
-# Past this many logprob entries a non-streamed body is built off the event loop (about
-# 5 ms of work; what one response may carry is bounded by
+# Past this many logprob entries a non-streamed body is built off the event loop (enough
+# work to delay other streams' frames; what one response may carry is bounded by
 # Limits.max_prompt_logprob_entries and the sampled tokens).
 OFF_LOOP_LOGPROB_ENTRIES = 20_000
 

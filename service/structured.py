@@ -1,12 +1,12 @@
 """Constrained decoding on llguidance: grammars compiled off the event loop, cached.
 
-Why llguidance (over xgrammar, measured on this machine, see README): it builds straight
+Why llguidance (over xgrammar; docs/PERFORMANCE.md compares them): it builds straight
 from tokenizer.json and needs neither torch nor transformers, so its matchers can live on
-the scheduler side (scheduler/ imports no torch); it compiles a schema in 1-5 ms with no
-per-vocabulary precompute; it covers more of JSON Schema and takes Lark (and, converted,
+the scheduler side (scheduler/ imports no torch); it compiles a schema quickly, with no
+per-vocabulary precompute, so a new schema costs its first request little; it covers more of JSON Schema and takes Lark (and, converted,
 GBNF) grammars; it reports a finished grammar (`is_stopped`) so a request ends at its
-closing brace; and it can roll back tokens.  Its masks cost ~20-30 us per token, which is
-well under a decode step.
+closing brace; and it can roll back tokens.  Its masks are slower than xgrammar's but
+small next to a decode step.
 
 A request's spec is compiled once into a prototype matcher (the cache key is the spec
 itself); each sample of each request gets a deep copy, which the scheduler drives.
