@@ -416,9 +416,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         """Preempt the newest running request of the tenant most past its share of the
         seats (or the blocks), to make room for tenant `t`; False when none is past it."""
         v = fair.victim_tenant(t, short_of_seats)
-        if v is None:
+        victim = next((r for r in reversed(self.running) if r.tenant == v), None)
+        if v is None or victim is None:  # (none of v's admitted before the running pass)
             return False
-        victim = next(r for r in reversed(self.running) if r.tenant == v)
         fair.preempted(v, len(self.kv.blocks_of(victim.req_id)))
         self._preempt(victim)
         self.num_fair_preemptions += 1
