@@ -1,10 +1,20 @@
-"""The engine actor: inbox of add/abort; loop schedule -> executor -> update -> streams."""
+"""The engine actor: inbox of add/abort; loop schedule -> executor -> update -> streams.
+
+It runs on the caller's event loop, or (`own_thread=True`) on a thread of its own with its
+own loop, so the HTTP loop never waits on scheduling, update or grammar work and a step
+never waits on HTTP.  Then what crosses between the two loops is: messages into the inbox
+(`call_soon_threadsafe`), and once per step one batch of every stream's outputs back to the
+consumers' loop (`_flush`), so each stream is woken at most once a step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,6 +119,20 @@ Message = (
 )
 
 
+_TOKEN, _UPDATES, _FAIL = 0, 1, 2  # what an outbox entry carries
+
+
+def _deliver(batch: list[tuple[RequestStream, int, Any]]) -> None:
+    """On the consumers' loop: one step's outputs into their streams."""
+    for stream, kind, item in batch:
+        if kind == _TOKEN:
+            stream.put_token(*item)
+        elif kind == _UPDATES:
+            stream.put(item)
+        else:
+            stream.fail(item)
+
+
 class Tier(Protocol):
     """The part of scheduler.prefix_tier.PrefixTier the engine drives."""
 
@@ -131,8 +155,24 @@ class EngineCore:
         max_waiting_requests: int | None = None,
         max_waiting_tokens: int | None = None,
         max_waiting_per_tenant: int | None = None,
+        own_thread: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        # own_thread: run on thread `pagestream-engine` with its own event loop (see the
+        # module docstring); else on the loop that calls start().
+        self.own_thread = own_thread
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop _run runs on
+        self._loop_thread: int | None = None  # that loop's thread id
+        self._client_loop: asyncio.AbstractEventLoop | None = None  # the consumers' loop
+        self._thread: threading.Thread | None = None
+        # own_thread: outputs of this step for the consumers' loop, sent by _flush.
+        self._outbox: list[tuple[RequestStream, int, Any]] = []
+        # own_thread: admission reads the scheduler's queue through this snapshot (taken
+        # on the engine thread under _lock), never the scheduler itself.
+        self._lock = threading.Lock()
+        self._snap_seqs = 0
+        self._snap_tokens = 0
+        self._snap_tenants: Counter[str | None] = Counter()
         # Admission bound: sequences (and prompt tokens) queued but not yet running.  The
         # one place that says 429, so every transport answers an overload the same way.
         self.max_waiting_requests = max_waiting_requests
@@ -153,22 +193,61 @@ class EngineCore:
         self._adding: set[str] = set()  # group ids of adds still in the inbox
         self.dead: BaseException | None = None
         self.idle = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Future[None] | None = None
         self.num_steps = 0
         self.tokens_computed = 0  # tokens fed through the model (prefill chunks + decodes)
         self.hook_errors: dict[str, int] = {}  # failures of guarded hooks, by hook
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagestream-masks")
 
     # ---------------------------------------------------------------- control
-    def start(self) -> asyncio.Task[None]:
+    def start(self) -> asyncio.Future[None]:
+        """Start the loop; the returned future (on the caller's loop) ends when it does."""
         assert self._task is None
-        self._task = asyncio.create_task(self._run(), name="pagestream-engine")
+        if not self.own_thread:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+            self._task = asyncio.create_task(self._run(), name="pagestream-engine")
+            return self._task
+        self._client_loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            self._loop_thread = threading.get_ident()
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=main, name="pagestream-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        self._task = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._run(), loop))
         return self._task
 
-    async def stop(self) -> None:
+    def call_in_loop(self, fn: Callable[[], Any]) -> Any:
+        """An awaitable of fn() run on the engine's loop (what must live there: the
+        prefix tier's tasks and connections)."""
+        assert self._loop is not None
+
+        async def run() -> Any:
+            r = fn()
+            return await r if asyncio.iscoroutine(r) else r
+
+        if not self.own_thread:
+            return run()
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._loop))
+
+    async def stop(self, finally_in_loop: Callable[[], Any] | None = None) -> None:
+        """Stop the loop; then finally_in_loop() (awaited if a coroutine) on the engine's
+        loop before its thread ends (closing what lives there: the prefix tier)."""
         if self._task is None:
+            if finally_in_loop is not None and self._loop is not None:
+                await self.call_in_loop(finally_in_loop)
             return
-        self.inbox.put_nowait(_Stop())
+        self.post(_Stop())
         try:
             await self._task
         except Exception:
@@ -177,6 +256,22 @@ class EngineCore:
         finally:
             self._task = None
             self._mask_thread.shutdown(wait=False)
+            if finally_in_loop is not None:
+                await self.call_in_loop(finally_in_loop)
+            if self._thread is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                await asyncio.to_thread(self._thread.join, 10)
+                self._thread = None
+
+    def post(self, msg: Message) -> None:
+        """Put a message in the inbox, from any thread."""
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread:
+            self.inbox.put_nowait(msg)
+        else:
+            # RuntimeError: the engine's loop has closed, nothing reads the inbox any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.inbox.put_nowait, msg)
 
     def validate(self, group: list[Request]) -> None:
         """Reject a request synchronously, before it reaches the actor: also an id that a
@@ -189,6 +284,12 @@ class EngineCore:
     def queued(self) -> tuple[int, int]:
         """(sequences, prompt tokens) waiting for their first step: the scheduler's queue,
         requests parked on a prefix look-up, and adds still in the inbox."""
+        if self.own_thread:  # the scheduler belongs to the engine thread: its snapshot
+            with self._lock:
+                return (
+                    self._snap_seqs + self._inbox_seqs,
+                    self._snap_tokens + self._inbox_tokens,
+                )
         sched = self.scheduler
         seqs = len(sched.waiting) + len(sched.remote_pending) + self._inbox_seqs
         tokens = self._inbox_tokens
@@ -196,6 +297,24 @@ class EngineCore:
             tokens += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
             tokens += sum(r.num_tokens for r in sched.remote_pending.values())
         return seqs, tokens
+
+    def _snapshot(self) -> None:
+        """own_thread: the scheduler's queue as admission sees it (engine thread only).
+        Token and per-tenant counts cost a pass over the queue, so only when bounded."""
+        if not self.own_thread:
+            return
+        sched = self.scheduler
+        seqs = len(sched.waiting) + len(sched.remote_pending)
+        tokens = 0
+        if self.max_waiting_tokens is not None:
+            tokens += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            tokens += sum(r.num_tokens for r in sched.remote_pending.values())
+        tenants: Counter[str | None] = Counter()
+        if self.max_waiting_per_tenant is not None:
+            tenants.update(r.tenant for r in sched.waiting)
+            tenants.update(r.tenant for r in sched.remote_pending.values())
+        with self._lock:
+            self._snap_seqs, self._snap_tokens, self._snap_tenants = seqs, tokens, tenants
 
     def admit(self, groups: list[list[Request]]) -> None:
         """Raise EngineOverloaded if queueing all these groups would pass the waiting bound
@@ -221,6 +340,9 @@ class EngineCore:
 
     def tenant_queued(self, tenant: str) -> int:
         """Requests of one tenant waiting for their first step (inbox and look-ups too)."""
+        if self.own_thread:
+            with self._lock:
+                return self._snap_tenants[tenant] + self._inbox_tenants.get(tenant, 0)
         sched = self.scheduler
         parked = sum(1 for r in sched.remote_pending.values() if r.tenant == tenant)
         return sched.waiting.count(tenant) + parked + self._inbox_tenants.get(tenant, 0)
@@ -237,7 +359,7 @@ class EngineCore:
             )
 
     def release_conversation(self, key: str) -> None:
-        self.inbox.put_nowait(ReleaseConversation(key))
+        self.post(ReleaseConversation(key))
 
     def add(self, group: list[Request], wake_on_tokens: bool = True) -> RequestStream:
         """Queue a request (all n samples) and return its output stream.  Raises
@@ -248,40 +370,53 @@ class EngineCore:
         self.validate(group)
         self.admit([group])
         stream = RequestStream(group[0].group_id, len(group), wake_on_tokens)
-        self._inbox_seqs += len(group)
-        self._inbox_tokens += group[0].prompt_len
         tenant = group[0].tenant
-        self._inbox_tenants[tenant] = self._inbox_tenants.get(tenant, 0) + 1
+        with self._lock:
+            self._inbox_seqs += len(group)
+            self._inbox_tokens += group[0].prompt_len
+            self._inbox_tenants[tenant] = self._inbox_tenants.get(tenant, 0) + 1
         self._adding.add(group[0].group_id)
-        self.inbox.put_nowait(AddRequest(group, stream))
+        self.post(AddRequest(group, stream))
+        if self.dead is not None:  # it died (and drained its inbox) while this was posted
+            stream.fail(EngineDeadError(f"engine is dead: {self.dead}"))
         return stream
 
     def abort(self, group_id: str, stream: RequestStream | None = None) -> None:
         """Abort a request; with `stream`, only if that is still its live stream (see
         AbortRequest): what a request's own consumer passes."""
-        self.inbox.put_nowait(AbortRequest(group_id, stream))
+        self.post(AbortRequest(group_id, stream))
 
     def finish_sequence(self, req_id: str) -> None:
-        self.inbox.put_nowait(FinishSequence(req_id))
+        self.post(FinishSequence(req_id))
 
     # ---------------------------------------------------------------- loop
     def _handle(self, msg: Message) -> bool:
         sched = self.scheduler
         if isinstance(msg, AddRequest):
-            self._inbox_seqs -= len(msg.group)
-            self._inbox_tokens -= msg.group[0].prompt_len
-            self._inbox_left(msg.group[0].tenant)
-            gid = msg.group[0].group_id
-            self._adding.discard(gid)
+            group = msg.group
+            with self._lock:  # out of the inbox and into the snapshot at once
+                self._inbox_seqs -= len(group)
+                self._inbox_tokens -= group[0].prompt_len
+                self._inbox_left(group[0].tenant)
+                if self.own_thread:
+                    self._snap_seqs += len(group)
+                    self._snap_tokens += group[0].prompt_len
+                    self._snap_tenants[group[0].tenant] += 1
+            gid = group[0].group_id
             if gid in self.streams:
-                msg.stream.fail(RequestRejected(f"request id {gid!r} is already in use"))
+                self._adding.discard(gid)
+                self._fail(msg.stream, RequestRejected(f"request id {gid!r} is already in use"))
                 return True
             try:
-                sched.add_request(msg.group)
+                sched.add_request(group)
             except RequestRejected as e:
-                msg.stream.fail(e)
+                self._adding.discard(gid)
+                self._fail(msg.stream, e)
                 return True
+            # In streams before out of _adding: validate() on another thread always sees
+            # the id in one of them.
             self.streams[gid] = msg.stream
+            self._adding.discard(gid)
             if self.tier is not None and self.tier.available:
                 self._start_lookup(msg.group[0])
         elif isinstance(msg, RemoteLookupDone):
@@ -324,7 +459,7 @@ class EngineCore:
             try:
                 payloads = await tier.lookup(hashes)
             finally:
-                self.inbox.put_nowait(RemoteLookupDone(req.req_id, start, payloads))
+                self.post(RemoteLookupDone(req.req_id, start, payloads))
 
         task = asyncio.create_task(run())
         self._lookups.add(task)
@@ -332,12 +467,17 @@ class EngineCore:
 
     def _dispatch(self, updates: list[RequestUpdate] | StepUpdates) -> None:
         streams = self.streams
+        outbox = self._outbox if self.own_thread else None
         if isinstance(updates, StepUpdates):
             # Decode rows that took a token and go on: a token each, no update object.
             for req, tok in zip(updates.decode_reqs, updates.decode_tokens, strict=True):
                 stream = streams.get(req.group_id)
-                if stream is not None:
+                if stream is None:
+                    continue
+                if outbox is None:
                     stream.put_token(req.req_id, tok)
+                else:
+                    outbox.append((stream, _TOKEN, (req.req_id, tok)))
             updates = updates.updates
         by_group: dict[str, list[RequestUpdate]] = {}
         for u in updates:
@@ -346,9 +486,32 @@ class EngineCore:
             stream = self.streams.get(gid)
             if stream is None:
                 continue
-            stream.put(us)
-            if stream.finished:
+            if outbox is None:
+                stream.put(us)
+            else:
+                outbox.append((stream, _UPDATES, us))
+            # Counted here, on the engine's side: the consumer's copy may lag a step.
+            stream.engine_live -= sum(1 for u in us if u.finish_reason is not None)
+            if stream.engine_live <= 0:
                 del self.streams[gid]
+        self._flush()
+
+    def _fail(self, stream: RequestStream, error: BaseException) -> None:
+        if self.own_thread:
+            self._outbox.append((stream, _FAIL, error))
+            self._flush()
+        else:
+            stream.fail(error)
+
+    def _flush(self) -> None:
+        """own_thread: hand this step's outputs to the consumers' loop in one callback."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        assert self._client_loop is not None
+        # RuntimeError: the consumers' loop has closed, no one is reading.
+        with contextlib.suppress(RuntimeError):
+            self._client_loop.call_soon_threadsafe(_deliver, batch)
 
     async def _run(self) -> None:
         sched = self.scheduler
@@ -364,9 +527,11 @@ class EngineCore:
                     if not self._handle(self.inbox.get_nowait()):
                         return
                 if not sched.has_unfinished() and not sched.finished_req_ids:
+                    self._snapshot()
                     continue
                 begun = time.perf_counter()
                 so = sched.schedule(defer_masks=True)
+                self._snapshot()
                 if sched.needs_masks:
                     # Grammar masks off the event loop (llguidance releases the GIL):
                     # a costly grammar delays this step, never the sockets.
@@ -398,12 +563,12 @@ class EngineCore:
             log.error("engine stopped: %s", e)
             err = EngineDeadError(f"engine stopped: {e}")
             for stream in self.streams.values():
-                stream.fail(err)
+                self._fail(stream, err)
             self.streams.clear()
             while not self.inbox.empty():  # requests that arrived as the engine died
                 msg = self.inbox.get_nowait()
                 if isinstance(msg, AddRequest):
-                    msg.stream.fail(err)
+                    self._fail(msg.stream, err)
             raise
         finally:
             for t in self._lookups:

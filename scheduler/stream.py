@@ -83,7 +83,11 @@ class RequestStream:
         self._pending: list[RequestUpdate | TokenOnly] = []
         self._last: dict[str, RequestUpdate] = {}  # each sequence's latest full update
         self._event = asyncio.Event()
-        self._live = n  # sequences not finished yet
+        self._live = n  # sequences not finished yet (as the consumer has been told)
+        # Sequences not finished yet as the engine counts them: with the engine on its own
+        # thread (EngineCore own_thread) the consumer's side learns of a finish a moment
+        # later; the engine never reads _live.
+        self.engine_live = n
         self.error: BaseException | None = None
 
     @property

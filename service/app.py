@@ -476,8 +476,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
         return web.Response(text="", content_type="text/plain")
     engine = state.engine
     if engine is not None:
-        sched = engine.scheduler
-        state.metrics.refresh(sched.stats(), sched.kv.pool.num_used, engine.core.hook_errors)
+        stats, used = await engine.scheduler_stats()
+        state.metrics.refresh(stats, used, engine.core.hook_errors)
         if engine.tier is not None:
             # The tier's writer publishes between steps; an idle replica has no step to
             # copy its counters on, so they are brought up to date at scrape time too.
