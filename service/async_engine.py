@@ -23,6 +23,7 @@ from scheduler.prefix_tier import PrefixTier
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from scheduler.scheduler_types import SchedulerStats
 from scheduler.spec import SpecConfig, SpecDecoder
 from scheduler.stream import RequestStream
 from service.detokenizer import IncrementalDetokenizer, StopChecker
@@ -37,6 +38,18 @@ from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def engine_thread_default(args: EngineArgs, runner: object) -> bool:
+    """Whether the engine core runs on its own thread (EngineCore own_thread).  Auto: on
+    a GPU yes, so scheduling, update and grammar work never hold up HTTP (and the reverse)
+    while the device computes.  On a CPU no: there the model and the host share the same
+    few cores, so the thread overlaps nothing the step does not already overlap inline
+    (the step releases the GIL either way) and adds a loop hop and GIL hand-offs a step."""
+    if args.engine_thread is not None:
+        return args.engine_thread
+    device = getattr(runner, "device", None)
+    return getattr(device, "type", "cpu") == "cuda"
 
 
 class MaxTokensTooLarge(RequestRejected):
@@ -102,6 +115,7 @@ class AsyncEngine:
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
             max_waiting_per_tenant=args.max_waiting_per_key,
+            own_thread=engine_thread_default(args, runner),
         )
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
@@ -226,26 +240,28 @@ class AsyncEngine:
             self.core.run_guarded(f"step hook {getattr(hook, '__qualname__', hook)}", hook, info)
 
     async def start(self) -> None:
-        if self.tier is not None:
-            self.tier.start()
         self.core.start()
+        if self.tier is not None:  # its tasks and connections live on the engine's loop
+            await self.core.call_in_loop(self.tier.start)
         watch = getattr(self.executor, "watch", None)
         if watch is not None:  # tensor parallel: a rank exiting fails the engine at once
-            import asyncio
-
-            loop = asyncio.get_running_loop()
 
             def failed(error: BaseException) -> None:
-                loop.call_soon_threadsafe(self.core.inbox.put_nowait, ExecutorFailed(error))
+                self.core.post(ExecutorFailed(error))
 
             watch(failed)
 
     async def shutdown(self) -> None:
-        await self.core.stop()
+        tier = self.tier
+        await self.core.stop(finally_in_loop=tier.close if tier is not None else None)
         self.grammars.shutdown()
-        if self.tier is not None:
-            await self.tier.close()
         self.executor.shutdown(wait=self.dead is None)
+
+    async def scheduler_stats(self) -> tuple[SchedulerStats, int]:
+        """(scheduler stats, KV blocks in use), read on the engine's loop: with the engine
+        on its own thread, reading them elsewhere would race it (stats() expires pins)."""
+        sched = self.scheduler
+        return await self.core.call_in_loop(lambda: (sched.stats(), sched.kv.pool.num_used))
 
     @property
     def dead(self) -> BaseException | None:

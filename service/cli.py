@@ -234,6 +234,11 @@ def _add_device_args(g: Group) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
     g.add_argument(
+        "--engine-thread", choices=["auto", "on", "off"], default="auto",
+        help="run the engine core (scheduling, update, grammar masks) on its own thread, "
+        "off the HTTP event loop (auto: on for CUDA, off on CPU; docs/HOST_PATH.md)",
+    )  # fmt: skip
+    g.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -291,6 +296,7 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
         seed=a.seed,
         attention_backend=a.attention_backend,
         threads=a.threads,
+        engine_thread={"on": True, "off": False}.get(a.engine_thread),
         cuda_graphs=False if a.enforce_eager else None,
         enable_prefix_caching=not a.no_prefix_caching,
         redis_url=a.redis_url,

@@ -33,6 +33,9 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     threads: int | None = None  # torch CPU threads (default: torch's, i.e. all cores)
+    # The engine core on its own thread with its own loop (True), on the caller's loop
+    # (False); None: on for CUDA, off on CPU (service.async_engine.engine_thread_default).
+    engine_thread: bool | None = None
     cuda_graphs: bool | None = None  # None: on for CUDA + Triton; False = vLLM's enforce_eager
     enable_prefix_caching: bool = True
     redis_url: str | None = None  # redis://... shares prefixes across replicas; memory://
