@@ -1,9 +1,9 @@
 """A step's decoder layers in one compiled call (cpu_kernels/layer_stack.cpp).
 
 The fused CPU path (gpu/model.py) crosses from Python into the compiled kernels ~9 times
-a layer; each crossing costs 10-20 us of interpreter work while the other core's OpenMP
-thread waits, and in the server every return from C takes the GIL back from the event
-loop.  `LayerStack.run` makes the same kernel calls, with the same arguments in the same
+a layer; each crossing is interpreter work while the other core's OpenMP thread waits,
+and in the server every return from C takes the GIL back from the event loop.
+`LayerStack.run` makes the same kernel calls, with the same arguments in the same
 order, from C: the same bits, one crossing a step.
 
 It takes a model only where every projection runs on one of pagestream's packed kernels

@@ -16,10 +16,10 @@ PiecewiseGraphs: the steps the decode graphs do not take (prefill chunks, mixed
 prefill + decode, speculative verification), as vLLM's piecewise graphs do.  Their
 attention depends on host values (sequence count, query lengths, split choice), so it
 runs eagerly; everything between two attentions (o_proj, residual, norm, MLP, the next
-layer's norm, qkv and rotary) is one graph per token-count bucket.  An H200 ran an eager
-step of a 1.24B model in 15 ms of host time for 1.2 ms of kernels (about 200 launches at
-~60 µs each on that host); in pieces a layer is one replay and its two attention
-launches (writing straight into the next piece's input).
+layer's norm, qkv and rotary) is one graph per token-count bucket.  Eager, such a step
+is mostly host time (hundreds of launches for little device work:
+docs/PERFORMANCE.md, "NVIDIA H200"); in pieces a layer is one replay and its two
+attention launches (writing straight into the next piece's input).
 """
 
 from __future__ import annotations

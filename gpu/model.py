@@ -367,8 +367,8 @@ class CausalLM(nn.Module):
     def use_triton_elementwise(self) -> None:
         """With the Triton attention backend (a GPU, or the interpreter in tests): RMSNorm
         and rotary as one Triton launch each (gpu/kernels/norm_rope.py) instead of torch's
-        chains of small ops, where a decode step's time goes to launches (the H200 check:
-        11 ms an eager step for a 1.24B model, 5% of its roofline).  The rotary kernel
+        chains of small ops, where an eager decode step's time goes to launches, not to the
+        device (docs/PERFORMANCE.md, "NVIDIA H200").  The rotary kernel
         rounds where torch rounds (same bits); RMSNorm's float32 path stays torch's one op.
         PAGESTREAM_TRITON_ELEMENTWISE=0 keeps the torch ops."""
         from gpu.kernels import norm_rope  # Triton only where its backend runs

@@ -2,9 +2,9 @@
 checkpoints), each run through torch's packed low-bit matmuls where they exist.
 
 INT8: symmetric, one scale per output channel, w ~= q * scale[n], the lm_head included.
-On CPU decode rows go through a compiled int8 GEMV (gpu/cpu_kernels/int8_gemv.cpp: on the
-AMD EPYC test machine torch's `aten._weight_int8pack_mm` was no faster than oneDNN's bf16
-GEMV, and ~10x slower with float32 activations); on GPU through `_weight_int8pack_mm`;
+On CPU decode rows go through a compiled int8 GEMV (gpu/cpu_kernels/int8_gemv.cpp: torch's
+`aten._weight_int8pack_mm` was no faster than oneDNN's bf16 GEMV there, and far slower
+with float32 activations); on GPU through `_weight_int8pack_mm`;
 where neither exists the layer dequantizes its weight inside the call.
 
 AWQ (https://github.com/casper-hansen/AutoAWQ, "gemm" version): per projection

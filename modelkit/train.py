@@ -10,7 +10,7 @@ seeds over a fixed corpus order, so two runs on the same torch build write the s
 transformers' LlamaForCausalLM does the training (its parameter names are the checkpoint's);
 the result is saved in bfloat16 like a released checkpoint.  The forward passes run under
 bfloat16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16, AMX): elsewhere
-torch emulates bf16 products and a target step took 10 s instead of ~1 s in float32 (Zen 3).
+torch emulates bf16 products, an order of magnitude slower than float32.
 """
 
 from __future__ import annotations

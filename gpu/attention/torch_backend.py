@@ -194,12 +194,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     # Fresh tokens from which a prefill chunk takes torch's SDPA under auto (bf16 on AMX):
     # torch's flash attention runs its products on the tiles, the kernel on vdpbf16ps.
-    # On a 2-core Xeon with AMX, one layer, 16/4 heads of 64: level at 128 tokens, 1.6x
-    # the kernel at 256, 2.9x at 2,048, 2.1-2.6x for 256-512 tokens after 512-1,792
-    # cached.  A lone prompt's TTFT through the `mid` model: 627 -> 367 ms at 2,000 tokens,
-    # 249 -> 180 at 1,024, 100 -> 87 at 512, 1.04-1.1x at 320-448; at 256 SDPA lost (52 vs
-    # 68 ms: a call, transposes and a copy per chunk), as it did over the offline bench's
-    # steps of 32-256-token prompts (240 vs 320 ms of attention a run).
+    # Per layer SDPA pulls ahead as chunks grow, but a whole prompt's TTFT only gains from
+    # about this size: below it SDPA's fixed cost (a call, transposes and a copy per chunk)
+    # loses to the kernel, as it does over short prompts' steps (measured on an AMX Xeon;
+    # docs/FLAGS.md, PAGESTREAM_PREFILL_ATTENTION).
     SDPA_MIN_ROWS = 320
 
     def sdpa_min_rows(self, dtype: torch.dtype) -> int | None:

@@ -393,8 +393,8 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape) on huge pages where it is 2 MB or more (huge_empty).  For the
     paged KV cache: a decode step reads each sequence's blocks wherever the pool put them,
     a few KB per block and layer, so in 4 KB pages nearly every block read is a TLB miss
-    and a page walk (decode attention over a 1 GB cache, blocks shuffled, on a 2-core Xeon:
-    12-13 GB/s of K/V read in 4 KB pages, 15-16 in huge pages)."""
+    and a page walk, which huge pages avoid (decode attention over a shuffled cache reads
+    K/V measurably faster in them)."""
     out = huge_empty(math.prod(shape), dtype).zero_()
     # Memory the allocator hands back (freed by the load before it) may be faulted in
     # already, in 4 KB pages: MADV_HUGEPAGE does not convert those, MADV_COLLAPSE does.
@@ -825,12 +825,12 @@ def _rows_dense(t: torch.Tensor) -> bool:
 def gemm_rows(m: int) -> int:
     """The row count a oneDNN product of m rows runs at (gpu/cpu_linear.packed_linear): m
     rounded up to a bucket.  oneDNN builds (JIT-compiles) a kernel for every new shape,
-    10-15 ms for one `mid` projection on a 2-core Xeon, more than the product itself at a
-    prefill chunk's 1,000-2,000 rows, and a server sees a new chunk size at nearly every
-    prefill step.  Exact up to 64 rows (float32 decode is compute-bound: 38 rows padded to
-    48 cost its step's products 13%), then steps of 4 to 128, 8 to 512, and a 16th of the
-    power of two below m beyond: under 180 kernels per weight up to 4,096 rows, all it ever
-    builds, and a product padded by less than 1/16 (by at most 7 rows to 512)."""
+    which costs more than the product itself even at a prefill chunk's size, and a server
+    sees a new chunk size at nearly every prefill step.  Exact up to 64 rows (float32
+    decode is compute-bound: padding decode rows costs its step's products in proportion),
+    then steps of 4 to 128, 8 to 512, and a 16th of the power of two below m beyond: under
+    180 kernels per weight up to 4,096 rows, all it ever builds, and a product padded by
+    less than 1/16 (by at most 7 rows to 512)."""
     if m <= 64:
         return m
     g = 4 if m <= 128 else 8 if m <= 512 else 1 << (m.bit_length() - 5)

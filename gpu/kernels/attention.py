@@ -72,9 +72,9 @@ NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 SPLIT_MIN_CONTEXT = 1024  # shorter contexts are not worth a second kernel
 SPLIT_MIN_KEYS = 256  # each split walks at least this many keys
 SPLIT_PROGRAMS_PER_SM = 2  # split only below this many programs per SM
-# Once splitting, aim for more: on an H200 (132 SMs) the forced-split sweep of `make
-# gpu-check` ran b1/ctx32k in 120 us at 64 splits against 139 us at 32, and b4/ctx16k in
-# 198 us at 16 against 229 us at 9 (docs/PERFORMANCE.md, "GPU check").
+# Once splitting, aim for more: long single sequences leave most SMs idle at two programs
+# each, and the forced-split sweep of `make gpu-check` on an H200 was faster at four, up to
+# 64 splits (docs/PERFORMANCE.md, "NVIDIA H200").
 SPLIT_TARGET_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 64
 
