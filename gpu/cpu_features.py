@@ -1,7 +1,7 @@
 """What the host CPU computes natively, read once from /proc/cpuinfo.
 
 Three things depend on it: `--dtype auto` on CPU (bfloat16 only where the CPU has bf16
-dot-product instructions; elsewhere a bf16 GEMM is emulated and runs ~5x slower than
+dot-product instructions; elsewhere a bf16 GEMM is emulated, several times slower than
 float32), the compiled CPU kernels' cache key (a library built for one ISA must never be
 loaded on another), and `make bench`'s header (figures mean little without the CPU).
 """
@@ -22,7 +22,7 @@ class CpuFeatures:
     model: str
     flags: frozenset[str]  # the subset of FLAGS_OF_INTEREST present
     # "family 26 model 2": VMs often name only the brand ("AMD EPYC"), which is the same
-    # string for a Zen 3, a Zen 4 and a Zen 5, whose figures differ by 2x.
+    # string for CPU generations whose figures differ severalfold.
     family: str = ""
 
     @property

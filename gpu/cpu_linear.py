@@ -68,7 +68,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(x @ gate.T) * (x @ up.T) as two oneDNN products with fused epilogues (SiLU on
-    the first, the multiply on the second), bucketed like packed_linear: 1.2x the [gate; up]
+    the first, the multiply on the second), bucketed like packed_linear: faster than the [gate; up]
     product + silu_mul at prefill sizes (docs/PERFORMANCE.md), the [rows, 2I] product never
     written.  SiLU takes the float32 sums, not their bf16 rounding, so the
     bits differ from the unfused path's (by bf16 rounding)."""

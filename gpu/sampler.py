@@ -6,7 +6,7 @@ frequency / presence penalties -> (greedy rows: argmax) -> temperature -> top-k 
 Top-p keeps a token while the probability mass strictly above it is below top_p of the row's
 mass, counted exactly in integer units of 2**-30, so the cut is the same whichever way it is
 found: from the top 256 tokens when the nucleus is that small, else from mass histograms over
-the probabilities' bit patterns (no vocabulary sort; ~5-30x faster than one on CPU).
+the probabilities' bit patterns (no vocabulary sort, which is what top-p costs on CPU otherwise).
 
 Sampling is an inverse-CDF draw: one uniform u per row, and the first token whose cumulative
 (unnormalised, filtered) probability reaches u times the row's total.  Filtered tokens are

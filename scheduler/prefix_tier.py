@@ -29,7 +29,7 @@ they only make its live share smaller, and as its oldest they are the first it p
 
 There is no separate index of which replica caches which block: the payload keys are the
 index a look-up needs (EXISTS on the chain), and routing is the balancer's consistent
-hash.  An index written on every block event was ~93% of all Redis commands and nothing
+hash.  An index written on every block event was most of all Redis commands and nothing
 read it (docs/DEPLOY.md, "Key schema").
 """
 

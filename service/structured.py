@@ -39,7 +39,7 @@ from service.grammar_workers import (
 
 # A grammar source (schema text, regex, grammar, choices) larger than this is refused.
 MAX_SOURCE_BYTES = 256 << 10
-# A compile that takes longer is refused (its worker process is killed): 200x what a
+# A compile that takes longer is refused (its worker process is killed): far more than a
 # large schema takes, and twice it (the worker's, then the server's) stays under the 3 s
 # in which a hostile request must have its 4xx.
 COMPILE_TIMEOUT_S = 1.0

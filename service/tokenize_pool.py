@@ -1,7 +1,7 @@
 """Tokenization and detokenization of client-sized input, never on the event loop.
 
-`tokenizers`' `encode` and `decode` hold the GIL for their whole run (one 3.9 MB prompt
-froze the event loop 3 s, four up to 11 s); its batch calls (`encode_batch_fast`,
+`tokenizers`' `encode` and `decode` hold the GIL for their whole run (a multi-MB prompt
+froze the event loop for seconds); its batch calls (`encode_batch_fast`,
 `decode_batch`) release it while the Rust code runs.  So a job, sized by its text's UTF-8
 bytes (4 bytes a token id), goes to one of three tiers:
 
@@ -24,8 +24,8 @@ What bounds what:
   the call, waiting included.  A job still waiting at it never runs (TokenizeTimeout,
   `started=False`: busy, 429).  A running process job is killed with its worker, which is
   replaced (`started=True`: 413).  A thread cannot be stopped: a running thread job ends
-  on its own, and `process_bytes` is what bounds it (about 0.2 s at 256 KiB on a slow
-  core);
+  on its own, and `process_bytes` is what bounds it (well under the deadline even on a
+  slow core);
 - memory: tokenizing takes ~100 bytes per input byte at its peak; in this process that
   is at most `process_bytes` per thread, and a worker hands its heap back after each job
   (or dies with it);
