@@ -35,7 +35,7 @@ class WorkerEngine:
     process of its own: torch work on another thread of the same process (say, the
     transformers baseline on the main thread) leaves a second OpenMP team behind, and
     libgomp then stops spinning its idle threads when the teams outnumber the cores -- a
-    measured 10-15% off pagestream's run, which vLLM in its own process never paid."""
+    cost to pagestream's run that vLLM, in its own process, never paid."""
 
     def __init__(self, cmd: list[str], spec: dict, env: dict[str, str], label: str, short: str):
         RESULTS_LOG.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has none

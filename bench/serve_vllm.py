@@ -203,7 +203,7 @@ def _one_load(
 ) -> dict[str, Any]:
     """One load, its prompts from its own seed: with one seed for all, every load after
     the first replayed the first one's prompts, and both servers' prefix caches answered
-    them (TTFT at 1 req/s read 100 ms where a cold 160-token prefill takes ~330)."""
+    them (TTFT read a fraction of a cold prefill's)."""
     from bench.serve import run_benchmark
 
     r = asyncio.run(run_benchmark(_config(args, url, kind, x, seed=seed)))

@@ -164,8 +164,8 @@ def bench_ms(
     """Median milliseconds per call (CUDA events on a GPU, wall clock elsewhere).
 
     On a GPU each sample times `burst` calls queued back to back: with one call between
-    two events, a kernel of ~100 us is timed with the host's launch latency in it (the
-    same split count measured 124 us in one row and 169 us in another on an H200)."""
+    two events, a short kernel is timed with the host's launch latency in it (the same
+    case read far apart from one row to the next)."""
     import torch
 
     for _ in range(warmup):
