@@ -104,6 +104,18 @@ def bench_scheduler(args: argparse.Namespace) -> str:
 
 
 # --------------------------------------------------------------------------- main
+def apply_kernel_choices(pairs: list[str]) -> dict[str, str]:
+    """`--kernel NAME=VALUE`s into this process's environment, which the engines built here
+    read at model load and the servers and workers it starts inherit; checked against
+    scheduler/envs.py (only kernel choices, only values they take)."""
+    from scheduler import envs
+
+    choices = dict(p.partition("=")[::2] for p in pairs)
+    env = envs.kernel_env(choices)
+    os.environ.update({name: env[name] for name in choices})
+    return choices
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.run",
@@ -114,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sections",
         default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,host",
     )
+    ap.add_argument(
+        "--kernel", action="append", default=[], metavar="NAME=VALUE",
+        help="a CPU kernel choice for this run and every engine it starts (one of "
+        "scheduler/envs.py's KERNEL_CHOICES, e.g. PAGESTREAM_DECODE_GEMM=onednn); repeatable",
+    )  # fmt: skip
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir instead of a preset")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -225,6 +242,10 @@ def _header() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    try:
+        apply_kernel_choices(args.kernel)
+    except (KeyError, ValueError) as e:
+        ap.error(str(e))
 
     import torch
 

@@ -121,3 +121,18 @@ def test_the_import_layers_allow_every_layer_to_import_it() -> None:
         )
     ]
     assert not ours, "scheduler/envs.py must import nothing of ours (every layer imports it)"
+
+
+def test_bench_sets_kernel_choices_for_its_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.run import apply_kernel_choices, build_parser
+
+    monkeypatch.delenv("PAGESTREAM_PREFILL_GEMM", raising=False)
+    args = build_parser().parse_args(["--kernel", "PAGESTREAM_PREFILL_GEMM=onednn"])
+    # Restore whatever apply_kernel_choices writes once the test ends.
+    monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", "auto")
+    assert apply_kernel_choices(args.kernel) == {"PAGESTREAM_PREFILL_GEMM": "onednn"}
+    assert envs.PAGESTREAM_PREFILL_GEMM == "onednn"
+    with pytest.raises(KeyError):
+        apply_kernel_choices(["PAGESTREAM_API_KEY=secret"])
+    with pytest.raises(ValueError):
+        apply_kernel_choices(["PAGESTREAM_PREFILL_GEMM=blas"])
