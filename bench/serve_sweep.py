@@ -1,5 +1,5 @@
 """Serving latency at a few request rates: a real `pagestream serve` process on loopback
-driven by `pagestream bench serve` (SSE and WebSocket), as in the README table."""
+driven by `pagestream bench serve` (SSE and WebSocket), as in docs/PERFORMANCE.md."""
 
 from __future__ import annotations
 

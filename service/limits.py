@@ -1,8 +1,8 @@
 """Per-request limits the service enforces before the engine sees a request.
 
-Each has a `serve` flag (README "Limits and security").  The decoders (service/protocol.py
-and the per-edge service/protocol_openai.py, service/protocol_ws.py) check types and fixed
-ranges; these are the bounds an operator may want to move.
+Each has a `serve` flag (docs/FLAGS.md; what each answers: docs/LIMITS.md).  The decoders
+(service/protocol.py and the per-edge service/protocol_openai.py, service/protocol_ws.py)
+check types and fixed ranges; these are the bounds an operator may want to move.
 """
 
 from __future__ import annotations
