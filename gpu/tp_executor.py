@@ -316,8 +316,8 @@ class TPExecutor(ThreadExecutor):
 
             if torch.cuda.device_count() < local:
                 raise ModelLoadError(
-                    f"{local} ranks on this node need {local} CUDA devices, "
-                    f"{torch.cuda.device_count()} visible"
+                    f"{local} tensor x pipeline parallel ranks on this node: needs {local} "
+                    f"CUDA devices, {torch.cuda.device_count()} visible"
                 )
         import torch.distributed as dist
 
