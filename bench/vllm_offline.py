@@ -2,9 +2,10 @@
 
 A worker that loads the engine once and times as many runs as it is asked for, so the
 bench can alternate it with the other engines.  Reads one JSON line
-{"model", "dtype", "eager", "warm": [[prompt_ids, max_tokens], ...]} on stdin, warms up
-on `warm`, prints `READY {"version": v}`, then for every `run [[prompt_ids, max_tokens],
-...]` line (each timed run its own prompts, disjoint from the warm-up's) prints
+{"model", "dtype", "eager", "no_prefix_caching", "warm": [[prompt_ids, max_tokens], ...]}
+on stdin, warms up on `warm`, prints `READY {"version": v}`, then for every `run
+[[prompt_ids, max_tokens], ...]` line (each timed run its own prompts, disjoint from the
+warm-up's, unless the prefix cache is off) prints
 `RESULT {"seconds": s, "tokens": n}` for a timed generate of them; exits on `quit` or end
 of input.
 """
@@ -26,6 +27,8 @@ def main() -> None:
         enforce_eager=bool(spec.get("eager")),  # default off: vLLM's compiled path
         max_model_len=1024,
         gpu_memory_utilization=0.5,
+        # Off where a bench replays one workload several times (each must compute it all).
+        enable_prefix_caching=not spec.get("no_prefix_caching"),
     )
 
     def requests(items):
