@@ -1,13 +1,16 @@
 """`pagestream serve` with a stand-in model, for the host benchmark (bench/host.py).
 
-    python -m bench.host_server --step-ms 8 [any `pagestream serve` flag]
+    python -m bench.host_server --step-ms 8 [--host-ms 0] [any `pagestream serve` flag]
 
 Everything is the real server (HTTP, WebSocket, tokenizer, detokenizer, scheduler, engine
 loop, metrics) except the model: `HostRunner` samples a fixed cycle of word tokens for
 every row after `--step-ms` of sleep (0: at once), the time a device would take for the
 step.  Sleeping releases the GIL, as a GPU step does, so what the host does meanwhile
 overlaps it exactly as it would; what the host does between steps shows as the step
-period above `--step-ms`.  Bench-only: the product has no such flag.
+period above `--step-ms`.  `--host-ms` adds that much pure-Python work to every step on
+the engine's side (a step hook holding the GIL, as scheduling, update and grammar work
+do), to show what host work on the engine does to HTTP
+(tests/service/test_engine_thread_http.py).  Bench-only: the product has no such flags.
 """
 
 from __future__ import annotations
@@ -54,17 +57,32 @@ class HostRunner:
         )
 
 
+def _take(argv: list[str], flag: str) -> float:
+    """Remove `flag VALUE` from argv; its value (0 when absent)."""
+    if flag not in argv:
+        return 0.0
+    i = argv.index(flag)
+    value = float(argv[i + 1])
+    del argv[i : i + 2]
+    return value
+
+
+def _busy(seconds: float) -> None:
+    """Pure-Python work for `seconds`: holds the GIL as host work does (the interpreter
+    still hands it to other threads every switch interval)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def main(argv: list[str]) -> int:
     from service.async_engine import AsyncEngine
     from service.cli import build_parser, server_config
     from service.engine_setup import ensure_default_model
     from service.tokenizer import Tokenizer
 
-    step_ms = 0.0
-    if "--step-ms" in argv:
-        i = argv.index("--step-ms")
-        step_ms = float(argv[i + 1])
-        del argv[i : i + 2]
+    step_ms = _take(argv, "--step-ms")
+    host_ms = _take(argv, "--host-ms")
     a = build_parser().parse_args(["serve", *argv])
     config = server_config(a)
     # The real checkpoint's tokenizer (and its vocabulary), never its weights.
@@ -73,6 +91,8 @@ def main(argv: list[str]) -> int:
     runner = HostRunner(tok.encode(WORDS, add_special_tokens=False), tok.vocab_size,
                         step_ms / 1e3, 4096)  # fmt: skip
     engine = AsyncEngine._assemble(config.engine, ThreadExecutor(runner), model_dir, None, None)
+    if host_ms:
+        engine.add_step_hook(lambda info: _busy(host_ms / 1e3))
     from service.app import run_server
 
     return run_server(config, engine)
