@@ -18,6 +18,8 @@ Sections (all by default):
              own thread choice vs a fixed --threads team
   fair       an interactive API key's TTFT while another key floods the server: FCFS vs
              fair shares (--fair-* flags size it)
+  pins       a conversation's second turn after a storm that evicts everything evictable:
+             pinned (conversation_id) vs unpinned TTFT and cached tokens (--pins-* flags)
   host       the server's own cost per token with a stand-in model (instant or a fixed
              device time a step), SSE and WebSocket streams at 64 / 256 / 1,024
 
@@ -124,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,host",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host",
     )
     ap.add_argument(
         "--kernel", action="append", default=[], metavar="NAME=VALUE",
@@ -154,8 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_section_args(ap)
     from bench.fair import add_args as add_fair_args
+    from bench.pins import add_args as add_pins_args
 
     add_fair_args(ap)
+    add_pins_args(ap)
     return ap
 
 
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp": bench_tp,
         "crowded": bench_crowded,
         "fair": bench_fair,
+        "pins": bench_pins,
         "host": bench_host,
     }
     for s in sections:
@@ -300,6 +305,12 @@ def bench_fair(args: argparse.Namespace) -> str:
     from bench.fair import run as run_fair
 
     return run_fair(args, _print_table, model_dir)
+
+
+def bench_pins(args: argparse.Namespace) -> str:
+    from bench.pins import run as run_pins
+
+    return run_pins(args, _print_table, model_dir)
 
 
 def bench_sampler(args: argparse.Namespace) -> str:
