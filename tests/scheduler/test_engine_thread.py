@@ -1,0 +1,127 @@
+"""EngineCore(own_thread=True): the engine on its own thread and loop, the consumers on
+theirs.  Outputs cross once per step and arrive whole and in order; admission bounds hold
+(from the engine's snapshot of its queue); a dying engine fails every stream and its
+future; a message posted from a third thread reaches it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from scheduler.engine_core import (
+    EngineCore,
+    EngineDeadError,
+    EngineOverloaded,
+    ExecutorFailed,
+    StepInfo,
+)
+from scheduler.executor import ThreadExecutor
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.scheduler.fake_runner import FakeRunner
+from tests.scheduler.helpers import make_group
+from tests.scheduler.test_faults import VOCAB, ExplodingRunner, _collect
+
+
+def _core(runner=None, **kw) -> tuple[EngineCore, ThreadExecutor]:
+    cfg = SchedulerConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4, max_model_len=256)
+    ex = ThreadExecutor(runner or FakeRunner(64, 4, VOCAB))
+    return EngineCore(Scheduler(cfg), ex, own_thread=True, **kw), ex
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+async def test_outputs_cross_whole_and_in_order_once_per_step():
+    steps: list[tuple[int, int]] = []  # (thread id, rows) of each step, on the engine side
+
+    def on_step(info: StepInfo) -> None:
+        steps.append((threading.get_ident(), len(info.mo.req_ids)))
+
+    core, ex = _core(on_step=on_step)
+    core.start()
+    try:
+        streams = [core.add(make_group(f"r{i}", [1, 2, 3 + i], 12, n=1 + i % 2)) for i in range(6)]
+        wakes = [0] * len(streams)
+
+        async def consume(i: int) -> dict[str, list[int]]:
+            toks: dict[str, list[int]] = {}
+            while not streams[i].finished:
+                for u in await streams[i].get():
+                    toks.setdefault(u.req_id, []).extend(u.new_token_ids)
+                wakes[i] += 1
+            return toks
+
+        outs = await asyncio.wait_for(asyncio.gather(*(consume(i) for i in range(6))), 10)
+        for i, toks in enumerate(outs):
+            assert len(toks) == 1 + i % 2 and all(len(t) == 12 for t in toks.values())
+            assert wakes[i] <= len(steps)  # at most once a step
+        assert {t for t, _ in steps} == {core._loop_thread}
+        assert core._loop_thread != threading.get_ident()
+        await _until(lambda: not core.streams and core.idle.is_set())
+    finally:
+        await core.stop()
+        ex.shutdown()
+    assert core._thread is None
+
+
+async def test_admission_bound_from_the_snapshot():
+    core, ex = _core(max_waiting_requests=3, max_waiting_tokens=40)
+    cfg = core.scheduler.config
+    cfg.max_num_seqs = 1  # one runs, the others wait
+    core.start()
+    try:
+        streams = [core.add(make_group(f"r{i}", [1, 2, 3], 200)) for i in range(3)]
+        with pytest.raises(EngineOverloaded):
+            core.add(make_group("r3", [1, 2, 3], 5))
+        await _until(lambda: core.queued()[0] < 3)  # the first one runs
+        assert core.queued()[0] == 2
+        core.add(make_group("r4", [1, 2, 3], 2))
+        with pytest.raises(EngineOverloaded, match="sequences"):
+            core.add(make_group("r5", [1, 2, 3], 2))
+        for gid in ("r0", "r1", "r2"):
+            core.abort(gid)
+        for s in streams:
+            await asyncio.wait_for(_collect(s), 10)
+        await _until(lambda: core.queued() == (0, 0) and core.idle.is_set())
+    finally:
+        await core.stop()
+        ex.shutdown()
+
+
+async def test_engine_failure_fails_every_stream_and_its_future():
+    core, ex = _core(ExplodingRunner(64, 4, VOCAB, explode_at=3))
+    task = core.start()
+    try:
+        streams = [core.add(make_group(f"r{i}", [1, 2, 3 + i], 50)) for i in range(4)]
+        for s in streams:
+            with pytest.raises(EngineDeadError, match=r"step 3|fell over"):
+                await asyncio.wait_for(_collect(s), 10)
+        with pytest.raises(Exception, match="fell over"):
+            await task
+        with pytest.raises(EngineDeadError):
+            core.add(make_group("late", [1, 2], 4))
+    finally:
+        await core.stop()
+        ex.shutdown(wait=False)
+
+
+async def test_a_message_from_a_third_thread_reaches_the_engine():
+    core, ex = _core()
+    task = core.start()
+    try:
+        await asyncio.wait_for(_collect(core.add(make_group("a", [1, 2, 3], 4))), 10)
+        t = threading.Thread(target=core.post, args=(ExecutorFailed(RuntimeError("rank gone")),))
+        t.start()
+        t.join()
+        with pytest.raises(RuntimeError, match="rank gone"):
+            await asyncio.wait_for(task, 10)
+    finally:
+        await core.stop()
+        ex.shutdown(wait=False)
