@@ -178,9 +178,10 @@ class TorchAttentionBackend(AttentionBackend):
             while j < n and (min_rows is None or lens[j] < min_rows):
                 j += 1
             if j > i:
+                tree = {} if meta.tree_bits is None else {"tree_bits": meta.tree_bits}
                 cpu_kernels.prefill_attention(
                     q, k_cache, v_cache, meta.block_tables[i:j], meta.query_start_loc[i : j + 1],
-                    meta.seq_lens[i:j], self.scale, out, *sc, tree_bits=meta.tree_bits,
+                    meta.seq_lens[i:j], self.scale, out, *sc, **tree,
                 )  # fmt: skip
                 start += sum(lens[i:j])
                 i = j
