@@ -9,6 +9,8 @@ such engine at a time."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from safetensors import safe_open
 
@@ -30,6 +32,8 @@ CASES = [
     pytest.param(("qwen2", {"tie_word_embeddings": True, "num_hidden_layers": 3}, 2, 1),
                  id="qwen2-tied-3layers-pp2", marks=pytest.mark.slow),
     pytest.param(("qwen3", {}, 2, 2), id="qwen3-pp2xtp2", marks=pytest.mark.slow),
+    # The torch path (what a GPU runs), not the fused CPU kernels; three micro-batches.
+    pytest.param(("llama", {}, 2, 1, 3), id="llama-pp2-unfused-3mb", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 
@@ -39,14 +43,23 @@ def checkpoint(arch: str, over: dict) -> str:
 
 @pytest.fixture(scope="module", params=CASES)
 def pp(request):
-    arch, over, p, t = request.param
+    arch, over, p, t, *mb = request.param
     path = checkpoint(arch, over)
-    llm = LLM(path, pipeline_parallel_size=p, tensor_parallel_size=t,
-              tensor_parallel_timeout=60, **ENGINE)  # fmt: skip
-    yield path, p, t, llm
-    rank0 = llm.engine.runner
-    llm.shutdown()
-    assert rank0.kv_caches == []
+    unfused = bool(mb)
+    if unfused:  # read at model load, by this process and the spawned ranks alike
+        os.environ["PAGESTREAM_CPU_FUSED"] = "0"
+    try:
+        llm = LLM(path, pipeline_parallel_size=p, tensor_parallel_size=t,
+                  pipeline_micro_batches=mb[0] if mb else 2, tensor_parallel_timeout=60,
+                  **ENGINE)  # fmt: skip
+        assert not (unfused and llm.engine.runner.model.fused)
+        yield path, p, t, llm
+        rank0 = llm.engine.runner
+        llm.shutdown()
+        assert rank0.kv_caches == []
+    finally:
+        if unfused:
+            del os.environ["PAGESTREAM_CPU_FUSED"]
 
 
 def test_pp_matches_pp1_and_transformers(pp):
