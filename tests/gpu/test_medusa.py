@@ -261,3 +261,20 @@ def test_compaction_moves_the_path_down_to_consecutive_positions():
     # Nothing else moved.
     changed = (k != before).flatten(2).any(-1)
     assert int(changed.sum()) == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [([], "no config.json"), (["--steps", "0"], "--steps must be >= 1")],
+)
+def test_train_medusa_refuses_bad_arguments(tmp_path, capsys, extra, why):
+    from service.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    if extra:
+        (model / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        main(["train-medusa", str(model), str(tmp_path / "out"), *extra])
+    assert e.value.code == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
