@@ -1,8 +1,12 @@
-"""docs/ARCHITECTURE.md cannot go stale silently.
+"""The docs cannot go stale silently.
 
-Every repository path it puts in backticks must exist, every `Class.member` it names must
-still be defined, every snake_case name must still occur in the code, every file of a request's path must be named, and the diagram it embeds
-must be there beside its source.
+docs/ARCHITECTURE.md: every repository path it puts in backticks must exist, every
+`Class.member` it names must still be defined, every snake_case name must still occur in
+the code, every file of a request's path must be named, its request path (the `callchain`
+blocks) must be what the code calls, and the diagram it embeds must be there beside its
+source.  docs/FLAGS.md documents every flag of `pagestream serve` and every environment
+variable of scheduler/envs.py; README.md stays a front page that links the references;
+docs/PERFORMANCE.md stays the current state.
 """
 
 from __future__ import annotations
