@@ -259,7 +259,14 @@ def load_model(
             f"{path}: an AWQ checkpoint is already quantized; drop --quantization int8"
         )
     hf = read_checkpoint(path, cfg, tp, pp)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in _to_state_dict(cfg, hf, pp).items()}
+    # Copies, never views: safetensors hands out tensors that view its mapping of the file,
+    # and one of them kept as is (the embedding; a linear the CPU path does not pack) held
+    # the whole file's pages mapped into the process beside the packed copies of them.
+    copy = device.type == "cpu"
+    sd = {
+        k: v.to(device=device, dtype=dtype, copy=copy)
+        for k, v in _to_state_dict(cfg, hf, pp).items()
+    }
     with torch.device("meta"):
         model = CausalLM(local_config(cfg, tp, pp), backend, max_positions, tp, pp)
     if cfg.awq_group_size:

@@ -144,3 +144,14 @@ def test_server_reports_a_load_failure(ckpt):
     with pytest.raises(RuntimeError, match="BertModel"):
         server.start(timeout=60)
     server.stop()
+
+
+def test_the_loaded_model_does_not_keep_the_file_mapped(ckpt):
+    # safetensors' tensors view its mapping of the file; a weight kept as is (the
+    # embedding) held every page of the file mapped beside the copies the model made.
+    dtype = next(iter(load_file(str(ckpt / "model.safetensors")).values())).dtype
+    runner = ModelRunner(ckpt, dtype=str(dtype).removeprefix("torch."), device="cpu",
+                         num_kv_blocks=16)  # fmt: skip
+    maps = Path("/proc/self/maps").read_text()
+    assert str(ckpt / "model.safetensors") not in maps
+    assert runner is not None
