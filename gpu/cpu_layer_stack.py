@@ -26,33 +26,14 @@ from torch import nn
 from gpu import cpu_kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.cpu_kernels import bindings
 from gpu.cpu_linear import AMX_MAX_ROWS, PackedLinear
 
 log = logging.getLogger(__name__)
 
-_P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("in_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P),
-        ("gate_up", _P), ("down", _P), ("k_cache", _P), ("v_cache", _P),
-        ("in_eps", _F), ("post_eps", _F),
-    ]  # fmt: skip
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("kind", _I), ("rows", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
-        ("head_dim", _I), ("inter", _I), ("block_size", _I), ("nthreads", _I),
-        ("scale", _F), ("final_eps", _F),
-        ("positions", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("tables", _P),
-        ("tstride", _I64), ("lens", _P), ("qsl", _P), ("seqs", _I), ("decodes", _I),
-        ("residual", _P), ("rs", _I64),
-        ("final_norm", _P), ("out", _P),
-        ("keep", _P), ("nkeep", _I), ("ktables", _P), ("klens", _P), ("kqsl", _P),
-        ("kseqs", _I),
-    ]  # fmt: skip
+# entry_points.h's structures (bindings.py derives their fields from the header).
+_Layer = bindings.structure("PsLayer")
+_Step = bindings.structure("PsStep")
 
 
 # The packed kernels a stack runs on (layer_stack.cpp's Step::kind).
@@ -89,9 +70,7 @@ class LayerStack:
         self._layers: ctypes.Array[_Layer] | None = None
         lib = cpu_kernels.load()
         assert lib is not None
-        self._fn = lib.ps_layer_stack
-        self._fn.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _I]
-        self._fn.restype = _I
+        self._fn = lib.ps_layer_stack  # typed by bindings.declare
 
     @classmethod
     def build(cls, model: nn.Module) -> LayerStack | None:

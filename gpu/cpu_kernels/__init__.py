@@ -33,6 +33,7 @@ import torch
 from gpu import cpu_features
 from gpu.config import cache_root
 from gpu.cpu_features import CpuFeatures
+from gpu.cpu_kernels import bindings
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,11 @@ _SRCS = [
 ]
 _HEADERS = [
     Path(__file__).with_name(n)
-    for n in ("simd.h", "gemm_common.h", "activation.h", "cpu_cache.h", "entry_points.h")
+    for n in "simd.h gemm_common.h activation.h cpu_cache.h entry_points.h intrinsics.h".split()
 ]
-# The GEMMs of one calling convention (ps_{name}, _pack_size, _pack: see _packed_gemm).
-_PACKED_GEMMS = ("sgemm", "sgemm_bf16", "amx_gemm", "dpbf16", "sgemm512")
 _lib: ctypes.CDLL | None = None
 _tried = False
+_sanitize = False  # use_sanitizers()
 
 
 def _cache_dir() -> Path:
@@ -76,10 +76,32 @@ def _flags() -> list[str]:
 # flush-to-zero and denormals-are-zero in MXCSR on dlopen, and every float32 op torch then
 # runs on that thread (and threads it starts) flushes subnormals to zero.
 _LINK_FLAGS = ["-shared", "-fopenmp"]
+# The library's own sources build warning-free and -Werror keeps them so (not in _flags():
+# bench/kernel_rev.py compiles past revisions with those).  A compiler newer than CI's may
+# warn where CI's does not: then _build retries with -Wno-error, logs the warnings, and
+# `werror_fallback` holds them (tests assert it stays empty).
+_WARNINGS = ["-Wall", "-Wextra", "-Werror"]
+werror_fallback = ""
+# use_sanitizers()'s test build: AddressSanitizer + UndefinedBehaviorSanitizer, aborting at
+# the first report, under its own library name.
+_SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 
 
-def compile_shared(cxx: str, flags: list[str], srcs: list[Path], out: Path | str) -> None:
-    """Compiles srcs with flags into objects, then links them into the shared library out."""
+def use_sanitizers() -> None:
+    """For tests only, before the first load(): build and load the ASan + UBSan variant of
+    the library (libpagestream_cpu_sanitized-*.so), never the product's.  The process must
+    have libasan loaded first (LD_PRELOAD): tests/gpu/test_cpu_sanitizers.py runs kernel
+    tests in a subprocess so."""
+    global _sanitize
+    assert not _tried, "use_sanitizers() must come before the kernels are loaded"
+    _sanitize = True
+
+
+def compile_shared(
+    cxx: str, flags: list[str], srcs: list[Path], out: Path | str, link: list[str] = _LINK_FLAGS
+) -> None:
+    """Compiles srcs with flags into objects, then links them (with `link`) into the shared
+    library out."""
     with tempfile.TemporaryDirectory(dir=Path(out).parent) as tmp:
         objs = [str(Path(tmp) / f"{src.stem}.o") for src in srcs]
         # Compiled side by side: the two cores of a CI machine halve a cold build.
@@ -90,7 +112,7 @@ def compile_shared(cxx: str, flags: list[str], srcs: list[Path], out: Path | str
         if failed:
             raise subprocess.CalledProcessError(1, [cxx, *failed], stderr="".join(errors))
         subprocess.run(
-            [cxx, *objs, *_LINK_FLAGS, "-o", str(out)], check=True, capture_output=True, text=True
+            [cxx, *objs, *link, "-o", str(out)], check=True, capture_output=True, text=True
         )
 
 
@@ -103,14 +125,16 @@ def _cpu_id() -> str:
         return ""
 
 
-def cache_key(cxx: str, flags: list[str], cpu: CpuFeatures | None = None) -> str:
+def cache_key(
+    cxx: str, flags: list[str], cpu: CpuFeatures | None = None, link: list[str] = _LINK_FLAGS
+) -> str:
     """Names the library: the kernels' ISA variant in clear (avx512-bf16, avx512, avx2,
     generic: a different build for each) and a hash over the sources, the compiler and its
     flags, the CPU model and its flags."""
     cpu = cpu or cpu_features.detect()
     digest = hashlib.sha256(
         b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
-        + " ".join([cxx, *flags, "link:", *_LINK_FLAGS]).encode()
+        + " ".join([cxx, *flags, "link:", *link]).encode()
         + cpu.model.encode()
         + " ".join(sorted(cpu.flags)).encode()
         + _cpu_id().encode()
@@ -121,12 +145,25 @@ def cache_key(cxx: str, flags: list[str], cpu: CpuFeatures | None = None) -> str
 
 
 def _build() -> Path:
+    global werror_fallback
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    flags = _flags()
-    key = cache_key(cxx, flags)
-    out = _cache_dir() / f"libpagestream_cpu-{key}.so"
+    flags, link, name = [*_flags(), *_WARNINGS], _LINK_FLAGS, "libpagestream_cpu"
+    if _sanitize:
+        flags, link, name = [*flags, *_SANITIZE], [*link, *_SANITIZE], f"{name}_sanitized"
+    try:
+        return _build_as(cxx, flags, link, name)
+    except RuntimeError as e:
+        if "-Werror=" not in str(e):
+            raise
+        werror_fallback = str(e)
+        log.warning("the CPU kernels have compiler warnings, built without -Werror: %s", e)
+        return _build_as(cxx, [*flags, "-Wno-error"], link, name)
+
+
+def _build_as(cxx: str, flags: list[str], link: list[str], name: str) -> Path:
+    out = _cache_dir() / f"{name}-{cache_key(cxx, flags, link=link)}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +171,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        compile_shared(cxx, flags, _SRCS, tmp)
+        compile_shared(cxx, flags, _SRCS, tmp, link)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(
@@ -159,55 +196,8 @@ def load() -> ctypes.CDLL | None:
     except Exception as e:  # no compiler, no OpenMP, read-only cache...
         log.warning("CPU attention kernel unavailable, using the torch path: %s", e)
         return None
-    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    for name in ("ps_decode_f32", "ps_decode_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
-        fn.restype = None
-    for name in ("ps_prefill_f32", "ps_prefill_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32, p]
-        fn.restype = None
-    lib.ps_decode_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, i64, i32, i32,
-                                    i32, i32, i32, f32, i32]  # fmt: skip
-    lib.ps_decode_quant.restype = None
-    lib.ps_prefill_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i64, p, p, p, i64, i32,
-                                     i32, i32, i32, i32, f32, i32, p]  # fmt: skip
-    lib.ps_prefill_quant.restype = None
-    lib.ps_isa.restype = ctypes.c_char_p
-    lib.ps_add_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i32, i32, f32, i32]
-    lib.ps_silu_mul.argtypes = [i32, p, i64, p, i64, i32, i32, i32]
-    lib.ps_rope.argtypes = [i32, p, i64, i32, p, i64, i32, p, p, p, i32, i32, i32]
-    for fn in (lib.ps_add_rms_norm, lib.ps_silu_mul, lib.ps_rope):
-        fn.restype = None
+    bindings.declare(lib)  # every argtypes/restype, from entry_points.h
     log.info("CPU attention kernels: %s build", isa(lib))
-    lib.ps_int8_gemv.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, p, i32, i64, i32]
-    lib.ps_int8_gemv.restype = None
-    lib.ps_int8_pack.argtypes = [p, i64, i64, p]
-    lib.ps_int8_pack.restype = None
-    lib.ps_int8_unpack.argtypes = [p, i64, i64, p, i32, i32]
-    lib.ps_int8_unpack.restype = None
-    lib.ps_write_kv.argtypes = [i32, i32, p, i64, p, i64, p, p, p, p, p, i32, i32, i32, i32]
-    lib.ps_argmax.argtypes = [i32, p, i64, i32, i32, p, i32]
-    for fn in (lib.ps_write_kv, lib.ps_argmax):
-        fn.restype = None
-    lib.ps_gather_rows.argtypes = [p, i64, i64, p, i64, p, i64, i32]
-    lib.ps_gather_rows.restype = i64
-    lib.ps_sgemm_available.restype = i32
-    lib.ps_amx_available.restype = i32
-    lib.ps_dpbf16_available.restype = i32
-    lib.ps_sgemm512_available.restype = i32
-    lib.ps_wide_l1.restype = i32
-    for name in ("ps_dpbf16_silu", "ps_amx_silu", "ps_sgemm512_silu", "ps_sgemm_silu"):
-        getattr(lib, name).argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
-        getattr(lib, name).restype = i32
-    for gemm in _PACKED_GEMMS:
-        getattr(lib, f"ps_{gemm}_packed_size").argtypes = [i64, i64]
-        getattr(lib, f"ps_{gemm}_packed_size").restype = i64
-        getattr(lib, f"ps_{gemm}_pack").argtypes = [p, i64, i64, p, i32]
-        getattr(lib, f"ps_{gemm}_pack").restype = None
-        getattr(lib, f"ps_{gemm}").argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
-        getattr(lib, f"ps_{gemm}").restype = None
     _lib = lib
     return lib
 

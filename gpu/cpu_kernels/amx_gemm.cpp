@@ -36,7 +36,7 @@
 #include "entry_points.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>

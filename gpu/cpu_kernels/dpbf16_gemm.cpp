@@ -47,7 +47,7 @@
 
 // The float32 kernel (ps_sgemm512) needs AVX-512F/BW only; the bf16 one AVX512-BF16 too.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <omp.h>
 #define PS_ZMM 1
 #else

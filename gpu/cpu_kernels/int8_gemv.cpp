@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "entry_points.h"
 #include "simd.h"
 
 namespace {

@@ -27,48 +27,10 @@
 
 namespace {
 
-// Mirrors gpu/cpu_layer_stack.py's ctypes structures field for field.
-struct Layer {
-  const void* in_norm;    // [hidden], the model's dtype
-  const void* post_norm;  // [hidden]
-  const void* qkv;        // packed [q + 2 kv, hidden]
-  const float* qkv_bias;  // [q + 2 kv] float32, or null
-  const void* o;          // packed [hidden, q]
-  const void* gate_up;    // the gated pack of [2 inter, hidden]
-  const void* down;       // packed [hidden, inter]
-  void* k_cache;          // [blocks, block_size, kv_heads, head_dim]
-  void* v_cache;
-  float in_eps, post_eps;
-};
-
-struct Step {
-  // 0: vdpbf16ps (bf16), 1: AVX-512 sgemm (float32), 2: AVX2 sgemm (float32), 3: AMX (bf16)
-  int kind;
-  int rows, hidden, heads, kv_heads, head_dim, inter, block_size, nthreads;
-  float scale, final_eps;
-  const int64_t* positions;  // [rows]
-  const float* cos;          // [max_positions, head_dim / 2]
-  const float* sin;
-  const int64_t* slots;      // [rows]
-  const int32_t* tables;     // [seqs, tstride]
-  int64_t tstride;
-  const int32_t* lens;       // [seqs]: context after the step
-  const int32_t* qsl;        // [seqs + 1]: query_start_loc
-  int seqs, decodes;         // the first `decodes` sequences have one query row each
-  void* residual;            // [rows, hidden] (row stride rs), updated in place
-  int64_t rs;
-  const void* final_norm;    // [hidden]
-  void* out;                 // [rows, hidden] (or [nkeep, hidden]), dense: the final norm's output
-  // The rows the caller reads (ascending; nkeep -1: all).  Past the last layer's K/V store only
-  // they go on (see ps_layer_stack), attended as the sequences below: each decode row's
-  // own, then each kept prompt chunk's last row as a one-row chunk at the chunk's end.
-  const int64_t* keep;
-  int nkeep;
-  const int32_t* ktables;    // [kseqs, tstride]
-  const int32_t* klens;      // [kseqs]
-  const int32_t* kqsl;       // [kseqs + 1]: 0, 1, ..., nkeep
-  int kseqs;
-};
+// entry_points.h declares them (bindings.py derives gpu/cpu_layer_stack.py's ctypes
+// structures from there).
+using Layer = PsLayer;
+using Step = PsStep;
 
 // y = x . w^T (+ bias) on the step's kernel.
 void gemm(const Step& s, const void* x, int64_t xs, int64_t k, const void* w, int64_t n,
@@ -141,8 +103,8 @@ extern "C" {
 
 // Returns 0 when done; else 1 + the layer whose gated product the kernel refused (nothing
 // after it was run: the caller's step fails).
-int ps_layer_stack(const Step* sp, const Layer* layers, int nlayers) {
-  const Step& s = *sp;
+int ps_layer_stack(const PsStep* step, const PsLayer* layers, int nlayers) {
+  const Step& s = *step;
   const int bf16 = s.kind == 0 || s.kind == 3;
   const int64_t es = bf16 ? 2 : 4, t = s.rows, hid = s.hidden;
   const int64_t qsz = static_cast<int64_t>(s.heads) * s.head_dim;

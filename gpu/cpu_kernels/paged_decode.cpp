@@ -646,7 +646,7 @@ struct SlotCursor {
   const int32_t* table;
   int64_t slot;  // elements per cache slot
   int bs, key, end, in;
-  const T *kr, *vr;
+  const T *kr = nullptr, *vr = nullptr;  // set by seek(), unread when k0 >= k1
   template <typename A>
   SlotCursor(const A& a, int seq, int k0, int k1)
       : kc(a.kc), vc(a.vc), table(a.tables + static_cast<int64_t>(seq) * a.tstride),

@@ -42,7 +42,7 @@
 #include "gemm_common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <omp.h>
 #define PS_SGEMM 1
 #else
@@ -201,7 +201,7 @@ void pack_rows(const XT* x, int64_t xs, int mr, int r0, int64_t mb, int64_t k, f
 
 // 1-3 rows: each tile spans 2-4 panels, x read in place (it is a few KB).
 template <typename WT, typename Block>
-void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n,
+void wide_gemm(const float* x, int64_t xs, int64_t m, int64_t k, const WT* /*wp*/, int64_t n,
                const float* bias, float* y, int64_t ys, int nthreads, Block block) {
   const int64_t np = panels(n);
   const int group = kWidePanels[m];

@@ -11,7 +11,7 @@
 #include <cstring>
 
 #if defined(__AVX__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define PS_DPBF16 1

@@ -187,8 +187,10 @@ int64_t argmax_row(const T* x, int cols) {
   int j = 0;
   if (cols >= kStep) {
     vi bk[kAcc], bi[kAcc], idx[kAcc];
+    vi lane{};  // built whole, then offset: lane-by-lane writes into idx[u] warn (-march=x86-64)
+    for (int l = 0; l < kW; ++l) lane[l] = l;
     for (int u = 0; u < kAcc; ++u) {
-      for (int l = 0; l < kW; ++l) idx[u][l] = u * kW + l;
+      idx[u] = lane + u * kW;
       bk[u] = order_key(bits_of(x + u * kW));
       bi[u] = idx[u];
     }
