@@ -126,42 +126,54 @@ def _attention_variants(quick: bool) -> list[Variant]:
     """The one-launch kernel, with the tiles `default_config` picks for each case."""
     from gpu.kernels import attention as pa
 
-    tl_of, torch_of = _dtypes()
+    _, torch_of = _dtypes()
     out = []
     for label, dt, group, dim, bs, max_q, bm, quant in _attention_cases(quick):
         gp = group  # the cases use power-of-two groups
         bq, block_m, tile_n, warps, stages = pa.default_config(max_q == 1, gp, max_q, torch_of[dt])
         if bm is not None:
             block_m, bq, warps = bm, bm // gp, 8
-        out.append(
-            Variant(
-                f"attn/{label}",
-                pa._paged_attention_kernel,
-                {
-                    **_ptrs(dt, "out_ptr", "q_ptr"),
-                    **_ptrs(_CACHE_ELEM[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
-                    **_ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
-                    **_SCALES,
-                    "scale_log2": "fp32",
-                },
-                dict(
-                    QUANT=quant,
-                    GROUP=group,
-                    GROUP_PAD=gp,
-                    HEAD_DIM=dim,
-                    BLOCK_SIZE=bs,
-                    BLOCK_Q=bq,
-                    BLOCK_M=block_m,
-                    TILE_N=tile_n,
-                    SINGLE_TOKEN=max_q == 1,
-                    IN_DTYPE=tl_of[dt],
-                    DOT_DTYPE=tl_of[dt],
-                ),
-                num_warps=warps,
-                num_stages=stages,
-            )
-        )
+        # Chunked cases also as a Medusa verify would run them: with tree bits.
+        for tree in (False, True) if max_q > 1 and not quant else (False,):
+            out.append(_attention_variant(pa, label, dt, group, dim, bs, max_q, quant, tree,
+                                          (bq, block_m, tile_n, warps, stages)))  # fmt: skip
     return out
+
+
+def _attention_variant(
+    pa: Any, label: str, dt: str, group: int, dim: int, bs: int, max_q: int, quant: int,
+    tree: bool, tiles: tuple[int, int, int, int, int],
+) -> Variant:  # fmt: skip
+    tl_of, _ = _dtypes()
+    bq, block_m, tile_n, warps, stages = tiles
+    return Variant(
+        f"attn/{label}" + ("/tree" if tree else ""),
+        pa._paged_attention_kernel,
+        {
+            **_ptrs(dt, "out_ptr", "q_ptr"),
+            **_ptrs(_CACHE_ELEM[quant] or dt, "k_cache_ptr", "v_cache_ptr"),
+            **_ptrs("i32", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
+            **_SCALES,
+            "tree_ptr": "*i64",
+            "scale_log2": "fp32",
+        },
+        dict(
+            HAS_TREE=tree,
+            QUANT=quant,
+            GROUP=group,
+            GROUP_PAD=group,  # the cases use power-of-two groups
+            HEAD_DIM=dim,
+            BLOCK_SIZE=bs,
+            BLOCK_Q=bq,
+            BLOCK_M=block_m,
+            TILE_N=tile_n,
+            SINGLE_TOKEN=max_q == 1,
+            IN_DTYPE=tl_of[dt],
+            DOT_DTYPE=tl_of[dt],
+        ),
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def _split_variants() -> list[Variant]:
