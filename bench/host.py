@@ -76,14 +76,15 @@ def row(proto: str, streams: int, step_ms: float, r: dict) -> list[str]:
             f"{r['steps']:.0f} ({period:.1f} ms)", serial]  # fmt: skip
 
 
-def serve(step_ms: float, max_seqs: int) -> tuple[subprocess.Popen, str]:
+def serve(step_ms: float, max_seqs: int, engine: str = "auto") -> tuple[subprocess.Popen, str]:
     LOG.parent.mkdir(exist_ok=True)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "bench.host_server", "--step-ms", str(step_ms),
            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_seqs),
            "--max-num-batched-tokens", str(max(8192, 16 * max_seqs)),
-           "--max-websockets", str(max_seqs + 16), "--disable-access-log"]  # fmt: skip
+           "--max-websockets", str(max_seqs + 16), "--disable-access-log",
+           "--engine-thread", engine]  # fmt: skip
     # The log goes to a file: a pipe nobody reads would stall the server once it filled.
     log = open(LOG, "ab")  # noqa: SIM115 - the child holds it; closed with our copy below
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
@@ -99,22 +100,27 @@ def serve(step_ms: float, max_seqs: int) -> tuple[subprocess.Popen, str]:
 def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
     streams = [int(x) for x in args.host_streams.split(",")]
     steps = [float(x) for x in args.host_step_ms.split(",")]
+    # serve --engine-thread per round: off (the engine on the HTTP loop), on (its own
+    # thread), auto (the device's default: off for this CPU stand-in).
+    engines = getattr(args, "host_engine_thread", "auto").split(",")
     rows = []
-    for step_ms in steps:
-        proc, url = serve(step_ms, max(streams))
-        try:
-            one_round(url, proc.pid, "sse", min(streams), 8)  # warm-up
-            for proto in ("sse", "ws"):
-                for n in streams:
-                    r = one_round(url, proc.pid, proto, n, args.host_tokens)
-                    rows.append(row(proto, n, step_ms, r))
-                    print("  host " + " | ".join(rows[-1]), flush=True)
-        finally:
-            _stop(proc)
+    for engine in engines:
+        for step_ms in steps:
+            proc, url = serve(step_ms, max(streams), engine)
+            try:
+                one_round(url, proc.pid, "sse", min(streams), 8)  # warm-up
+                for proto in ("sse", "ws"):
+                    for n in streams:
+                        r = one_round(url, proc.pid, proto, n, args.host_tokens)
+                        rows.append([*row(proto, n, step_ms, r), engine])
+                        print("  host " + " | ".join(rows[-1]), flush=True)
+            finally:
+                _stop(proc)
     return print_table(
         f"host path: the real server with a stand-in model, {args.host_tokens} tokens a "
         "stream, all streams at once, clients in another process on the same CPUs",
         ["proto", "streams", "device ms a step", "delivered tok/s", "TPOT p50 / p99 ms",
-         "largest gap ms", "server CPU µs / token", "steps (period)", "host share in series"],
+         "largest gap ms", "server CPU µs / token", "steps (period)", "host share in series",
+         "engine thread"],
         rows,
     )  # fmt: skip
