@@ -57,7 +57,7 @@ def _strip_comments(text: str) -> str:
 
 def _decl(text: str, where: str) -> Param:
     """`const int64_t* pos` -> Param("const int64_t*", "pos")."""
-    m = re.fullmatch(r"\s*((?:const\s+)?[A-Za-z_]\w*\s*\**)\s*([A-Za-z_]\w*)\s*", text)
+    m = re.fullmatch(r"\s*((?:const\s+)?[A-Za-z_]\w*(?:\s*\*+\s*|\s+))([A-Za-z_]\w*)\s*", text)
     if m is None:
         raise ValueError(f"{where}: cannot read the declaration {text.strip()!r}")
     ctype = re.sub(r"\s*\*", "*", " ".join(m.group(1).split()))
