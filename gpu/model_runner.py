@@ -24,7 +24,7 @@ from gpu.cuda_graphs import DEFAULT_SIZES, DEFAULT_TOKEN_SIZES, DecodeGraphs, Pi
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
 from gpu.medusa import MedusaProposer
-from gpu.pp import PPStage, run_pipeline
+from gpu.pp import PPStage, kv_payloads, run_pipeline
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
 from gpu.step_rows import PromptRows, SampleRows, StepInputs
@@ -338,9 +338,13 @@ class ModelRunner:
         if self.faults is not None:
             rids = [*dec.req_ids, *(r.req_id for r in scheduled)]
             self.faults.check_forward(so.step, [self._prompt_of(rid) for rid in rids])
-        if self.pp is not None and (scheduled or dec.req_ids):
-            out = run_pipeline(self, self.pp, dec, scheduled, errors, so.grammar_bitmasks, out)
-        elif scheduled or dec.req_ids:
+        if self.pp is not None:  # every step: the last stage's output is the step's
+            out = run_pipeline(
+                self, self.pp, dec, scheduled, errors, so.grammar_bitmasks, so.save_kv_blocks, out
+            )
+            self.last_step_seconds = time.perf_counter() - t0
+            return out
+        if scheduled or dec.req_ids:
             graphs = self.graphs
             verify: list[tuple[ScheduledRequest, int]] = []
             if self.spec is not None:
@@ -646,6 +650,11 @@ class ModelRunner:
     def read_kv_blocks(self, block_ids: list[int]) -> list[KVBlockPayload]:
         """Each block's bytes: per layer K then V values ([block_size, kv_heads, head_dim]),
         then, for a quantized cache, K then V scales ([block_size, kv_heads] bfloat16)."""
+        return kv_payloads(block_ids, self.read_kv_bytes(block_ids))
+
+    def read_kv_bytes(self, block_ids: list[int]) -> torch.Tensor:
+        """read_kv_blocks' bytes as one [blocks, bytes] uint8 tensor on the host; a pipeline
+        stage's hold its own layers only (gpu.pp gathers the stages')."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         n = len(block_ids)
         parts = []
@@ -656,11 +665,7 @@ class ModelRunner:
                     # Bytes per element on a trailing dim, so dim 2 stays the heads.
                     x = gather_kv_heads(x.unsqueeze(-1).view(torch.uint8), self.config, self.tp)
                 parts.append(x.reshape(n, -1).view(torch.uint8))
-        per_block = torch.cat(parts, dim=1).cpu()  # [n, kv_payload_bytes]
-        return [
-            KVBlockPayload(block_id=b, data=per_block[i].numpy().tobytes())
-            for i, b in enumerate(block_ids)
-        ]
+        return torch.cat(parts, dim=1).cpu()  # [n, kv_payload_bytes]
 
     def _load_kv(self, payloads: list[KVBlockPayload]) -> None:
         # Payloads hold every KV head (TP=1 layout); a TP rank copies its own heads.
@@ -670,7 +675,8 @@ class ModelRunner:
             # The prefix-index actor checks checksums and sizes before a payload gets here.
             assert len(p.data) == self.kv_payload_bytes, "KV payload of the wrong size"
             raw = torch.frombuffer(bytearray(p.data), dtype=torch.uint8).to(self.device)
-            at = 0
+            # Layer after layer: a pipeline stage's layers start past the earlier stages'.
+            at = 0 if self.pp is None else self.pp.start * (len(p.data) // c.num_layers)
             for layer in self.kv_caches:
                 for t in layer:
                     dst = t[p.block_id]  # [block_size, local heads, ...]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.step_rows import SampleRows
-from scheduler.contract import DecodeColumns, ModelOutput, ScheduledRequest
+from scheduler.contract import DecodeColumns, KVBlockPayload, ModelOutput, ScheduledRequest
 
 # Micro-batches per step (at most one per row).  Two already let a two-stage pipeline
 # overlap; more shrink the bubble at the price of smaller products.
@@ -173,9 +173,11 @@ def run_pipeline(
     scheduled: list[ScheduledRequest],
     errors: dict[str, str],
     grammar_bitmasks: dict[str, bytes] | None,
+    save_kv_blocks: list[int],
     out: ModelOutput,
 ) -> ModelOutput:
-    """This stage's part of one step.  Returns the step's ModelOutput on the last stage
+    """This stage's part of one step (every step, even one without rows: rank 0 always
+    waits for the last stage's output).  Returns the step's ModelOutput on the last stage
     and on global rank 0 (received from the last stage); other ranks return `out`."""
     model = runner.model
     hidden_size = runner.config.hidden_size
@@ -207,6 +209,8 @@ def run_pipeline(
             ids += samples.ids
     for handle, _tensor in sends:
         handle.wait()
+    if save_kv_blocks:
+        _save_kv(runner, pp, save_kv_blocks, out)
     if pp.last:
         if states:
             rows = SampleRows.of(list(range(len(states))), states, ids, runner.device)
@@ -221,6 +225,33 @@ def run_pipeline(
     if pp.first and pp.tp_rank == 0:
         return recv_output((pp.size - 1) * pp.tp_size, pp.device)
     return out
+
+
+def _save_kv(runner: Any, pp: PPStage, blocks: list[int], out: ModelOutput) -> None:
+    """Prefix-tier payloads keep the PP=1 layout (every layer, in order), so replicas of
+    any pipeline size share one namespace: each stage reads its layers' bytes (with every
+    tensor rank's heads) and the last stage puts the stages' parts together."""
+    part = runner.read_kv_bytes(blocks)  # [n, this stage's layers' bytes]; all TP ranks
+    if pp.tp_rank != 0:
+        return
+    last = (pp.size - 1) * pp.tp_size
+    if not pp.last:
+        dist.send(part.to(pp.device), dst=last)
+        return
+    per_layer = runner.kv_payload_bytes // runner.config.num_layers
+    parts = []
+    for stage, (lo, hi) in enumerate(layer_split(runner.config.num_layers, pp.size)[:-1]):
+        buf = torch.empty(len(blocks), per_layer * (hi - lo), dtype=torch.uint8, device=pp.device)
+        dist.recv(buf, src=stage * pp.tp_size)
+        parts.append(buf.cpu())
+    out.saved_kv = kv_payloads(blocks, torch.cat([*parts, part], dim=1))
+
+
+def kv_payloads(blocks: list[int], data: torch.Tensor) -> list[KVBlockPayload]:
+    """[n, payload bytes] uint8 on the host -> one payload per block."""
+    return [
+        KVBlockPayload(block_id=b, data=data[i].numpy().tobytes()) for i, b in enumerate(blocks)
+    ]
 
 
 _encode = msgspec.msgpack.Encoder().encode

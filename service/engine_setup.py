@@ -162,11 +162,6 @@ def tp_executor(
             "--tensor-parallel-size / --pipeline-parallel-size > 1 do not work with "
             "speculative decoding"
         )
-    if args.pipeline_parallel_size > 1 and args.redis_url:
-        raise ModelLoadError(
-            "--pipeline-parallel-size > 1 does not work with the Redis prefix tier "
-            "(--redis-url): its KV payloads hold every layer, a stage holds its own"
-        )
     if args.pipeline_micro_batches < 1:
         raise ModelLoadError(
             f"pipeline_micro_batches must be at least 1, got {args.pipeline_micro_batches}"

@@ -153,8 +153,6 @@ def test_refused_before_spawning_anything():
             "num_speculative_tokens": 2}, **ENGINE)  # fmt: skip
     with pytest.raises(ModelLoadError, match="--quantization int8"):
         LLM(path, pipeline_parallel_size=2, quantization="int8", **ENGINE)
-    with pytest.raises(ModelLoadError, match="Redis prefix tier"):
-        LLM(path, pipeline_parallel_size=2, redis_url="redis://127.0.0.1:1", **ENGINE)
     with pytest.raises(ModelLoadError, match="do not split evenly over --nnodes 3"):
         from service.engine_setup import EngineArgs, tp_executor
 
