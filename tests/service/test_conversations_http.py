@@ -152,6 +152,51 @@ def test_interactive_key_is_admitted_before_a_flooding_keys_queue(model) -> None
             assert at >= 4 if policy == "fcfs" else at <= 2, (policy, done)
 
 
+def _seat_race(model: str, policy: str, prompts: list[list[int]], short: list[int]) -> tuple:
+    """Four long generations of KEY_A, two seats; once both run and two wait, a short
+    request of KEY_B.  (order they finished in, outputs, fair-share preemptions)"""
+    with _server(model, max_num_seqs=2, scheduling_policy=policy) as s:
+        done: list[str] = []
+        got: dict[str, list[int]] = {}
+
+        def send(name: str, key: str, prompt: list[int], n: int) -> None:
+            got[name] = turn(s.url, prompt, key=key, max_tokens=n)[0]
+            done.append(name)
+
+        flood = [threading.Thread(target=send, args=(f"f{i}", KEY_A, p, 150))
+                 for i, p in enumerate(prompts)]  # fmt: skip
+        for t in flood:
+            t.start()
+        deadline = time.monotonic() + 60
+        sched = s.engine.scheduler
+        while s.on_loop(lambda: (len(sched.running), len(sched.waiting))) != (2, 2):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        chat = threading.Thread(target=send, args=("chat", KEY_B, short, 4))
+        chat.start()
+        for t in [*flood, chat]:
+            t.join(120)
+        return done, got, s.on_loop(lambda: sched.num_fair_preemptions)
+
+
+def test_a_key_holding_every_running_seat_makes_room_for_another(model) -> None:
+    """Fair shares inside the step, not only at admission: the flooding key's long
+    generations hold both running seats; under fair shares the other key's request runs
+    at once (one of the flood's is preempted, then recomputed to the same greedy output),
+    under FCFS only after the flood's running requests."""
+    rng = random.Random(13)
+    prompts = [_prompt(rng, 40) for _ in range(4)]
+    short = _prompt(rng, 10)
+    outs = {}
+    for policy in ("fcfs", "fair"):
+        done, outs[policy], preempted = _seat_race(model, policy, prompts, short)
+        assert sorted(done) == sorted(["chat", "f0", "f1", "f2", "f3"])
+        at = done.index("chat")
+        assert at == 0 if policy == "fair" else at >= 2, (policy, done)
+        assert preempted >= 1 if policy == "fair" else preempted == 0
+    assert outs["fair"] == outs["fcfs"]
+
+
 @pytest.mark.redis
 def test_pinned_turn_is_published_for_another_replica(model) -> None:
     redis = RedisServer()
