@@ -229,22 +229,21 @@ class EngineCore:
 
     def call_in_loop(self, fn: Callable[[], Any]) -> Any:
         """An awaitable of fn() run on the engine's loop (what must live there: the
-        prefix tier's tasks and connections)."""
-        assert self._loop is not None
+        prefix tier's tasks and connections); on the caller's before the engine starts."""
 
         async def run() -> Any:
             r = fn()
             return await r if asyncio.iscoroutine(r) else r
 
-        if not self.own_thread:
+        if self._thread is None or self._loop is None:  # inline, or no engine thread yet
             return run()
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._loop))
 
     async def stop(self, finally_in_loop: Callable[[], Any] | None = None) -> None:
         """Stop the loop; then finally_in_loop() (awaited if a coroutine) on the engine's
         loop before its thread ends (closing what lives there: the prefix tier)."""
-        if self._task is None:
-            if finally_in_loop is not None and self._loop is not None:
+        if self._task is None:  # never started
+            if finally_in_loop is not None:
                 await self.call_in_loop(finally_in_loop)
             return
         self.post(_Stop())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -71,8 +72,16 @@ async def test_outputs_cross_whole_and_in_order_once_per_step():
     assert core._thread is None
 
 
+class _SlowRunner(FakeRunner):
+    """20 ms a step: a running request stays running while the test looks."""
+
+    def execute_model(self, so):
+        time.sleep(0.02)
+        return super().execute_model(so)
+
+
 async def test_admission_bound_from_the_snapshot():
-    core, ex = _core(max_waiting_requests=3, max_waiting_tokens=40)
+    core, ex = _core(_SlowRunner(64, 4, VOCAB), max_waiting_requests=3, max_waiting_tokens=40)
     cfg = core.scheduler.config
     cfg.max_num_seqs = 1  # one runs, the others wait
     core.start()
