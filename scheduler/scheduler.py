@@ -413,10 +413,12 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         )
 
     def _fair_preempt(self, fair: TenantShares, t: str | None, short_of_seats: bool) -> bool:
-        """Preempt the newest running request of the tenant most past its share of the
-        seats (or the blocks), to make room for tenant `t`; False when none is past it."""
+        """Preempt a running request of the tenant most past its share of the seats (or
+        the blocks), to make room for tenant `t`: its lowest `priority`, newest first, as
+        vLLM's priority policy picks; False when no tenant is past its share."""
         v = fair.victim_tenant(t, short_of_seats)
-        victim = next((r for r in reversed(self.running) if r.tenant == v), None)
+        theirs = (r for r in self.running if r.tenant == v)
+        victim = max(theirs, key=lambda r: (r.priority, r.arrival_time), default=None)
         if v is None or victim is None:  # (none of v's admitted before the running pass)
             return False
         fair.preempted(v, len(self.kv.blocks_of(victim.req_id)))

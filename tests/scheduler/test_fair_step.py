@@ -151,3 +151,26 @@ def test_one_key_alone_is_scheduled_as_before():
             [(sr.req_id, len(sr.input_ids)) for sr in so.all_scheduled()] for so in run.steps
         ]
     assert steps["fair"] == steps["fcfs"]
+
+
+def test_the_victim_is_the_over_share_keys_lowest_priority_request():
+    """vLLM's priority preemption within the key that gives up a seat: its lowest
+    priority request goes back, though it arrived first."""
+    cfg = SchedulerConfig(num_kv_blocks=256, block_size=4, max_num_batched_tokens=64,
+                          max_num_seqs=2, max_model_len=256)  # fmt: skip
+    sched, runner = Scheduler(cfg), FakeRunner(256, 4, VOCAB)
+    rng = random.Random(2)
+    low = _group("f-low", "flood", _prompt(rng, 20), 50)
+    low[0].priority = 5
+    sched.add_request(low)
+    sched.update_from_output(so := sched.schedule(), runner.execute_model(so))
+    sched.add_request(_group("f-high", "flood", _prompt(rng, 20), 50))  # the newest
+    for _ in range(2):
+        sched.update_from_output(so := sched.schedule(), runner.execute_model(so))
+    assert [r.req_id for r in sched.running] == ["f-low", "f-high"]
+    sched.add_request(_group("chat", "chat", _prompt(rng, 8), 2))
+    so = sched.schedule()
+    assert any(sr.req_id == "chat" and sr.sample for sr in so.all_scheduled())
+    assert sched.requests["f-low"].status.name == "WAITING"
+    assert sched.requests["f-high"].status.name == "RUNNING"
+    assert sched.num_fair_preemptions == 1
