@@ -52,10 +52,8 @@ _SRCS = [
         "layer_stack.cpp",
     )
 ]
-_HEADERS = [
-    Path(__file__).with_name(n)
-    for n in "simd.h gemm_common.h activation.h cpu_cache.h entry_points.h intrinsics.h".split()
-]
+# Every header beside them (all part of the cache key: a new one cannot be left out).
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _lib: ctypes.CDLL | None = None
 _tried = False
 _sanitize = False  # use_sanitizers()
