@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 from torch import nn
@@ -28,6 +27,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.cpu_kernels import bindings
 from gpu.cpu_linear import AMX_MAX_ROWS, PackedLinear
+from scheduler import envs
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def linear_kind(lin: nn.Module) -> str | None:
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGESTREAM_LAYER_STACK", "1") != "0"
+    return envs.PAGESTREAM_LAYER_STACK
 
 
 class LayerStack:

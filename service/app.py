@@ -504,7 +504,9 @@ async def debug_state(request: web.Request) -> web.Response:
         "asyncio_tasks": len(asyncio.all_tasks()),
         "rss_bytes": _rss_bytes() if os.path.exists("/proc/self/statm") else None,
     }
-    if request.query.get("gc") == "1":  # a full gc pass: costly with many objects, so only on request
+    if (
+        request.query.get("gc") == "1"
+    ):  # a full gc pass: costly with many objects, so only on request
         import gc
 
         gc.collect()

@@ -17,12 +17,6 @@ from scheduler import envs
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("service", "scheduler", "gpu")
 HOME = ROOT / "scheduler" / "envs.py"
-# Files whose reads still go straight to os.environ: the compiled-kernel side, under
-# rework by another change in the same session; their variables are documented in
-# envs.VARS already.  Remove a file here when it reads through envs.
-PENDING = {"gpu/cpu_kernels/__init__.py", "gpu/cpu_layer_stack.py"}
-
-
 def _environ_uses(src: str, filename: str) -> list[int]:
     """Lines that touch the environment: os.environ, os.getenv / putenv / unsetenv."""
     lines = []
@@ -49,10 +43,7 @@ def test_only_the_envs_module_touches_the_environment() -> None:
         lines = _environ_uses(p.read_text(), str(p)) if p != HOME else []
         if lines:
             found[str(p.relative_to(ROOT))] = lines
-    outside = {f: lines for f, lines in found.items() if f not in PENDING}
-    assert not outside, f"environment read outside scheduler/envs.py: {outside}"
-    done = PENDING - set(found)
-    assert not done, f"{sorted(done)} read through envs now: take them out of PENDING"
+    assert not found, f"environment read outside scheduler/envs.py: {found}"
     assert _environ_uses(HOME.read_text(), str(HOME)), "the finder stopped seeing os.environ"
 
 

@@ -34,6 +34,7 @@ from gpu import cpu_features
 from gpu.config import cache_root
 from gpu.cpu_features import CpuFeatures
 from gpu.cpu_kernels import bindings
+from scheduler import envs
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def _cache_dir() -> Path:
 def _flags() -> list[str]:
     """Compile flags (compile_shared links without them)."""
     # -march=native: built on the machine that runs it (cached per source + flags + CPU).
-    march = os.environ.get("PAGESTREAM_CPU_MARCH", "native")
+    march = envs.PAGESTREAM_CPU_MARCH
     return ["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 
 
@@ -144,7 +145,7 @@ def cache_key(
 
 def _build() -> Path:
     global werror_fallback
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cxx = envs.CXX or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     flags, link, name = [*_flags(), *_WARNINGS], _LINK_FLAGS, "libpagestream_cpu"
@@ -188,7 +189,7 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("PAGESTREAM_CPU_KERNELS", "1") == "0":
+    if not envs.PAGESTREAM_CPU_KERNELS:
         return None
     try:
         lib = ctypes.CDLL(str(_build()))
@@ -210,7 +211,7 @@ def isa(lib: ctypes.CDLL | None = None) -> str | None:
 def fused_enabled() -> bool:
     """The elementwise chain may run in the compiled kernels (PAGESTREAM_CPU_FUSED, default
     on; 0 keeps torch's ops, for comparisons)."""
-    return os.environ.get("PAGESTREAM_CPU_FUSED", "1") != "0"
+    return envs.PAGESTREAM_CPU_FUSED
 
 
 def available() -> bool:
@@ -368,7 +369,7 @@ def huge_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     page walk, and the hardware prefetchers stop at every page boundary.  Most distributions
     set THP to `madvise`, so an allocation gets huge pages only when asked."""
     size = dtype.itemsize
-    if numel * size < _HUGE or os.environ.get("PAGESTREAM_HUGE_PAGES", "1") == "0":
+    if numel * size < _HUGE or not envs.PAGESTREAM_HUGE_PAGES:
         return torch.empty(numel, dtype=dtype)
     buf = torch.empty(numel + _HUGE // size, dtype=dtype)
     skip = (-buf.data_ptr() % _HUGE) // size  # elements up to the first 2 MB boundary
@@ -400,7 +401,7 @@ def collapse_huge(t: torch.Tensor) -> None:
     """MADV_COLLAPSE (Linux 6.1+, whatever the THP setting) over huge_empty's memory once
     filled: pages the allocator had already touched were faulted in 4 KB at a time."""
     span = _huge_span(t)
-    if span and os.environ.get("PAGESTREAM_HUGE_PAGES", "1") != "0":
+    if span and envs.PAGESTREAM_HUGE_PAGES:
         _madvise(t.data_ptr(), span, _MADV_COLLAPSE)
 
 
