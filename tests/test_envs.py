@@ -17,6 +17,8 @@ from scheduler import envs
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("service", "scheduler", "gpu")
 HOME = ROOT / "scheduler" / "envs.py"
+
+
 def _environ_uses(src: str, filename: str) -> list[int]:
     """Lines that touch the environment: os.environ, os.getenv / putenv / unsetenv."""
     lines = []
