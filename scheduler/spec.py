@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -255,9 +257,10 @@ class StepCostPolicy:
     memory-bound step (small batch, weights far bigger than the cache) that is nearly free,
     on a compute-bound one (larger batch, or a CPU shared with other work) it costs about
     k+1 times a plain step, and where the line falls depends on the model, the machine and
-    its load, not on a batch size fixed in advance.  So each batch size keeps a moving
-    average of the seconds a plain decode step and a speculating step took (timed from
-    scheduling to dispatch, so host work counts), and a step speculates when
+    its load, not on a batch size fixed in advance.  So each batch size keeps the seconds
+    its last few plain decode steps and speculating steps took (timed from scheduling to
+    dispatch, so host work counts) and reads each side as their median, and a step
+    speculates when
 
     - the tokens it is expected to emit (rows plus each row's expected accepted drafts,
       from its own acceptance rate) per predicted second beat the plain step's rows per
@@ -267,7 +270,10 @@ class StepCostPolicy:
       text) pays the verify step's cost without its gain, and in a batch that ends with
       its slowest request, throughput won on the others is lost time (TPOT).
 
-    An unmeasured side is tried once; the side not chosen is re-measured after
+    Each side is timed WARM times, alternately, before the first choice, and a side's
+    figure is the median of its last SAMPLES timings: a single step that paid a one-time
+    cost (a GEMM shape built on first use, a draft model's catch-up) or lost its core
+    once cannot hold the choice on the wrong side.  The side not chosen is re-timed after
     EXPLORE_EVERY steps of that size, and after twice as many each time the choice stays
     where it was (up to MAX_EXPLORE_EVERY), so a change of load or of text is followed
     while a side that keeps losing costs ever less: a draft model must first catch up on
@@ -275,13 +281,15 @@ class StepCostPolicy:
     ones.  A choice that moves is watched closely again.
     """
 
-    EMA = 0.8
+    SAMPLES = 5
+    WARM = 2
     EXPLORE_EVERY = 32
     MAX_EXPLORE_EVERY = 512
     MAX_ROW_SLOWDOWN = 0.95  # a row's expected speed in a verify step vs a plain one
 
     def __init__(self) -> None:
-        self.seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> EMA
+        # (bucket, speculated) -> the last SAMPLES step times
+        self.samples: dict[tuple[int, bool], deque[float]] = {}
         self.visits: dict[int, int] = {}
         # bucket -> (visit of the next exploration, the interval, the last choice)
         self.explore: dict[int, tuple[int, int, bool]] = {}
@@ -295,11 +303,11 @@ class StepCostPolicy:
         """Speculate in a step of `rows` decodes expected to emit `expected_tokens`, the
         least of them `worst_row` tokens (1: a row without drafts)?"""
         b = self.bucket(rows)
-        spec, plain = self.seconds.get((b, True)), self.seconds.get((b, False))
-        if spec is None:
-            return True
-        if plain is None:
-            return False
+        n_spec = len(self.samples.get((b, True), ()))
+        n_plain = len(self.samples.get((b, False), ()))
+        if min(n_spec, n_plain) < self.WARM:
+            return n_spec <= n_plain  # alternate, speculating first
+        spec, plain = self.seconds(b, True), self.seconds(b, False)
         better = (
             expected_tokens * plain > rows * spec
             and worst_row * plain >= self.MAX_ROW_SLOWDOWN * spec
@@ -316,7 +324,10 @@ class StepCostPolicy:
         self.explore[b] = (due, interval, better)
         return better != explore
 
+    def seconds(self, bucket: int, speculated: bool) -> float:
+        """A side's figure: the median of its last timings."""
+        return statistics.median(self.samples[(bucket, speculated)])
+
     def observe(self, rows: int, speculated: bool, seconds: float) -> None:
         key = (self.bucket(rows), speculated)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else self.EMA * old + (1 - self.EMA) * seconds
+        self.samples.setdefault(key, deque(maxlen=self.SAMPLES)).append(seconds)

@@ -96,12 +96,14 @@ def test_policy_weighs_medusa_by_time_and_expected_levels(heads_dir):
     is taken: the same StepCostPolicy rule as for n-gram and draft steps."""
     spec = SpecDecoder(SpecConfig(method="medusa", model=heads_dir, num_speculative_tokens=3))
     pol = spec.policy
-    pol.observe(1, False, 0.010)
-    pol.observe(1, True, 0.040)  # a tree verify 4x a plain step
+    for _ in range(pol.WARM):
+        pol.observe(1, False, 0.010)
+        pol.observe(1, True, 0.040)  # a tree verify 4x a plain step
     r = Request("a", [1], SamplingParams(max_tokens=50), eos_token_ids=(EOS,), max_tokens=50)
     r.spec_accepted, r.spec_trials = 0.5, 1.0  # half the levels accepted
     gain = spec.expected_accepted(r, spec.wanted(r, 10))
     assert 0 < gain < 3
     assert not pol.choose(1, 1 + gain, 1 + gain)
-    pol.seconds[(1, True)] = 0.011  # a verify barely dearer than a plain step
+    for _ in range(pol.SAMPLES):
+        pol.observe(1, True, 0.011)  # a verify barely dearer than a plain step
     assert pol.choose(1, 1 + gain, 1 + gain)
