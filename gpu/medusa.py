@@ -39,8 +39,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from gpu.config import ModelLoadError
-from gpu.sampler import RequestSamplingState, Sampler, argmax_rows
-from gpu.spec_decode import TargetRunner, Verified, _draw, _view
+from gpu.sampler import RequestSamplingState, Sampler
+from gpu.spec_decode import TargetRunner, Verified, _draw, _view, row_targets
 from scheduler.contract import ScheduledRequest
 from scheduler.medusa_tree import Tree, build_tree, tree_depth, tree_paths
 
@@ -166,15 +166,7 @@ def verify_tree(
         for i, par in enumerate(tr.parents):
             paths.append([*paths[par + 1], tr.tokens[i]])
         views += [_view(st, p) for p in paths]
-    x = sampler.processed_logits(logits, views)  # [rows, V]
-    argmax = argmax_rows(x).tolist()
-    rand_rows = [i for i, v in enumerate(views) if not v.greedy]
-    probs: dict[int, torch.Tensor] = {}
-    if rand_rows:
-        idx = torch.tensor(rand_rows, device=x.device)
-        p = sampler.filtered_probs(x.index_select(0, idx), [views[i] for i in rand_rows])
-        p = p / p.sum(-1, keepdim=True)
-        probs = {r: p[j] for j, r in enumerate(rand_rows)}
+    argmax, probs = row_targets(sampler, logits, views)
     out: list[tuple[Verified, list[int]]] = []
     row = 0
     for st, tr in zip(states, trees, strict=True):

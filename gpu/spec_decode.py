@@ -79,6 +79,23 @@ class Verified:
     logprobs: list[TokenLogprobs | None] | None  # one per emitted token (accepted + bonus)
 
 
+def row_targets(
+    sampler: Sampler, logits: torch.Tensor, views: list[RequestSamplingState]
+) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """Each verify row's greedy token, and the target distribution p (after the request's
+    own processors and filters) of each row that samples."""
+    x = sampler.processed_logits(logits, views)  # [rows, V]
+    argmax = argmax_rows(x).tolist()
+    rand_rows = [i for i, v in enumerate(views) if not v.greedy]
+    probs: dict[int, torch.Tensor] = {}
+    if rand_rows:
+        idx = torch.tensor(rand_rows, device=x.device)
+        p = sampler.filtered_probs(x.index_select(0, idx), [views[i] for i in rand_rows])
+        p = p / p.sum(-1, keepdim=True)
+        probs = {r: p[j] for j, r in enumerate(rand_rows)}
+    return argmax, probs
+
+
 def verify_drafts(
     sampler: Sampler,
     logits: torch.Tensor,  # [sum(k_i + 1), V] float32: each request's k_i + 1 verify rows
@@ -91,15 +108,7 @@ def verify_drafts(
     views: list[RequestSamplingState] = []
     for st, d in zip(states, drafts, strict=True):
         views += [_view(st, d[:j]) for j in range(len(d) + 1)]
-    x = sampler.processed_logits(logits, views)  # [rows, V]
-    argmax = argmax_rows(x).tolist()
-    rand_rows = [i for i, v in enumerate(views) if not v.greedy]
-    probs: dict[int, torch.Tensor] = {}
-    if rand_rows:
-        idx = torch.tensor(rand_rows, device=x.device)
-        p = sampler.filtered_probs(x.index_select(0, idx), [views[i] for i in rand_rows])
-        p = p / p.sum(-1, keepdim=True)
-        probs = {r: p[j] for j, r in enumerate(rand_rows)}
+    argmax, probs = row_targets(sampler, logits, views)
     out: list[Verified] = []
     row = 0
     for st, d, q in zip(states, drafts, draft_probs, strict=True):
