@@ -93,14 +93,14 @@ async def _flooded(url: str, args: argparse.Namespace, seed: int) -> tuple[list,
     return alone, crowded
 
 
-def _serve(args: argparse.Namespace, path: Path, policy: str, keys: Path) -> tuple:
+def start_server(args: argparse.Namespace, path: Path, extra: list[str]) -> tuple:
+    """A `pagestream serve` of `path` on a free port with `extra` flags: (process, url),
+    once healthy."""
     from bench.serve_sweep import _free_port, _wait_health
 
     port = _free_port()
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(path),
-           "--port", str(port), "--dtype", args.dtype, "--disable-access-log",
-           "--api-key-file", str(keys), "--scheduling-policy", policy,
-           "--max-waiting-requests", "0", "--max-waiting-requests-per-key", "0"]  # fmt: skip
+           "--port", str(port), "--dtype", args.dtype, "--disable-access-log", *extra]  # fmt: skip
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -109,7 +109,16 @@ def _serve(args: argparse.Namespace, path: Path, policy: str, keys: Path) -> tup
     return proc, url
 
 
-def _pct(xs: list[float], p: float) -> float:
+def _serve(args: argparse.Namespace, path: Path, policy: str, keys: Path) -> tuple:
+    return start_server(
+        args, path,
+        ["--api-key-file", str(keys), "--scheduling-policy", policy,
+         "--max-waiting-requests", "0", "--max-waiting-requests-per-key", "0"],
+    )  # fmt: skip
+
+
+def pct_ms(xs: list[float], p: float) -> float:
+    """The p-th percentile of seconds `xs`, in ms (nearest rank)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] * 1000
 
@@ -129,11 +138,11 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
             finally:
                 _stop(proc)
             results[policy] = {"alone": alone, "flood": crowded}
-            ratio = _pct(crowded, 99) / _pct(alone, 99)
+            ratio = pct_ms(crowded, 99) / pct_ms(alone, 99)
             rows.append([
                 policy,
-                f"{_pct(alone, 50):.0f} / {_pct(alone, 99):.0f}",
-                f"{_pct(crowded, 50):.0f} / {_pct(crowded, 99):.0f}",
+                f"{pct_ms(alone, 50):.0f} / {pct_ms(alone, 99):.0f}",
+                f"{pct_ms(crowded, 50):.0f} / {pct_ms(crowded, 99):.0f}",
                 f"**{ratio:.2f}x**",
                 f"{statistics.mean(crowded) * 1000:.0f}",
             ])  # fmt: skip

@@ -19,12 +19,12 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+from bench.fair import pct_ms, start_server
 
 KEY = "bench-pins"
 BLOCK = 16
@@ -115,26 +115,13 @@ async def _rounds(url: str, args: argparse.Namespace, seed: int) -> tuple[dict, 
 
 
 def _serve(args: argparse.Namespace, path: Path) -> tuple:
-    from bench.serve_sweep import _free_port, _wait_health
-
-    port = _free_port()
     with open(Path(args.pins_keys), "w") as f:
         f.write(KEY + "\n")
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(path),
-           "--port", str(port), "--dtype", args.dtype, "--disable-access-log",
-           "--api-key-file", args.pins_keys, "--num-kv-blocks", str(args.pins_blocks),
-           "--block-size", str(BLOCK), "--enable-prompt-tokens-details"]  # fmt: skip
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    _wait_health(url, proc)
-    return proc, url
-
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] * 1000
+    return start_server(
+        args, path,
+        ["--api-key-file", args.pins_keys, "--num-kv-blocks", str(args.pins_blocks),
+         "--block-size", str(BLOCK), "--enable-prompt-tokens-details"],
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
@@ -157,7 +144,7 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         hit = [t["cached"] / t["history"] for t in ts]
         summary[kind] = {"ttft": ttft, "cached": [t["cached"] for t in ts]}
         rows.append([
-            kind, str(len(ts)), f"{_pct(ttft, 50):.0f} / {_pct(ttft, 99):.0f}",
+            kind, str(len(ts)), f"{pct_ms(ttft, 50):.0f} / {pct_ms(ttft, 99):.0f}",
             f"{statistics.mean(t['cached'] for t in ts):.0f}",
             f"{100 * statistics.mean(hit):.0f}%",
         ])  # fmt: skip
