@@ -32,9 +32,9 @@ import time
 import torch
 
 from bench.kernel_rev import compile_revision
-from gpu import cpu_kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.cpu import kernels as cpu_kernels
 
 
 def make_case(qlen: int, ctx: int, hq: int, hkv: int, d: int, bs: int, dtype, seed: int = 0):

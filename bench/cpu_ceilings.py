@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 
 # Twelve independent accumulators: enough to cover the FMA latency (4-5 cycles) on two
 # pipes on every x86 core these machines have, so the loop runs at the issue rate.

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from bench.kernel_rev import compile_revision
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 from modelkit.make_model import PRESETS
 
 

@@ -1,5 +1,5 @@
 """A CPU that is not the engine's alone: served and offline beside 0, 1 and 2 busy
-processes (`while True: pass`), the thread team chosen by the engine (gpu/cpu_threads.py)
+processes (`while True: pass`), the thread team chosen by the engine (gpu/cpu/threads.py)
 against the same engine fixed at `--threads` (the baseline, measured in the same run).
 
 Served: Poisson arrivals at `--crowded-rate` req/s, `--cmp-prompts` requests of
@@ -189,7 +189,7 @@ def _offline_worker(spec: dict) -> None:
 
 
 def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
-    from gpu.cpu_threads import usable_cpus
+    from gpu.cpu.threads import usable_cpus
 
     path: Path = model_dir(args)
     fixed = args.threads or usable_cpus()

@@ -8,21 +8,27 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where the kernels' sources lived, newest first (revisions before the CPU backend got its
+# own package kept them in gpu/cpu_kernels/).
+KERNEL_FOLDERS = ("gpu/cpu/kernels/", "gpu/cpu_kernels/")
 
 
 def compile_revision(rev: str, source: str) -> Path:
-    """gpu/cpu_kernels/`source` of git revision `rev`, with every header of that revision,
+    """gpu/cpu/kernels/`source` of git revision `rev`, with every header of that revision,
     compiled as the library is; returns the shared library's path."""
     tmp = Path(tempfile.mkdtemp(prefix="pagestream-rev-"))
-    listing = subprocess.run(
-        ["git", "ls-tree", "--name-only", rev, "gpu/cpu_kernels/"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout.split()  # fmt: skip
-    if f"gpu/cpu_kernels/{source}" not in listing:
-        raise SystemExit(f"{rev} has no gpu/cpu_kernels/{source}")
+    for folder in KERNEL_FOLDERS:
+        listing = subprocess.run(
+            ["git", "ls-tree", "--name-only", rev, folder],
+            cwd=ROOT, check=True, capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+        if folder + source in listing:
+            break
+    else:
+        raise SystemExit(f"{rev} has no {source} in {' or '.join(KERNEL_FOLDERS)}")
     for path in listing:
         if path.endswith(".h") or path.endswith("/" + source):
             text = subprocess.run(

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
     """The markdown tables; the same figures, structured, go to args.offline_results for
     bench.charts (and bench/results/offline.json)."""
     from gpu.config import ModelConfig
-    from gpu.cpu_features import detect
+    from gpu.cpu.features import detect
 
     path = model_dir(args)
     cfg = ModelConfig.from_dir(path)

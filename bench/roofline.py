@@ -135,8 +135,8 @@ def gemm_rate(cfg: ModelConfig, dtype: torch.dtype, threads: int, reps: int = 30
 
 def _gemm_kernels(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """x -> x @ w.T through each kernel that can run `w`'s dtype here."""
-    from gpu import cpu_kernels
-    from gpu.cpu_linear import pack_weight, packed_linear, packing_available
+    from gpu.cpu import kernels as cpu_kernels
+    from gpu.cpu.linear import pack_weight, packed_linear, packing_available
 
     n = w.shape[0]
     out: list[Callable[[torch.Tensor], torch.Tensor]] = [lambda x: F.linear(x, w)]

@@ -234,7 +234,7 @@ def _header() -> str:
     """The results' title line: date, CPU features, load and torch version."""
     import torch
 
-    from gpu.cpu_features import detect, l1d_bytes
+    from gpu.cpu.features import detect, l1d_bytes
 
     l1d = l1d_bytes()
     return (

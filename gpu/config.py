@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from gpu import cpu_features
-from gpu.cpu_features import CpuFeatures
+from gpu.cpu import features as cpu_features
+from gpu.cpu.features import CpuFeatures
 from scheduler import envs
 
 # architecture name -> (biases, per-head q/k RMSNorm).  Biases as transformers builds the

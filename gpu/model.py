@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu import cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.config import ModelConfig
-from gpu.cpu_layer_stack import LayerStack
-from gpu.cpu_linear import (
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.layer_stack import LayerStack
+from gpu.cpu.linear import (
     PackedLinear,
     Scratch,
     decode_on_amx,
@@ -417,7 +417,7 @@ class CausalLM(nn.Module):
 
     def pack_for_cpu(self) -> int:
         """Pack every projection's weights once for the CPU kernel that runs it
-        (gpu/cpu_linear.py); returns how many linears were swapped."""
+        (gpu/cpu/linear.py); returns how many linears were swapped."""
         dtype = self.embed_tokens.weight.dtype
         if not linears_packable(dtype):
             return 0

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from gpu import cpu_features, cpu_kernels
 from gpu.attention import create_attention_backend
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
-from gpu.cpu_linear import warm_onednn
-from gpu.cpu_threads import ThreadGovernor
+from gpu.cpu import features as cpu_features
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.linear import warm_onednn
+from gpu.cpu.threads import ThreadGovernor
 from gpu.cuda_graphs import DEFAULT_SIZES, DEFAULT_TOKEN_SIZES, DecodeGraphs, PiecewiseGraphs
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
@@ -75,7 +76,7 @@ class ModelRunner:
         pp: PPStage | None = None,
     ) -> None:
         """cpu_threads (CPU only): a count fixes torch's threads; "auto" lets
-        gpu/cpu_threads.py size the team before each step from the CPUs this process may
+        gpu/cpu/threads.py size the team before each step from the CPUs this process may
         use and what other processes take of them; None leaves torch's setting alone."""
         self.faults = faults  # fault injection (tests and drills); None in normal serving
         self.model_dir = Path(model_dir)

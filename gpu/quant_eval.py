@@ -84,7 +84,7 @@ def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> GreedyAgreem
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes of the decoder layers' projection weights as the kernels read them, bytes of
     the rest: embedding, lm_head (a packed copy counts once more), norms)."""
-    from gpu.cpu_linear import PackedLinear
+    from gpu.cpu.linear import PackedLinear
     from gpu.quant_linear import AWQLinear, Int8Linear
 
     def elem(dt: torch.dtype) -> int:

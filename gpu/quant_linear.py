@@ -2,7 +2,7 @@
 checkpoints), each run through torch's packed low-bit matmuls where they exist.
 
 INT8: symmetric, one scale per output channel, w ~= q * scale[n], the lm_head included.
-On CPU decode rows go through a compiled int8 GEMV (gpu/cpu_kernels/int8_gemv.cpp: torch's
+On CPU decode rows go through a compiled int8 GEMV (gpu/cpu/kernels/int8_gemv.cpp: torch's
 `aten._weight_int8pack_mm` was no faster than oneDNN's bf16 GEMV there, and far slower
 with float32 activations); on GPU through `_weight_int8pack_mm`;
 where neither exists the layer dequantizes its weight inside the call.
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu import cpu_kernels
-from gpu.cpu_linear import swap_linears
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.linear import swap_linears
 
 log = logging.getLogger(__name__)
 

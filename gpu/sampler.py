@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 from scheduler.contract import NewRequestData, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 

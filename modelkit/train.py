@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from gpu.cpu_features import detect
+from gpu.cpu.features import detect
 from modelkit.make_model import (
     ENDOFTEXT_ID,
     IM_END_ID,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def test_cpu_gemm_times_head_against_this_tree():
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 3 |") or ln.startswith("| 7 |")]
     assert len(rows) == 2, r.stdout
     kernels_changed = subprocess.run(
-        ["git", "diff", "--quiet", "HEAD", "--", "gpu/cpu_kernels"], cwd=ROOT
+        ["git", "diff", "--quiet", "HEAD", "--", "gpu/cpu/kernels"], cwd=ROOT
     ).returncode
     if not kernels_changed:  # the same source on both sides: the same bits
         assert all(ln.rstrip().endswith("| yes |") for ln in rows), rows

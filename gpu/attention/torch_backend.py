@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_features, cpu_kernels
 from gpu.attention.base import AttentionBackend, AttentionMetadata
+from gpu.cpu import features as cpu_features
+from gpu.cpu import kernels as cpu_kernels
 from gpu.kv_quant import dequantize, write_quantized
 from scheduler import envs
 

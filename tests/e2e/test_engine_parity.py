@@ -115,7 +115,7 @@ async def check_quantized(model: str, kv_cache_dtype: str, work, results, n: int
     prefix sharing, one sample each).  Scales per token and head make a token's stored
     K/V independent of what it was batched with, so batching must not change a token."""
     # The roomy engine's steps reach 512+ rows, where float32 projections on a CPU without
-    # AVX-512 may switch to MKL (gpu/cpu_linear.py: where pagestream's sgemm is off):
+    # AVX-512 may switch to MKL (gpu/cpu/linear.py: where pagestream's sgemm is off):
     # another rounding in the last bits, which a quantized cache can amplify into another
     # token.  The oracle must run the kernels the engine under test runs (its steps stay
     # far below 512 rows).

@@ -141,7 +141,7 @@ async def test_medusa_greedy_identity_parallel_samples(heads_root):
 async def test_medusa_greedy_identity_torch_paths(heads_root, monkeypatch, choice):
     """The torch backend's two prefill paths for the verify chunk: SDPA with the tree mask,
     and the compiled kernel with the tree bits."""
-    from gpu import cpu_kernels
+    from gpu.cpu import kernels as cpu_kernels
 
     if choice == "kernel" and not cpu_kernels.available():
         pytest.skip("no compiled CPU kernels on this machine")

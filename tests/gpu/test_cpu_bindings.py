@@ -1,4 +1,4 @@
-"""The kernel library's typed bindings (gpu/cpu_kernels/bindings.py): every ctypes
+"""The kernel library's typed bindings (gpu/cpu/kernels/bindings.py): every ctypes
 signature and structure the Python side uses is derived from entry_points.h, and here
 checked against what the C++ compiler makes of that header (the type and size of every
 argument, return and field, every field's offset, every structure's size) and against what
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu import cpu_kernels
-from gpu.cpu_kernels import bindings
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.kernels import bindings
 
 CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 if CXX is None or not cpu_kernels.available():
@@ -109,7 +109,7 @@ def test_ctypes_side_matches_the_compiler(tmp_path):
     diff = [(c, d) for c, d in zip(compiled, derived) if c != d]
     assert diff == []
     # The layer stack's own classes are the ones derived (one class per structure).
-    from gpu import cpu_layer_stack
+    from gpu.cpu import layer_stack as cpu_layer_stack
 
     assert cpu_layer_stack._Step is bindings.structure("PsStep")
     assert cpu_layer_stack._Layer is bindings.structure("PsLayer")

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from gpu import cpu_kernels
 from gpu.config import resolve_dtype
-from gpu.cpu_features import CpuFeatures, detect, parse_cpuinfo
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.features import CpuFeatures, detect, parse_cpuinfo
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -87,7 +87,7 @@ def test_loading_the_kernels_keeps_subnormals() -> None:
     in a fresh process, on the thread that loads it and on a thread started after."""
     code = """
 import threading, torch
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 x = torch.tensor([1e-39], dtype=torch.float32)
 assert (x * 1.0).item() != 0.0
 assert cpu_kernels.load() is not None
@@ -106,7 +106,7 @@ print((x * 1.0).item(), out["v"])
 
 
 def test_l1d_bytes_reads_the_level_1_data_cache(tmp_path):
-    from gpu.cpu_features import l1d_bytes
+    from gpu.cpu.features import l1d_bytes
 
     for idx, (level, kind, size) in enumerate(
         [("1", "Instruction", "32K"), ("1", "Data", "48K"), ("2", "Unified", "1024K")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 from gpu.model import RMSNorm, _rotate
 
 if not cpu_kernels.available():

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from gpu import cpu_kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
+from gpu.cpu import kernels as cpu_kernels
 
 if not cpu_kernels.available():
     if os.environ.get("CI") == "true":
@@ -272,7 +272,7 @@ def test_backend_prefill_chunks_split_between_kernel_and_sdpa(dtype, choice, mon
     # Chunks of SDPA_MIN_ROWS tokens or more take SDPA one by one (under auto: bf16 on AMX;
     # sdpa: all of them), the runs of shorter ones between them one kernel call each; every
     # row of every chunk is written, and all three routes agree with the definition.
-    from gpu import cpu_features
+    from gpu.cpu import features as cpu_features
 
     monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", choice)
     monkeypatch.setattr(TorchAttentionBackend, "SDPA_MIN_ROWS", 24)
@@ -328,7 +328,7 @@ _VARIANTS = [("x86-64-v3", "avx2", "avx2"), ("x86-64-v4", "avx512", "avx512f")]
 @pytest.mark.slow
 @pytest.mark.parametrize(("march", "isa", "needs"), _VARIANTS)
 def test_isa_variant_builds_apart_and_matches_reference(march, isa, needs, monkeypatch, tmp_path):
-    from gpu import cpu_features
+    from gpu.cpu import features as cpu_features
 
     if needs not in cpu_features.detect().flags:
         pytest.skip(f"this CPU cannot run {isa} code")
@@ -383,7 +383,7 @@ def _thp_off() -> bool:
 def test_wide_l1_is_an_amd_core_with_48k_of_l1d():
     """The prefetch hints follow the core they were measured on (cpu_cache.h): L1 on AMD
     cores with an L1d of 48 KB or more (Zen 5), L2 or none elsewhere (Zen 4's 32 KB)."""
-    from gpu.cpu_features import l1d_bytes
+    from gpu.cpu.features import l1d_bytes
 
     l1d = l1d_bytes()
     if not cpu_kernels.available() or l1d is None:

@@ -1,4 +1,4 @@
-"""The compiled layer stack (gpu/cpu_layer_stack.py): a step's decoder layers in one call
+"""The compiled layer stack (gpu/cpu/layer_stack.py): a step's decoder layers in one call
 must give the bits of the fused Python path it replaces, on every packed kernel it takes,
 and leave the steps and models it does not take to that path."""
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from gpu import cpu_kernels
-from gpu.cpu_layer_stack import LayerStack
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.layer_stack import LayerStack
 
 if not cpu_kernels.available():
     if os.environ.get("CI") == "true":

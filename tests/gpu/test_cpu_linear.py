@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu import cpu_kernels, cpu_linear
-from gpu.cpu_features import CpuFeatures
-from gpu.cpu_linear import (
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu import linear as cpu_linear
+from gpu.cpu.features import CpuFeatures
+from gpu.cpu.linear import (
     AMX_MAX_ROWS,
     PackedLinear,
     mkl_from_rows,

@@ -34,7 +34,7 @@ PYTEST_ARGS = ["-q", "-x", "-m", "not slow", "-p", "no:cacheprovider"]
 
 RUNNER = """
 import sys
-from gpu import cpu_kernels
+from gpu.cpu import kernels as cpu_kernels
 cpu_kernels.use_sanitizers()
 assert cpu_kernels.load() is not None, "the sanitized build failed"
 assert "_sanitized-" in cpu_kernels.load()._name

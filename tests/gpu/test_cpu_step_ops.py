@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import cpu_kernels
 from gpu.attention.torch_backend import paged_attention_reference, write_kv_reference
+from gpu.cpu import kernels as cpu_kernels
 from gpu.kv_quant import quantize
 from tests.gpu.test_cpu_kernels import assert_decode_close, decode_case
 

@@ -1,4 +1,4 @@
-"""gpu/cpu_threads.py: the thread team from the CPUs a process may use and what other
+"""gpu/cpu/threads.py: the thread team from the CPUs a process may use and what other
 processes take of them."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpu.cpu_threads as ct
-from gpu.cpu_threads import ThreadGovernor, cgroup_cpu_limit, usable_cpus
+import gpu.cpu.threads as ct
+from gpu.cpu.threads import ThreadGovernor, cgroup_cpu_limit, usable_cpus
 
 
 @pytest.fixture(autouse=True)

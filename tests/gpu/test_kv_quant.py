@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu import cpu_kernels
 from gpu.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
+from gpu.cpu import kernels as cpu_kernels
 from gpu.kernels._common import fp8e4m3_decode, fp8e4m3_encode
 from gpu.kv_quant import bytes_per_token, dequantize, quantize
 from tests.gpu.test_cpu_kernels import decode_case, prefill_case

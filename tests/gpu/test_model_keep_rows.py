@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-from gpu import cpu_kernels, cpu_linear
-from gpu.cpu_layer_stack import linear_kind
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu import linear as cpu_linear
+from gpu.cpu.layer_stack import linear_kind
 from gpu.model_runner import ModelRunner
 from gpu.sampler import RequestSamplingState
 from scheduler.contract import NewRequestData, ScheduledRequest, apply_block_delta

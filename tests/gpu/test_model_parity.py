@@ -263,7 +263,7 @@ def test_runner_caches_sampling_params_and_drops_finished():
 def test_prefill_through_mkl_matches(case, monkeypatch):
     """Float32 prefill chunks of MKL_FROM_ROWS rows or more run on MKL's sgemm (on CPUs
     without AVX-512 by default): forced here, with a low threshold, on any CPU."""
-    from gpu import cpu_linear
+    from gpu.cpu import linear as cpu_linear
 
     monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", "mkl")
     monkeypatch.setattr(cpu_linear, "MKL_FROM_ROWS", 32)

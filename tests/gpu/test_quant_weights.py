@@ -57,7 +57,7 @@ def test_int8_layer_matches_dequantized_reference(dtype, bias, k):
 
 
 def test_int8_gemv_kernel_matches_reference():
-    from gpu import cpu_kernels
+    from gpu.cpu import kernels as cpu_kernels
 
     if not cpu_kernels.int8_gemv_supports(64):
         pytest.skip("no compiled CPU kernels")
@@ -76,7 +76,7 @@ def test_int8_gemv_kernel_matches_reference():
 
 
 def test_int8_pack_round_trips():
-    from gpu import cpu_kernels
+    from gpu.cpu import kernels as cpu_kernels
 
     if not cpu_kernels.int8_gemv_supports(64):
         pytest.skip("no compiled CPU kernels")
@@ -94,7 +94,7 @@ def test_int8_gemv_reads_and_writes_the_model_dtype():
     """bf16 / strided activations read as they are, the bias added and the result rounded
     once, in the kernel: the float32 result plus bias, then rounded (the add may be fused
     into the scaling's multiply: one float32 rounding apart, so one bf16 step at most)."""
-    from gpu import cpu_kernels
+    from gpu.cpu import kernels as cpu_kernels
 
     if not cpu_kernels.int8_gemv_supports(64):
         pytest.skip("no compiled CPU kernels")

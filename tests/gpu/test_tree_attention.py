@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import cpu_kernels
 from gpu.attention.torch_backend import (
     TorchAttentionBackend,
     paged_attention_reference,
     write_kv_reference,
 )
+from gpu.cpu import kernels as cpu_kernels
 from gpu.kernels.testing import make_paged_batch
 from scheduler.medusa_tree import build_tree, tree_paths
 

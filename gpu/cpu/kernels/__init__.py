@@ -10,7 +10,7 @@ form for the MLP's gate_up) and
 `amx_gemm` the bfloat16 one on CPUs with AMX tiles (amx_gemm.cpp), `dpbf16_gemm` every
 bfloat16 projection on CPUs with AVX512-BF16 but no AMX (dpbf16_gemm.cpp), `sgemm512` every
 float32 one on AVX-512 CPUs without AMX (the same file and loop with float32 FMAs), all used by
-gpu/cpu_linear.py.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
+gpu/cpu/linear.py.  When no compiler is available, or PAGESTREAM_CPU_KERNELS=0,
 `available()` is False and the torch path runs instead.
 """
 
@@ -30,10 +30,10 @@ from typing import NamedTuple
 
 import torch
 
-from gpu import cpu_features
 from gpu.config import cache_root
-from gpu.cpu_features import CpuFeatures
-from gpu.cpu_kernels import bindings
+from gpu.cpu import features as cpu_features
+from gpu.cpu.features import CpuFeatures
+from gpu.cpu.kernels import bindings
 from scheduler import envs
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A step's decoder layers in one compiled call (cpu_kernels/layer_stack.cpp).
+"""A step's decoder layers in one compiled call (cpu/kernels/layer_stack.cpp).
 
 The fused CPU path (gpu/model.py) crosses from Python into the compiled kernels ~9 times
 a layer; each crossing is interpreter work while the other core's OpenMP thread waits,
@@ -22,11 +22,11 @@ import logging
 import torch
 from torch import nn
 
-from gpu import cpu_kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
-from gpu.cpu_kernels import bindings
-from gpu.cpu_linear import AMX_MAX_ROWS, PackedLinear
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.kernels import bindings
+from gpu.cpu.linear import AMX_MAX_ROWS, PackedLinear
 from scheduler import envs
 
 log = logging.getLogger(__name__)

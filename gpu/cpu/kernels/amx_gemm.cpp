@@ -10,7 +10,7 @@
 // 16 / 14); on 2026-12-03, with per-thread x copies and three row tiles in one pass, 37-39
 // at 1-16, 32-33 at 32, 27-28 at 38-48, 23 at 64 (the machine's memory ran faster that day:
 // 1-16 rows are memory-bound, 32 and more bound by tile loads from L2).  See
-// gpu/cpu_linear.py for the routing.
+// gpu/cpu/linear.py for the routing.
 //
 // Layout: the weight is packed once at load into panels of 16 output columns, each panel
 // k/32 consecutive 1 KB tiles in the VNNI order tdpbf16ps reads (tile row r holds k pairs

@@ -1018,7 +1018,7 @@ int ps_max_group() { return kMaxGroup; }
 int ps_max_dim() { return kMaxDim; }
 // 1 when bf16 decode runs on AVX-512 BF16 dot products (else the fp32 FMA path).
 int ps_decode_bf16_dot() { return PS_DPBF16; }
-// The variant this build compiled (gpu/cpu_features.py names the same ones): the vector
+// The variant this build compiled (gpu/cpu/features.py names the same ones): the vector
 // width and the bf16 dot-product path follow the -march the library was built for.
 const char* ps_isa() {
 #if PS_DPBF16

@@ -3,7 +3,7 @@
 // The one source of truth on both sides of the ctypes boundary:
 // - C++: each defining file includes this header, so a definition that differs from its
 //   declaration here fails to compile ("conflicting declaration of C function").
-// - Python: gpu/cpu_kernels/bindings.py reads this file and derives every function's
+// - Python: gpu/cpu/kernels/bindings.py reads this file and derives every function's
 //   ctypes argtypes/restype and every structure's ctypes fields from it;
 //   tests/gpu/test_cpu_bindings.py checks what it derived against the compiler (sizeof,
 //   offsetof and the type of every field and argument) and against the library's exports.

@@ -10,17 +10,17 @@ plain `nn.Linear`.
 Where oneDNN leaves speed on the table, pagestream's own kernels take the products (the
 measurements behind each choice: docs/PERFORMANCE.md, "What moved the numbers"):
 
-- float32 without AVX-512: the AVX2 `sgemm` (gpu/cpu_kernels/sgemm.cpp) at every size.  It
+- float32 without AVX-512: the AVX2 `sgemm` (gpu/cpu/kernels/sgemm.cpp) at every size.  It
   packs its own copy of the weight, which replaces oneDNN's, and a row's result does not
   depend on the batch it came in (every size runs the same sums).  Without it, products of
   512+ rows go to MKL's sgemm through the plain weight kept beside the packed one.
-- bfloat16 with AMX tiles: the AMX kernel (gpu/cpu_kernels/amx_gemm.cpp) up to
+- bfloat16 with AMX tiles: the AMX kernel (gpu/cpu/kernels/amx_gemm.cpp) up to
   AMX_MAX_ROWS rows (decodes and mixed steps); larger products stay on oneDNN, so the layer
   keeps both copies of the weight, made only where it fits AMX_COPY_MEMORY_SHARE of the
   memory available.  An MLP's gate_up runs SiLU(gate) * up as the AMX product's epilogue
   (amx_silu) and as oneDNN post-ops at prefill sizes (gated_linear).
 - bfloat16 with AVX512-BF16 and no AMX: the `vdpbf16ps` kernel
-  (gpu/cpu_kernels/dpbf16_gemm.cpp) at every size, one copy of the weight in its layout;
+  (gpu/cpu/kernels/dpbf16_gemm.cpp) at every size, one copy of the weight in its layout;
   gate_up weights are packed for a gated epilogue (SiLU(gate) * up computed as the product
   is rounded: the same bits as the separate pass, and no [rows, 2 x inter] tensor).
 - float32 with AVX-512 (AMX or not: AMX has no float32 product): the same kernel's float32
@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu import cpu_features, cpu_kernels
-from gpu.cpu_features import CpuFeatures
+from gpu.cpu import features as cpu_features
+from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.features import CpuFeatures
 from scheduler import envs
 
 log = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ class PackedLinear(nn.Module):
     def decode_kernel(self) -> str | None:
         """Which of pagestream's kernels forward() and silu_mul() call for decode-sized
         products (AMX: up to AMX_MAX_ROWS rows; the others: any), as the layer stack
-        (gpu/cpu_layer_stack.py) calls them; None: oneDNN, or MKL from some row count."""
+        (gpu/cpu/layer_stack.py) calls them; None: oneDNN, or MKL from some row count."""
         if self.amx is not None:
             return "amx" if self.dtype == torch.bfloat16 else None
         if self.halves is not None:

@@ -15,7 +15,7 @@
 //
 // Only pagestream's packed GEMMs, each with its gated form (vdpbf16ps in bf16, the AVX-512
 // and AVX2 float32 sgemms, AMX up to the rows it takes), an unquantized cache, every prompt
-// chunk on the compiled prefill kernel and no per-head q/k norm; gpu/cpu_layer_stack.py
+// chunk on the compiled prefill kernel and no per-head q/k norm; gpu/cpu/layer_stack.py
 // decides when a step may come here.
 
 #include <cstdint>
@@ -27,7 +27,7 @@
 
 namespace {
 
-// entry_points.h declares them (bindings.py derives gpu/cpu_layer_stack.py's ctypes
+// entry_points.h declares them (bindings.py derives gpu/cpu/layer_stack.py's ctypes
 // structures from there).
 using Layer = PsLayer;
 using Step = PsStep;
