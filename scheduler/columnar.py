@@ -41,9 +41,10 @@ class ColumnarDecodes:
     running: list[Request]
     requests: dict[str, Request]
     step_id: int
-    # The Request of each decode row of the step last scheduled, for its update.
-    _col_step: int = -1
-    _col_reqs: list[Request]
+    # The Request of each decode row of the steps scheduled and not yet updated, by step
+    # (two at most: with async scheduling the next step is scheduled before this one's
+    # update), for their update.
+    _col_rows: dict[int, list[Request]]
 
     def _schedule_columnar(self, budget: int) -> tuple[DecodeColumns, list[Request]] | None:
         """Take every columnar request as a decode row; returns the rows and the running
@@ -68,9 +69,15 @@ class ColumnarDecodes:
         )
         if edge and not self.kv.grow_decode_edges(reqs, positions, edge, cols):
             return None
-        self._col_step, self._col_reqs = self.step_id + 1, reqs
+        self._note_col_rows(self.step_id + 1, reqs)
         rest = [r for r in running if not r.columnar] if len(reqs) < len(running) else []
         return cols, rest
+
+    def _note_col_rows(self, step: int, reqs: list[Request]) -> None:
+        rows = self._col_rows
+        for old in [s for s in rows if s < step - 1]:  # a step never updated (tests)
+            del rows[old]
+        rows[step] = reqs
 
     def _update_columnar(
         self, so: SchedulerOutput, mo: ModelOutput, updates: list[RequestUpdate]
@@ -81,8 +88,8 @@ class ColumnarDecodes:
         d = so.decodes
         nd = len(d.req_ids)
         rids = mo.req_ids
-        if so.step == self._col_step:
-            reqs = self._col_reqs
+        if (known := self._col_rows.pop(so.step, None)) is not None:
+            reqs = known
         else:  # a step replayed out of band (tests): find the requests by id
             reqs = [self.requests.get(rid) or _GONE for rid in d.req_ids]
         if rids[:nd] == d.req_ids:

@@ -70,6 +70,11 @@ class ScheduledRequest(msgspec.Struct, gc=False, kw_only=True, array_like=True):
 # `SchedulerOutput.all_scheduled` writes it: a decode column row without a delta).
 KEEP_TABLE = -1
 
+# `DecodeColumns.token_ids` of a row whose token the previous step is still sampling (see
+# DecodeColumns.prev_rows); out of any vocabulary, so a runner that got one unresolved
+# refuses the row rather than feeding a wrong token.
+PLACEHOLDER = -1
+
 
 class DecodeColumns(msgspec.Struct, gc=False, array_like=True):
     """A step's plain decodes, column-wise (row i of each list is one request).  Each row
@@ -84,6 +89,11 @@ class DecodeColumns(msgspec.Struct, gc=False, array_like=True):
     delta_rows: list[int] = msgspec.field(default_factory=list)
     delta_kept: list[int] = msgspec.field(default_factory=list)
     delta_blocks: list[list[int]] = msgspec.field(default_factory=list)
+    # Async scheduling (scheduler/ahead.py): set when this step was scheduled while the
+    # step before it ran, so its input tokens were not known yet.  token_ids then holds
+    # PLACEHOLDER and row i's token is the one the previous step sampled at its output
+    # row prev_rows[i]; the executor fills them in before the runner sees the step.
+    prev_rows: list[int] = msgspec.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.req_ids)

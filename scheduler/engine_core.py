@@ -101,6 +101,23 @@ class _Stop:
 
 
 @dataclass
+class _Flight:
+    """A step handed to the executor and not yet joined."""
+
+    so: SchedulerOutput
+    begun: float  # when its scheduling began
+    # Async scheduling: the executor's future (launched at once, so a step scheduled
+    # ahead queues behind it); None: the step is executed when joined.
+    fut: asyncio.Future[ModelOutput] | None
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """A dropped step's outcome is no one's: read it so asyncio does not log it."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclass
 class ExecutorFailed:
     """The executor found out between steps that it cannot go on (a tensor-parallel rank
     exited while the engine idled): the engine dies as if a step had raised."""
@@ -156,8 +173,15 @@ class EngineCore:
         max_waiting_tokens: int | None = None,
         max_waiting_per_tenant: int | None = None,
         own_thread: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        # Schedule step N+1 while step N runs (scheduler/ahead.py); only with an executor
+        # that queues steps in order and fills their placeholder tokens (ThreadExecutor).
+        self.async_scheduling = async_scheduling and getattr(
+            executor, "supports_async_scheduling", False
+        )
+        self._last_output_at = 0.0  # when the last step's output arrived
         # own_thread: run on thread `pagestream-engine` with its own event loop (see the
         # module docstring); else on the loop that calls start().
         self.own_thread = own_thread
@@ -514,65 +538,115 @@ class EngineCore:
 
     async def _run(self) -> None:
         sched = self.scheduler
+        flight: _Flight | None = None  # the step launched and not yet joined
+        nxt: _Flight | None = None  # async scheduling: the step queued behind it
         try:
             while True:
-                if not sched.has_unfinished() and not sched.finished_req_ids:
+                if flight is None and not sched.has_unfinished() and not sched.finished_req_ids:
                     self.idle.set()
                     msg = await self.inbox.get()
                     self.idle.clear()
                     if not self._handle(msg):
                         return
+                # With a step scheduled ahead running, these are handled while it runs
+                # (scheduler/ahead.py says why an abort or a finish then is safe).
                 while not self.inbox.empty():
                     if not self._handle(self.inbox.get_nowait()):
                         return
-                if not sched.has_unfinished() and not sched.finished_req_ids:
-                    self._snapshot()
+                if flight is None and (flight := await self._schedule_step()) is None:
                     continue
-                begun = time.perf_counter()
-                so = sched.schedule(defer_masks=True)
-                self._snapshot()
-                if sched.needs_masks:
-                    # Grammar masks off the event loop (llguidance releases the GIL):
-                    # a costly grammar delays this step, never the sockets.
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._mask_thread, sched.fill_masks, so
-                    )
-                if so.is_empty and not so.finished_req_ids:
-                    # Nothing runnable right now (requests parked on a prefix look-up,
-                    # which answers by message): wait for the next message.
-                    await self._wait_inbox(0.05)
-                    continue
-                t0 = time.perf_counter()
-                mo = await self.executor.execute(so)
-                updates = sched.update_from_output(so, mo)
-                if self.tier is not None:
-                    self._feed_tier(so, mo)
-                self.num_steps += 1
-                self.tokens_computed += so.num_scheduled_tokens
-                self._dispatch(updates)
-                # The whole step, scheduling included: proposing drafts and laying out
-                # verify rows are host work a speculating step adds.
-                sched.observe_step_time(time.perf_counter() - begun)
-                if self.on_step is not None:
-                    self.run_guarded(
-                        "on_step hook", self.on_step, StepInfo(so, mo, time.perf_counter() - t0)
-                    )
+                nxt = self._schedule_ahead(flight)
+                await self._join(flight)
+                flight, nxt = nxt, None
         except Exception as e:
-            self.dead = e
-            log.error("engine stopped: %s", e)
-            err = EngineDeadError(f"engine stopped: {e}")
-            for stream in self.streams.values():
-                self._fail(stream, err)
-            self.streams.clear()
-            while not self.inbox.empty():  # requests that arrived as the engine died
-                msg = self.inbox.get_nowait()
-                if isinstance(msg, AddRequest):
-                    self._fail(msg.stream, err)
+            self._die(e)
             raise
         finally:
+            await self._drop_flights(flight, nxt)
             for t in self._lookups:
                 t.cancel()
             self.idle.set()
+
+    async def _schedule_step(self) -> _Flight | None:
+        """Schedule a step after the last one's update and launch it (None: nothing to
+        run now)."""
+        sched = self.scheduler
+        if not sched.has_unfinished() and not sched.finished_req_ids:
+            self._snapshot()
+            return None
+        begun = time.perf_counter()
+        so = sched.schedule(defer_masks=True)
+        self._snapshot()
+        if sched.needs_masks:
+            # Grammar masks off the event loop (llguidance releases the GIL): a costly
+            # grammar delays this step, never the sockets.
+            await asyncio.get_running_loop().run_in_executor(
+                self._mask_thread, sched.fill_masks, so
+            )
+        if so.is_empty and not so.finished_req_ids:
+            # Nothing runnable right now (requests parked on a prefix look-up, which
+            # answers by message): wait for the next message.
+            await self._wait_inbox(0.05)
+            return None
+        fut = self.executor.launch(so) if self.async_scheduling else None  # type: ignore[attr-defined]
+        return _Flight(so, begun, fut)
+
+    def _schedule_ahead(self, flight: _Flight) -> _Flight | None:
+        """Async scheduling: the next step, scheduled and queued on the executor while
+        `flight` runs, when the scheduler can tell it without flight's tokens."""
+        if not self.async_scheduling:
+            return None
+        begun = time.perf_counter()
+        so = self.scheduler.schedule_ahead(flight.so)
+        if so is None:
+            return None
+        return _Flight(so, begun, self.executor.launch(so))  # type: ignore[attr-defined]
+
+    async def _join(self, flight: _Flight) -> None:
+        """Wait for a step's output and apply it: update, the tier, the streams, hooks."""
+        sched, so, ex = self.scheduler, flight.so, self.executor
+        if flight.fut is None:
+            mo = await ex.execute(so)
+        else:
+            mo = await ex.join(flight.fut, so)  # type: ignore[attr-defined]
+        # The device time of a step queued behind another starts when that one ended.
+        start, self._last_output_at = max(flight.begun, self._last_output_at), time.perf_counter()
+        updates = sched.update_from_output(so, mo)
+        if self.tier is not None:
+            self._feed_tier(so, mo)
+        self.num_steps += 1
+        self.tokens_computed += so.num_scheduled_tokens
+        self._dispatch(updates)
+        now = time.perf_counter()
+        # The whole step, scheduling included: proposing drafts and laying out verify
+        # rows are host work a speculating step adds.
+        sched.observe_step_time(now - flight.begun)
+        if self.on_step is not None:
+            self.run_guarded("on_step hook", self.on_step, StepInfo(so, mo, now - start))
+
+    async def _drop_flights(self, *flights: _Flight | None) -> None:
+        """The engine stops with steps still queued on the executor: a clean stop waits
+        for them (the runner is released after), a death leaves them to finish alone."""
+        for flight in flights:
+            if flight is None or flight.fut is None:
+                continue
+            if self.dead is None:
+                with contextlib.suppress(Exception):
+                    await flight.fut
+            else:
+                flight.fut.add_done_callback(_consume)
+
+    def _die(self, e: Exception) -> None:
+        self.dead = e
+        log.error("engine stopped: %s", e)
+        err = EngineDeadError(f"engine stopped: {e}")
+        for stream in self.streams.values():
+            self._fail(stream, err)
+        self.streams.clear()
+        while not self.inbox.empty():  # requests that arrived as the engine died
+            msg = self.inbox.get_nowait()
+            if isinstance(msg, AddRequest):
+                self._fail(msg.stream, err)
 
     def _feed_tier(self, so: SchedulerOutput, mo: ModelOutput) -> None:
         tier = self.tier

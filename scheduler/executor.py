@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
-from scheduler.contract import ModelOutput, SchedulerOutput
+from scheduler.contract import PLACEHOLDER, DecodeColumns, ModelOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,23 @@ def describe_step(so: SchedulerOutput) -> str:
     )
 
 
+def resolve_placeholders(d: DecodeColumns, prev: ModelOutput | None) -> None:
+    """A step scheduled ahead (scheduler/ahead.py): its decode rows' tokens are the ones
+    the previous step sampled at its output rows `d.prev_rows`.  A row whose token is
+    missing (the previous step failed it, mo.errors) keeps PLACEHOLDER, which the runner
+    refuses; the scheduler has already ended that request and discards the row."""
+    rows, d.prev_rows = d.prev_rows, []
+    if prev is None:
+        return
+    toks, ids = prev.sampled_token_ids, prev.req_ids
+    n = len(ids)
+    if all(j < n for j in rows) and [ids[j] for j in rows] == d.req_ids:
+        d.token_ids = [toks[j] for j in rows]
+        return
+    at = {rid: i for i, rid in enumerate(ids)}
+    d.token_ids = [toks[at[rid]] if rid in at else PLACEHOLDER for rid in d.req_ids]
+
+
 class ThreadExecutor:
     """One dedicated worker thread: torch releases the GIL inside its kernels, so the
     event loop keeps serving sockets while a step computes.
@@ -59,21 +76,41 @@ class ThreadExecutor:
                 raise
         assert runner is not None, "give a runner or a factory"
         self.runner = runner
+        # The last step's output, on the worker thread: the next step's placeholders
+        # are filled from it (steps run one at a time, in the order they were given).
+        self._last: ModelOutput | None = None
+
+    # The engine may queue step N+1 behind step N (async scheduling): steps run on one
+    # thread in order, and _step fills N+1's placeholder tokens from N's output.
+    supports_async_scheduling = True
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the executor thread and wait (for set-up work outside the step loop)."""
         return self._pool.submit(fn).result()
 
     async def execute(self, so: SchedulerOutput) -> ModelOutput:
-        loop = asyncio.get_running_loop()
+        return await self.join(self.launch(so), so)
+
+    def launch(self, so: SchedulerOutput) -> asyncio.Future[ModelOutput]:
+        """Queue a step on the worker now (behind any step still running); `join` it."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, self._step, so)
+
+    async def join(self, fut: asyncio.Future[ModelOutput], so: SchedulerOutput) -> ModelOutput:
         try:
-            return await loop.run_in_executor(self._pool, self.runner.execute_model, so)
+            return await fut
         except Exception as e:
             log.exception("model runner failed at %s", describe_step(so))
             raise ExecutorError(f"model runner failed at step {so.step}: {e!r}") from e
 
     def execute_sync(self, so: SchedulerOutput) -> ModelOutput:
-        return self.runner.execute_model(so)
+        return self._step(so)
+
+    def _step(self, so: SchedulerOutput) -> ModelOutput:
+        if so.decodes.prev_rows:
+            resolve_placeholders(so.decodes, self._last)
+        self._last = None  # a failing step leaves no output to resolve from
+        mo = self._last = self.runner.execute_model(so)
+        return mo
 
     def shutdown(self, wait: bool = True) -> None:
         """`wait=False` after an engine failure: a step stuck in a broken device must not

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from scheduler.ahead import AheadScheduling
 from scheduler.block_pool import BlockEvent
 from scheduler.columnar import ColumnarDecodes
 from scheduler.contract import (
@@ -64,7 +65,7 @@ def _seeded_sampling(req: Request) -> bool:
     return req.params.seed is not None and req.params.temperature > 0
 
 
-class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
+class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadScheduling):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -95,6 +96,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
         self._constrained: list[Request] = []  # sampling rows with a grammar, this step
         self._timed: tuple[int, bool] | None = None  # (decode rows, speculated) of a pure step
         self._init_tier(tier)
+        self._init_ahead()
 
     # ---------------------------------------------------------------- intake
     def check_group(self, group: list[Request]) -> None:
@@ -577,6 +579,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport):
                 self._fork_children(req, sr, mo, sampled, updates)
             i = sampled[req.req_id]
             updates.append(self._append_token(req, toks[i], logprobs and logprobs[i]))
+        self._settle_ahead(so.step + 1)
         return StepUpdates(updates, go_reqs, go_toks)
 
     def _fork_children(
