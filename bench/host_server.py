@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
     tok = Tokenizer.from_dir(model_dir)
     runner = HostRunner(tok.encode(WORDS, add_special_tokens=False), tok.vocab_size,
                         step_ms / 1e3, 4096)  # fmt: skip
-    engine = AsyncEngine._assemble(config.engine, ThreadExecutor(runner), model_dir, None, None)
+    engine = AsyncEngine._assemble(config.engine, ThreadExecutor(runner), model_dir, None)
     if host_ms:
         engine.add_step_hook(lambda info: _busy(host_ms / 1e3))
     from service.app import run_server

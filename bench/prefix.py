@@ -37,10 +37,11 @@ async def _wait_published(engine, n: int) -> None:
 
 
 def _make_engine(path: Path, args: argparse.Namespace, redis_url: str) -> Any:
-    from service.async_engine import AsyncEngine, EngineArgs
+    from scheduler.config import EngineConfig
+    from service.async_engine import AsyncEngine
 
-    return AsyncEngine.from_args(
-        EngineArgs(
+    return AsyncEngine.from_config(
+        EngineConfig.from_kwargs(
             model=str(path), dtype=args.dtype, redis_url=redis_url,
             max_num_batched_tokens=args.budget or 2048,
         )

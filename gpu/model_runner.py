@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
 from gpu.step_rows import PromptRows, SampleRows, StepInputs
 from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
+from scheduler.config import EngineConfig
 from scheduler.contract import (
     DecodeColumns,
     KVBlockPayload,
@@ -52,35 +54,64 @@ class ModelRunner:
     def __init__(
         self,
         model_dir: str | Path,
+        config: EngineConfig | None = None,
         *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        attention_backend: str = "auto",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        cuda_graphs: bool | None = None,
+        faults: FaultPlan | None = None,
+        tp: TPGroup | None = None,
+        pp: PPStage | None = None,
+        cpu_threads: int | str | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
         piecewise_graphs: bool | None = None,
-        max_num_seqs: int = 256,
-        faults: FaultPlan | None = None,
-        kv_cache_dtype: str = "auto",
-        quantization: str | None = None,
-        speculative_model: str | Path | None = None,
-        speculation: bool = False,
-        speculative_medusa: str | Path | None = None,
-        tp: TPGroup | None = None,
-        cpu_threads: int | str | None = None,
-        pp: PPStage | None = None,
+        **settings: Any,
     ) -> None:
-        """cpu_threads (CPU only): a count fixes torch's threads; "auto" lets
-        gpu/cpu/threads.py size the team before each step from the CPUs this process may
-        use and what other processes take of them; None leaves torch's setting alone."""
+        """config: the engine's whole config (scheduler/config.py); the runner reads its
+        model, cache, device and speculative groups.  Without one, `settings` are its flat
+        fields (`dtype="float32", num_kv_blocks=16`), validated the same way, for tests and
+        tools that build a bare runner.  cpu_threads (CPU only): a count fixes torch's
+        threads; "auto" lets gpu/cpu/threads.py size the team before each step from the
+        CPUs this process may use and what other processes take of them; None leaves
+        torch's setting alone."""
+        if config is None:
+            config = EngineConfig.from_kwargs(**settings)
+        elif settings:
+            raise TypeError(f"ModelRunner: settings go in config, not keywords: {sorted(settings)}")
+        self.engine_config = config
         self.faults = faults  # fault injection (tests and drills); None in normal serving
         self.model_dir = Path(model_dir)
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self._set_device(config, cpu_threads)
+        self._set_lengths(config.cache.block_size, config.model.max_model_len)
+        cuda_graphs = config.device.cuda_graphs
+        # Tensor parallelism: this rank's share of the heads (and so of every KV block);
+        # pipeline parallelism: this stage's layers (and their KV), gpu/pp.py.  Neither
+        # captures graphs (collectives, and a step of several forwards with sends between).
+        self.tp, self.pp = tp, pp
+        if tp is not None:
+            check_tp_config(self.config, tp.size)
+        if tp is not None or pp is not None:
+            if config.speculative is not None:
+                raise ModelLoadError("speculative decoding does not run tensor/pipeline-parallel")
+            cuda_graphs = False
+        self.local_config = local_config(self.config, tp, pp)
+        self._load_weights(config.device.attention_backend, config.model.quantization, tp)
+        self._make_kv_cache(config.cache.num_kv_blocks, config.cache.kv_cache_bytes, tp)
+        self.sampler = Sampler(
+            self.config.vocab_size, self.eos_token_ids, self.device, seed=config.model.seed
+        )
+        self.requests: dict[str, RequestSamplingState] = {}
+        # Each running request's block table, kept across steps: a step sends only the
+        # entries that changed (scheduler/contract.py, ScheduledRequest).
+        self.block_tables: dict[str, list[int]] = {}
+        self.last_step_seconds = 0.0
+        max_seqs = config.scheduler.max_num_seqs
+        self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_seqs)
+        self.piecewise = self._setup_piecewise(piecewise_graphs)
+        self.spec = self._setup_spec(config)
+
+    def _set_device(self, config: EngineConfig, cpu_threads: int | str | None) -> None:
+        """Device, the checkpoint's config and dtype, and the CPU thread team."""
+        dtype = config.model.dtype
+        self.kv_cache_dtype = check_kv_cache_dtype(config.cache.kv_cache_dtype)
+        device = config.device.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.config = ModelConfig.from_dir(self.model_dir)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.config)
@@ -96,39 +127,16 @@ class ModelRunner:
             self.threads = ThreadGovernor()
         elif self.device.type == "cpu" and isinstance(cpu_threads, int):
             torch.set_num_threads(cpu_threads)
-        self._set_lengths(block_size, max_model_len)
-        cfg = self.config
-        # Tensor parallelism: this rank's share of the heads (and so of every KV block).
-        self.tp = tp
-        if tp is not None:
-            check_tp_config(cfg, tp.size)
-            if speculation or speculative_model is not None:
-                raise ModelLoadError("speculative decoding does not run tensor-parallel")
-            cuda_graphs = False  # collectives are not captured; eager steps
-        # Pipeline parallelism: this stage's layers (and their KV), gpu/pp.py.
-        self.pp = pp
-        if pp is not None:
-            if speculation or speculative_model is not None:
-                raise ModelLoadError("speculative decoding does not run pipeline-parallel")
-            cuda_graphs = False  # a step is several micro-batch forwards with sends between
-        self.local_config = local_config(cfg, tp, pp)
-        self._load_weights(attention_backend, quantization, tp)
-        self._make_kv_cache(num_kv_blocks, kv_cache_bytes, tp)
-        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, self.device, seed=seed)
-        self.requests: dict[str, RequestSamplingState] = {}
-        # Each running request's block table, kept across steps: a step sends only the
-        # entries that changed (scheduler/contract.py, ScheduledRequest).
-        self.block_tables: dict[str, list[int]] = {}
-        self.last_step_seconds = 0.0
-        self.graphs = self._setup_graphs(cuda_graphs, graph_batch_sizes, max_num_seqs)
-        self.piecewise = self._setup_piecewise(piecewise_graphs)
-        # Speculative decoding: verification, and the draft model when there is one.
-        self.spec: SpecRunner | None = None
-        if speculation or speculative_model is not None:
-            medusa = None
-            if speculative_medusa is not None:
-                medusa = MedusaProposer(speculative_medusa, self)
-            self.spec = SpecRunner(self, speculative_model, attention_backend, medusa)
+
+    def _setup_spec(self, config: EngineConfig) -> SpecRunner | None:
+        """Speculative decoding: verification, and the draft model or Medusa heads when
+        the method has one (n-gram lookup needs neither)."""
+        spec = config.speculative
+        if spec is None:
+            return None
+        draft = spec.model if spec.method == "draft" else None
+        medusa = MedusaProposer(spec.model, self) if spec.method == "medusa" else None
+        return SpecRunner(self, draft, config.device.attention_backend, medusa)
 
     def release(self) -> None:
         """Frees the KV caches and captured graphs once the engine has stopped.  On a GPU

@@ -44,6 +44,7 @@ import msgspec
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.pp import DEFAULT_MICRO_BATCHES, make_stage
 from gpu.tp import core_sets, free_port, init_group, pin_thread
+from scheduler.config import EngineConfig, ParallelSettings
 from scheduler.contract import ModelOutput, SchedulerOutput
 from scheduler.executor import ThreadExecutor
 
@@ -81,6 +82,14 @@ class Topology(msgspec.Struct, frozen=True):
         """Where node 0 takes the other nodes' ranks' step connections."""
         return self.master_port + 1
 
+    @classmethod
+    def from_settings(cls, par: ParallelSettings, master_port: int | None = None) -> Topology:
+        return cls(
+            par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes, par.master_addr,
+            par.master_port if master_port is None else master_port,
+            par.tensor_parallel_timeout, par.pipeline_micro_batches,
+        )  # fmt: skip
+
     def check(self) -> None:
         if self.nnodes < 1 or self.world % self.nnodes:
             raise ModelLoadError(
@@ -105,18 +114,26 @@ def _rank_device(device: str | None, rank: int) -> str | None:
     return device
 
 
+class RunnerSpec(msgspec.Struct, frozen=True):
+    """What every rank builds its runner from: the engine's whole config, and the model
+    directory node 0 resolved (msgspec, so it crosses to other nodes without pickle)."""
+
+    config: EngineConfig
+    model_dir: str
+
+
 def _build_runner(
     rank: int,
     local_rank: int,
     topo: Topology,
-    runner_kwargs: dict[str, Any],
+    spec: RunnerSpec,
     faults: Any,
 ) -> Any:
     """Join the group as `rank` and load this rank's part of the model: its tensor
     shard of its pipeline stage's layers."""
     from gpu.model_runner import ModelRunner
 
-    device = runner_kwargs.get("device")
+    device = spec.config.device.device
     port = topo.master_port
     group = init_group(
         rank, topo.world, port, _backend(device), topo.timeout_s,
@@ -125,34 +142,34 @@ def _build_runner(
     tp = group if topo.tp_size > 1 else None
     pp = None
     if topo.pp_size > 1:
-        cfg = ModelConfig.from_dir(runner_kwargs["model_dir"])
+        cfg = ModelConfig.from_dir(spec.model_dir)
         pp = make_stage(cfg, rank, topo.pp_size, topo.tp_size, topo.micro_batches, group.device)
-    kwargs = dict(runner_kwargs, device=_rank_device(device, local_rank))
-    return ModelRunner(**kwargs, faults=faults, tp=tp, pp=pp)
+    config = spec.config.replace(device=_rank_device(device, local_rank))
+    return ModelRunner(spec.model_dir, config, faults=faults, tp=tp, pp=pp)
 
 
 def _worker_main(
     rank: int,
     local_rank: int,
     topo: Topology,
-    runner_kwargs: dict[str, Any] | None,
+    spec: RunnerSpec | None,
     cores: list[int] | None,
     threads: int | None,
     conn: Any,
     faults: Any,
 ) -> None:
     """A rank > 0: build its shard, then run every step the pipe brings until told to
-    stop or until the server process goes away.  conn None / runner_kwargs None: a rank
+    stop or until the server process goes away.  conn None / spec None: a rank
     on another node, which connects to node 0 for both first (_connect)."""
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
         f.write(f"pagestream-tp{rank}")  # so ps / top name the rank (Linux)
     remote = conn is None
     try:
         if conn is None:
-            conn, runner_kwargs, topo = _connect(rank, topo)
-        assert runner_kwargs is not None
+            conn, spec, topo = _connect(rank, topo)
+        assert spec is not None
         pin_thread(cores, threads)
-        runner = _build_runner(rank, local_rank, topo, runner_kwargs, faults)
+        runner = _build_runner(rank, local_rank, topo, spec, faults)
     except BaseException as e:
         if conn is not None:
             with contextlib.suppress(OSError):
@@ -192,13 +209,13 @@ class _Hello(msgspec.Struct, frozen=True):
 
 
 class _Setup(msgspec.Struct, frozen=True):
-    runner_kwargs: dict[str, Any]
+    spec: RunnerSpec
     topology: Topology
 
 
-def _connect(rank: int, topo: Topology) -> tuple[Any, dict[str, Any], Topology]:
+def _connect(rank: int, topo: Topology) -> tuple[Any, RunnerSpec, Topology]:
     """A remote rank's step connection to node 0, retried while node 0 starts; node 0
-    answers with the engine's runner arguments (one configuration, from node 0's flags)."""
+    answers with the engine's config (one configuration, from node 0's flags)."""
     from multiprocessing.connection import Client
 
     deadline = time.monotonic() + topo.timeout_s + 300
@@ -220,7 +237,7 @@ def _connect(rank: int, topo: Topology) -> tuple[Any, dict[str, Any], Topology]:
             f"this node has tensor/pipeline/nodes {mine.tp_size}/{mine.pp_size}/{mine.nnodes}, "
             f"node 0 {theirs.tp_size}/{theirs.pp_size}/{theirs.nnodes}"
         )
-    return conn, setup.runner_kwargs, theirs
+    return conn, setup.spec, theirs
 
 
 def run_worker_node(topo: Topology, node_rank: int, threads: int | None = None) -> int:
@@ -288,30 +305,20 @@ class TPExecutor(ThreadExecutor):
     it exactly as to a ThreadExecutor."""
 
     def __init__(
-        self,
-        size: int,
-        runner_kwargs: dict[str, Any],
-        *,
-        faults: Any = None,
-        threads: int | None = None,
-        timeout_s: float = 60.0,
-        pipeline_size: int = 1,
-        nnodes: int = 1,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 0,
-        micro_batches: int = DEFAULT_MICRO_BATCHES,
+        self, config: EngineConfig, model_dir: str | os.PathLike, *, faults: Any = None
     ) -> None:
-        self.size = size
-        self.timeout_s = timeout_s
+        """Ranks laid out as config.parallel says, each building its runner from the
+        whole config (RunnerSpec)."""
+        par, threads = config.parallel, config.device.threads
+        self.size = par.tensor_parallel_size
+        self.timeout_s = par.tensor_parallel_timeout
         self._closing = False
-        topo = Topology(
-            size, pipeline_size, nnodes, master_addr, master_port or free_port(), timeout_s,
-            micro_batches,
-        )  # fmt: skip
+        topo = Topology.from_settings(par, par.master_port or free_port())
         topo.check()
         self.topology = topo
+        spec = RunnerSpec(config, str(model_dir))
         local = topo.per_node
-        if _backend(runner_kwargs.get("device")) == "nccl":
+        if _backend(config.device.device) == "nccl":
             import torch
 
             if torch.cuda.device_count() < local:
@@ -332,15 +339,15 @@ class TPExecutor(ThreadExecutor):
         self._listener: Any = None
         self._remote_error: str | None = None
         if topo.nnodes > 1:
-            self._listen(dict(runner_kwargs, model_dir=str(runner_kwargs["model_dir"])))
+            self._listen(spec)
         for rank in range(1, local):
             # Every rank gets the fault plan: a fault that drops a request's rows on rank
             # 0 only would leave the ranks' collectives different sizes.
-            self._spawn(rank, runner_kwargs, cores[rank], threads, faults)
+            self._spawn(rank, spec, cores[rank], threads, faults)
 
         def build() -> _Rank0Runner:
             pin_thread(cores[0], threads)
-            return _Rank0Runner(_build_runner(0, 0, topo, runner_kwargs, faults), self)
+            return _Rank0Runner(_build_runner(0, 0, topo, spec, faults), self)
 
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagestream-exec")
         try:
@@ -350,17 +357,17 @@ class TPExecutor(ThreadExecutor):
             raise
         log.info(
             "parallel: tensor %d x pipeline %d ranks over %d node(s) (local worker pids %s)",
-            size, pipeline_size, nnodes, self.worker_pids,
+            topo.tp_size, topo.pp_size, topo.nnodes, self.worker_pids,
         )  # fmt: skip
 
-    def _listen(self, runner_kwargs: dict[str, Any]) -> None:
+    def _listen(self, spec: RunnerSpec) -> None:
         """Take the other nodes' ranks' step connections (in a thread: rank 0's build
         waits for them inside init_process_group meanwhile)."""
         from multiprocessing.connection import Listener
 
         topo = self.topology
         self._listener = Listener(("0.0.0.0", topo.step_port), family="AF_INET", backlog=64)
-        setup = msgspec.msgpack.encode(_Setup(runner_kwargs, topo))
+        setup = msgspec.msgpack.encode(_Setup(spec, topo))
         remote = range(topo.per_node, topo.world)
 
         def accept() -> None:
@@ -424,14 +431,14 @@ class TPExecutor(ThreadExecutor):
     def _spawn(
         self,
         rank: int,
-        runner_kwargs: dict[str, Any],
+        spec: RunnerSpec,
         cores: list[int] | None,
         threads: int | None,
         faults: Any,
     ) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        args = (rank, rank, self.topology, runner_kwargs, cores, threads, child, faults)
+        args = (rank, rank, self.topology, spec, cores, threads, child, faults)
         p = ctx.Process(target=_worker_main, args=args, name=f"pagestream-tp{rank}", daemon=True)
         p.start()
         child.close()

@@ -44,7 +44,7 @@ FLAGS: dict[str, str | None] = {
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("int8", "awq")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
@@ -277,3 +277,9 @@ FIELD_GROUP: dict[str, str] = {
     f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)
 }
 assert len(FIELD_GROUP) == sum(len(dataclasses.fields(c)) for c in GROUPS.values())
+
+
+def default_of(name: str) -> Any:
+    """A setting's default, for a flag that keeps it (declared once, in its group)."""
+    (f,) = (f for f in dataclasses.fields(GROUPS[FIELD_GROUP[name]]) if f.name == name)
+    return f.default

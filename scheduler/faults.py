@@ -1,6 +1,6 @@
 """Fault injection for tests and drills: make a real server fail on a chosen request or step.
 
-The plan is a comma-separated list of rules, set with `EngineArgs.fault_injection` or the
+The plan is a comma-separated list of rules, set with `EngineConfig.fault_injection` or the
 `PAGESTREAM_FAULT_INJECTION` environment variable (so a `pagestream serve` subprocess can
 be told to fail).  Requests are picked by a marker token id in their prompt, which a
 client controls (a completions prompt given as token ids):

@@ -14,6 +14,7 @@ from scheduler.pins import PinStats
 from scheduler.spec import SpecStats
 
 if TYPE_CHECKING:
+    from scheduler.config import EngineConfig
     from scheduler.request import Request
 
 
@@ -54,6 +55,27 @@ class SchedulerConfig:
                 f"hold one sequence of max_model_len {self.max_model_len}; add blocks or lower "
                 "max_model_len"
             )
+
+    @classmethod
+    def from_engine(
+        cls, config: EngineConfig, num_kv_blocks: int, max_model_len: int, budget: int
+    ) -> SchedulerConfig:
+        """The scheduler's share of the engine's config, with what only the built runner
+        knows: its KV blocks, the sequence length they allow, the step's token budget
+        (the setting, or the device's default)."""
+        s, cache = config.scheduler, config.cache
+        return cls(
+            num_kv_blocks=num_kv_blocks,
+            block_size=cache.block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=s.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            scheduling_policy=s.scheduling_policy,
+            tenant_weights=dict(s.tenant_weights or {}),
+            pinned_kv_fraction=cache.pinned_kv_fraction,
+            session_ttl=cache.session_ttl,
+        )
 
 
 class RequestUpdate(msgspec.Struct, gc=False, kw_only=True):

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from service.async_engine import AsyncEngine, EngineArgs, RequestOutput
+    from service.async_engine import AsyncEngine, EngineConfig, RequestOutput
     from service.llm import LLM
 
-__all__ = ["LLM", "AsyncEngine", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
         from service.llm import LLM
 
         return LLM
-    if name in ("AsyncEngine", "EngineArgs", "RequestOutput"):
+    if name in ("AsyncEngine", "EngineConfig", "RequestOutput"):
         from service import async_engine as engine
 
         return getattr(engine, name)

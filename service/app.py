@@ -203,13 +203,14 @@ async def _load_engine(app: web.Application, state: ServerState) -> None:
     try:
         engine = app.get(PRESET_ENGINE)
         if engine is None:
-            engine = await asyncio.to_thread(AsyncEngine.from_args, state.config.engine)
+            engine = await asyncio.to_thread(AsyncEngine.from_config, state.config.engine)
         names = [state.config.served_model_name or engine.model_name]
         if str(engine.model_dir) not in names:
             names.append(str(engine.model_dir))
         metrics = _engine_metrics(engine, names[0])
         metrics.watch_streams(state.streams)
-        prep = Preprocessor(engine, state.config.limits, engine.args.max_waiting_requests or 1024)
+        waiting = engine.config.scheduler.max_waiting_requests or 1024
+        prep = Preprocessor(engine, state.config.limits, waiting)
         state.prep = prep  # before the first await: cleanup must find it
         await prep.start()
         await engine.start()

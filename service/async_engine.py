@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from scheduler.config import EngineConfig
 from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
@@ -24,15 +25,10 @@ from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.scheduler_types import SchedulerStats
-from scheduler.spec import SpecConfig, SpecDecoder
+from scheduler.spec import SpecDecoder
 from scheduler.stream import RequestStream
 from service.detokenizer import IncrementalDetokenizer, StopChecker
-from service.engine_setup import (
-    EngineArgs,
-    build_prefix_tier,
-    ensure_default_model,
-    tp_executor,
-)
+from service.engine_setup import build_prefix_tier, ensure_default_model, tp_executor
 from service.outputs import CompletionOutput, RequestMetrics, RequestOutput, Submitted
 from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
@@ -40,14 +36,14 @@ from service.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def engine_thread_default(args: EngineArgs, runner: object) -> bool:
+def engine_thread_default(config: EngineConfig, runner: object) -> bool:
     """Whether the engine core runs on its own thread (EngineCore own_thread).  Auto: on
     a GPU yes, so scheduling, update and grammar work never hold up HTTP (and the reverse)
     while the device computes.  On a CPU no: there the model and the host share the same
     few cores, so the thread overlaps nothing the step does not already overlap inline
     (the step releases the GIL either way) and adds a loop hop and GIL hand-offs a step."""
-    if args.engine_thread is not None:
-        return args.engine_thread
+    if config.device.engine_thread is not None:
+        return config.device.engine_thread
     device = getattr(runner, "device", None)
     return getattr(device, "type", "cpu") == "cuda"
 
@@ -86,7 +82,7 @@ class _Sequence:
 class AsyncEngine:
     def __init__(
         self,
-        args: EngineArgs,
+        config: EngineConfig,
         *,
         runner: object,
         tokenizer: Tokenizer,
@@ -96,12 +92,12 @@ class AsyncEngine:
         tier: PrefixTier | None = None,
         executor: ThreadExecutor | None = None,
     ) -> None:
-        self.args = args
+        self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.model_dir = model_dir
-        self.model_name = args.model or "pagestream-default"
+        self.model_name = config.model.model or "pagestream-default"
         self.executor = executor or ThreadExecutor(runner)  # type: ignore[arg-type]
         self._step_hooks: list[Callable[[StepInfo], None]] = [on_step] if on_step else []
         # Called once per request when it ends (finished, aborted or failed).
@@ -112,10 +108,10 @@ class AsyncEngine:
             self.executor,
             on_step=self._on_step,
             tier=tier,
-            max_waiting_requests=args.max_waiting_requests,
-            max_waiting_tokens=args.max_waiting_tokens,
-            max_waiting_per_tenant=args.max_waiting_per_key,
-            own_thread=engine_thread_default(args, runner),
+            max_waiting_requests=config.scheduler.max_waiting_requests,
+            max_waiting_tokens=config.scheduler.max_waiting_tokens,
+            max_waiting_per_tenant=config.scheduler.max_waiting_per_key,
+            own_thread=engine_thread_default(config, runner),
         )
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
@@ -131,64 +127,39 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_args(cls, args: EngineArgs) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
 
-        model_dir = Path(args.model) if args.model else ensure_default_model()
-        threads = args.threads
-        faults = FaultPlan.from_env(args.fault_injection)
+        model_dir = Path(config.model.model) if config.model.model else ensure_default_model()
+        faults = FaultPlan.from_env(config.fault_injection)
         if faults is not None:
             log.warning("FAULT INJECTION is on: %s", faults)
-        spec = SpecConfig.from_dict(args.speculative_config) if args.speculative_config else None
-
-        runner_kwargs: dict[str, Any] = dict(
-            model_dir=model_dir,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_bytes=args.kv_cache_bytes,
-            attention_backend=args.attention_backend,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            cuda_graphs=args.cuda_graphs,
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization,
-        )
-        if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1 or args.nnodes > 1:
-            executor: ThreadExecutor = tp_executor(args, model_dir, runner_kwargs, faults)
-            return cls._assemble(args, executor, model_dir, spec, faults)
+        if config.parallel.enabled:
+            executor: ThreadExecutor = tp_executor(config, model_dir, faults)
+            return cls._assemble(config, executor, model_dir, faults)
 
         def build() -> ModelRunner:
-            return ModelRunner(
-                **runner_kwargs,
-                cpu_threads=threads or "auto",
-                faults=faults,
-                speculation=spec is not None,
-                speculative_model=spec.model if spec and spec.method == "draft" else None,
-                speculative_medusa=spec.model if spec and spec.method == "medusa" else None,
-            )
+            threads = config.device.threads or "auto"
+            return ModelRunner(model_dir, config, faults=faults, cpu_threads=threads)
 
         # Built on the thread that will run every step (see ThreadExecutor).
-        return cls._assemble(args, ThreadExecutor(factory=build), model_dir, spec, faults)
+        return cls._assemble(config, ThreadExecutor(factory=build), model_dir, faults)
 
     @classmethod
     def _assemble(
         cls,
-        args: EngineArgs,
+        config: EngineConfig,
         executor: ThreadExecutor,
         model_dir: Path,
-        spec: SpecConfig | None,
         faults: FaultPlan | None,
     ) -> AsyncEngine:
         """The scheduler, tokenizer and prefix tier around a built executor."""
         runner: Any = executor.runner
         tokenizer = Tokenizer.from_dir(model_dir)
-        capacity = runner.num_kv_blocks * args.block_size
+        capacity = runner.num_kv_blocks * config.cache.block_size
         max_model_len = runner.max_model_len
-        if args.max_model_len is None and capacity < max_model_len:
+        if config.model.max_model_len is None and capacity < max_model_len:
             log.warning(
                 "KV cache holds %d tokens; lowering max_model_len from %d", capacity, max_model_len
             )
@@ -196,32 +167,25 @@ class AsyncEngine:
         # CPU: 1,024.  Behind a smaller budget queued prompts wait more steps, each carrying
         # the whole decode batch (higher TTFT and TPOT, fewer tokens under load); a larger
         # one gained nothing and stalls decodes longer (paired runs: docs/PERFORMANCE.md).
-        budget = args.max_num_batched_tokens or (2048 if runner.device.type == "cuda" else 1024)
+        budget = config.scheduler.max_num_batched_tokens or (
+            2048 if runner.device.type == "cuda" else 1024
+        )
         if callable(getattr(type(runner), "warm_up", None)):  # a ModelRunner (not TP's)
             # On the step thread, before the first request: the CPU GEMMs' kernels for
             # every step size this budget allows (ModelRunner.warm_up).
-            executor.call(lambda: runner.warm_up(budget, args.max_num_seqs))
+            seqs = config.scheduler.max_num_seqs
+            executor.call(lambda: runner.warm_up(budget, seqs))
         tier = None
-        if args.redis_url and args.enable_prefix_caching:
-            tier = build_prefix_tier(args, runner, model_dir)
+        if config.prefix_tier.redis_url and config.cache.enable_prefix_caching:
+            tier = build_prefix_tier(config, runner, model_dir)
+        spec = config.speculative
         sched = Scheduler(
-            SchedulerConfig(
-                num_kv_blocks=runner.num_kv_blocks,
-                block_size=args.block_size,
-                max_num_batched_tokens=budget,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=max_model_len,
-                enable_prefix_caching=args.enable_prefix_caching,
-                scheduling_policy=args.scheduling_policy,
-                tenant_weights=dict(args.tenant_weights or {}),
-                pinned_kv_fraction=args.pinned_kv_fraction,
-                session_ttl=args.session_ttl,
-            ),
+            SchedulerConfig.from_engine(config, runner.num_kv_blocks, max_model_len, budget),
             tier=tier,
             spec=SpecDecoder(spec) if spec is not None else None,
         )
         engine = cls(
-            args,
+            config,
             runner=runner,
             tokenizer=tokenizer,
             scheduler=sched,

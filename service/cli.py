@@ -10,8 +10,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from scheduler import envs
+from scheduler.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    FIELD_GROUP,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    ConfigError,
+    EngineConfig,
+    default_of,
+)
 from scheduler.spec import SpecConfig
-from service.async_engine import EngineArgs
 from service.limits import Limits
 
 if TYPE_CHECKING:
@@ -46,29 +56,31 @@ def _add_model_args(g: Group) -> None:
     )
     g.add_argument(
         "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        default=default_of("dtype"),
+        choices=DTYPES,
         help="weights and KV dtype; auto = bfloat16 on CUDA, and on CPU its native dtype "
         "(bfloat16 with AVX512-BF16 or AMX-BF16, else float32)",
     )
     g.add_argument(
         "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "int8", "fp8"],
+        default=default_of("kv_cache_dtype"),
+        choices=KV_CACHE_DTYPES,
         help="KV cache storage: auto = the model dtype; int8 / fp8 (e4m3) with a scale per "
         "token and KV head hold ~2x the tokens of a 16-bit cache in the same memory",
     )
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "awq"],
+        choices=QUANTIZATIONS,
         help="weights: int8 = weight-only INT8 quantized at load (per-output-channel scales); "
         "awq = expect an AutoAWQ INT4 checkpoint (detected from config.json anyway)",
     )
 
 
 def _add_kv_cache_args(g: Group) -> None:
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--block-size", type=int, default=default_of("block_size"), help="tokens per KV block"
+    )
     g.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -91,14 +103,21 @@ def _add_step_args(g: Group) -> None:
         default=None,
         help="token budget of one step (default: 1024 on CPU, 2048 on CUDA)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=default_of("max_num_seqs"),
+        help="most sequences in one step",
+    )
     g.add_argument(
         "--max-model-len",
         type=int,
         default=None,
         help="longest prompt + output (default: the model's, capped by the KV cache)",
     )
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--attention-backend", default=default_of("attention_backend"), choices=ATTENTION_BACKENDS
+    )
     g.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -116,7 +135,7 @@ def _add_redis_args(g: Group) -> None:
     g.add_argument(
         "--redis-hit-threshold",
         type=int,
-        default=1,
+        default=default_of("redis_hit_threshold"),
         help="local prefix hits before a block's KV is published to Redis",
     )
     g.add_argument(
@@ -129,7 +148,7 @@ def _add_redis_args(g: Group) -> None:
     g.add_argument(
         "--redis-lookup-deadline",
         type=float,
-        default=1.0,
+        default=default_of("redis_lookup_deadline"),
         metavar="SECONDS",
         help="longest a request waits for a Redis look-up",
     )
@@ -147,8 +166,8 @@ def _add_redis_args(g: Group) -> None:
 def _add_conversation_args(g: Group) -> None:
     g.add_argument(
         "--scheduling-policy",
-        choices=["fair", "fcfs"],
-        default="fair",
+        choices=SCHEDULING_POLICIES,
+        default=default_of("scheduling_policy"),
         help="admission from the waiting queue: fair = deficit round robin on prompt tokens "
         "across API keys (weights from --api-key-file), `priority` within a key; fcfs = "
         "one line for all, by priority then arrival",
@@ -163,7 +182,7 @@ def _add_conversation_args(g: Group) -> None:
     g.add_argument(
         "--pinned-kv-fraction",
         type=float,
-        default=0.25,
+        default=default_of("pinned_kv_fraction"),
         metavar="FRACTION",
         help="most of the KV cache conversations may pin (conversation_id / session_id, a "
         "WebSocket's session): their last turn's blocks are evicted after unpinned ones "
@@ -172,7 +191,7 @@ def _add_conversation_args(g: Group) -> None:
     g.add_argument(
         "--session-ttl",
         type=float,
-        default=300.0,
+        default=default_of("session_ttl"),
         metavar="SECONDS",
         help="how long a conversation's last turn stays pinned",
     )
@@ -230,7 +249,7 @@ def _add_speculative_args(g: Group) -> None:
 
 
 def _add_device_args(g: Group) -> None:
-    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    g.add_argument("--seed", type=int, default=default_of("seed"), help="seed of unseeded sampling")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # fmt: skip
     g.add_argument(
@@ -241,7 +260,7 @@ def _add_device_args(g: Group) -> None:
     g.add_argument(
         "--tensor-parallel-size",
         type=int,
-        default=1,
+        default=default_of("tensor_parallel_size"),
         metavar="N",
         help="split the model over N ranks (processes; one GPU each on CUDA, disjoint cores "
         "on CPU) joined by torch.distributed",
@@ -249,77 +268,59 @@ def _add_device_args(g: Group) -> None:
     g.add_argument(
         "--tensor-parallel-timeout",
         type=float,
-        default=60.0,
+        default=default_of("tensor_parallel_timeout"),
         metavar="SECONDS",
         help="longest a collective waits for a rank; a dead or hung rank fails the engine",
     )
     g.add_argument(
-        "--pipeline-parallel-size", type=int, default=1, metavar="P",
+        "--pipeline-parallel-size", type=int, default=default_of("pipeline_parallel_size"),
+        metavar="P",
         help="split the layers into P stages (each of --tensor-parallel-size ranks: P x T "
         "processes), each holding its layers' weights and KV blocks",
     )  # fmt: skip
     g.add_argument(
-        "--pipeline-micro-batches", type=int, default=2, metavar="M",
+        "--pipeline-micro-batches", type=int, default=default_of("pipeline_micro_batches"),
+        metavar="M",
         help="micro-batches a step's rows are cut into, so the stages work at once",
     )  # fmt: skip
     g.add_argument(
-        "--nnodes", type=int, default=1,
+        "--nnodes", type=int, default=default_of("nnodes"),
         help="hosts the ranks are spread over (the same flags on each, but --node-rank)",
     )  # fmt: skip
     g.add_argument(
-        "--node-rank", type=int, default=0,
+        "--node-rank", type=int, default=default_of("node_rank"),
         help="this host's index: 0 serves the API and holds rank 0; others run ranks only",
     )  # fmt: skip
     g.add_argument(
-        "--master-addr", default="127.0.0.1",
+        "--master-addr", default=default_of("master_addr"),
         help="node 0's address, where the ranks rendezvous (torch.distributed)",
     )  # fmt: skip
     g.add_argument(
-        "--master-port", type=int, default=0,
+        "--master-port", type=int, default=default_of("master_port"),
         help="node 0's rendezvous port; the other nodes' step connections use the next one "
         "(default with one node: a free port)",
     )  # fmt: skip
 
 
-def engine_args(a: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=a.model,
-        dtype=a.dtype,
-        kv_cache_dtype=a.kv_cache_dtype,
-        quantization=a.quantization,
-        block_size=a.block_size,
-        num_kv_blocks=a.num_kv_blocks,
-        kv_cache_bytes=int(a.kv_cache_memory * (1 << 30)) if a.kv_cache_memory else None,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_num_seqs=a.max_num_seqs,
-        max_model_len=a.max_model_len,
-        seed=a.seed,
-        attention_backend=a.attention_backend,
-        threads=a.threads,
-        engine_thread={"on": True, "off": False}.get(a.engine_thread),
-        cuda_graphs=False if a.enforce_eager else None,
-        enable_prefix_caching=not a.no_prefix_caching,
-        redis_url=a.redis_url,
-        redis_hit_threshold=a.redis_hit_threshold,
-        redis_max_kv_bytes=int(a.redis_max_kv_memory * (1 << 30)),
-        redis_lookup_deadline=a.redis_lookup_deadline,
-        device=a.device,
-        max_waiting_requests=a.max_waiting_requests or None,
-        max_waiting_tokens=a.max_waiting_tokens or None,
-        max_waiting_per_key=a.max_waiting_requests_per_key or None,
-        scheduling_policy=a.scheduling_policy,
-        pinned_kv_fraction=a.pinned_kv_fraction,
-        session_ttl=a.session_ttl,
-        speculative_config=speculative_config(a),
-        tensor_parallel_size=a.tensor_parallel_size,
-        tensor_parallel_timeout=a.tensor_parallel_timeout,
-        pipeline_parallel_size=a.pipeline_parallel_size,
-        pipeline_micro_batches=a.pipeline_micro_batches,
-        nnodes=a.nnodes,
-        node_rank=a.node_rank,
-        master_addr=a.master_addr,
-        master_port=a.master_port,
-    )
+def engine_config(a: argparse.Namespace, **settings: object) -> EngineConfig:
+    """The engine's config from `serve`'s flags: a flag named as its setting lands there
+    as parsed; the few in other units or senses are converted here; `settings` (what
+    other flags decide, as server_config's key shares) win.  ConfigError names the flag."""
+    same = {name: getattr(a, name) for name in FIELD_GROUP if hasattr(a, name)}
+    converted = {
+        "kv_cache_bytes": int(a.kv_cache_memory * (1 << 30)) if a.kv_cache_memory else None,
+        "redis_max_kv_bytes": int(a.redis_max_kv_memory * (1 << 30)),
+        "cuda_graphs": False if a.enforce_eager else None,
+        "enable_prefix_caching": not a.no_prefix_caching,
+        "engine_thread": {"on": True, "off": False}.get(a.engine_thread),
+        # 0: unbounded
+        "max_waiting_requests": a.max_waiting_requests or None,
+        "max_waiting_tokens": a.max_waiting_tokens or None,
+        "max_waiting_per_key": a.max_waiting_requests_per_key or None,
+        "prefix_tier_key_share": key_share(a.prefix_tier_key_share, 0),
+        "speculative_config": speculative_config(a),
+    }
+    return EngineConfig.from_kwargs(**(same | converted | settings))
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -484,9 +485,11 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     hosts = a.allowed_hosts or (
         [_env("PAGESTREAM_ALLOWED_HOSTS")] if _env("PAGESTREAM_ALLOWED_HOSTS") else None
     )
-    engine = engine_args(a)
-    engine.prefix_tier_key_share = key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys)))
-    engine.tenant_weights = {key_tenant(k): w for k, w in weighted if w != 1.0}
+    engine = engine_config(
+        a,
+        prefix_tier_key_share=key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys))),
+        tenant_weights={key_tenant(k): w for k, w in weighted if w != 1.0} or None,
+    )
     return ServerConfig(
         engine=engine,
         host=a.host,
@@ -516,11 +519,16 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     bound_onednn_caches(a.onednn_cache_capacity)
-    if a.node_rank > 0:  # a worker node: its ranks only; node 0 serves
+    try:  # the whole configuration, checked before anything starts
+        config = engine_config(a) if a.node_rank > 0 else server_config(a)
+    except ConfigError as e:
+        print(f"pagestream serve: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(config, EngineConfig):  # a worker node: its ranks only; node 0 serves
         from service.app import ENGINE_FAILURE_EXIT
         from service.engine_setup import run_worker_node
 
-        code = run_worker_node(engine_args(a), health=(a.host, a.port))
+        code = run_worker_node(config, health=(a.host, a.port))
         return ENGINE_FAILURE_EXIT if code else 0
     from service.engine_setup import DefaultModelMissing, ensure_default_model
 
@@ -532,7 +540,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 2
     from service.app import run_server
 
-    code = run_server(server_config(a))
+    code = run_server(config)
     if code:
         # The engine failed.  Exit now, even if a step is stuck in a broken device: the
         # executor's worker thread is not a daemon, and interpreter exit would join it.

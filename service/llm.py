@@ -8,8 +8,9 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from scheduler.config import EngineConfig
 from scheduler.sampling_params import SamplingParams
-from service.async_engine import AsyncEngine, EngineArgs, RequestOutput
+from service.async_engine import AsyncEngine, RequestOutput
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -32,63 +33,25 @@ class LLM:
     >>> outs[0].outputs[0].text
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        enable_prefix_caching: bool = True,
-        redis_url: str | None = None,
-        kv_cache_bytes: int | None = None,
-        device: str | None = None,
-        threads: int | None = None,
-        enforce_eager: bool = False,
-        cuda_graphs: bool | None = None,
-        kv_cache_dtype: str = "auto",
-        quantization: str | None = None,
-        speculative_config: dict[str, Any] | None = None,
-        tensor_parallel_size: int = 1,
-        tensor_parallel_timeout: float = 60.0,
-        pipeline_parallel_size: int = 1,
-        pipeline_micro_batches: int = 2,
-    ) -> None:
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = _offline_batch_tokens(device)
-        self.args = EngineArgs(
-            model=model,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_bytes=kv_cache_bytes,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            seed=seed,
-            attention_backend=attention_backend,
-            enable_prefix_caching=enable_prefix_caching,
-            redis_url=redis_url,
-            device=device,
-            threads=threads,
-            cuda_graphs=False if enforce_eager else cuda_graphs,
-            kv_cache_dtype=kv_cache_dtype,
-            quantization=quantization,
-            speculative_config=speculative_config,
-            tensor_parallel_size=tensor_parallel_size,
-            tensor_parallel_timeout=tensor_parallel_timeout,
-            pipeline_parallel_size=pipeline_parallel_size,
-            pipeline_micro_batches=pipeline_micro_batches,
-        )
-        self.engine = AsyncEngine.from_args(self.args)
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """settings: the engine's, by their names in scheduler/config.py's EngineConfig
+        (dtype, block_size, num_kv_blocks, max_num_seqs, speculative_config,
+        tensor_parallel_size, ...; vLLM's enforce_eager too), checked as `serve`'s flags
+        are; an unknown one is a ConfigError naming it."""
+        self.config = self.engine_config(model, **settings)
+        self.engine = AsyncEngine.from_config(self.config)
         self._start_loop()
         self._run(self.engine.start())
         self._counter = 0
+
+    @staticmethod
+    def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
+        """The config LLM(model, **settings) runs, built without loading anything: the
+        same as `serve` builds for the same settings, but for the offline step budget
+        when none is given."""
+        if settings.get("max_num_batched_tokens") is None:
+            settings["max_num_batched_tokens"] = _offline_batch_tokens(settings.get("device"))
+        return EngineConfig.from_kwargs(model=None if model is None else str(model), **settings)
 
     def _start_loop(self) -> None:
         # The engine lives on its own loop thread, so LLM works from plain scripts and from

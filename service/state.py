@@ -16,7 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from service.async_engine import AsyncEngine, EngineArgs
+from scheduler.config import EngineConfig
+from service.async_engine import AsyncEngine
 from service.limits import Limits
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
@@ -33,7 +34,7 @@ from service.security import AllowedHosts, key_salt, key_tenant, parse_networks
 
 @dataclass
 class ServerConfig:
-    engine: EngineArgs = field(default_factory=EngineArgs)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None

@@ -352,7 +352,13 @@ def part_e2e(report: Report, device: Any, s: Sizes, copy_bw: float | None) -> No
         return
     import torch
 
-    params = inspect.signature(ModelRunner).parameters
+    params = set(inspect.signature(ModelRunner).parameters)
+    try:  # a runner built from the engine's config takes its settings as keywords too
+        from scheduler.config import FIELD_GROUP
+
+        params |= set(FIELD_GROUP)
+    except ImportError:
+        pass
     tmp = Path(tempfile.mkdtemp(prefix="pagestream-gpucheck-"))
     try:
         t0 = time.perf_counter()

@@ -17,8 +17,9 @@ from unittest import mock
 import pytest
 import torch
 
+from scheduler.config import EngineConfig
 from scheduler.sampling_params import SamplingParams
-from service.async_engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine
 from tests.checkpoints import tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -97,8 +98,8 @@ async def run_engine(engine: AsyncEngine, work, n: int = 1, stagger_steps: int =
 
 
 def make_engine(model: str, **kw) -> AsyncEngine:
-    args = EngineArgs(model=model, dtype="float32", **kw)
-    return AsyncEngine.from_args(args)
+    args = EngineConfig.from_kwargs(model=model, dtype="float32", **kw)
+    return AsyncEngine.from_config(args)
 
 
 def check(hf, work, results, n: int = 1) -> None:

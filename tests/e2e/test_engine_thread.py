@@ -1,4 +1,4 @@
-"""The engine core on its own thread (EngineArgs.engine_thread, EngineCore own_thread)
+"""The engine core on its own thread (EngineConfig's device.engine_thread, EngineCore own_thread)
 serves exactly what the inline engine serves: greedy tokens identical to HF transformers
 under preemption, forks (n > 1), prefix hits and chunked prefill; and identical to the
 inline engine's output with n-gram speculation, stop strings and grammars; an abort from
@@ -13,8 +13,9 @@ import threading
 import pytest
 import torch
 
+from scheduler.config import EngineConfig
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
-from service.async_engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine
 from tests.checkpoints import tiny_checkpoint
 from tests.e2e.test_engine_parity import check, run_engine, workload
 
@@ -32,8 +33,8 @@ def hf(model):
 
 
 def make_engine(model: str, engine_thread: bool, **kw) -> AsyncEngine:
-    return AsyncEngine.from_args(
-        EngineArgs(model=model, dtype="float32", engine_thread=engine_thread, **kw)
+    return AsyncEngine.from_config(
+        EngineConfig.from_kwargs(model=model, dtype="float32", engine_thread=engine_thread, **kw)
     )
 
 

@@ -12,8 +12,9 @@ import random
 
 import pytest
 
+from scheduler.config import EngineConfig
 from scheduler.sampling_params import SamplingParams
-from service.async_engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine
 from tests.checkpoints import tiny_checkpoint
 from tests.redis_server import RedisServer
 
@@ -40,11 +41,11 @@ def redis_server():
 
 
 def engine(model: str, redis_url: str | None, **kw) -> AsyncEngine:
-    args = EngineArgs(
+    args = EngineConfig.from_kwargs(
         model=model, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=128,
         redis_url=redis_url, **kw,
     )  # fmt: skip
-    return AsyncEngine.from_args(args)
+    return AsyncEngine.from_config(args)
 
 
 async def generate(e: AsyncEngine, prompts: list[list[int]], max_tokens: int = 12, tag: str = "q"):

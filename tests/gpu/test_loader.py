@@ -135,12 +135,14 @@ def test_eos_ids_merge_generation_config(ckpt):
 
 
 def test_server_reports_a_load_failure(ckpt):
+    from scheduler.config import EngineConfig
     from service.app import ServerConfig
-    from service.async_engine import EngineArgs
     from tests.service.live_server import LiveServer
 
     edit_config(ckpt, architectures=["BertModel"])
-    server = LiveServer(ServerConfig(engine=EngineArgs(model=str(ckpt), num_kv_blocks=16)))
+    server = LiveServer(
+        ServerConfig(engine=EngineConfig.from_kwargs(model=str(ckpt), num_kv_blocks=16))
+    )
     with pytest.raises(RuntimeError, match="BertModel"):
         server.start(timeout=60)
     server.stop()

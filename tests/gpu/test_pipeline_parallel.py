@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.pp import layer_split, split_rows
+from scheduler.config import ConfigError
 from scheduler.contract import DecodeColumns, ScheduledRequest
 from service.llm import LLM
 from tests.checkpoints import tiny_checkpoint
@@ -148,13 +149,16 @@ def test_refused_before_spawning_anything():
     path = checkpoint("llama", {})
     with pytest.raises(ModelLoadError, match=r"num_hidden_layers 2 \(fewer layers than stages"):
         LLM(path, pipeline_parallel_size=3, **ENGINE)
-    with pytest.raises(ModelLoadError, match="speculative decoding"):
+    with pytest.raises(ConfigError, match="speculative decoding"):
         LLM(path, pipeline_parallel_size=2, speculative_config={"method": "ngram",
             "num_speculative_tokens": 2}, **ENGINE)  # fmt: skip
     with pytest.raises(ModelLoadError, match="--quantization int8"):
         LLM(path, pipeline_parallel_size=2, quantization="int8", **ENGINE)
     with pytest.raises(ModelLoadError, match="do not split evenly over --nnodes 3"):
-        from service.engine_setup import EngineArgs, tp_executor
+        from scheduler.config import EngineConfig
+        from service.engine_setup import tp_executor
 
-        args = EngineArgs(model=path, pipeline_parallel_size=2, nnodes=3, master_port=1)
-        tp_executor(args, __import__("pathlib").Path(path), {"model_dir": path}, None)
+        args = EngineConfig.from_kwargs(
+            model=path, pipeline_parallel_size=2, nnodes=3, master_port=1
+        )
+        tp_executor(args, __import__("pathlib").Path(path), None)

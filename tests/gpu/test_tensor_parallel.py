@@ -16,6 +16,7 @@ import torch
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.loader import read_checkpoint
 from gpu.tp import TPGroup, check_tp_config
+from scheduler.config import ConfigError
 from scheduler.sampling_params import SamplingParams
 from service.llm import LLM
 from tests.checkpoints import tiny_checkpoint
@@ -144,7 +145,7 @@ def test_llm_refuses_before_spawning_anything():
     t0 = time.monotonic()
     with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 cannot split"):
         LLM(path, tensor_parallel_size=3, **ENGINE)
-    with pytest.raises(ModelLoadError, match="speculative decoding"):
+    with pytest.raises(ConfigError, match="speculative decoding"):
         LLM(path, tensor_parallel_size=2, speculative_config={"method": "ngram",
             "num_speculative_tokens": 2}, **ENGINE)  # fmt: skip
     if torch.cuda.device_count() < 2:

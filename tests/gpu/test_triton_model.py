@@ -220,7 +220,8 @@ def test_draft_decode_graphs_give_the_eager_logits():
     draft_dir = tiny_checkpoint("llama", seed=7, num_hidden_layers=1)
     runner = ModelRunner(
         target, dtype="float32", attention_backend="triton", cuda_graphs=True,
-        speculative_model=draft_dir, num_kv_blocks=32, max_model_len=128,
+        speculative_config={"method": "draft", "model": str(draft_dir)}, num_kv_blocks=32,
+        max_model_len=128,
     )  # fmt: skip
     draft = runner.spec.draft
     assert draft.graphs is not None

@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from scheduler.config import EngineConfig
 from service.app import STATE, ServerConfig, create_app
-from service.async_engine import AsyncEngine, EngineArgs
+from service.async_engine import AsyncEngine
 
 T = TypeVar("T")
 
@@ -145,7 +146,7 @@ def live_server(
     # One torch thread: the server shares two cores with the test's clients, and torch's
     # default (every core) oversubscribes them (several times slower here).
     defaults = {"dtype": "float32", "num_kv_blocks": 256, "threads": 1}
-    args = EngineArgs(model=model, **(defaults | (engine_kwargs or {})))
+    args = EngineConfig.from_kwargs(model=model, **(defaults | (engine_kwargs or {})))
     server = LiveServer(ServerConfig(engine=args, **config)).start()
     try:
         yield server

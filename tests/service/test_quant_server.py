@@ -12,7 +12,7 @@ import pytest
 
 from gpu.model_runner import ModelRunner
 from scheduler.sampling_params import SamplingParams
-from service.cli import build_parser, engine_args
+from service.cli import build_parser, engine_config
 from service.llm import LLM
 from tests.checkpoints import tiny_checkpoint
 from tests.service.live_server import live_server
@@ -25,12 +25,13 @@ def model() -> str:
     return str(tiny_checkpoint("llama"))
 
 
-def test_cli_flags_reach_engine_args():
+def test_cli_flags_reach_engine_config():
     a = build_parser().parse_args(
         ["serve", "--kv-cache-dtype", "fp8", "--quantization", "int8", "--kv-cache-memory", "0.5"]
     )
-    e = engine_args(a)
-    assert (e.kv_cache_dtype, e.quantization, e.kv_cache_bytes) == ("fp8", "int8", 1 << 29)
+    e = engine_config(a)
+    assert (e.cache.kv_cache_dtype, e.model.quantization) == ("fp8", "int8")
+    assert e.cache.kv_cache_bytes == 1 << 29
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
 

@@ -1,0 +1,244 @@
+"""One configuration from the command line (or LLM(...)) to the runner and the scheduler
+(scheduler/config.py `EngineConfig`): every engine flag lands in exactly one field, the
+built engine's parts read those values, LLM and `serve` build the same tree for the same
+settings, and a bad value is refused before anything loads, naming its flag."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+from scheduler.config import (
+    ATTENTION_BACKENDS,
+    FIELD_GROUP,
+    ConfigError,
+    EngineConfig,
+    flag_of,
+)
+from service.cli import build_parser, main, server_config
+from tests.checkpoints import tiny_checkpoint
+
+SPEC_BASE = ["--speculative-method", "draft", "--speculative-model", "/draft"]
+KEYS = ["--api-key", "k1", "--api-key", "k2"]  # two keys: --prefix-tier-key-share applies
+# Flags whose default gives no value to derive another from (None), or whose values are
+# constrained: the value to set, and the line it is set on (default: KEYS + SPEC_BASE).
+SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
+    "--model": (["/m"], None),
+    "--quantization": (["int8"], None),
+    "--num-kv-blocks": (["64"], None),
+    "--kv-cache-memory": (["0.5"], None),
+    "--block-size": (["32"], None),
+    "--max-num-batched-tokens": (["96"], None),
+    "--max-model-len": (["256"], None),
+    "--redis-url": (["memory://"], None),
+    "--prefix-tier-key-share": (["0.75"], None),  # above 1 / the two keys
+    "--max-waiting-tokens": (["100"], None),
+    "--speculative-model": (["/other"], None),
+    "--speculative-method": (["medusa"], None),
+    "--speculative-disable-by-batch-size": (["8"], None),
+    "--ngram-min": (["3"], None),
+    "--device": (["cpu"], None),
+    "--threads": (["3"], None),
+    "--master-addr": (["10.0.0.1"], None),
+    "--master-port": (["29500"], None),
+    # More than one rank does not run with speculation: set on a line without it.
+    "--tensor-parallel-size": (["2"], KEYS),
+    "--pipeline-parallel-size": (["2"], KEYS),
+    "--nnodes": (["2"], KEYS),
+    "--node-rank": (["1"], [*KEYS, "--nnodes", "2"]),
+}
+
+
+def _engine_flags() -> list[argparse.Action]:
+    serve = next(
+        a
+        for a in build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+        if a.prog.endswith("serve")
+    )
+    (group,) = [g for g in serve._action_groups if g.title == "engine"]
+    return list(group._group_actions)
+
+
+def _other_value(action: argparse.Action) -> list[str]:
+    """A valid value for the flag other than its default."""
+    flag = action.option_strings[0]
+    if flag in SPECIAL:
+        return SPECIAL[flag][0]
+    if action.nargs == 0:  # store_true
+        return []
+    if action.choices:
+        return [next(str(c) for c in action.choices if c != action.default)]
+    assert action.default is not None, f"{flag}: add a value for it to SPECIAL"
+    return [str(action.default * 2 or 1)]
+
+
+def _leaves(config: EngineConfig) -> dict[str, Any]:
+    """Every setting by its path in the tree (the speculative group's fields too)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update({f"{f.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
+        else:
+            out[f.name] = value
+    return out
+
+
+def _config(argv: list[str]) -> EngineConfig:
+    return server_config(build_parser().parse_args(["serve", *argv])).engine
+
+
+@pytest.fixture(autouse=True)
+def _no_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Flags whose default comes from the environment would differ between machines.
+    for name in ("PAGESTREAM_MODEL", "PAGESTREAM_REDIS_URL", "PAGESTREAM_API_KEY",
+                 "PAGESTREAM_API_KEY_FILE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_every_engine_flag_lands_in_exactly_one_field():
+    landed: dict[str, str] = {}
+    for action in _engine_flags():
+        flag = action.option_strings[0]
+        base = SPECIAL.get(flag, ([], None))[1]
+        base = [*KEYS, *SPEC_BASE] if base is None else base
+        before = _leaves(_config(base))
+        after = _leaves(_config([*base, flag, *_other_value(action)]))
+        changed = [k for k in after if after[k] != before.get(k)]
+        assert len(changed) == 1, f"{flag} changed {changed}"
+        landed[flag] = changed[0]
+        field = changed[0].rpartition(".")[2]
+        if not changed[0].startswith("speculative"):
+            # The name errors give the field is the flag that sets it.
+            assert flag_of(field) == flag, (field, flag)
+    assert len(set(landed.values())) == len(landed), "two flags set the same field"
+    # Every setting has its flag, but those only LLM(...), tests or other flags set.
+    flagless = {"fault_injection", "scheduler.tenant_weights"}
+    reached = set(landed.values()) | {"speculative"}
+    every = {f"{g}.{n}" for n, g in FIELD_GROUP.items()} | {"speculative", "fault_injection"}
+    assert every - reached == flagless
+
+
+def test_key_file_weights_land_in_tenant_weights(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("k1 weight=3\nk2\n")
+    weights = _config(["--api-key-file", str(keys)]).scheduler.tenant_weights
+    assert weights is not None and sorted(weights.values()) == [3.0]
+
+
+def test_llm_and_serve_build_the_same_config():
+    from service.llm import LLM
+
+    model = "/some/model"
+    settings = dict(
+        dtype="float32", block_size=32, num_kv_blocks=48, kv_cache_dtype="int8", seed=3,
+        max_num_batched_tokens=96, max_num_seqs=7, max_model_len=256, device="cpu",
+        scheduling_policy="fcfs", max_waiting_requests=9, max_waiting_per_key=5,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        enforce_eager=True, enable_prefix_caching=False,
+    )  # fmt: skip
+    argv = [
+        "--model", model, "--dtype", "float32", "--block-size", "32", "--num-kv-blocks", "48",
+        "--kv-cache-dtype", "int8", "--seed", "3", "--max-num-batched-tokens", "96",
+        "--max-num-seqs", "7", "--max-model-len", "256", "--device", "cpu",
+        "--scheduling-policy", "fcfs", "--max-waiting-requests", "9",
+        "--max-waiting-requests-per-key", "5", "--speculative-method", "ngram",
+        "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "3",
+        "--enforce-eager", "--no-prefix-caching",
+    ]  # fmt: skip
+    assert LLM.engine_config(model, **settings) == _config(argv)
+    # Left alone, they differ only where offline batches and a server should.
+    llm, serve = LLM.engine_config(model).flat(), _config(["--model", model]).flat()
+    differ = {k for k in llm if llm[k] != serve[k]}
+    assert differ == {"max_num_batched_tokens", "max_waiting_requests", "max_waiting_per_key"}
+
+
+def test_the_engine_parts_read_their_groups():
+    """A CLI line's values reach the runner, the scheduler and the engine core, and the
+    runner holds the very tree the engine was built from."""
+    from service.async_engine import AsyncEngine
+
+    model = str(tiny_checkpoint("llama"))
+    argv = [
+        "--model", model, "--dtype", "float32", "--device", "cpu", "--threads", "1",
+        "--attention-backend", "torch", "--block-size", "32", "--num-kv-blocks", "48",
+        "--kv-cache-dtype", "int8", "--max-model-len", "256", "--max-num-seqs", "7",
+        "--max-num-batched-tokens", "96", "--scheduling-policy", "fcfs",
+        "--pinned-kv-fraction", "0.5", "--session-ttl", "60", "--no-prefix-caching",
+        "--max-waiting-requests", "9", "--max-waiting-tokens", "999",
+        "--max-waiting-requests-per-key", "5", "--engine-thread", "off",
+        "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+    ]  # fmt: skip
+    config = _config(argv)
+    engine = AsyncEngine.from_config(config)
+    try:
+        runner, sched, core = engine.runner, engine.scheduler, engine.core
+        assert engine.config is config and runner.engine_config is config  # type: ignore[attr-defined]
+        r = runner  # type: Any
+        assert (r.block_size, r.num_kv_blocks, r.max_model_len) == (32, 48, 256)
+        assert (str(r.dtype), r.kv_cache_dtype, r.device.type) == ("torch.float32", "int8", "cpu")
+        assert r.attn_backend.name == "torch" and r.spec is not None and r.spec.draft is None
+        c = sched.config
+        assert (c.block_size, c.num_kv_blocks, c.max_model_len) == (32, 48, 256)
+        assert (c.max_num_batched_tokens, c.max_num_seqs) == (96, 7)
+        assert (c.scheduling_policy, c.pinned_kv_fraction, c.session_ttl) == ("fcfs", 0.5, 60)
+        assert c.enable_prefix_caching is False
+        assert sched.spec is not None and sched.spec.k == 3
+        assert (core.max_waiting_requests, core.max_waiting_tokens) == (9, 999)
+        assert core.max_waiting_per_tenant == 5 and core.own_thread is False
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--block-size", "12"], "--block-size"),
+        (["--pinned-kv-fraction", "1.5"], "--pinned-kv-fraction"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "40"], "--speculative-"),
+        (["--tensor-parallel-size", "2", "--speculative-method", "ngram"], "--speculative-"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
+def test_a_bad_flag_is_refused_before_loading_naming_it(capsys, argv, flag):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "pagestream serve: error:" in err and flag in err
+
+
+def test_llm_refuses_a_bad_or_unknown_setting_before_loading():
+    from service.llm import LLM
+
+    with pytest.raises(ConfigError, match=r"block_size \(--block-size\)"):
+        LLM("/nowhere", block_size=12)
+    with pytest.raises(ConfigError, match="unknown engine setting 'blocksize'"):
+        LLM("/nowhere", blocksize=16)
+
+
+def test_a_runner_takes_a_config_or_settings_not_both():
+    from gpu.model_runner import ModelRunner
+
+    with pytest.raises(TypeError, match="dtype"):
+        ModelRunner("/nowhere", EngineConfig(), dtype="float32")
+
+
+def test_the_attention_choices_are_the_backends():
+    from gpu.attention import BACKEND_NAMES
+
+    assert ATTENTION_BACKENDS == BACKEND_NAMES
+
+
+def test_replace_and_flat_round_trip():
+    c = EngineConfig.from_kwargs(model="m", block_size=64, speculative_config={"method": "ngram"})
+    assert EngineConfig.from_kwargs(**c.flat()) == c
+    assert c.replace(device="cuda:1").device.device == "cuda:1"
+    assert c.replace(device="cuda:1").cache == c.cache
+    with pytest.raises(ConfigError, match="--block-size"):
+        c.replace(block_size=3)
