@@ -119,3 +119,38 @@ def test_the_checker_sees_a_lazy_loop(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
     )
     assert _cycles(_modules(tmp_path, ("p",))) == [["p.a", "p.b", "p.a"]]
+
+
+# The CPU backend (gpu/cpu/) is a room of its own: it builds on the attention interface,
+# the torch reference path and the cache folder, and the rest of gpu/ reaches it through
+# a known set of doors (the attention factory, the loader's linear packing, the model's
+# fused CPU ops, the sampler's argmax, the int8 GEMV, the dtype choice).
+CPU_BACKEND_USES = {"gpu.attention.base", "gpu.attention.torch_backend", "gpu.config"}
+CPU_BACKEND_DOORS = {
+    "gpu.attention",
+    "gpu.config",
+    "gpu.model",
+    "gpu.model_runner",
+    "gpu.quant_eval",
+    "gpu.quant_linear",
+    "gpu.sampler",
+}
+
+
+def _is_cpu(mod: str) -> bool:
+    return mod == "gpu.cpu" or mod.startswith("gpu.cpu.")
+
+
+def test_cpu_backend_is_a_room_of_its_own() -> None:
+    mods = _modules(packages=("gpu",))
+    inside = {n: p for n, p in mods.items() if _is_cpu(n)}
+    assert "gpu.cpu.kernels" in inside and "gpu.cpu.attention" in inside
+    used = {m for n, p in inside.items() for m in _imports(n, p) if m in mods and not _is_cpu(m)}
+    assert used <= CPU_BACKEND_USES, f"gpu/cpu/ reaches out to {sorted(used - CPU_BACKEND_USES)}"
+    doors = {
+        n for n, p in mods.items() if not _is_cpu(n) and any(_is_cpu(m) for m in _imports(n, p))
+    }
+    assert doors == CPU_BACKEND_DOORS, (
+        f"modules of gpu/ importing the CPU backend changed: new {sorted(doors - CPU_BACKEND_DOORS)}"
+        f", gone {sorted(CPU_BACKEND_DOORS - doors)}"
+    )

@@ -13,19 +13,21 @@ import torch
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.cpu.attention import CpuAttentionBackend
 from scheduler import envs
 
 __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
+    "CpuAttentionBackend",
     "TorchAttentionBackend",
     "create_attention_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "cpu", "torch", "triton")
 
 
 def _triton_backend_class() -> type[AttentionBackend]:
@@ -46,10 +48,12 @@ def create_attention_backend(
     dtype: torch.dtype,
     block_size: int,
 ) -> AttentionBackend:
-    """The attention backend `name` ("auto", "torch" or "triton") for a model on `device`.
+    """The attention backend `name` ("auto", "cpu", "torch" or "triton") for a model on
+    `device`.
 
-    auto: Triton on CUDA when it supports the model (else torch, with a warning), torch
-    on CPU.  triton on CPU runs the kernels in Triton's interpreter, which needs
+    auto: Triton on CUDA when it supports the model (else torch, with a warning), the
+    compiled CPU kernels (cpu) on a CPU.  torch: plain torch ops on any device (SDPA and a
+    gathered decode; the portable path and the kernels' reference).  triton on CPU runs the kernels in Triton's interpreter, which needs
     TRITON_INTERPRET=1 set before the kernels are first imported (tests do this).
     Raises ValueError naming what is unsupported.
     """
@@ -62,6 +66,10 @@ def create_attention_backend(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     args = (num_heads, num_kv_heads, head_dim, scale)
 
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' needs a CPU device, not {device}")
+        return CpuAttentionBackend(*args)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend(*args)
 
@@ -80,7 +88,7 @@ def create_attention_backend(
             raise ValueError(
                 "attention backend 'triton' needs a CUDA device; on the CPU it only runs "
                 "under Triton's interpreter (set TRITON_INTERPRET=1 before start-up; slow, "
-                "for tests) — use 'torch' or 'auto' instead"
+                "for tests) — use 'cpu' or 'auto' instead"
             )
     elif device.type != "cuda":
         raise ValueError(f"attention backend 'triton' does not support device {device}")

@@ -1,4 +1,5 @@
-"""Attention in plain torch ops: the CPU path and the reference the kernels are held to."""
+"""Attention in plain torch ops: the portable path (any device torch runs on) and the
+references every kernel is held to.  The CPU backend (gpu/cpu/attention.py) builds on it."""
 
 from __future__ import annotations
 
@@ -6,10 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
-from gpu.cpu import features as cpu_features
-from gpu.cpu import kernels as cpu_kernels
 from gpu.kv_quant import dequantize, write_quantized
-from scheduler import envs
 
 
 def write_kv_reference(
@@ -97,24 +95,11 @@ def tree_mask(bits: torch.Tensor, ctx: int, seq_len: int) -> torch.Tensor:  # [L
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decode and prefill through the compiled CPU kernels when they are there; else
-    decode batched over a gathered context and one SDPA call per prefill chunk."""
+    """Decode batched over a gathered context, one SDPA call per prefill chunk.  The
+    steps are hooks (`_write_kv`, `_empty_out`, `_decode`, `_prefill_all`) that the CPU
+    backend replaces with its compiled kernels."""
 
     name = "torch"
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        self._kernel_ok: dict[torch.dtype, bool] = {}
-        self._prefill_choice = envs.PAGESTREAM_PREFILL_ATTENTION
-
-    def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
-        ok = self._kernel_ok.get(q.dtype)
-        if ok is None:
-            ok = q.device.type == "cpu" and cpu_kernels.supports(
-                q.dtype, self.num_heads, self.num_kv_heads, self.head_dim
-            )
-            self._kernel_ok[q.dtype] = ok
-        return ok
 
     def forward(
         self,
@@ -131,27 +116,30 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if out is not None:  # (only the piecewise CUDA graphs pass one, on Triton)
             return out.copy_(self.forward(q, k, v, k_cache, v_cache, meta, k_scale, v_scale))
-        kernel = self._use_cpu_kernel(q)
-        # One compiled call for the K/V store where it takes these tensors (two or more
-        # ATen ops, each an OpenMP region, otherwise).
-        slots = meta.slot_mapping
-        if not (kernel and cpu_kernels.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)):
-            write_kv_reference(k, v, k_cache, v_cache, slots, k_scale, v_scale)
-        if q.device.type == "cpu" and q.dim() == 3 and cpu_kernels.available():
-            # o_proj's input: room for its bucketed oneDNN product (cpu_kernels.gemm_rows).
-            out = cpu_kernels.empty_rows(q.shape[0], q.shape[1] * q.shape[2], q.dtype)
-            out = out.view(q.shape)
-        else:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = self._empty_out(q)
         nd = meta.num_decodes
         sc = (k_scale, v_scale)
-        if nd and kernel:  # the kernel reads q and writes out at their strides: no copies
+        if nd:
             self._decode(q[:nd], k_cache, v_cache, meta, sc, out=out[:nd])
-        elif nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, sc)
         if meta.num_seqs > nd:
             self._prefill_all(q, k, v, k_cache, v_cache, meta, out, sc)
         return out
+
+    def _write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        write_kv_reference(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+
+    def _empty_out(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     def _prefill_all(
         self,
@@ -164,52 +152,17 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> None:
-        """Every prefill chunk of the step (the requests after the decodes), into `out`.
-        The compiled kernel takes runs of consecutive chunks in one call each, straight from
-        the paged cache (the chunk's K/V are already written); chunks of sdpa_min_rows
-        tokens or more, or all of them without the kernel, one SDPA call each."""
-        nd, n = meta.num_decodes, meta.num_seqs
-        min_rows: int | None = 0
-        if self._use_cpu_kernel(q):
-            min_rows = self.sdpa_min_rows(q.dtype) if sc[0] is None else None
+        """Every prefill chunk of the step (the requests after the decodes), into `out`,
+        one SDPA call each."""
         lens = meta.query_lens_cpu
-        i, start = nd, nd  # decodes are one token each
-        while i < n:
-            j = i
-            while j < n and (min_rows is None or lens[j] < min_rows):
-                j += 1
-            if j > i:
-                tree = {} if meta.tree_bits is None else {"tree_bits": meta.tree_bits}
-                cpu_kernels.prefill_attention(
-                    q, k_cache, v_cache, meta.block_tables[i:j], meta.query_start_loc[i : j + 1],
-                    meta.seq_lens[i:j], self.scale, out, *sc, **tree,
-                )  # fmt: skip
-                start += sum(lens[i:j])
-                i = j
-                continue
+        start = meta.num_decodes  # decodes are one token each
+        for i in range(meta.num_decodes, meta.num_seqs):
             end = start + lens[i]
             out[start:end] = self._prefill(
                 q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc,
                 None if meta.tree_bits is None else meta.tree_bits[start:end],
             )  # fmt: skip
-            i, start = i + 1, end
-
-    # Fresh tokens from which a prefill chunk takes torch's SDPA under auto (bf16 on AMX):
-    # torch's flash attention runs its products on the tiles, the kernel on vdpbf16ps.
-    # Per layer SDPA pulls ahead as chunks grow, but a whole prompt's TTFT only gains from
-    # about this size: below it SDPA's fixed cost (a call, transposes and a copy per chunk)
-    # loses to the kernel, as it does over short prompts' steps (measured on an AMX Xeon;
-    # docs/FLAGS.md, PAGESTREAM_PREFILL_ATTENTION).
-    SDPA_MIN_ROWS = 320
-
-    def sdpa_min_rows(self, dtype: torch.dtype) -> int | None:
-        """The chunk length from which prefill takes SDPA over the kernel; None: never.
-        PAGESTREAM_PREFILL_ATTENTION: auto, kernel (never) or sdpa (every chunk)."""
-        if self._prefill_choice != "auto":
-            return 0 if self._prefill_choice == "sdpa" else None
-        if dtype == torch.bfloat16 and "amx_bf16" in cpu_features.detect().flags:
-            return self.SDPA_MIN_ROWS
-        return None
+            start = end
 
     def _decode(
         self,
@@ -218,14 +171,9 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         sc: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-        out: torch.Tensor | None = None,  # kernel path: written in place
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b = q.shape[0]
-        if self._use_cpu_kernel(q):
-            return cpu_kernels.decode_attention(
-                q, k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], self.scale,
-                k_scale=sc[0], v_scale=sc[1], out=out,
-            )  # fmt: skip
         bs = meta.block_size
         max_len = max(meta.seq_lens_cpu[:b])
         nb = (max_len + bs - 1) // bs
@@ -240,7 +188,8 @@ class TorchAttentionBackend(AttentionBackend):
         valid = torch.arange(s, device=q.device)[None, :] < meta.seq_lens[:b, None]  # [B, S]
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(-1).to(vc.dtype)
-        return torch.matmul(probs, vc).view(b, self.num_heads, d)  # [B, H, D]
+        o = torch.matmul(probs, vc).view(b, self.num_heads, d)  # [B, H, D]
+        return o if out is None else out.copy_(o)
 
     def _prefill(
         self,

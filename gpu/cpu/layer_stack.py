@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from gpu.attention.base import AttentionMetadata
-from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.attention import CpuAttentionBackend
 from gpu.cpu.kernels import bindings
 from gpu.cpu.linear import AMX_MAX_ROWS, PackedLinear
 from scheduler import envs
@@ -95,7 +95,7 @@ class LayerStack:
                 attn.qk_norm
                 or attn.tp is not None
                 or mlp.tp is not None
-                or type(attn.backend) is not TorchAttentionBackend
+                or type(attn.backend) is not CpuAttentionBackend
                 or attn.o_proj.bias is not None
                 or getattr(mlp.gate_up_proj, "gated_inter", None) is None
                 or mlp.down_proj.bias is not None

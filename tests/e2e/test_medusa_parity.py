@@ -155,7 +155,7 @@ async def test_medusa_greedy_identity_torch_paths(heads_root, monkeypatch, choic
         max_num_batched_tokens=64,
         block_size=16,
         max_model_len=256,
-        attention_backend="torch",
+        attention_backend="cpu",
         speculative_config=medusa_config(medusa_dir(name, heads_root)),
         threads=1,
     )

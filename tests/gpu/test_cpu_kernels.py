@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from gpu.attention.base import AttentionMetadata
-from gpu.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
+from gpu.attention.torch_backend import paged_attention_reference
 from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.attention import CpuAttentionBackend
 
 if not cpu_kernels.available():
     if os.environ.get("CI") == "true":
@@ -131,11 +132,11 @@ def test_decode_kernel_extreme_scores(dtype, shape):
 
 def test_backend_uses_kernel_and_can_be_switched_off(monkeypatch):
     q, kc, vc, meta = decode_case(3, [5, 40, 17], 4, 2, 64, 16, torch.float32)
-    be = TorchAttentionBackend(4, 2, 64, 0.125)
+    be = CpuAttentionBackend(4, 2, 64, 0.125)
     assert be._use_cpu_kernel(q)
     fast = be._decode(q, kc, vc, meta)
     monkeypatch.setattr(cpu_kernels, "supports", lambda *a: False)
-    slow = TorchAttentionBackend(4, 2, 64, 0.125)
+    slow = CpuAttentionBackend(4, 2, 64, 0.125)
     assert not slow._use_cpu_kernel(q)
     torch.testing.assert_close(fast, slow._decode(q, kc, vc, meta), atol=1e-5, rtol=1e-5)
 
@@ -241,7 +242,7 @@ def test_prefill_strided_q_and_untouched_rows(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_mixed_step_kernel_vs_torch_path(dtype, monkeypatch):
-    # A step of 3 decodes and 3 prefill chunks through TorchAttentionBackend.forward (K/V
+    # A step of 3 decodes and 3 prefill chunks through CpuAttentionBackend.forward (K/V
     # written by the backend): kernels vs the SDPA path vs the definition.
     hq, hkv, d, bs = 6, 2, 64, 16
     qlens, ctxs = [1, 1, 1, 30, 17, 64], [9, 40, 16, 0, 50, 33]
@@ -250,13 +251,13 @@ def test_backend_mixed_step_kernel_vs_torch_path(dtype, monkeypatch):
     k = torch.randn(q.shape[0], hkv, d, generator=g).to(dtype)
     v = torch.randn(q.shape[0], hkv, d, generator=g).to(dtype)
     scale = d**-0.5
-    fast = TorchAttentionBackend(hq, hkv, d, scale)
+    fast = CpuAttentionBackend(hq, hkv, d, scale)
     assert fast._use_cpu_kernel(q)
     kc1, vc1 = kc.clone(), vc.clone()
     got = fast.forward(q, k, v, kc1, vc1, meta)
     ref = paged_attention_reference(q, kc1, vc1, meta, scale)
     monkeypatch.setattr(cpu_kernels, "supports", lambda *a: False)
-    slow = TorchAttentionBackend(hq, hkv, d, scale)
+    slow = CpuAttentionBackend(hq, hkv, d, scale)
     assert not slow._use_cpu_kernel(q)
     kc2, vc2 = kc.clone(), vc.clone()
     torch_path = slow.forward(q, k, v, kc2, vc2, meta)
@@ -275,7 +276,7 @@ def test_backend_prefill_chunks_split_between_kernel_and_sdpa(dtype, choice, mon
     from gpu.cpu import features as cpu_features
 
     monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", choice)
-    monkeypatch.setattr(TorchAttentionBackend, "SDPA_MIN_ROWS", 24)
+    monkeypatch.setattr(CpuAttentionBackend, "SDPA_MIN_ROWS", 24)
     hq, hkv, d, bs = 8, 2, 64, 16
     qlens, ctxs = [1, 1, 30, 17, 5, 64, 9, 40], [9, 40, 0, 50, 3, 33, 0, 20]
     q, kc, vc, meta = prefill_case(21, qlens, ctxs, hq, hkv, d, bs, dtype, num_decodes=2)
@@ -291,7 +292,7 @@ def test_backend_prefill_chunks_split_between_kernel_and_sdpa(dtype, choice, mon
         return real_prefill(q_, kc_, vc_, tables, qsl, lens, *rest)
 
     monkeypatch.setattr(cpu_kernels, "prefill_attention", kernel)
-    backend = TorchAttentionBackend(hq, hkv, d, scale)
+    backend = CpuAttentionBackend(hq, hkv, d, scale)
     real_sdpa = backend._prefill
 
     def sdpa(*a, **kw):
@@ -315,7 +316,7 @@ def test_backend_prefill_chunks_split_between_kernel_and_sdpa(dtype, choice, mon
 def test_prefill_attention_choice_is_checked(monkeypatch):
     monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", "flash")
     with pytest.raises(ValueError, match="PAGESTREAM_PREFILL_ATTENTION"):
-        TorchAttentionBackend(8, 2, 64, 0.125)
+        CpuAttentionBackend(8, 2, 64, 0.125)
 
 
 # ---- ISA variants ----------------------------------------------------------------------

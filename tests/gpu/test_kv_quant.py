@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
+from gpu.attention.torch_backend import paged_attention_reference
 from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.attention import CpuAttentionBackend
 from gpu.kernels._common import fp8e4m3_decode, fp8e4m3_encode
 from gpu.kv_quant import bytes_per_token, dequantize, quantize
 from tests.gpu.test_cpu_kernels import decode_case, prefill_case
@@ -117,7 +118,7 @@ def test_prefill_kernel_quantized(kind, dtype, hq, hkv, d):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_quantized_step_kernel_vs_torch_path(kind, dtype, monkeypatch):
-    # 3 decodes and 3 prefill chunks through TorchAttentionBackend.forward: the backend
+    # 3 decodes and 3 prefill chunks through CpuAttentionBackend.forward: the backend
     # quantizes the new K/V as it writes them; kernels, the torch path and the definition
     # agree, and the unquantized result is close.
     hq, hkv, d, bs = 6, 2, 64, 16
@@ -135,7 +136,7 @@ def test_backend_quantized_step_kernel_vs_torch_path(kind, dtype, monkeypatch):
             monkeypatch.setattr(cpu_kernels, "supports", lambda *a: False)
         elif not cpu_kernels.available():
             continue
-        be = TorchAttentionBackend(hq, hkv, d, scale)
+        be = CpuAttentionBackend(hq, hkv, d, scale)
         assert be._use_cpu_kernel(q) == use_kernel
         c = (kq.clone(), vq.clone(), ks.clone(), vs.clone())
         outs.append(be.forward(q, k, v, c[0], c[1], meta, c[2], c[3]))
@@ -150,7 +151,7 @@ def test_backend_quantized_step_kernel_vs_torch_path(kind, dtype, monkeypatch):
     # vs the unquantized cache: attention outputs are averages of V rows, so their error is
     # about V's quantization error (int8: ~0.4% of the row max; fp8: ~3% of each value).
     kc2, vc2 = kc.clone(), vc.clone()
-    plain = TorchAttentionBackend(hq, hkv, d, scale).forward(q, k, v, kc2, vc2, meta)
+    plain = CpuAttentionBackend(hq, hkv, d, scale).forward(q, k, v, kc2, vc2, meta)
     err = (outs[-1].float() - plain.float()).abs().max().item()
     assert err < (0.05 if kind == "int8" else 0.25), err
 
@@ -194,7 +195,7 @@ def test_triton_quantized_matches_torch_path(kind, case):
     vq, vs = quantize_cache(b.v_cache, kind)
     scale = d**-0.5
     torch_c = [t.clone() for t in (kq, vq, ks, vs)]
-    ref = TorchAttentionBackend(hq, hkv, d, scale).forward(
+    ref = CpuAttentionBackend(hq, hkv, d, scale).forward(
         b.q, b.k, b.v, torch_c[0], torch_c[1], b.meta, torch_c[2], torch_c[3]
     )
     tri_c = [t.clone() for t in (kq, vq, ks, vs)]
@@ -209,7 +210,7 @@ def test_triton_quantized_matches_torch_path(kind, case):
         assert (diff <= s[..., None] * (1.0 if kind == "int8" else 0.0) + 1e-7).all(), cid
     # Outputs over (nearly) the same cache; bf16 rounding of the dequantized operands.
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    ref2 = TorchAttentionBackend(hq, hkv, d, scale).forward(
+    ref2 = CpuAttentionBackend(hq, hkv, d, scale).forward(
         b.q, b.k, b.v, *[t.clone() for t in tri_c[:2]], b.meta, *[t.clone() for t in tri_c[2:]]
     )
     torch.testing.assert_close(out.float(), ref2.float(), atol=tol, rtol=tol)

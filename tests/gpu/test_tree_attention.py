@@ -9,12 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention.torch_backend import (
-    TorchAttentionBackend,
-    paged_attention_reference,
-    write_kv_reference,
-)
+from gpu.attention.torch_backend import paged_attention_reference, write_kv_reference
 from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu.attention import CpuAttentionBackend
 from gpu.kernels.testing import make_paged_batch
 from scheduler.medusa_tree import build_tree, tree_paths
 
@@ -101,7 +98,7 @@ def test_torch_backend_tree(monkeypatch, choice, dtype):
         pytest.skip("no compiled CPU kernels on this machine")
     monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", choice)
     b, tree, start, ctx = _tree_batch(dtype, seed=1)
-    backend = TorchAttentionBackend(HQ, HKV, D, D**-0.5)
+    backend = CpuAttentionBackend(HQ, HKV, D, D**-0.5)
     got = backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     _check(got, _plain_reference(b), b, tree, start, ctx, tol)

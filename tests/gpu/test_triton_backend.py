@@ -11,6 +11,7 @@ import torch
 
 from gpu.attention import (
     AttentionBackend,
+    CpuAttentionBackend,
     TorchAttentionBackend,
     create_attention_backend,
 )
@@ -161,9 +162,15 @@ def test_factory_names() -> None:
     assert isinstance(make("triton"), TritonAttentionBackend)
     assert make("triton").name == "triton"
     auto = make("auto")
-    expected = TritonAttentionBackend if DEVICE.type == "cuda" else TorchAttentionBackend
+    expected = TritonAttentionBackend if DEVICE.type == "cuda" else CpuAttentionBackend
     assert type(auto) is expected
-    assert type(make("auto", "cpu")) is TorchAttentionBackend
+    assert type(make("auto", "cpu")) is CpuAttentionBackend
+    assert make("cpu", "cpu").name == "cpu"
+    # the plain torch path is its own backend on a CPU too (the kernels' reference)
+    assert type(make("torch", "cpu")) is TorchAttentionBackend
+    if DEVICE.type == "cuda":
+        with pytest.raises(ValueError, match="needs a CPU device"):
+            make("cpu")
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         make("flash")
 
