@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler import envs
 from scheduler.config import (
@@ -302,6 +303,13 @@ def _add_device_args(g: Group) -> None:
     )  # fmt: skip
 
 
+def same_names(a: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The parsed flags named as the dataclass `cls`'s fields, by field; a flag in other
+    units or senses is converted by the caller (tests/service/test_engine_config.py checks
+    that every flag of `serve` lands in exactly one field)."""
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if hasattr(a, f.name)}
+
+
 def engine_config(a: argparse.Namespace, **settings: object) -> EngineConfig:
     """The engine's config from `serve`'s flags: a flag named as its setting lands there
     as parsed; the few in other units or senses are converted here; `settings` (what
@@ -373,25 +381,8 @@ def limits(a: argparse.Namespace) -> Limits:
     if a.tokenize_timeout <= 0 or a.tokenize_workers < 1 or a.tokenize_process_bytes < 0:
         raise SystemExit("--tokenize-timeout must be > 0, --tokenize-workers >= 1, "
                          "--tokenize-process-bytes >= 0")  # fmt: skip
-    return Limits(
-        max_stop_strings=a.max_stop_strings,
-        max_stop_string_chars=a.max_stop_string_chars,
-        max_prompts_per_request=a.max_prompts_per_request,
-        max_choices_per_request=a.max_choices_per_request,
-        max_logprobs=a.max_logprobs,
-        max_prompt_logprob_entries=a.max_prompt_logprob_entries,
-        max_ws_frame_bytes=a.max_ws_frame_bytes,
-        max_ws_generations=a.max_ws_generations,
-        max_websockets=a.max_websockets,
-        trust_request_chat_template=a.trust_request_chat_template,
-        template_workers=a.template_workers,
-        template_timeout=a.template_timeout,
-        template_memory_bytes=int(a.template_memory * (1 << 30)),
-        max_template_output_chars=a.max_template_output_chars,
-        tokenize_timeout=a.tokenize_timeout,
-        tokenize_workers=a.tokenize_workers,
-        tokenize_process_bytes=a.tokenize_process_bytes,
-    )
+    bytes_ = {"template_memory_bytes": int(a.template_memory * (1 << 30))}
+    return Limits(**(same_names(a, Limits) | bytes_))
 
 
 def bound_onednn_caches(capacity: int) -> None:
@@ -490,31 +481,17 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         prefix_tier_key_share=key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys))),
         tenant_weights={key_tenant(k): w for k, w in weighted if w != 1.0} or None,
     )
-    return ServerConfig(
-        engine=engine,
-        host=a.host,
-        port=a.port,
-        api_keys=keys,
-        served_model_name=a.served_model_name,
-        allowed_origins=_split(a.allowed_origins),
-        allowed_hosts=_split(hosts) if hosts else None,
-        public_tokenize=a.public_tokenize,
-        forwarded_allow_ips=forwarded,
-        enable_prompt_tokens_details=a.enable_prompt_tokens_details,
-        shared_prefix_cache=a.shared_prefix_cache,
-        max_request_bytes=a.max_request_bytes,
-        shutdown_timeout=a.shutdown_timeout,
-        max_buffered_bytes=a.max_buffered_bytes,
-        send_timeout=a.send_timeout,
-        socket_send_buffer=a.socket_send_buffer,
-        resume_grace=a.resume_grace,
-        resume_buffer_bytes=a.resume_buffer_bytes,
-        resume_buffer_total_bytes=a.resume_buffer_total_bytes,
-        enable_debug_routes=a.enable_debug_routes,
-        limits=limits(a),
-        access_log=not a.disable_access_log,
-        tool_call_parser=a.tool_call_parser,
-    )
+    converted = {
+        "engine": engine,
+        "api_key": None,  # the flag's list is api_keys
+        "api_keys": keys,
+        "allowed_origins": _split(a.allowed_origins),
+        "allowed_hosts": _split(hosts) if hosts else None,
+        "forwarded_allow_ips": forwarded,
+        "limits": limits(a),
+        "access_log": not a.disable_access_log,
+    }
+    return ServerConfig(**(same_names(a, ServerConfig) | converted))
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -50,24 +50,42 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--pipeline-parallel-size": (["2"], KEYS),
     "--nnodes": (["2"], KEYS),
     "--node-rank": (["1"], [*KEYS, "--nnodes", "2"]),
+    # One key (no share of the prefix tier to change with it), weight 1.
+    "--api-key": (["k3"], SPEC_BASE),
+    "--api-key-file": (["{key_file}"], SPEC_BASE),
+    "--host": (["0.0.0.0"], None),
+    "--served-model-name": (["name"], None),
+    "--allowed-origins": (["https://chat.example.com"], None),
+    "--allowed-hosts": (["chat.example.com"], None),
+    "--forwarded-allow-ips": (["10.0.0.0/8"], None),
+    "--socket-send-buffer": (["65536"], None),
+    "--max-logprobs": (["5"], None),
+}
+# Flags that set no field of the server's config, and why.
+PROCESS_FLAGS = {
+    # oneDNN reads its cache bound from the environment once, before torch loads: cmd_serve
+    # sets it first thing.
+    "--onednn-cache-capacity",
 }
 
 
-def _engine_flags() -> list[argparse.Action]:
-    serve = next(
-        a
-        for a in build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
-        if a.prog.endswith("serve")
-    )
-    (group,) = [g for g in serve._action_groups if g.title == "engine"]
-    return list(group._group_actions)
+def _serve_flags() -> list[argparse.Action]:
+    sub = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    serve = sub.choices["serve"]  # type: ignore[index]
+    return [a for a in serve._actions if a.option_strings and a.dest != "help"]
 
 
-def _other_value(action: argparse.Action) -> list[str]:
+def _engine_flags() -> set[str]:
+    sub = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    (group,) = [g for g in sub.choices["serve"]._action_groups if g.title == "engine"]  # type: ignore[index]
+    return {a.option_strings[0] for a in group._group_actions}
+
+
+def _other_value(action: argparse.Action, key_file: str) -> list[str]:
     """A valid value for the flag other than its default."""
     flag = action.option_strings[0]
     if flag in SPECIAL:
-        return SPECIAL[flag][0]
+        return [v.format(key_file=key_file) for v in SPECIAL[flag][0]]
     if action.nargs == 0:  # store_true
         return []
     if action.choices:
@@ -76,20 +94,24 @@ def _other_value(action: argparse.Action) -> list[str]:
     return [str(action.default * 2 or 1)]
 
 
-def _leaves(config: EngineConfig) -> dict[str, Any]:
-    """Every setting by its path in the tree (the speculative group's fields too)."""
+def _leaves(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Every setting by its path in the tree (nested groups flattened)."""
     out = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
-            out.update({f"{f.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
+            out.update(_leaves(value, f"{prefix}{f.name}."))
         else:
-            out[f.name] = value
+            out[prefix + f.name] = value
     return out
 
 
+def _server(argv: list[str]) -> Any:
+    return server_config(build_parser().parse_args(["serve", *argv]))
+
+
 def _config(argv: list[str]) -> EngineConfig:
-    return server_config(build_parser().parse_args(["serve", *argv])).engine
+    return _server(argv).engine
 
 
 @pytest.fixture(autouse=True)
@@ -100,27 +122,33 @@ def _no_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_every_engine_flag_lands_in_exactly_one_field():
-    landed: dict[str, str] = {}
-    for action in _engine_flags():
+def test_every_serve_flag_lands_in_exactly_one_field(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("k4\n")
+    engine_flags, landed = _engine_flags(), {}
+    for action in _serve_flags():
         flag = action.option_strings[0]
+        if flag in PROCESS_FLAGS:
+            continue
         base = SPECIAL.get(flag, ([], None))[1]
         base = [*KEYS, *SPEC_BASE] if base is None else base
-        before = _leaves(_config(base))
-        after = _leaves(_config([*base, flag, *_other_value(action)]))
-        changed = [k for k in after if after[k] != before.get(k)]
+        before = _leaves(_server(base))
+        after = _leaves(_server([*base, flag, *_other_value(action, str(key_file))]))
+        changed = [k for k in after if after[k] != before[k]]
         assert len(changed) == 1, f"{flag} changed {changed}"
         landed[flag] = changed[0]
-        field = changed[0].rpartition(".")[2]
-        if not changed[0].startswith("speculative"):
-            # The name errors give the field is the flag that sets it.
+        assert changed[0].startswith("engine.") == (flag in engine_flags), (flag, changed)
+        group, _, field = changed[0].rpartition(".")
+        if group.startswith("engine.") and group != "engine.speculative":
+            # The name a ConfigError gives the field is the flag that sets it.
             assert flag_of(field) == flag, (field, flag)
-    assert len(set(landed.values())) == len(landed), "two flags set the same field"
-    # Every setting has its flag, but those only LLM(...), tests or other flags set.
-    flagless = {"fault_injection", "scheduler.tenant_weights"}
-    reached = set(landed.values()) | {"speculative"}
+    fields = list(landed.values())
+    # Only --api-key and --api-key-file share a field: the file's keys add to the flag's.
+    assert {f for f in fields if fields.count(f) > 1} == {"api_keys"}, "two flags, one field"
+    # Every engine setting has its flag, but those only LLM(...), tests or other flags set.
+    reached = {k.removeprefix("engine.") for k in landed.values()} | {"speculative"}
     every = {f"{g}.{n}" for n, g in FIELD_GROUP.items()} | {"speculative", "fault_injection"}
-    assert every - reached == flagless
+    assert every - reached == {"fault_injection", "scheduler.tenant_weights"}
 
 
 def test_key_file_weights_land_in_tenant_weights(tmp_path):
