@@ -165,8 +165,8 @@ class ModelRunner:
                      time.perf_counter() - t)  # fmt: skip
 
     def _set_lengths(self, block_size: int, max_model_len: int | None) -> None:
-        if block_size <= 0 or block_size & (block_size - 1):
-            raise ModelLoadError(f"block_size must be a positive power of two, got {block_size}")
+        """The block size (its range checked with the config) and the longest sequence,
+        which only the checkpoint bounds."""
         self.block_size = block_size
         limit = self.config.max_context
         if max_model_len is not None and max_model_len > limit:

@@ -43,7 +43,7 @@ FLAGS: dict[str, str | None] = {
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = ("int8", "awq")
+QUANTIZATIONS = ("int8", "awq")  # --quantization; LLM(...) values are checked at load
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
@@ -85,8 +85,8 @@ class ModelSettings:
 
     def __post_init__(self) -> None:
         _one_of(self, "dtype", DTYPES)
-        if self.quantization is not None:
-            _one_of(self, "quantization", QUANTIZATIONS)
+        # quantization is checked against the checkpoint at load (gpu/loader.py), which
+        # knows what it holds (an AWQ checkpoint, an already quantized one).
         _positive_or_none(self, "max_model_len")
 
 
@@ -196,6 +196,9 @@ class DeviceSettings:
     # The engine core on its own thread (True) or the caller's loop (False); None: on for
     # CUDA, off on CPU (service/async_engine.py engine_thread_default).
     engine_thread: bool | None = None
+    # Schedule step N+1 while step N runs (scheduler/ahead.py); None: on for CUDA, off on
+    # CPU (service/async_engine.py async_scheduling_default).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         ok = self.device is None or self.device.split(":")[0] in ("cpu", "cuda")

@@ -194,7 +194,7 @@ def test_the_engine_parts_read_their_groups():
     model = str(tiny_checkpoint("llama"))
     argv = [
         "--model", model, "--dtype", "float32", "--device", "cpu", "--threads", "1",
-        "--attention-backend", "torch", "--block-size", "32", "--num-kv-blocks", "48",
+        "--attention-backend", "cpu", "--block-size", "32", "--num-kv-blocks", "48",
         "--kv-cache-dtype", "int8", "--max-model-len", "256", "--max-num-seqs", "7",
         "--max-num-batched-tokens", "96", "--scheduling-policy", "fcfs",
         "--pinned-kv-fraction", "0.5", "--session-ttl", "60", "--no-prefix-caching",
@@ -210,7 +210,7 @@ def test_the_engine_parts_read_their_groups():
         r = runner  # type: Any
         assert (r.block_size, r.num_kv_blocks, r.max_model_len) == (32, 48, 256)
         assert (str(r.dtype), r.kv_cache_dtype, r.device.type) == ("torch.float32", "int8", "cpu")
-        assert r.attn_backend.name == "torch" and r.spec is not None and r.spec.draft is None
+        assert r.attn_backend.name == "cpu" and r.spec is not None and r.spec.draft is None
         c = sched.config
         assert (c.block_size, c.num_kv_blocks, c.max_model_len) == (32, 48, 256)
         assert (c.max_num_batched_tokens, c.max_num_seqs) == (96, 7)
