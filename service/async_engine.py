@@ -48,6 +48,17 @@ def engine_thread_default(config: EngineConfig, runner: object) -> bool:
     return getattr(device, "type", "cpu") == "cuda"
 
 
+def async_scheduling_default(config: EngineConfig, runner: object) -> bool:
+    """Whether the engine schedules step N+1 while step N runs (scheduler/ahead.py).
+    Auto: on a GPU yes, the host's step work then hides behind the device's.  On a CPU
+    no: the model's threads and the host's share the same cores, so there is no idle
+    device to hide behind (docs/HOST_PATH.md has the measurements)."""
+    if config.device.async_scheduling is not None:
+        return config.device.async_scheduling
+    device = getattr(runner, "device", None)
+    return getattr(device, "type", "cpu") == "cuda"
+
+
 class MaxTokensTooLarge(RequestRejected):
     """max_tokens does not fit beside the prompt in max_model_len (names that field)."""
 
@@ -112,6 +123,7 @@ class AsyncEngine:
             max_waiting_tokens=config.scheduler.max_waiting_tokens,
             max_waiting_per_tenant=config.scheduler.max_waiting_per_key,
             own_thread=engine_thread_default(config, runner),
+            async_scheduling=async_scheduling_default(config, runner),
         )
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(

@@ -259,6 +259,11 @@ def _add_device_args(g: Group) -> None:
         "off the HTTP event loop (auto: on for CUDA, off on CPU; docs/HOST_PATH.md)",
     )  # fmt: skip
     g.add_argument(
+        "--async-scheduling", choices=["auto", "on", "off"], default="auto",
+        help="schedule step N+1 while step N runs, plain decode steps only (auto: on for "
+        "CUDA, off on CPU; docs/HOST_PATH.md)",
+    )  # fmt: skip
+    g.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=default_of("tensor_parallel_size"),
@@ -321,6 +326,7 @@ def engine_config(a: argparse.Namespace, **settings: object) -> EngineConfig:
         "cuda_graphs": False if a.enforce_eager else None,
         "enable_prefix_caching": not a.no_prefix_caching,
         "engine_thread": {"on": True, "off": False}.get(a.engine_thread),
+        "async_scheduling": {"on": True, "off": False}.get(a.async_scheduling),
         # 0: unbounded
         "max_waiting_requests": a.max_waiting_requests or None,
         "max_waiting_tokens": a.max_waiting_tokens or None,
