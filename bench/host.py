@@ -12,6 +12,7 @@ period, and with a device time the share of the period the host adds in series
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -76,7 +77,9 @@ def row(proto: str, streams: int, step_ms: float, r: dict) -> list[str]:
             f"{r['steps']:.0f} ({period:.1f} ms)", serial]  # fmt: skip
 
 
-def serve(step_ms: float, max_seqs: int, engine: str = "auto") -> tuple[subprocess.Popen, str]:
+def serve(
+    step_ms: float, max_seqs: int, engine: str = "auto", overlap: str = "auto"
+) -> tuple[subprocess.Popen, str]:
     LOG.parent.mkdir(exist_ok=True)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -84,7 +87,7 @@ def serve(step_ms: float, max_seqs: int, engine: str = "auto") -> tuple[subproce
            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_seqs),
            "--max-num-batched-tokens", str(max(8192, 16 * max_seqs)),
            "--max-websockets", str(max_seqs + 16), "--disable-access-log",
-           "--engine-thread", engine]  # fmt: skip
+           "--engine-thread", engine, "--async-scheduling", overlap]  # fmt: skip
     # The log goes to a file: a pipe nobody reads would stall the server once it filled.
     log = open(LOG, "ab")  # noqa: SIM115 - the child holds it; closed with our copy below
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
@@ -103,16 +106,18 @@ def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
     # serve --engine-thread per round: off (the engine on the HTTP loop), on (its own
     # thread), auto (the device's default: off for this CPU stand-in).
     engines = getattr(args, "host_engine_thread", "auto").split(",")
+    # serve --async-scheduling per round (auto: off for this CPU stand-in).
+    overlaps = getattr(args, "host_async_scheduling", "auto").split(",")
     rows = []
-    for engine in engines:
+    for engine, overlap in itertools.product(engines, overlaps):
         for step_ms in steps:
-            proc, url = serve(step_ms, max(streams), engine)
+            proc, url = serve(step_ms, max(streams), engine, overlap)
             try:
                 one_round(url, proc.pid, "sse", min(streams), 8)  # warm-up
                 for proto in ("sse", "ws"):
                     for n in streams:
                         r = one_round(url, proc.pid, proto, n, args.host_tokens)
-                        rows.append([*row(proto, n, step_ms, r), engine])
+                        rows.append([*row(proto, n, step_ms, r), engine, overlap])
                         print("  host " + " | ".join(rows[-1]), flush=True)
             finally:
                 _stop(proc)
@@ -121,6 +126,6 @@ def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
         "stream, all streams at once, clients in another process on the same CPUs",
         ["proto", "streams", "device ms a step", "delivered tok/s", "TPOT p50 / p99 ms",
          "largest gap ms", "server CPU µs / token", "steps (period)", "host share in series",
-         "engine thread"],
+         "engine thread", "async scheduling"],
         rows,
     )  # fmt: skip

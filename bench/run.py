@@ -203,6 +203,8 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host-step-ms", default="0,8", help="host: stand-in device ms a step")
     ap.add_argument("--host-engine-thread", default="auto",
                     help="host: serve --engine-thread modes to compare, e.g. off,on")  # fmt: skip
+    ap.add_argument("--host-async-scheduling", default="auto",
+                    help="host: serve --async-scheduling modes to compare, e.g. off,on")  # fmt: skip
     ap.add_argument("--crowded-rate", type=float, default=3.0, help="crowded: Poisson req/s")
     ap.add_argument("--crowded-offline-n", type=int, default=24, help="crowded: offline requests")
     ap.add_argument(

@@ -30,3 +30,17 @@ def test_host_section_measures_both_protocols_and_both_device_times():
         if r[2] == "5":
             # A 5 ms device step bounds the rate: at most streams / 5 ms tokens a second.
             assert float(r[3].replace(",", "")) <= int(r[1]) / 0.005 * 1.05
+
+
+def test_host_section_with_async_scheduling():
+    """The real server with --async-scheduling on: every stream runs to its end, a step a
+    token."""
+    args = argparse.Namespace(
+        host_streams="6", host_tokens=12, host_step_ms="5", host_async_scheduling="on"
+    )
+    text = run(args, _table)
+    rows = [line.split(" | ") for line in text.splitlines()[2:]]
+    assert [(r[0], r[-1]) for r in rows] == [("sse", "on"), ("ws", "on")]
+    for r in rows:
+        assert float(r[3].replace(",", "")) > 0
+        assert int(r[7].split()[0]) >= 12
