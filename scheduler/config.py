@@ -29,7 +29,8 @@ class ConfigError(ValueError):
 
 
 # Flags whose name is not `--` + the field name with dashes.  None: no flag (LLM or
-# tests only).  service/cli.py's parser is checked against this (tests/test_config.py).
+# tests only).  service/cli.py's parser is checked against this
+# (tests/service/test_engine_config.py).
 FLAGS: dict[str, str | None] = {
     "kv_cache_bytes": "--kv-cache-memory",
     "enable_prefix_caching": "--no-prefix-caching",
@@ -44,7 +45,7 @@ FLAGS: dict[str, str | None] = {
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("int8", "awq")  # --quantization; LLM(...) values are checked at load
-ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # gpu/attention's BACKEND_NAMES
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
