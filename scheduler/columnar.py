@@ -46,12 +46,15 @@ class ColumnarDecodes:
     # update), for their update.
     _col_rows: dict[int, list[Request]]
 
-    def _schedule_columnar(self, budget: int) -> tuple[DecodeColumns, list[Request]] | None:
+    def _schedule_columnar(
+        self, budget: int, rows: list[Request] | None = None
+    ) -> tuple[DecodeColumns, list[Request]] | None:
         """Take every columnar request as a decode row; returns the rows and the running
         requests left for the general path, or None when the rows would not all fit (the
         token budget, or the free blocks at their block edges): then the whole step goes
-        the general way, which knows how to preempt."""
-        running = self.running
+        the general way, which knows how to preempt.  `rows`: the running requests this
+        step may take (fair shares' latency-first limits), when not all of them."""
+        running = self.running if rows is None else rows
         reqs = [r for r in running if r.columnar]
         if not reqs:
             return None

@@ -19,11 +19,15 @@ room for another tenant would hand the room straight back to it.
 Admission order alone is not a fair share once requests run: `split_budget` splits a
 step's prompt tokens across tenants (scheduler/scheduler.py applies it, and preempts an
 over-share tenant's newest request when another tenant under its share cannot get in).
+Nor is it low latency for a key that sends one short request at a time: `LatencyFirst`
+sizes every step for such a *sparse* key while it shares the server with a backlogged
+one, from the step cost the engine measures (`StepCost`).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -181,7 +185,9 @@ class FairQueue:
             if len(live) <= 1:
                 return live[0] if live else _NONE
         for attempt in range(2):
-            for _ in range(len(ring)):
+            # The second pass goes one turn further: the head it starts at had its quantum
+            # before `_skip_rounds` counted, so it is served only after its next one.
+            for _ in range(len(ring) + attempt):
                 t = ring[0]
                 if t not in skip and deficit[t] >= queues[t][0].num_tokens:
                     return t
@@ -312,3 +318,121 @@ class TenantShares:
     def preempted(self, v: str | None, blocks: int) -> None:
         self.seats[v] -= 1
         self.blocks[v] -= blocks
+
+
+class StepCost:
+    """What a step costs, fitted as `seconds = fixed + per_token x tokens` by least squares
+    over the steps the engine timed, older steps weighing less (`memory` a step), so the
+    fit follows the load.  The fit is kept only while the steps it rests on vary enough in
+    size to tell the two terms apart; until then, and whenever they do not, the last one
+    that did stands."""
+
+    def __init__(self, memory: float = 0.99) -> None:
+        self.memory = memory
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy (x tokens, y seconds)
+        self.fixed: float | None = None
+        self.per_token: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        m = self.memory
+        s = self._sums
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            s[i] = s[i] * m + v
+        w, x, y, xx, xy = s
+        var = xx / w - (x / w) ** 2
+        # A spread of a tenth of the mean size: below it the slope is mostly noise.
+        if var <= 0 or var < (0.1 * x / w) ** 2:
+            return
+        slope = (xy / w - (x / w) * (y / w)) / var
+        if slope > 0:
+            self.per_token = slope
+            self.fixed = max(0.0, y / w - slope * x / w)
+
+    def min_tokens(self) -> int | None:
+        """The fewest tokens a step should carry for its fixed cost to be at most half of
+        it (then the tokens still get at least half the throughput a long step gives
+        them); None while nothing is fitted."""
+        if self.per_token is None or self.fixed is None:
+            return None
+        return max(1, math.ceil(self.fixed / self.per_token - 1e-6))  # not float noise
+
+
+@dataclass
+class LatencyFirst:
+    """Sparse tenants first inside the step (FQ-CoDel's new-flow priority, in tokens).
+
+    Deficit round robin orders admissions, but a step is one batch: a key whose short
+    prompt arrives while another key's flood runs waits for the step in flight and then
+    rides one as long as the flood makes it.  A tenant is *sparse* while what it has
+    been served since it last went idle, plus what it asks now (its prompt, at least),
+    stays within one quantum of its weight: a chat key sending one short request at a
+    time stays sparse, a flood does not, and a sparse tenant that keeps asking stops
+    being one after a quantum, so the priority cannot starve anyone.  While a sparse
+    tenant shares the server with backlogged ones, every step is sized for it: as many
+    tokens as the largest sparse prompt (the last one each sent), never fewer than
+    `StepCost.min_tokens`; the sparse tenants take what they need and the backlogged
+    ones split what is left by weight.  A step in flight when a sparse prompt arrives,
+    and the step that runs it, then each cost about what that prompt costs alone.  A
+    tenant stays present between requests (`linger`) for as many steps again as its
+    last request took, so a client sending one request after another finds short steps
+    each time.
+    """
+
+    quantum: int = QUANTUM_TOKENS
+    cost: StepCost = field(default_factory=StepCost)
+    used: dict[str | None, int] = field(default_factory=dict)  # served this busy period
+    prompt: dict[str | None, int] = field(default_factory=dict)  # its last one, uncached
+    linger: dict[str | None, int] = field(default_factory=dict)  # present until this step
+    arrived: dict[str, int] = field(default_factory=dict)  # group id -> step it came in
+
+    def lingering(self, step: int) -> set[str | None]:
+        """Tenants idle between requests, still present."""
+        for t in [t for t, until in self.linger.items() if until <= step]:
+            del self.linger[t]
+            self.prompt.pop(t, None)
+        return set(self.linger)
+
+    def admitted(self, t: str | None, prompt: int) -> None:
+        """Tenant `t` had a request admitted with `prompt` tokens to compute."""
+        self.prompt[t] = max(1, prompt)
+
+    def went_idle(self, t: str | None, began: int, step: int) -> None:
+        """Tenant `t`'s last request (arrived at step `began`) ended at `step`."""
+        self.used.pop(t, None)
+        self.linger[t] = step + max(1, step - began)
+
+    def busy(self, t: str | None) -> None:
+        self.linger.pop(t, None)
+
+    def served(self, t: str | None, tokens: int) -> None:
+        self.used[t] = self.used.get(t, 0) + tokens
+
+    def _want(self, t: str | None, need: int) -> int:
+        return max(need, self.prompt.get(t, 0))
+
+    def sparse(self, need: dict[str | None, int], weights: dict[str | None, float]) -> set:
+        """The sparse tenants among the present ones.  `need`: tokens each could use this
+        step (decodes, prompt chunks, waiting prompts; 0 for one between requests)."""
+        quantum, used = self.quantum, self.used
+        return {
+            t for t, n in need.items() if used.get(t, 0) + self._want(t, n) <= quantum * weights[t]
+        }
+
+    def limits(
+        self,
+        sparse: set[str | None],
+        need: dict[str | None, int],
+        weights: dict[str | None, float],
+        budget: int,
+    ) -> dict[str | None, int] | None:
+        """The tokens each backlogged tenant may take this step (decodes and prompt tokens
+        together), or None when no sparse tenant shares the step with a backlogged one,
+        or before the engine has timed steps enough to say what a short step costs."""
+        backlog = {t: n for t, n in need.items() if t not in sparse and n > 0}
+        floor = self.cost.min_tokens()
+        if not sparse or not backlog or floor is None:
+            return None
+        want = max(self._want(t, need[t]) for t in sparse)
+        size = min(budget, max(floor, want))
+        room = max(0, size - sum(need[t] for t in sparse))
+        return split_budget(room, backlog, weights)

@@ -25,7 +25,7 @@ from scheduler.contract import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from scheduler.fair_queue import FairQueue, TenantShares, split_budget
+from scheduler.fair_queue import FairQueue, LatencyFirst, TenantShares, split_budget
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.pins import ConversationSupport
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
@@ -59,6 +59,10 @@ class _StepPlan:
     # tenant's prompt tokens left this step and the tenants admission passes over.
     fair: TenantShares | None = None
     early: list[Request] = field(default_factory=list)  # admitted before the running pass
+    # Latency first (fair_queue.LatencyFirst), while a sparse tenant shares the server with
+    # backlogged ones: the tokens each backlogged tenant may still take this step.
+    limit: dict[str | None, int] | None = None
+    present: set[str | None] = field(default_factory=set)  # tenants LatencyFirst weighed
 
 
 def _seeded_sampling(req: Request) -> bool:
@@ -88,6 +92,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         self.running: list[Request] = []
         self.tenant_seqs: dict[str | None, int] = {}  # running sequences per tenant
         self.num_fair_preemptions = 0  # preempted to make room for a tenant under its share
+        self.latency = LatencyFirst(quantum=self.waiting.quantum)
+        self._step_tokens = 0  # of the step last scheduled, for latency.cost
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self.finished_req_ids: list[str] = []  # to tell the runner next step
@@ -134,6 +140,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             self.requests[r.req_id] = r
             r.length_limit = min(r.prompt_len + r.max_tokens, limit)
         self.groups[parent.group_id] = group
+        if self.waiting.fair:
+            self.latency.arrived[parent.group_id] = self.step_id
+            self.latency.busy(parent.tenant)
         self.waiting.append(parent)
 
     def abort(self, group_id: str) -> list[RequestUpdate]:
@@ -168,9 +177,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         self._constrained = []
         self.kv.pins.expire()
         step = _StepPlan(budget=self.config.max_num_batched_tokens)
-        if self.waiting.fair and (tenants := self._tenants_with_work()):
-            step.fair = self._tenant_shares(step.budget, tenants)
-            if step.fair.starved:
+        if self.waiting.fair:
+            self._fair_plan(step)
+            if step.fair is not None and step.fair.starved:
                 # A tenant under its share of the running set gets in first, within its
                 # share of the step's prompt tokens, taking room from over-share tenants.
                 self._admit_waiting(step, early=True)
@@ -185,6 +194,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             if step.budget != left:
                 self._timed = None  # a prompt chunk rides along: not a pure decode step
         so = self._step_output(step)
+        if self.waiting.fair:
+            if step.present:
+                self._note_use(step.present, so)
+            self._step_tokens = so.num_scheduled_tokens
         if not defer_masks:
             self.fill_masks(so)
         return so
@@ -209,11 +222,13 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
 
     def _schedule_running(self, step: _StepPlan) -> None:
         plans = self._plan_drafts(step.budget)
-        rest = self.running
+        rest = self.running if step.limit is None else self._limited_rows(step.limit)
         # Plain decodes in bulk first (a speculating step proposes drafts for each).
-        if not plans and (taken := self._schedule_columnar(step.budget)) is not None:
+        if not plans and (taken := self._schedule_columnar(step.budget, rest)) is not None:
             step.decodes, rest = taken
             step.budget -= len(step.decodes.req_ids)
+            if step.limit is not None:
+                self._charge_limits(step.limit)
         # Decodes first, then partly computed prompts: a long prompt never delays a decode.
         order: list[Request] = []
         chunks: list[Request] = []
@@ -223,22 +238,23 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         allocate = self.kv.allocate_slots
         running = RequestStatus.RUNNING
         copies, scheduled, new_reqs, done = step.copies, step.scheduled, step.new_reqs, step.done
-        fair = step.fair
+        fair, limit = step.fair, step.limit
         for req in order:
             if step.budget <= 0:
                 break
             if req.status != running:
                 continue  # preempted earlier in this pass
-            n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
-            if fair is not None and n > 1:  # a prompt chunk: within its tenant's share
-                n = min(n, fair.tokens[req.tenant])
-                if n <= 0:
-                    continue
+            n = self._running_tokens(req, step)
+            if n <= 0:
+                continue
             drafts: list[int] | None = None
             num_draft = 0
             if (plan := plans.get(req.req_id)) is not None and n == 1:
                 # Planned against the whole budget; what is left of it caps the drafts.
-                num_draft = max(0, min(plan[1], self._spec_room(req, step.budget)))
+                room = self._spec_room(req, step.budget)
+                if limit is not None and req.tenant in limit:
+                    room = min(room, limit[req.tenant] - 1)
+                num_draft = max(0, min(plan[1], room))
                 drafts = plan[0][:num_draft]
             while allocate(req, n + num_draft, copies) is None:
                 victim = self._newest_unscheduled(step, req)
@@ -253,6 +269,19 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             step.budget -= n + num_draft
             if fair is not None and n > 1:
                 fair.tokens[req.tenant] -= n
+            if limit is not None and req.tenant in limit:
+                limit[req.tenant] -= n + num_draft
+
+    def _running_tokens(self, req: Request, step: _StepPlan) -> int:
+        """Tokens a running request takes this step: what it has left, within the budget,
+        its tenant's share of the prompt tokens (a chunk) and its tenant's latency-first
+        limit (0: none this step)."""
+        n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
+        if step.fair is not None and n > 1:
+            n = min(n, step.fair.tokens[req.tenant])
+        if step.limit is not None and req.tenant in step.limit:
+            n = min(n, step.limit[req.tenant])
+        return n
 
     def _plan_drafts(self, budget: int) -> dict[str, tuple[list[int], int]]:
         """Each speculating decode's (drafts, slots), or none when this step should not
@@ -294,7 +323,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
 
     def observe_step_time(self, seconds: float) -> None:
         """The last scheduled step took `seconds` (execute and update): the speculation
-        policy learns from pure decode steps (a prefill chunk would blur the figure)."""
+        policy learns from pure decode steps (a prefill chunk would blur the figure); under
+        fair shares the step cost model learns from every step."""
+        if self.waiting.fair and self._step_tokens:
+            self.latency.cost.observe(self._step_tokens, seconds)
         if self.spec is not None and self._timed is not None:
             self.spec.policy.observe(*self._timed, seconds)
             self._timed = None
@@ -317,6 +349,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
                 if (req := q.peek(skip)) is None:
                     break
             cap = step.budget if fair is None else min(step.budget, fair.tokens[req.tenant])
+            if step.limit is not None and req.tenant in step.limit:
+                cap = min(cap, step.limit[req.tenant])
             seqs = 1 + len(req.fork_ids)
             if cap <= 0 or len(self.running) + len(step.early) + seqs > self.config.max_num_seqs:
                 if fair is None:
@@ -364,6 +398,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             self._count_running(req, 1)
             if fair is not None:
                 fair.admitted(req.tenant, seqs, len(self.kv.blocks_of(req.req_id)), n)
+            if step.limit is not None and req.tenant in step.limit:
+                step.limit[req.tenant] -= n
+            if q.fair:
+                self.latency.admitted(req.tenant, req.num_tokens - num_hit)
             self._schedule(req, n, step.scheduled, step.new_reqs)
             step.done.add(req.req_id)
             step.budget -= n
@@ -377,22 +415,38 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         else:
             del seqs[req.tenant]
 
-    def _tenants_with_work(self) -> set[str | None] | None:
-        """The tenants with requests running or waiting, when there are two or more."""
-        tenants = set(self.tenant_seqs)
-        tenants.update(self.waiting.tenants())
-        return tenants if len(tenants) > 1 else None
+    def _fair_plan(self, step: _StepPlan) -> None:
+        """Fair shares for this step (step.fair, when two or more tenants have work) and
+        the latency-first limits (step.limit, when a sparse tenant, with work or between
+        requests, shares the server with a backlogged one)."""
+        work = set(self.tenant_seqs)
+        work.update(self.waiting.tenants())
+        between = self.latency.lingering(self.step_id)
+        if len(work | between) < 2:
+            return
+        load = self._tenant_load(work)
+        if len(work) > 1:
+            step.fair = self._tenant_shares(step.budget, work, load)
+        q, budget = self.waiting, step.budget
+        _, _, chunks, decodes = load
+        weights = {t: q.weight(t) for t in work | between}
+        # Counted past the budget, up to where a backlog cannot pass for a quantum.
+        cap = budget + int(q.quantum * max(weights.values())) + 1
+        asks = {t: decodes[t] + chunks[t] + q.demand(t, cap) for t in work}
+        asks.update((t, 0) for t in between if t not in work)
+        step.present = set(asks)
+        sparse = self.latency.sparse(asks, weights)
+        need = {t: min(budget, n) for t, n in asks.items()}
+        step.limit = self.latency.limits(sparse, need, weights, budget)
 
-    def _tenant_shares(self, budget: int, tenants: set[str | None]) -> TenantShares:
-        """This step's shares: the prompt tokens (the budget after the decodes) split by
-        weight across what each tenant's prompt chunks and waiting requests could use, and
-        what each holds of the running set."""
-        q = self.waiting
+    def _tenant_load(self, tenants: set[str | None]) -> tuple[dict, dict, dict, dict]:
+        """Per tenant with work: (running sequences, blocks they hold, prompt tokens their
+        running chunks have left, their decodes)."""
         seats = dict.fromkeys(tenants, 0)
         blocks = dict.fromkeys(tenants, 0)
         chunks = dict.fromkeys(tenants, 0)
+        decodes = dict.fromkeys(tenants, 0)
         table = self.kv.req_block_ids
-        decodes = 0
         for r in self.running:
             t = r.tenant
             seats[t] += 1
@@ -401,18 +455,72 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             if left > 1:
                 chunks[t] += left
             else:
-                decodes += 1
-        prefill = max(budget - decodes, 0)
+                decodes[t] += 1
+        return seats, blocks, chunks, decodes
+
+    def _tenant_shares(
+        self, budget: int, tenants: set[str | None], load: tuple[dict, dict, dict, dict]
+    ) -> TenantShares:
+        """This step's shares: the prompt tokens (the budget after the decodes) split by
+        weight across what each tenant's prompt chunks and waiting requests could use, and
+        what each holds of the running set."""
+        q = self.waiting
+        seats, blocks, chunks, decodes = load
+        prefill = max(budget - sum(decodes.values()), 0)
         weights = {t: q.weight(t) for t in tenants}
         demand = {t: chunks[t] + q.demand(t, prefill) for t in tenants}
         return TenantShares.build(
             weights,
             split_budget(prefill, demand, weights),
-            seats,
+            dict(seats),
             blocks,
             self.config.max_num_seqs,
             self.kv.pool.num_blocks,
         )
+
+    def _limited_rows(self, limit: dict[str | None, int]) -> list[Request]:
+        """The running requests a latency-first step may take: every row of a tenant
+        without a limit, the oldest rows of a limited tenant up to its limit (each takes
+        at least a token)."""
+        left = dict(limit)
+        rows = []
+        for r in self.running:
+            t = r.tenant
+            if t in left:
+                if left[t] <= 0:
+                    continue
+                left[t] -= 1
+            rows.append(r)
+        return rows
+
+    def _charge_limits(self, limit: dict[str | None, int]) -> None:
+        """The columnar rows just taken count against their tenants' limits."""
+        for r in self._col_rows[self.step_id + 1]:
+            if r.tenant in limit:
+                limit[r.tenant] -= 1
+
+    def _note_use(self, present: set[str | None], so: SchedulerOutput) -> None:
+        """What this step gives each tenant counts toward its quantum (LatencyFirst)."""
+        use = dict.fromkeys(present, 0)
+        if so.decodes.req_ids:
+            for r in self._col_rows[so.step]:
+                if r.tenant in use:
+                    use[r.tenant] += 1
+        requests = self.requests
+        for sr in so.scheduled:
+            if (r := requests.get(sr.req_id)) is not None and r.tenant in use:
+                use[r.tenant] += len(sr.input_ids) + sr.num_draft
+        for t, n in use.items():
+            if n:
+                self.latency.served(t, n)
+
+    def _note_group_done(self, req: Request) -> None:
+        """A request group ended: its tenant, if now without work, lingers (LatencyFirst)."""
+        began = self.latency.arrived.pop(req.group_id, None)
+        t = req.tenant
+        if began is None or t in self.tenant_seqs or self.waiting.count(t):
+            return
+        self.latency.went_idle(t, began, self.step_id)
 
     def _fair_preempt(self, fair: TenantShares, t: str | None, short_of_seats: bool) -> bool:
         """Preempt a running request of the tenant most past its share of the seats (or
@@ -731,6 +839,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         group = self.groups.get(req.group_id)
         if group is not None and all(r.status.finished for r in group):
             del self.groups[req.group_id]
+            if self.waiting.fair:
+                self._note_group_done(req)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> SchedulerStats:

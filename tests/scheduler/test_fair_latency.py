@@ -1,0 +1,189 @@
+"""Latency first under fair shares (scheduler/fair_queue.py `LatencyFirst`, `StepCost`): while
+a sparse key (one short request at a time) shares the server with a flooding key, every
+step is sized for the sparse key's prompt, so its prompt neither waits behind a long step
+nor rides one; the flood splits what is left, and keys that are all backlogged (or all
+sparse) are scheduled as before.  Each run checks every output token for token against
+the FakeRunner's reference."""
+
+from __future__ import annotations
+
+import random
+
+from scheduler.contract import SchedulerOutput
+from scheduler.fair_queue import QUANTUM_TOKENS, LatencyFirst, StepCost
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.scheduler.fake_runner import FakeRunner, reference_generate
+from tests.scheduler.helpers import Run, assert_all_free, drive
+from tests.scheduler.test_fair_step import VOCAB, _group, _prompt
+
+FIXED, PER_TOKEN = 0.004, 0.0002  # the timed step cost: its floor is 20 tokens
+
+
+def _timed(so: SchedulerOutput) -> float:
+    return FIXED + PER_TOKEN * so.num_scheduled_tokens
+
+
+def _run(
+    cfg: SchedulerConfig, arrivals: dict[int, list[list[Request]]], timed: bool = True
+) -> tuple[Run, Scheduler]:
+    sched, runner = Scheduler(cfg), FakeRunner(cfg.num_kv_blocks, cfg.block_size, VOCAB)
+    if timed:  # as an engine that has timed a short step and a long one
+        for n in (1, cfg.max_num_batched_tokens):
+            sched.latency.cost.observe(n, FIXED + PER_TOKEN * n)
+    expected = {
+        r.req_id: reference_generate(r.token_ids[: r.prompt_len], r.max_tokens, VOCAB, None, 0)
+        for groups in arrivals.values()
+        for g in groups
+        for r in g
+    }
+    run = drive(sched, runner, arrivals, step_seconds=_timed if timed else None)
+    assert run.outputs == expected  # greedy output unchanged by the limits
+    assert_all_free(sched, runner)
+    return run, sched
+
+
+def _per_key(so: SchedulerOutput) -> dict[str, int]:
+    """Tokens each key (a request id's first letter) takes in the step."""
+    per: dict[str, int] = {}
+    for sr in so.all_scheduled():
+        per[sr.req_id[0]] = per.get(sr.req_id[0], 0) + len(sr.input_ids) + sr.num_draft
+    return per
+
+
+def _first_sample(run: Run, rid: str) -> int:
+    for i, so in enumerate(run.steps):
+        if any(sr.req_id == rid and sr.sample for sr in so.all_scheduled()):
+            return i
+    raise AssertionError(f"{rid} never sampled")
+
+
+def _cfg(**kw) -> SchedulerConfig:
+    base = dict(num_kv_blocks=2048, block_size=4, max_num_batched_tokens=256, max_num_seqs=64,
+                max_model_len=1024)  # fmt: skip
+    return SchedulerConfig(**{**base, **kw})
+
+
+def _flood(rng: random.Random, key: str, n: int, plen: int = 300, out: int = 40) -> list:
+    return [_group(f"{key}{i}", key, _prompt(rng, plen), out) for i in range(n)]
+
+
+def test_a_sparse_keys_prompt_rides_a_short_step():
+    """A flood keeps every step at the full budget; a chat key's 24-token prompt arrives:
+    from then on each step holds at most max(24, the fitted floor of 20) tokens, the prompt
+    runs whole in the next step, and the flood takes the rest of each step.  Without
+    latency first the prompt's step carried the flood's share (a full 256 tokens)."""
+    rng = random.Random(1)
+    chat = {20: "c0", 60: "c1"}
+    arrivals = {0: _flood(rng, "f", 40)}
+    for at, rid in chat.items():
+        arrivals[at] = [_group(rid, "chat", _prompt(rng, 24), 6)]
+    run, _ = _run(_cfg(), arrivals)
+    assert all(so.num_scheduled_tokens == 256 for so in run.steps[2:20])
+    for at, rid in chat.items():
+        assert _first_sample(run, rid) == at  # the whole prompt in the step it arrived for
+        assert _per_key(run.steps[at]) == {"c": 24}  # sized for it: room for no one else
+        for so in run.steps[at + 1 : at + 6]:  # its decodes: the flood takes the rest
+            assert so.num_scheduled_tokens == 24 and _per_key(so).get("c") == 1
+    # The timing floor and the 24-token prompt both bind nowhere else: full steps again.
+    assert max(so.num_scheduled_tokens for so in run.steps[40:60]) == 256
+
+
+def test_a_key_between_requests_keeps_steps_short_for_as_long_again():
+    """After its request ends, the chat key lingers for as many steps as the request took:
+    a client that sends its next request at once finds short steps (none in flight that
+    it would wait for), and the flood has its whole budget back after that."""
+    rng = random.Random(2)
+    arrivals = {0: _flood(rng, "f", 40), 20: [_group("c0", "chat", _prompt(rng, 24), 6)]}
+    run, sched = _run(_cfg(), arrivals)
+    end = next(i for i in range(20, 40) if "c" not in _per_key(run.steps[i]))  # c0 done
+    lived = end - 20
+    assert lived == 6  # its prompt step with its first token, then five decodes
+    for so in run.steps[end : end + lived]:
+        assert so.num_scheduled_tokens == 24 and "c" not in _per_key(so)
+    assert run.steps[end + lived].num_scheduled_tokens == 256
+    assert "chat" not in sched.latency.linger  # expired, nothing kept of it
+
+
+def test_without_step_timings_nothing_is_capped():
+    """Until the engine has timed steps of different sizes, the cost of a short step is
+    unknown and the shares are split as before (the prompt's step is full)."""
+    rng = random.Random(1)
+    arrivals = {0: _flood(rng, "f", 40), 20: [_group("c0", "chat", _prompt(rng, 24), 6)]}
+    run, _ = _run(_cfg(), arrivals, timed=False)
+    assert _per_key(run.steps[20]) == {"c": 24, "f": 232}
+
+
+def test_a_key_that_keeps_asking_stops_being_sparse():
+    """Sparse priority lasts one quantum a busy period: a chat request with a long output
+    caps the steps until its key has been served a quantum, then the steps are full
+    again while it is still running (it cannot starve the flood)."""
+    rng = random.Random(3)
+    out = QUANTUM_TOKENS  # prompt 24 + this many decodes pass the quantum
+    arrivals = {0: _flood(rng, "f", 60, out=80), 20: [_group("c0", "chat", _prompt(rng, 24), out)]}
+    run, _ = _run(_cfg(max_num_seqs=128), arrivals)
+    served = 24
+    for i in range(21, 240):  # the flood has work all along
+        assert _per_key(run.steps[i]).get("c") == 1
+        size = run.steps[i].num_scheduled_tokens
+        # Sparse while what it was served plus its prompt stays within the quantum.
+        assert size == (24 if served + 24 <= QUANTUM_TOKENS else 256), (i, served)
+        served += 1
+    assert served + 24 > QUANTUM_TOKENS
+
+
+def test_backlogged_keys_split_the_room_by_weight():
+    """Two flooding keys of weights 3 and 1 beside a sparse key: what the sparse key leaves
+    of its step goes 3:1 between them; with no sparse key present the steps are full."""
+    rng = random.Random(4)
+    cfg = _cfg(tenant_weights={"a": 3.0, "b": 1.0}, max_num_seqs=128)
+    arrivals = {
+        0: _flood(rng, "a", 60, plen=200) + _flood(rng, "b", 60, plen=200),
+        30: [_group("c0", "chat", _prompt(rng, 40), 8)],
+    }
+    run, _ = _run(cfg, arrivals)
+    assert all(_per_key(so) == {"a": 192, "b": 64} for so in run.steps[3:30])  # 3:1, full
+    assert _per_key(run.steps[30]) == {"c": 40}
+    for so in run.steps[31:38]:
+        assert _per_key(so) == {"c": 1, "a": 30, "b": 9}  # 39 left, 3:1, the odd one to a
+
+
+def test_step_cost_fits_the_fixed_and_per_token_cost():
+    cost = StepCost()
+    assert cost.min_tokens() is None
+    for _ in range(5):
+        cost.observe(100, FIXED + PER_TOKEN * 100)
+    assert cost.min_tokens() is None  # one size: the two terms cannot be told apart
+    rng = random.Random(5)
+    for _ in range(50):
+        n = rng.randrange(1, 512)
+        cost.observe(n, FIXED + PER_TOKEN * n)
+    assert abs(cost.fixed - FIXED) < 1e-9 and abs(cost.per_token - PER_TOKEN) < 1e-12
+    assert cost.min_tokens() == 20
+    for _ in range(500):  # a long run of one size leaves the last good fit standing
+        cost.observe(48, 2 * (FIXED + PER_TOKEN * 48))
+    assert cost.min_tokens() is not None
+
+
+def test_limits_need_both_a_sparse_and_a_backlogged_key():
+    lat = LatencyFirst()
+    for n in (1, 400):
+        lat.cost.observe(n, FIXED + PER_TOKEN * n)
+    w = {"a": 1.0, "b": 1.0, "c": 1.0}
+    need = {"a": 256, "b": 256, "c": 10}
+    lat.served("a", 300)
+    lat.served("b", 1)
+    assert lat.sparse(need, w) == {"c"}
+    assert lat.limits({"c"}, need, w, 256) == {"a": 5, "b": 5}  # the floor 20 less 10, split
+    assert lat.limits(set(), need, w, 256) is None
+    assert lat.limits({"a", "c"}, {"a": 3, "c": 10}, w, 256) is None
+    # Between requests a key asks nothing, but the step keeps room for its last prompt.
+    lat.admitted("c", 30)
+    lat.went_idle("c", began=10, step=14)
+    assert lat.lingering(17) == {"c"}
+    need = {"a": 300, "c": 0}
+    assert lat.sparse(need, w) == {"c"}
+    assert lat.limits({"c"}, need, w, 256) == {"a": 30}
+    lat.served("c", QUANTUM_TOKENS - 20)
+    assert lat.sparse(need, w) == set()  # its quantum is spent
+    assert lat.lingering(18) == set() and not lat.prompt  # present 4 steps again, then gone
