@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,10 @@ class SpecDecoder:
 
     # Acceptance rate is an exponential moving average over verify steps.
     EMA = 0.7
+    # A new request starts from the recent verifies of all requests (a slower average):
+    # the rate 1 it would otherwise assume makes the policy's first steps for it count on
+    # drafts that free text does not keep.  The same average calibrates the estimate.
+    PRIOR_EMA = 0.95
     PROBE_EVERY = 8  # output tokens between probes of a request that stopped speculating
 
     def __init__(self, config: SpecConfig) -> None:
@@ -190,6 +195,10 @@ class SpecDecoder:
         )
         self.stats = SpecStats(accepted_by_position=[0] * self.k)
         self.policy = StepCostPolicy()
+        self.prior: tuple[float, float] | None = None  # (accepted, trials) averages
+        # Averages of the drafts verifies kept and of what _estimate promised them.
+        self.calibration = (0.0, 0.0)
+        self._started: weakref.WeakSet[Request] = weakref.WeakSet()
 
     def enabled_for_step(self, num_requests: int) -> bool:
         cap = self.config.disable_by_batch_size
@@ -197,7 +206,13 @@ class SpecDecoder:
 
     def expected_accepted(self, req: Request, num_draft: int) -> float:
         """Drafts a verify of `num_draft` tokens is expected to keep: the j-th survives
-        with probability rate ** j."""
+        with probability rate ** j, scaled by what verifies kept against that estimate
+        (acceptance comes in runs, so independent draws overestimate a chain's tail)."""
+        a, p = self.calibration
+        return self._estimate(req, num_draft) * (min(2.0, a / p) if p > 0.0 else 1.0)
+
+    @staticmethod
+    def _estimate(req: Request, num_draft: int) -> float:
         r = req.spec_rate
         if r >= 1.0:
             return float(num_draft)
@@ -207,6 +222,10 @@ class SpecDecoder:
         """How many tokens `req` would draft this step (0: none), before any proposing:
         its depth for its acceptance rate, or an occasional one-token probe.  `room` is
         the most drafts that fit (token budget, max_tokens, max_model_len)."""
+        if req not in self._started:
+            self._started.add(req)
+            if self.prior is not None:
+                req.spec_accepted, req.spec_trials = self.prior
         k = min(self.depth(req.spec_rate), room)
         if k <= 0:
             # Too unlikely to be accepted: an occasional one-token probe keeps the
@@ -245,9 +264,18 @@ class SpecDecoder:
         if self.tree:
             num_draft = tree_depth(num_draft, self.k)
         self.stats.record(num_draft, num_accepted)
+        e = self.PRIOR_EMA
+        a, p = self.calibration
+        self.calibration = (
+            e * a + (1 - e) * num_accepted,
+            e * p + (1 - e) * self._estimate(req, num_draft),
+        )
         trials = num_accepted + (num_accepted < num_draft)
         req.spec_accepted = self.EMA * req.spec_accepted + (1 - self.EMA) * num_accepted
         req.spec_trials = self.EMA * req.spec_trials + (1 - self.EMA) * trials
+        a, t = self.prior or (num_accepted, trials)
+        e = self.PRIOR_EMA
+        self.prior = (e * a + (1 - e) * num_accepted, e * t + (1 - e) * trials)
 
 
 class StepCostPolicy:
@@ -255,12 +283,12 @@ class StepCostPolicy:
 
     A verify step runs k+1 query tokens per row and (draft method) k draft passes: on a
     memory-bound step (small batch, weights far bigger than the cache) that is nearly free,
-    on a compute-bound one (larger batch, or a CPU shared with other work) it costs about
-    k+1 times a plain step, and where the line falls depends on the model, the machine and
-    its load, not on a batch size fixed in advance.  So each batch size keeps the seconds
-    its last few plain decode steps and speculating steps took (timed from scheduling to
-    dispatch, so host work counts) and reads each side as their median, and a step
-    speculates when
+    on a compute-bound one (larger batch, a tiny model whose step is all fixed cost, or a
+    CPU shared with other work) it costs several plain steps, and where the line falls
+    depends on the model, the machine and its load, not on a batch size fixed in advance.
+    So each batch size keeps the seconds its last few plain decode steps and speculating
+    steps took (timed from scheduling to dispatch, so host work counts) and reads each
+    side as their median, and a step speculates when
 
     - the tokens it is expected to emit (rows plus each row's expected accepted drafts,
       from its own acceptance rate) per predicted second beat the plain step's rows per
@@ -270,29 +298,44 @@ class StepCostPolicy:
       text) pays the verify step's cost without its gain, and in a batch that ends with
       its slowest request, throughput won on the others is lost time (TPOT).
 
-    Each side is timed WARM times, alternately, before the first choice, and a side's
-    figure is the median of its last SAMPLES timings: a single step that paid a one-time
-    cost (a GEMM shape built on first use, a draft model's catch-up) or lost its core
-    once cannot hold the choice on the wrong side.  The side not chosen is re-timed after
-    EXPLORE_EVERY steps of that size, and after twice as many each time the choice stays
-    where it was (up to MAX_EXPLORE_EVERY), so a change of load or of text is followed
-    while a side that keeps losing costs ever less: a draft model must first catch up on
-    every token of the steps it sat out, so one exploring step there costs several plain
-    ones.  A choice that moves is watched closely again.
+    The side running now keeps the choice unless the other wins by SWITCH_MARGIN: a
+    switch to the draft model costs its catch-up, so noise must not flip it back and forth.
+
+    Only steady steps are figures.  The first step of a run on a side pays what the switch
+    costs (the draft model's catch-up on every token of the steps it sat out, its prefill
+    of a new prompt, rows leaving or rejoining the bulk decode path), so it is kept apart
+    as that side's switch cost and never read as its step time.  That is why each side is
+    timed in runs of RUN steps: before a batch size's first choice, speculating first (a
+    batch size near one already measured takes that one's figures instead, so the
+    shrinking tail of a batch does not pay a fresh warm-up at every size), and whenever the
+    side not chosen is re-timed.
+
+    Re-timing the losing side costs the time it loses against the chosen one (its switch
+    cost, then its steps at their measured speed).  It is due once the steps run since the
+    last one took 1/REGRET times that cost (and at least MIN_EXPLORE steps): exploring
+    never takes more than REGRET of the time, a side that is far worse is re-timed rarely
+    (not at all in a short run), a close one often enough to follow a change of load or
+    of text.  A choice that moves starts the count again.
     """
 
     SAMPLES = 5
-    WARM = 2
-    EXPLORE_EVERY = 32
-    MAX_EXPLORE_EVERY = 512
+    RUN = 2  # steps per timing run: the switch, then one steady step
+    MIN_EXPLORE = 32
+    REGRET = 0.02  # the most of the time re-timing the losing side may cost
+    SWITCH_MARGIN = 1.05
     MAX_ROW_SLOWDOWN = 0.95  # a row's expected speed in a verify step vs a plain one
+    NEAR = 4  # sizes within this factor share figures until both sides are measured
 
     def __init__(self) -> None:
-        # (bucket, speculated) -> the last SAMPLES step times
+        # (bucket, speculated) -> the last SAMPLES steady step times
         self.samples: dict[tuple[int, bool], deque[float]] = {}
-        self.visits: dict[int, int] = {}
-        # bucket -> (visit of the next exploration, the interval, the last choice)
-        self.explore: dict[int, tuple[int, int, bool]] = {}
+        # bucket -> the last ratios speculating / plain, each from a timing run's steady
+        # step and the other side's figure just before it
+        self.ratios: dict[int, deque[float]] = {}
+        # (bucket, speculated) -> the last switching step's time
+        self.switch: dict[tuple[int, bool], float] = {}
+        self.buckets: dict[int, _BucketState] = {}
+        self._last: bool | None = None  # the side of the last timed step
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -303,31 +346,105 @@ class StepCostPolicy:
         """Speculate in a step of `rows` decodes expected to emit `expected_tokens`, the
         least of them `worst_row` tokens (1: a row without drafts)?"""
         b = self.bucket(rows)
-        n_spec = len(self.samples.get((b, True), ()))
-        n_plain = len(self.samples.get((b, False), ()))
-        if min(n_spec, n_plain) < self.WARM:
-            return n_spec <= n_plain  # alternate, speculating first
-        spec, plain = self.seconds(b, True), self.seconds(b, False)
-        better = (
-            expected_tokens * plain > rows * spec
-            and worst_row * plain >= self.MAX_ROW_SLOWDOWN * spec
-        )
-        n = self.visits[b] = self.visits.get(b, 0) + 1
-        every = self.EXPLORE_EVERY
-        due, interval, last = self.explore.get(b, (every, every, better))
-        if better != last:
-            due, interval = n + every, every
-        explore = n >= due
-        if explore:
-            interval = min(2 * interval, self.MAX_EXPLORE_EVERY)
-            due = n + interval
-        self.explore[b] = (due, interval, better)
-        return better != explore
+        st = self.buckets.setdefault(b, _BucketState())
+        if st.run_left > 0:
+            st.run_left -= 1
+            return st.run_side
+        figures = self.figures(b)
+        if figures is None:  # warm-up: a run on each side, speculating first
+            return self._start_run(st, (b, True) not in self.samples)
+        spec, plain = figures
+        gain = self.gain(rows, expected_tokens, worst_row)
+        m = self.SWITCH_MARGIN if st.choice is False else 1.0 / self.SWITCH_MARGIN
+        better = gain * plain > spec * m
+        if better != st.choice:
+            st.choice, st.steps, st.elapsed = better, 0, 0.0
+        st.steps += 1
+        cost = self._explore_cost(b, not better, gain, spec, plain)
+        if st.steps > self.MIN_EXPLORE and st.elapsed * self.REGRET >= cost:
+            st.steps, st.elapsed = 0, 0.0
+            return self._start_run(st, not better)
+        return better
+
+    def _start_run(self, st: _BucketState, side: bool) -> bool:
+        st.run_side, st.run_left = side, self.RUN - 1
+        return side
+
+    def gain(self, rows: int, expected: float, worst: float) -> float:
+        """What a speculating step is worth in plain steps, by the rule of the class
+        docstring: the rows' mean expected tokens, or the worst row's with its 5% slack,
+        whichever is less."""
+        return min(expected / rows, worst / self.MAX_ROW_SLOWDOWN)
+
+    def _explore_cost(self, b: int, side: bool, gain: float, spec: float, plain: float) -> float:
+        """Seconds a timing run on `side` loses against the other side: its steps' time
+        (the first at its last switch cost) less the other side's time for the same
+        progress, and what switching back costs the other side."""
+        secs, back = (spec, plain) if side else (plain, spec)
+        first = self.switch.get((b, side), secs)
+        same = gain * plain if side else spec / gain  # the other side's time for a step's progress
+        run = first + (self.RUN - 1) * secs - self.RUN * same
+        return max(0.0, run) + max(0.0, self.switch.get((b, not side), back) - back)
+
+    def figures(self, bucket: int) -> tuple[float, float] | None:
+        """(speculating, plain) seconds of a step in this bucket: its plain figure and the
+        median ratio of its paired timings, else the nearest bucket's ratio (within a
+        factor NEAR in size) scaled to a side this one has; None before any ratio."""
+        own = self.ratios.get(bucket)
+        near = bucket if own else self._nearest_measured(bucket)
+        if near is None:
+            return None
+        ratio = statistics.median(self.ratios[near])
+        for b in (bucket, near):
+            if (b, False) in self.samples:
+                plain = self.seconds(b, False)
+                return ratio * plain, plain
+            if (b, True) in self.samples:
+                spec = self.seconds(b, True)
+                return spec, spec / ratio
+        return None
+
+    def _nearest_measured(self, bucket: int) -> int | None:
+        """The bucket with a ratio of the size nearest this one, within a factor NEAR."""
+
+        def apart(b: int) -> float:
+            return max(b, bucket) / min(b, bucket)
+
+        near = [b for b in self.ratios if apart(b) <= self.NEAR]
+        return min(near, key=lambda b: (apart(b), -b), default=None)
 
     def seconds(self, bucket: int, speculated: bool) -> float:
-        """A side's figure: the median of its last timings."""
+        """A side's figure: the median of its last steady timings."""
         return statistics.median(self.samples[(bucket, speculated)])
 
     def observe(self, rows: int, speculated: bool, seconds: float) -> None:
-        key = (self.bucket(rows), speculated)
-        self.samples.setdefault(key, deque(maxlen=self.SAMPLES)).append(seconds)
+        """A timed step: a steady sample of its side, or (the first after the other side
+        ran) that side's switch cost."""
+        b = self.bucket(rows)
+        key = (b, speculated)
+        st = self.buckets.get(b)
+        if speculated != self._last:
+            self.switch[key] = seconds
+        else:
+            self.samples.setdefault(key, deque(maxlen=self.SAMPLES)).append(seconds)
+            other = (b, not speculated)
+            if other in self.samples and (st is None or st.choice != speculated):
+                # A timing run's step against the side just running: load that moves
+                # both alike leaves the ratio alone.
+                o = self.seconds(*other)
+                r = seconds / o if speculated else o / seconds
+                self.ratios.setdefault(b, deque(maxlen=self.SAMPLES)).append(r)
+        self._last = speculated
+        if st is not None and st.choice == speculated:
+            st.elapsed += seconds
+
+
+@dataclass
+class _BucketState:
+    """A batch size's choice and its re-timing count."""
+
+    choice: bool | None = None  # the side the last choice picked
+    steps: int = 0  # choices since the last re-timing (or the choice moved)
+    elapsed: float = 0.0  # seconds the chosen side ran since then
+    run_side: bool = False  # the side of the timing run under way
+    run_left: int = 0  # its steps still to come

@@ -96,9 +96,10 @@ def test_policy_weighs_medusa_by_time_and_expected_levels(heads_dir):
     is taken: the same StepCostPolicy rule as for n-gram and draft steps."""
     spec = SpecDecoder(SpecConfig(method="medusa", model=heads_dir, num_speculative_tokens=3))
     pol = spec.policy
-    for _ in range(pol.WARM):
-        pol.observe(1, False, 0.010)
+    for _ in range(pol.RUN):
         pol.observe(1, True, 0.040)  # a tree verify 4x a plain step
+    for _ in range(pol.RUN):
+        pol.observe(1, False, 0.010)
     r = Request("a", [1], SamplingParams(max_tokens=50), eos_token_ids=(EOS,), max_tokens=50)
     r.spec_accepted, r.spec_trials = 0.5, 1.0  # half the levels accepted
     gain = spec.expected_accepted(r, spec.wanted(r, 10))

@@ -1,0 +1,167 @@
+"""StepCostPolicy on a fake clock: what each side's steps cost is given, so every choice
+and the time a run takes are deterministic.
+
+The clock charges a side's steady step time, plus its switch cost on the first step after
+the other side ran (a draft model catching up on the tokens it sat out); a run is judged
+by its seconds per emitted token against decoding plain all along."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from scheduler.spec import StepCostPolicy
+
+
+def simulate(
+    policy: StepCostPolicy,
+    steps: int,
+    rows: int,
+    expected: float,
+    worst: float,
+    spec: float,
+    plain: float,
+    spec_switch: float = 0.0,
+) -> tuple[float, list[bool]]:
+    """(seconds per emitted token relative to plain decoding, each step's choice)."""
+    choices: list[bool] = []
+    seconds = tokens = 0.0
+    last: bool | None = None
+    for _ in range(steps):
+        side = policy.choose(rows, expected, worst)
+        cost = spec if side else plain
+        if side and last is not True:
+            cost += spec_switch
+        policy.observe(rows, side, cost)
+        seconds += cost
+        tokens += expected if side else rows
+        choices.append(side)
+        last = side
+    return (seconds / tokens) / (plain / rows), choices
+
+
+def test_a_far_dearer_side_costs_little_over_a_short_run():
+    # A draft model on free text at batch 4: a verify step 5x a plain one, each row
+    # expecting 1.75 tokens, and 10 plain steps' worth of catch-up whenever it starts
+    # again.  Only the warm-up and (once the plain time run covers its cost 1/REGRET
+    # times) one re-timing speculate: within 5% of plain decoding over 1000 steps.
+    p = StepCostPolicy()
+    ratio, choices = simulate(p, 1000, 4, 7.0, 1.75, 5.0, 1.0, spec_switch=10.0)
+    assert choices[:4] == [True, True, False, False]
+    assert sum(choices) <= 2 * p.RUN
+    assert ratio < 1.05
+    # The catch-up never entered the figure a choice reads.
+    assert p.seconds(4, True) == 5.0 and p.switch[(4, True)] == 15.0
+
+
+def test_switch_costs_do_not_hide_a_winning_side():
+    # Speculating wins (2 tokens per step for 1.2x a plain step), but a speculating step
+    # after plain ones pays a 30x catch-up: read as a step time, it would keep the choice
+    # on plain for good.
+    p = StepCostPolicy()
+    ratio, choices = simulate(p, 600, 1, 2.0, 2.0, 1.2, 1.0, spec_switch=30.0)
+    assert sum(choices[4:]) > 0.9 * len(choices[4:])
+    assert ratio < 0.75
+
+
+def test_close_sides_are_retimed_often_far_ones_rarely():
+    # Plain re-timed while speculating wins: its run loses little, so it comes back at
+    # the floor of MIN_EXPLORE steps; a side far worse waits until the time run covers
+    # its cost 1/REGRET times.
+    near = StepCostPolicy()
+    _, choices = simulate(near, 400, 4, 8.0, 1.5, 1.5, 1.0)
+    plain_runs = sum(1 for a, b in pairwise(choices) if a and not b)
+    assert plain_runs >= 400 // (near.MIN_EXPLORE + near.RUN) - 2
+    far = StepCostPolicy()
+    _, choices = simulate(far, 400, 4, 5.0, 1.25, 4.0, 1.0, spec_switch=4.0)
+    assert sum(choices[4:]) == 0
+
+
+def test_the_tail_of_a_batch_borrows_the_nearest_figures():
+    # A batch of 4 measured plain as far better: as its rows finish (3, 2, 1 left) no new
+    # size pays a speculating warm-up of its own.
+    p = StepCostPolicy()
+    simulate(p, 40, 4, 7.0, 1.75, 5.0, 1.0)
+    for rows in (3, 2, 1):
+        assert not any(p.choose(rows, 1.75 * rows, 1.75) for _ in range(5))
+        for _ in range(5):
+            p.observe(rows, False, 1.0)
+    # A far size (32 from 4) is measured afresh.
+    assert p.choose(32, 56.0, 1.75)
+
+
+def test_the_side_running_keeps_a_close_choice():
+    # A switch to the draft model pays its catch-up, so the side running keeps the choice
+    # until the other wins by SWITCH_MARGIN, not at the first tie noise makes.
+    p = StepCostPolicy()
+    for side, secs in ((True, 2.0), (True, 2.0), (False, 1.0), (False, 1.0)):
+        assert p.choose(2, 4.4, 2.2) == side
+        p.observe(2, side, secs)
+    assert p.choose(2, 4.4, 2.2)  # 2.2 tokens a row for 2x a plain step
+    p.ratios[2].extend([2.2] * p.SAMPLES)  # re-timed: now a tie
+    assert p.choose(2, 4.4, 2.2)
+    p.ratios[2].extend([2.35] * p.SAMPLES)  # plain ahead by over the margin
+    assert not p.choose(2, 4.4, 2.2)
+    p.ratios[2].extend([2.2] * p.SAMPLES)  # and back to the tie: plain stays
+    assert not p.choose(2, 4.4, 2.2)
+
+
+def test_the_ratio_pairs_a_timing_run_with_the_side_just_running():
+    # The machine slows down 3x (a busy neighbour) after the warm-up: every step costs
+    # more, but the speculating re-timing step is read against the plain steps just
+    # before it, so the ratio, and the choice, stay.
+    p = StepCostPolicy()
+    for side, secs in ((True, 2.0), (True, 2.0), (False, 1.0), (False, 1.0)):
+        assert p.choose(4, 6.0, 1.5) == side
+        p.observe(4, side, secs)
+    assert list(p.ratios[4]) == [2.0]
+    assert not p.choose(4, 6.0, 1.5)  # 1.5 tokens a row for 2x a plain step: plain
+    load, spec_steps = 3.0, 0
+    for _ in range(600):
+        side = p.choose(4, 6.0, 1.5)
+        spec_steps += side
+        p.observe(4, side, (2.0 if side else 1.0) * load)
+    assert spec_steps and p.figures(4) == (6.0, 3.0)
+    assert set(p.ratios[4]) == {2.0}
+
+
+def test_a_new_request_starts_from_the_recent_acceptance():
+    # Free text keeps few drafts: a request arriving after many such verifies starts
+    # from their rate, not from "every draft accepted" (which would have the policy
+    # expect k + 1 tokens from each new row).
+    from scheduler.request import Request
+    from scheduler.sampling_params import SamplingParams
+    from scheduler.spec import SpecConfig, SpecDecoder
+
+    spec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=4))
+    fresh = Request("a", [1, 2, 3], SamplingParams(), max_tokens=100)
+    assert spec.wanted(fresh, 10) == 4  # nothing measured yet
+    old = Request("b", [1, 2, 3], SamplingParams(), max_tokens=100)
+    spec.wanted(old, 10)
+    for i in range(60):
+        spec.observe(old, 2, 0 if i % 4 else 1)
+    new = Request("c", [1, 2, 3], SamplingParams(), max_tokens=100)
+    k = spec.wanted(new, 10)
+    assert new.spec_rate < 0.3 and k <= 1
+    assert spec.expected_accepted(new, max(k, 1)) < 0.3
+    # A request already running keeps its own estimate.
+    assert spec.wanted(fresh, 10) == 4 and fresh.spec_rate == 1.0
+
+
+def test_the_estimate_is_calibrated_by_what_verifies_kept():
+    # Acceptance in runs: a request accepts all 4 drafts or none, half the time each.
+    # Its per-token rate reads ~0.67, and independent draws at that rate promise ~1.6
+    # tokens of 4; the verifies keep 2 on average, and the promise follows them.
+    from scheduler.request import Request
+    from scheduler.sampling_params import SamplingParams
+    from scheduler.spec import SpecConfig, SpecDecoder
+
+    spec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=4))
+    req = Request("a", [1, 2, 3], SamplingParams(), max_tokens=1000)
+    spec.wanted(req, 10)
+    promised, raw = [], []
+    for i in range(400):
+        if i >= 200:  # what the policy is told before each verify
+            promised.append(spec.expected_accepted(req, 4))
+            raw.append(spec._estimate(req, 4))
+        spec.observe(req, 4, 4 if i % 2 else 0)
+    assert abs(sum(promised) / 200 - 2.0) < 0.1 < abs(sum(raw) / 200 - 2.0)
