@@ -29,6 +29,7 @@ from tests.scheduler.helpers import (
     make_group,
     new_scheduler,
 )
+from tests.scheduler.test_faults import FailingRunner
 from tests.scheduler.test_spec_scheduler import spec_scheduler
 from tests.scheduler.test_structured_scheduler import ScriptedMatcher
 
@@ -154,6 +155,25 @@ def test_abort_mid_flight_frees_everything():
     run = drive_ahead(sched, runner, arrivals, aborts={5: ["r1"], 9: ["r2", "r4"]})
     _check(run, {0: arrivals[0]}, eos=False, aborted=frozenset({"r1", "r2", "r4"}))
     assert 0 < len(run.outputs["r1"]) < 30
+    assert_all_free(sched, runner)
+
+
+def test_a_row_the_runner_fails_while_the_next_step_carries_it():
+    # r2 fails at its 6th sample, a plain decode step with the next already scheduled
+    # ahead: that step got r2's row with no token (PLACEHOLDER) and its output is dropped.
+    prompts = {f"r{i}": [10 + i, 20 + i, 30 + i] * (i + 2) for i in range(6)}
+    sched = _sched(num_blocks=64)
+    runner = FailingRunner(64, 4, VOCAB, fail={"r2": 5})
+    arrivals = {0: [make_group(r, p, 12) for r, p in prompts.items()]}
+    run = drive_ahead(sched, runner, arrivals)
+    assert run.finish["r2"] == "error" and len(run.outputs["r2"]) == 5
+    carried = [t for so in run.steps for r, t in zip(so.decodes.req_ids, so.decodes.token_ids)
+               if r == "r2"]  # fmt: skip
+    assert carried[-1] == PLACEHOLDER and PLACEHOLDER not in carried[:-1]
+    for rid, p in prompts.items():
+        if rid != "r2":
+            assert run.outputs[rid] == reference_generate(p, 12, VOCAB, None), rid
+    assert sched.num_ahead_steps > 0
     assert_all_free(sched, runner)
 
 
