@@ -22,6 +22,14 @@ executor thread re-decides before a step, at most every `INTERVAL_S`:
   wants that CPU), so taking a thread back is a probe: if the share comes back within
   `PROBE_S`, the thread is shed again and the next probe waits twice as long (up to
   `MAX_BACKOFF_S`, ~2% of the time spent probing beside a neighbour that stays).
+- an interval in which our threads wanted less than `BUSY_AT` of a CPU (a server between
+  requests) says nothing about the neighbours: it neither moves the share nor counts
+  toward a probe's judgement, or every idle spell would read as "nobody else here" and
+  the first steps of the next burst would run a probe beside a neighbour still there.
+
+At DEBUG level every interval is logged (team, steps, what our threads got and wanted,
+the share), and `steps_at` / `seconds_at` keep each team size's step count and time, to
+see what the governor did during a run.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ REGAIN_AT = 0.25  # others hold less than this of the CPU we would take back: on
 PROBE_S = 3.0  # a thread taken back and shed again within this is a failed probe
 MIN_BACKOFF_S = 4.0
 MAX_BACKOFF_S = 30.0
+BUSY_AT = 0.5  # CPUs our threads must want over an interval for it to count
 
 
 def cgroup_cpu_limit(
@@ -124,6 +133,9 @@ class ThreadGovernor:
         self.threads = self.ceiling
         self.others = 0.0  # smoothed CPUs other processes hold of the ones we may use
         self.changes = 0
+        self.steps_at: dict[int, int] = {}  # team size -> steps started at it
+        self.seconds_at: dict[int, float] = {}  # team size -> wall time at it
+        self._steps = 0  # steps since the last interval
         self._regained_at = -math.inf
         self._backoff = MIN_BACKOFF_S
         self._hold_until = 0.0  # no thread is taken back before this
@@ -141,22 +153,39 @@ class ThreadGovernor:
         )  # fmt: skip
 
     def tick(self) -> int:
+        """The team for the step about to start (re-decided at most every INTERVAL_S)."""
         now = self._clock()
+        if self._enabled and now - self._last >= INTERVAL_S:
+            self._interval(now)
+        self.steps_at[self.threads] = self.steps_at.get(self.threads, 0) + 1
+        self._steps += 1
+        return self.threads
+
+    def _interval(self, now: float) -> None:
         wall = now - self._last
-        if not self._enabled or wall < INTERVAL_S:
-            return self.threads
         run, wait = self._sample()
         d_run, d_wait = run - self._prev[0], wait - self._prev[1]
         self._last, self._prev = now, (run, wait)
+        self.seconds_at[self.threads] = self.seconds_at.get(self.threads, 0.0) + wall
         got = d_run / 1e9 / wall
         demand = (d_run + d_wait) / 1e9 / wall
         held = max(0.0, min(demand, self.ceiling) - got)
-        if now - self._regained_at < PROBE_S:
+        probing = now - self._regained_at < PROBE_S
+        if demand < BUSY_AT:  # idle: nothing learned, and a probe's clock stops
+            if probing:
+                self._regained_at += wall
+        elif probing:
             self.others = held  # a probe is judged on what it sees, at once
         else:
             self.others += SMOOTHING * (held - self.others)
-        self._decide(now)
-        return self.threads
+        log.debug(
+            "CPU threads %d: %d steps in %.2f s; ours ran %.2f CPUs, wanted %.2f; "
+            "others held %.2f (share %.2f)",
+            self.threads, self._steps, wall, got, demand, held, self.others,
+        )  # fmt: skip
+        self._steps = 0
+        if demand >= BUSY_AT:
+            self._decide(now)
 
     def _decide(self, now: float) -> None:
         want = self.threads

@@ -113,6 +113,47 @@ def test_governor_sheds_beside_a_neighbour_and_probes_back():
     assert seen[-1] == 2 and set(seen[-50:]) == {2}
 
 
+def test_idle_spells_neither_move_the_share_nor_end_a_probe():
+    """A server between requests wants almost no CPU, which would read as "nobody else
+    here": the share keeps its last busy reading, no thread is taken back meanwhile, and a
+    probe started before the spell is judged on the first busy interval after it."""
+    cpu = FakeCPU()
+    gov = ThreadGovernor(2, sample=cpu.sample, clock=lambda: cpu.t)
+    assert _run(gov, cpu, 2, got=1.33, wanted=2.0)[-1] == 1
+    _run(gov, cpu, 0.3, got=0.02, wanted=0.02)  # the interval the spell began in
+    share, changes = gov.others, gov.changes
+    assert set(_run(gov, cpu, 60, got=0.02, wanted=0.02)) == {1}
+    assert gov.others == share and gov.changes == changes
+    # The burst after the spell starts on one thread: the neighbour never left.
+    assert _run(gov, cpu, 0.3, got=1.0, wanted=1.0)[0] == 1
+    # A probe, then an idle spell longer than PROBE_S, then work beside the neighbour:
+    # the probe fails (and the next waits twice as long) as it would have without the
+    # spell, instead of passing for one that held through it.
+    while gov.threads == 1:
+        _run(gov, cpu, 0.1, got=1.0, wanted=1.0)
+    _run(gov, cpu, 2 * ct.PROBE_S, got=0.02, wanted=0.02)
+    assert gov.threads == 2
+    shed_at = None
+    for _ in range(100):
+        _run(gov, cpu, 0.1, got=1.0 if gov.threads == 1 else 1.33,
+             wanted=1.0 if gov.threads == 1 else 2.0)  # fmt: skip
+        if shed_at is None and gov.threads == 1:
+            shed_at = cpu.t
+        if shed_at is not None and gov.threads == 2:
+            break
+    assert shed_at is not None and cpu.t - shed_at > 1.5 * ct.MIN_BACKOFF_S
+
+
+def test_steps_and_seconds_at_each_team_size():
+    cpu = FakeCPU()
+    gov = ThreadGovernor(2, sample=cpu.sample, clock=lambda: cpu.t)
+    _run(gov, cpu, 1.0, got=2.0, wanted=2.0)
+    _run(gov, cpu, 2.0, got=1.33, wanted=2.0)
+    assert sum(gov.steps_at.values()) == 30
+    assert sum(gov.seconds_at.values()) == pytest.approx(3.0, abs=0.11)
+    assert gov.steps_at[1] >= 10 and gov.seconds_at[2] >= 1.0
+
+
 def test_governor_with_one_cpu_never_changes():
     cpu = FakeCPU()
     gov = ThreadGovernor(1, sample=cpu.sample, clock=lambda: cpu.t)
