@@ -34,10 +34,15 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fair-interactive", type=int, default=20, help="fair: interactive reqs")
     ap.add_argument("--fair-interactive-input", type=int, default=48, help="fair: its prompt")
     ap.add_argument("--fair-interactive-output", type=int, default=8, help="fair: its output")
+    ap.add_argument("--fair-policies", default="fcfs,fair", help="fair: the policies, in turn")
 
 
-async def _ttft(session, url: str, key: str, prompt: list[int], max_tokens: int) -> float:
-    """Seconds to the first streamed token; the rest of the stream is read to its end."""
+async def _ttft(
+    session, url: str, key: str, prompt: list[int], max_tokens: int, count: list[int] | None = None
+) -> float:
+    """Seconds to the first streamed token; the rest of the stream is read to its end,
+    each streamed token, and the prompt once the first arrives, counted into `count[0]`
+    when given."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}  # fmt: skip
     t0 = time.perf_counter()
@@ -48,8 +53,13 @@ async def _ttft(session, url: str, key: str, prompt: list[int], max_tokens: int)
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         async for line in r.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - t0
+            if line.startswith(b"data: {"):
+                if first is None:
+                    first = time.perf_counter() - t0
+                    if count is not None:
+                        count[0] += len(prompt)  # its prompt is computed now
+                if count is not None:
+                    count[0] += 1
     assert first is not None
     return first
 
@@ -64,8 +74,10 @@ async def _interactive(
     return out
 
 
-async def _flooded(url: str, args: argparse.Namespace, seed: int) -> tuple[list, list]:
-    """(TTFTs alone, TTFTs while the flood waits) of the interactive key."""
+async def _flooded(url: str, args: argparse.Namespace, seed: int) -> tuple[list, list, float]:
+    """(TTFTs alone, TTFTs while the flood waits) of the interactive key, and the flood's
+    tokens a second (prompts computed and tokens streamed) while the interactive key runs
+    beside it."""
     import aiohttp
 
     rng = random.Random(seed)
@@ -75,22 +87,25 @@ async def _flooded(url: str, args: argparse.Namespace, seed: int) -> tuple[list,
     ) as session:
         await _interactive(session, url, args, rng, 2)  # warm-up
         alone = await _interactive(session, url, args, rng, args.fair_interactive)
+        count = [0]
         flood = [
             asyncio.create_task(_ttft(
                 session, url, FLOOD_KEY,
                 [rng.randrange(16, 2000) for _ in range(args.fair_flood_input)],
-                args.fair_flood_output,
+                args.fair_flood_output, count,
             ))
             for _ in range(args.fair_flood)
         ]  # fmt: skip
         await asyncio.sleep(0.5)  # the flood is queued before the interactive key asks
         try:
+            begun, before = time.perf_counter(), count[0]
             crowded = await _interactive(session, url, args, rng, args.fair_interactive)
+            rate = (count[0] - before) / (time.perf_counter() - begun)
         finally:
             for t in flood:
                 t.cancel()  # closing the streams aborts what is left of the flood
             await asyncio.gather(*flood, return_exceptions=True)
-    return alone, crowded
+    return alone, crowded, rate
 
 
 def start_server(args: argparse.Namespace, path: Path, extra: list[str]) -> tuple:
@@ -131,13 +146,13 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys"
         keys.write_text(f"{FLOOD_KEY} weight=1\n{CHAT_KEY} weight=1\n")
-        for policy in ("fcfs", "fair"):
+        for policy in args.fair_policies.split(","):
             proc, url = _serve(args, path, policy, keys)
             try:
-                alone, crowded = asyncio.run(_flooded(url, args, seed=7))
+                alone, crowded, rate = asyncio.run(_flooded(url, args, seed=7))
             finally:
                 _stop(proc)
-            results[policy] = {"alone": alone, "flood": crowded}
+            results[policy] = {"alone": alone, "flood": crowded, "flood_tok_s": rate}
             ratio = pct_ms(crowded, 99) / pct_ms(alone, 99)
             rows.append([
                 policy,
@@ -145,6 +160,7 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
                 f"{pct_ms(crowded, 50):.0f} / {pct_ms(crowded, 99):.0f}",
                 f"**{ratio:.2f}x**",
                 f"{statistics.mean(crowded) * 1000:.0f}",
+                f"{rate:.0f}",
             ])  # fmt: skip
     args.fair_results = json.loads(json.dumps(results))
     return table(
@@ -153,6 +169,6 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         f"{args.fair_interactive} of {args.fair_interactive_input}/"
         f"{args.fair_interactive_output} one at a time; the interactive key's TTFT",
         ["policy", "alone p50 / p99 ms", "under flood p50 / p99 ms", "p99 ratio",
-         "under flood mean ms"],
+         "under flood mean ms", "flood tok/s meanwhile (in + out)"],
         rows,
     )  # fmt: skip

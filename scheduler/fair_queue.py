@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from scheduler.request import Request
 
 QUANTUM_TOKENS = 256
+# How long a key that goes idle keeps its sparse claim on short steps: about a chat
+# user's pause between turns (LatencyFirst).
+LINGER_S = 10.0
 _NONE = object()  # _turn: every waiting tenant is skipped
 
 
@@ -348,12 +352,13 @@ class StepCost:
             self.per_token = slope
             self.fixed = max(0.0, y / w - slope * x / w)
 
-    def min_tokens(self) -> int | None:
+    def min_tokens(self) -> int:
         """The fewest tokens a step should carry for its fixed cost to be at most half of
         it (then the tokens still get at least half the throughput a long step gives
-        them); None while nothing is fitted."""
+        them); 1 while nothing is fitted (a server whose steps all filled the budget: the
+        first short steps give the fit the sizes it needs)."""
         if self.per_token is None or self.fixed is None:
-            return None
+            return 1
         return max(1, math.ceil(self.fixed / self.per_token - 1e-6))  # not float noise
 
 
@@ -372,22 +377,24 @@ class LatencyFirst:
     tokens as the largest sparse prompt (the last one each sent), never fewer than
     `StepCost.min_tokens`; the sparse tenants take what they need and the backlogged
     ones split what is left by weight.  A step in flight when a sparse prompt arrives,
-    and the step that runs it, then each cost about what that prompt costs alone.  A
-    tenant stays present between requests (`linger`) for as many steps again as its
-    last request took, so a client sending one request after another finds short steps
-    each time.
+    and the step that runs it, then each cost about what that prompt costs alone.  The
+    step in flight is the one no policy can shorten after the fact, so a tenant stays
+    present for `linger_s` seconds after its last request ends (a chat user's pause
+    between turns): its next request finds short steps too.
     """
 
     quantum: int = QUANTUM_TOKENS
+    linger_s: float = LINGER_S
+    clock: Callable[[], float] = time.monotonic
     cost: StepCost = field(default_factory=StepCost)
     used: dict[str | None, int] = field(default_factory=dict)  # served this busy period
     prompt: dict[str | None, int] = field(default_factory=dict)  # its last one, uncached
-    linger: dict[str | None, int] = field(default_factory=dict)  # present until this step
-    arrived: dict[str, int] = field(default_factory=dict)  # group id -> step it came in
+    linger: dict[str | None, float] = field(default_factory=dict)  # present until (clock)
 
-    def lingering(self, step: int) -> set[str | None]:
+    def lingering(self) -> set[str | None]:
         """Tenants idle between requests, still present."""
-        for t in [t for t, until in self.linger.items() if until <= step]:
+        now = self.clock()
+        for t in [t for t, until in self.linger.items() if until <= now]:
             del self.linger[t]
             self.prompt.pop(t, None)
         return set(self.linger)
@@ -396,10 +403,13 @@ class LatencyFirst:
         """Tenant `t` had a request admitted with `prompt` tokens to compute."""
         self.prompt[t] = max(1, prompt)
 
-    def went_idle(self, t: str | None, began: int, step: int) -> None:
-        """Tenant `t`'s last request (arrived at step `began`) ended at `step`."""
+    def went_idle(self, t: str | None) -> None:
+        """Tenant `t`'s last request ended; it has no other."""
         self.used.pop(t, None)
-        self.linger[t] = step + max(1, step - began)
+        if self.linger_s > 0:
+            self.linger[t] = self.clock() + self.linger_s
+        else:
+            self.prompt.pop(t, None)
 
     def busy(self, t: str | None) -> None:
         self.linger.pop(t, None)
@@ -426,13 +436,11 @@ class LatencyFirst:
         budget: int,
     ) -> dict[str | None, int] | None:
         """The tokens each backlogged tenant may take this step (decodes and prompt tokens
-        together), or None when no sparse tenant shares the step with a backlogged one,
-        or before the engine has timed steps enough to say what a short step costs."""
+        together), or None when no sparse tenant shares the step with a backlogged one."""
         backlog = {t: n for t, n in need.items() if t not in sparse and n > 0}
-        floor = self.cost.min_tokens()
-        if not sparse or not backlog or floor is None:
+        if not sparse or not backlog:
             return None
         want = max(self._want(t, need[t]) for t in sparse)
-        size = min(budget, max(floor, want))
+        size = min(budget, max(self.cost.min_tokens(), want))
         room = max(0, size - sum(need[t] for t in sparse))
         return split_budget(room, backlog, weights)

@@ -141,7 +141,6 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             r.length_limit = min(r.prompt_len + r.max_tokens, limit)
         self.groups[parent.group_id] = group
         if self.waiting.fair:
-            self.latency.arrived[parent.group_id] = self.step_id
             self.latency.busy(parent.tenant)
         self.waiting.append(parent)
 
@@ -421,7 +420,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         requests, shares the server with a backlogged one)."""
         work = set(self.tenant_seqs)
         work.update(self.waiting.tenants())
-        between = self.latency.lingering(self.step_id)
+        between = self.latency.lingering()
         if len(work | between) < 2:
             return
         load = self._tenant_load(work)
@@ -516,11 +515,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
 
     def _note_group_done(self, req: Request) -> None:
         """A request group ended: its tenant, if now without work, lingers (LatencyFirst)."""
-        began = self.latency.arrived.pop(req.group_id, None)
         t = req.tenant
-        if began is None or t in self.tenant_seqs or self.waiting.count(t):
-            return
-        self.latency.went_idle(t, began, self.step_id)
+        if t not in self.tenant_seqs and not self.waiting.count(t):
+            self.latency.went_idle(t)
 
     def _fair_preempt(self, fair: TenantShares, t: str | None, short_of_seats: bool) -> bool:
         """Preempt a running request of the tenant most past its share of the seats (or

@@ -25,19 +25,25 @@ def _timed(so: SchedulerOutput) -> float:
 
 
 def _run(
-    cfg: SchedulerConfig, arrivals: dict[int, list[list[Request]]], timed: bool = True
+    cfg: SchedulerConfig,
+    arrivals: dict[int, list[list[Request]]],
+    primed: bool = True,
+    linger_steps: float = 6,
 ) -> tuple[Run, Scheduler]:
     sched, runner = Scheduler(cfg), FakeRunner(cfg.num_kv_blocks, cfg.block_size, VOCAB)
-    if timed:  # as an engine that has timed a short step and a long one
+    if primed:  # as an engine that has timed a short step and a long one
         for n in (1, cfg.max_num_batched_tokens):
             sched.latency.cost.observe(n, FIXED + PER_TOKEN * n)
+    # A clock that counts steps, so "seconds" of lingering are steps here.
+    sched.latency.clock = lambda: float(sched.step_id)
+    sched.latency.linger_s = linger_steps
     expected = {
         r.req_id: reference_generate(r.token_ids[: r.prompt_len], r.max_tokens, VOCAB, None, 0)
         for groups in arrivals.values()
         for g in groups
         for r in g
     }
-    run = drive(sched, runner, arrivals, step_seconds=_timed if timed else None)
+    run = drive(sched, runner, arrivals, step_seconds=_timed)
     assert run.outputs == expected  # greedy output unchanged by the limits
     assert_all_free(sched, runner)
     return run, sched
@@ -89,29 +95,34 @@ def test_a_sparse_keys_prompt_rides_a_short_step():
     assert max(so.num_scheduled_tokens for so in run.steps[40:60]) == 256
 
 
-def test_a_key_between_requests_keeps_steps_short_for_as_long_again():
-    """After its request ends, the chat key lingers for as many steps as the request took:
-    a client that sends its next request at once finds short steps (none in flight that
-    it would wait for), and the flood has its whole budget back after that."""
+def test_a_key_between_requests_keeps_steps_short_for_a_while():
+    """After its request ends, the chat key stays present for `linger_s`: a client that
+    sends its next request within it finds short steps (none in flight that it would wait
+    for), and the flood has its whole budget back after that."""
     rng = random.Random(2)
     arrivals = {0: _flood(rng, "f", 40), 20: [_group("c0", "chat", _prompt(rng, 24), 6)]}
-    run, sched = _run(_cfg(), arrivals)
+    run, sched = _run(_cfg(), arrivals, linger_steps=9)
     end = next(i for i in range(20, 40) if "c" not in _per_key(run.steps[i]))  # c0 done
-    lived = end - 20
-    assert lived == 6  # its prompt step with its first token, then five decodes
-    for so in run.steps[end : end + lived]:
+    assert end == 26  # its prompt step with its first token, then five decodes
+    for so in run.steps[end : end + 9]:
         assert so.num_scheduled_tokens == 24 and "c" not in _per_key(so)
-    assert run.steps[end + lived].num_scheduled_tokens == 256
+    assert run.steps[end + 9].num_scheduled_tokens == 256
     assert "chat" not in sched.latency.linger  # expired, nothing kept of it
+    assert "chat" not in sched.latency.prompt
 
 
-def test_without_step_timings_nothing_is_capped():
-    """Until the engine has timed steps of different sizes, the cost of a short step is
-    unknown and the shares are split as before (the prompt's step is full)."""
+def test_the_floor_comes_from_the_timed_steps():
+    """Every step so far filled the budget, so the fit has nothing to go on: a 4-token
+    sparse prompt gets a 4-token step.  That step gives the fit its second size, and from
+    then on no step is shorter than the fixed cost's worth of tokens (20 here)."""
     rng = random.Random(1)
-    arrivals = {0: _flood(rng, "f", 40), 20: [_group("c0", "chat", _prompt(rng, 24), 6)]}
-    run, _ = _run(_cfg(), arrivals, timed=False)
-    assert _per_key(run.steps[20]) == {"c": 24, "f": 232}
+    arrivals = {0: _flood(rng, "f", 40), 20: [_group("c0", "chat", _prompt(rng, 4), 6)]}
+    run, sched = _run(_cfg(), arrivals, primed=False)
+    assert all(so.num_scheduled_tokens == 256 for so in run.steps[:20])
+    assert _per_key(run.steps[20]) == {"c": 4}
+    assert sched.latency.cost.min_tokens() == FIXED / PER_TOKEN
+    for so in run.steps[21:26]:
+        assert _per_key(so) == {"c": 1, "f": 19}
 
 
 def test_a_key_that_keeps_asking_stops_being_sparse():
@@ -150,10 +161,10 @@ def test_backlogged_keys_split_the_room_by_weight():
 
 def test_step_cost_fits_the_fixed_and_per_token_cost():
     cost = StepCost()
-    assert cost.min_tokens() is None
+    assert cost.min_tokens() == 1
     for _ in range(5):
         cost.observe(100, FIXED + PER_TOKEN * 100)
-    assert cost.min_tokens() is None  # one size: the two terms cannot be told apart
+    assert cost.min_tokens() == 1  # one size: the two terms cannot be told apart
     rng = random.Random(5)
     for _ in range(50):
         n = rng.randrange(1, 512)
@@ -162,7 +173,7 @@ def test_step_cost_fits_the_fixed_and_per_token_cost():
     assert cost.min_tokens() == 20
     for _ in range(500):  # a long run of one size leaves the last good fit standing
         cost.observe(48, 2 * (FIXED + PER_TOKEN * 48))
-    assert cost.min_tokens() is not None
+    assert cost.min_tokens() > 1
 
 
 def test_limits_need_both_a_sparse_and_a_backlogged_key():
@@ -178,12 +189,16 @@ def test_limits_need_both_a_sparse_and_a_backlogged_key():
     assert lat.limits(set(), need, w, 256) is None
     assert lat.limits({"a", "c"}, {"a": 3, "c": 10}, w, 256) is None
     # Between requests a key asks nothing, but the step keeps room for its last prompt.
+    now = [100.0]
+    lat.clock = lambda: now[0]
     lat.admitted("c", 30)
-    lat.went_idle("c", began=10, step=14)
-    assert lat.lingering(17) == {"c"}
+    lat.went_idle("c")
+    now[0] += lat.linger_s - 1
+    assert lat.lingering() == {"c"}
     need = {"a": 300, "c": 0}
     assert lat.sparse(need, w) == {"c"}
     assert lat.limits({"c"}, need, w, 256) == {"a": 30}
     lat.served("c", QUANTUM_TOKENS - 20)
     assert lat.sparse(need, w) == set()  # its quantum is spent
-    assert lat.lingering(18) == set() and not lat.prompt  # present 4 steps again, then gone
+    now[0] += 1
+    assert lat.lingering() == set() and not lat.prompt  # present linger_s, then gone
