@@ -28,6 +28,20 @@ async def wait_drained(transport: asyncio.BaseTransport | None, limit: int) -> N
         await asyncio.sleep(0.05)
 
 
+def write_cannot_wait(request: web.Request, size: int, limit: int) -> bool:
+    """Whether writing `size` more bytes to `request`'s connection cannot wait: its
+    writes are not paused and the transport's buffer stays within both its high-water
+    mark (past it aiohttp's drain would wait) and `limit` (the caller's bound).  Then a
+    write needs no timeout: arming and cancelling one per event, for every stream on
+    every step, was a large share of the server's cost per token."""
+    protocol = request.protocol
+    transport = protocol.transport if protocol is not None else None
+    if transport is None or protocol.writing_paused or transport.is_closing():
+        return False
+    high = transport.get_write_buffer_limits()[1]  # type: ignore[attr-defined]
+    return transport.get_write_buffer_size() + size <= min(high, limit)  # type: ignore[attr-defined]
+
+
 # The body field that asked for structured output: a grammar that fails mid-generation
 # (the client's fault, RequestFailed.status 400) is reported against it.
 SPEC_FIELD = web.RequestKey("pagestream_spec_field", str)

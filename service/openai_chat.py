@@ -17,7 +17,7 @@ from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from service.completion_extras import OFF_LOOP_LOGPROB_ENTRIES, finite, prompt_logprobs_json
 from service.http_util import TENANT_SALT, json_response, salted
-from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge, sse
+from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
 from service.outputs import RequestOutput
 from service.protocol import BadRequest, check_messages
 from service.protocol_openai import ChatCompletionRequest, decode_chat
@@ -195,36 +195,38 @@ class ChatServing(ServingBase):
             await self.write(request, resp, sse({**base, "prompt_token_ids": ids, "choices": head}))
         else:
             await self.write(request, resp, sse({**base, "choices": head}))
-        chunks = self._chat_chunks(req, base, gen, params.n, tools, mode, usage)
-        return await self._run_stream(request, resp, chunks, base, usage)
 
-    async def _chat_chunks(
+        def chunks(deltas: list[ChoiceDelta], out: RequestOutput) -> list[dict[str, Any]]:
+            return self._chat_chunks(req, base, deltas, out, tools, mode, usage)
+
+        return await self._run_stream(request, resp, [gen], params.n, chunks, base, usage)
+
+    def _chat_chunks(
         self,
         req: ChatCompletionRequest,
         base: dict[str, Any],
-        gen: AsyncIterator[RequestOutput],
-        n: int,
+        deltas: list[ChoiceDelta],
+        out: RequestOutput,
         tools: dict[int, ToolStream],
         mode: Mode | None,
         usage: StreamUsage,
-    ) -> AsyncIterator[dict[str, Any]]:
-        async with contextlib.aclosing(merge([gen], n)) as events:
-            async for deltas, out in events:
-                usage.cached = out.num_cached_tokens
-                choices, ends = [], []
-                for d in deltas:
-                    usage.completion_tokens += len(d.token_ids)
-                    choice = self._chat_choice_delta(req, d, tools.get(d.index), mode)
-                    if choice is None:
-                        continue
-                    if choice["delta"].get("tool_calls") and choice["finish_reason"]:
-                        choice, end = _split_finish(choice)
-                        ends.append(end)
-                    choices.append(choice)
-                if choices:
-                    yield self._chunk(base, choices, usage)
-                if ends:
-                    yield self._chunk(base, ends, usage)
+    ) -> list[dict[str, Any]]:
+        """One output's chunks: the choices that moved, then (tool calls) the finishes."""
+        usage.cached = out.num_cached_tokens
+        choices, ends = [], []
+        for d in deltas:
+            usage.completion_tokens += len(d.token_ids)
+            choice = self._chat_choice_delta(req, d, tools.get(d.index), mode)
+            if choice is None:
+                continue
+            if choice["delta"].get("tool_calls") and choice["finish_reason"]:
+                choice, end = _split_finish(choice)
+                ends.append(end)
+            choices.append(choice)
+        chunks = [self._chunk(base, choices, usage)] if choices else []
+        if ends:
+            chunks.append(self._chunk(base, ends, usage))
+        return chunks
 
     def _chat_choice_delta(
         self, req: ChatCompletionRequest, d: ChoiceDelta, ts: ToolStream | None, mode: Mode | None

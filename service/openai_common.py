@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from service.http_util import (
     error_body,
     limit_send_buffer,
     wait_drained,
+    write_cannot_wait,
 )
 from service.limits import Limits
 from service.outputs import RequestOutput, Submitted
@@ -58,44 +60,43 @@ class ChoiceDelta:
     stop_reason: str | int | None
 
 
+def deltas_of(out: RequestOutput, first: int) -> list[ChoiceDelta]:
+    """Snapshots of the choices that moved in `out` (taken as its generator yields:
+    it reuses the output); `first`: the choice index of its sample 0."""
+    return [
+        ChoiceDelta(
+            first + o.index,
+            o.delta_text,
+            o.delta_token_ids,
+            o.delta_logprobs,
+            o.finish_reason,
+            o.stop_reason,
+        )
+        for o in out.outputs
+        if o.delta_text or o.delta_token_ids or o.finish_reason
+    ]
+
+
 async def _snapshots(
-    gen: AsyncIterator[RequestOutput], prompt_index: int, n: int
+    gen: AsyncIterator[RequestOutput], first: int
 ) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
     async with contextlib.aclosing(gen):  # type: ignore[type-var]
         async for out in gen:
-            deltas = [
-                ChoiceDelta(
-                    prompt_index * n + o.index,
-                    o.delta_text,
-                    o.delta_token_ids,
-                    o.delta_logprobs,
-                    o.finish_reason,
-                    o.stop_reason,
-                )
-                for o in out.outputs
-                if o.delta_text or o.delta_token_ids or o.finish_reason
-            ]
-            yield deltas, out
+            yield deltas_of(out, first), out
 
 
 async def merge(
     gens: list[AsyncIterator[RequestOutput]], n: int
 ) -> AsyncIterator[tuple[list[ChoiceDelta], RequestOutput]]:
-    """Interleave the outputs of several prompts' generators as they come."""
-    if len(gens) == 1:
-        # Closed explicitly all the way down: a consumer that stops early (a client gone)
-        # must abort the request now, not when the generators are garbage collected.
-        async with contextlib.aclosing(_snapshots(gens[0], 0, n)) as items:
-            async for item in items:
-                yield item
-        return
+    """Interleave the outputs of several prompts' generators as they come, each with
+    its snapshots taken as it was yielded (the generator reuses its output)."""
     queue: asyncio.Queue[tuple[list[ChoiceDelta], RequestOutput] | BaseException | None] = (
         asyncio.Queue()
     )
 
     async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
         try:
-            async with contextlib.aclosing(_snapshots(g, i, n)) as items:
+            async with contextlib.aclosing(_snapshots(g, i * n)) as items:
                 async for item in items:
                     queue.put_nowait(item)
         except BaseException as e:  # re-raised in the consumer
@@ -119,6 +120,10 @@ async def merge(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# A stream's chunks for one step of one prompt: (the choices that moved, the output).
+ChunksOf = Callable[[list[ChoiceDelta], RequestOutput], list[dict[str, Any]]]
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -195,6 +200,11 @@ class ServingBase:
         buffer the stream pauses (so does its generator: the engine merges what piles up),
         and a client that does not drain it within `send_timeout` seconds loses its
         connection, and the request is aborted (its KV blocks freed)."""
+        if write_cannot_wait(request, len(data), self.max_buffered_bytes):
+            # Nothing here can wait: skip the timer (a timeout is armed and cancelled
+            # per event otherwise, for every stream on every step).
+            await resp.write(data)
+            return
         try:
             async with asyncio.timeout(self.send_timeout):
                 await resp.write(data)
@@ -306,7 +316,7 @@ class ServingBase:
         subs.clear()
         self.streams.run(log, stream, lambda: self._release(owned))
         resp = await self._prepare_sse(request)
-        if await follow(log, SSESink(lambda data: self.send(request, resp, data)), 0):
+        if await follow(log, SSESink(functools.partial(self.send, request, resp)), 0):
             await end_stream(resp)
         return resp
 
@@ -317,7 +327,7 @@ class ServingBase:
         log, after = self.streams.lookup_sse(request, request.get(TENANT))
         resp = await self._prepare_sse(request)
         await self.send(request, resp, self.streams.retry_field())
-        if await follow(log, SSESink(lambda data: self.send(request, resp, data)), after):
+        if await follow(log, SSESink(functools.partial(self.send, request, resp)), after):
             await end_stream(resp)
         return resp
 
@@ -345,16 +355,29 @@ class ServingBase:
         self,
         request: web.Request,
         resp: web.StreamResponse,
-        chunks: AsyncIterator[dict[str, Any]],
+        gens: list[AsyncIterator[RequestOutput]],
+        n: int,
+        chunks_of: ChunksOf,
         base: dict[str, Any],
         usage: StreamUsage,
     ) -> web.StreamResponse:
-        """Write each chunk as an event, then the usage totals if asked, then [DONE].  A
-        failure after the headers went out becomes an error event."""
+        """Write the chunks of each output (`chunks_of`) as events, then the usage totals
+        if asked, then [DONE].  A failure after the headers went out becomes an error
+        event.  One prompt's generator is read here directly (a generator layer between
+        would cost every stream a hop every step); several prompts' through `merge`.
+        Closed explicitly all the way down: a stream that stops early (a client gone)
+        aborts its requests now, not when the generators are garbage collected."""
+        stream = request.get(STREAM_LOG)
+        one = len(gens) == 1
         try:
-            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-                async for chunk in chunks:
-                    await self.write(request, resp, sse(chunk))
+            async with contextlib.aclosing(gens[0] if one else merge(gens, n)) as items:  # type: ignore[type-var]
+                async for item in items:
+                    deltas, out = (deltas_of(item, 0), item) if one else item
+                    for chunk in chunks_of(deltas, out):
+                        if stream is not None:
+                            await stream.put(sse(chunk))
+                        else:
+                            await self.send(request, resp, sse(chunk))
         except SlowClient:
             return resp  # dropped; the request was aborted as its generator closed
         except (ConnectionResetError, asyncio.CancelledError):

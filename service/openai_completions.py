@@ -22,7 +22,7 @@ from service.completion_extras import (
     join_logprobs,
 )
 from service.http_util import TENANT_SALT, json_response, salted
-from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, merge
+from service.openai_common import ChoiceDelta, ServingBase, StreamUsage
 from service.outputs import CompletionOutput, RequestOutput
 from service.protocol import BadRequest
 from service.protocol_openai import CompletionRequest, decode_completion
@@ -229,44 +229,12 @@ class CompletionServing(ServingBase):
         params: SamplingParams,
         echo: list[str] | None,
     ) -> web.StreamResponse:
-        """A chunk per step of any prompt, with every choice that moved (`merge`)."""
+        """A chunk per step of any prompt, with every choice that moved."""
         resp = await self._open_stream(request)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         usage = StreamUsage.of(sum(map(len, prompts)), req.stream_options)
-        chunks = self._completion_chunks(req, base, prompts, gens, params.n, echo, usage)
-        return await self._run_stream(request, resp, chunks, base, usage)
-
-    async def _completion_chunks(
-        self,
-        req: CompletionRequest,
-        base: dict[str, Any],
-        prompts: list[list[int]],
-        gens: list[AsyncIterator[RequestOutput]],
-        n: int,
-        echo: list[str] | None,
-        usage: StreamUsage,
-    ) -> AsyncIterator[dict[str, Any]]:
-        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
-        cached: dict[int, int] = {}  # per prompt's output (by id): its cached tokens
-        shared = PromptLogprobs(self.token_text)
-        async with contextlib.aclosing(merge(gens, n)) as events:
-            async for deltas, out in events:
-                choices = []
-                for d in deltas:
-                    if req.echo_only:  # the one token it ran is not part of the reply
-                        d = ChoiceDelta(d.index, "", [], None, d.finish_reason and "length", None)
-                    usage.completion_tokens += len(d.token_ids)
-                    pi = d.index // n  # the prompt's index
-                    head = echo[pi] if echo is not None and d.index not in offsets else ""
-                    choices.append(
-                        self._completion_choice_delta(
-                            req, d, out, (pi, prompts[pi]), head, offsets, shared
-                        )
-                    )
-                cached[id(out)] = out.num_cached_tokens
-                usage.cached = sum(cached.values())
-                if choices:
-                    yield self._chunk(base, choices, usage)
+        chunks = _CompletionChunks(self, req, base, prompts, params.n, echo, usage)
+        return await self._run_stream(request, resp, gens, params.n, chunks, base, usage)
 
     def _completion_choice_delta(
         self,
@@ -303,3 +271,51 @@ class CompletionServing(ServingBase):
                 c["prompt_token_ids"] = prompt
             c["token_ids"] = d.token_ids
         return c
+
+
+class _CompletionChunks:
+    """A completion stream's chunk for each output as it comes: a plain call per
+    output rather than a generator layer, since it runs for every stream every step."""
+
+    def __init__(
+        self,
+        serving: CompletionServing,
+        req: CompletionRequest,
+        base: dict[str, Any],
+        prompts: list[list[int]],
+        n: int,
+        echo: list[str] | None,
+        usage: StreamUsage,
+    ) -> None:
+        self.serving, self.req, self.base, self.prompts = serving, req, base, prompts
+        self.n, self.echo, self.usage = n, echo, usage
+        self.offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        self.cached: dict[str, int] = {}  # per prompt (engine request id): cached tokens
+        self.shared = PromptLogprobs(serving.token_text)
+        # Nothing but text in a choice's middle chunks: those are built inline.
+        plain = echo is None and not req.echo_only and not req.return_token_ids
+        self.plain = plain and req.logprobs is None and req.prompt_logprobs is None
+
+    def __call__(self, deltas: list[ChoiceDelta], out: RequestOutput) -> list[dict[str, Any]]:
+        req, n, usage, offsets, echo = self.req, self.n, self.usage, self.offsets, self.echo
+        choices = []
+        for d in deltas:
+            if self.plain and d.finish_reason is None and d.index in offsets:
+                usage.completion_tokens += len(d.token_ids)
+                choices.append(
+                    {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": None}
+                )
+                continue
+            if req.echo_only:  # the one token it ran is not part of the reply
+                d = ChoiceDelta(d.index, "", [], None, d.finish_reason and "length", None)
+            usage.completion_tokens += len(d.token_ids)
+            pi = d.index // n  # the prompt's index
+            head = echo[pi] if echo is not None and d.index not in offsets else ""
+            choices.append(
+                self.serving._completion_choice_delta(
+                    req, d, out, (pi, self.prompts[pi]), head, offsets, self.shared
+                )
+            )
+        self.cached[out.request_id] = out.num_cached_tokens
+        usage.cached = sum(self.cached.values())
+        return [self.serving._chunk(self.base, choices, usage)] if choices else []

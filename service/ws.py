@@ -24,7 +24,14 @@ from scheduler.engine_core import EngineDeadError, EngineOverloaded
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import MaxTokensTooLarge, RequestFailed
-from service.http_util import TENANT_SALT, error_response, limit_send_buffer, salted, wait_drained
+from service.http_util import (
+    TENANT_SALT,
+    error_response,
+    limit_send_buffer,
+    salted,
+    wait_drained,
+    write_cannot_wait,
+)
 from service.protocol import BadRequest, check_messages
 from service.protocol_ws import WSCancel, WSGenerate, WSPing, WSResume, decode_ws
 from service.request_ids import TENANT, conversation_key
@@ -151,8 +158,15 @@ class WSSession:
             if self.ws.closed or self.closing:
                 return
             try:
+                # Frames are JSON text already encoded: sent as they are (send_str would
+                # encode a decoded copy), and with no timer while the write cannot wait.
+                if self.request is not None and write_cannot_wait(
+                    self.request, len(data), self.max_buffered // 2
+                ):
+                    await self.ws.send_frame(data, WSMsgType.TEXT)
+                    continue
                 async with asyncio.timeout(self.send_timeout):
-                    await self.ws.send_str(data.decode())
+                    await self.ws.send_frame(data, WSMsgType.TEXT)
                     transport = self.request.transport if self.request is not None else None
                     await wait_drained(transport, self.max_buffered // 2)
             except TimeoutError:
