@@ -603,5 +603,5 @@ class AsyncEngine:
                     o.stop_reason = u.stop_token_id
                 elif u.error is not None:
                     o.stop_reason = u.error  # e.g. a grammar's dead end: say why
-        o.text += delta
+        o.add_text(delta)
         o.delta_text += delta

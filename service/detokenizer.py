@@ -57,6 +57,14 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Feed new token ids; return the text they complete (possibly "")."""
+        if len(token_ids) == 1:  # a decode step's one token: most calls
+            i = token_ids[0]
+            self._output_ids.append(i)
+            text = self._stream.step(self._tok, i)
+            if text:
+                self._emitted.append(text)
+                return text
+            return ""
         # One id at a time: a batch of ids (speculative decoding) that ends inside a
         # character would otherwise hold back the complete characters before it too.
         new: list[str] = []

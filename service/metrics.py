@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -29,6 +30,27 @@ if TYPE_CHECKING:
 
 # The *_created series only add noise to every scrape.
 disable_created_metrics()
+
+
+def observe_many(hist: Histogram, values: list[float]) -> None:
+    """`hist.observe` for each value, in one pass: a request's inter-token latencies
+    are one per token, and observe() walks the buckets and takes a lock per call.
+    Falls back to observe() where the child's layout is not the one this reads."""
+    bounds = getattr(hist, "_upper_bounds", None)
+    buckets = getattr(hist, "_buckets", None)
+    total = getattr(hist, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            hist.observe(v)
+        return
+    counts = [0] * len(bounds)
+    for v in values:  # the first bucket whose bound is >= v, as observe() picks
+        counts[bisect.bisect_left(bounds, v)] += 1
+    total.inc(sum(values))
+    for i, k in enumerate(counts):
+        if k:
+            buckets[i].inc(k)
+
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -365,8 +387,7 @@ class Metrics:
         if m.last_token_time is not None:
             c["e2e"].observe(m.last_token_time - m.arrival_time)
         times = m.token_times
-        for a, b in itertools.pairwise(times):
-            c["itl"].observe(b - a)
+        observe_many(c["itl"], [b - a for a, b in itertools.pairwise(times)])
 
     def refresh(
         self, stats: SchedulerStats, kv_blocks_used: int, hook_errors: dict[str, int]

@@ -27,7 +27,6 @@ class CompletionOutput:
     """One sample of a request (vLLM's shape), cumulative, with the latest delta."""
 
     index: int
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -35,6 +34,21 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] | None = None
+    # The text so far, in pieces joined when read: `text += delta` every step copied the
+    # whole text each time (quadratic in a long answer's length).
+    _pieces: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def text(self) -> str:
+        """All text so far."""
+        pieces = self._pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
+
+    def add_text(self, delta: str) -> None:
+        if delta:
+            self._pieces.append(delta)
 
     @property
     def finished(self) -> bool:
