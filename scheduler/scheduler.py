@@ -424,8 +424,6 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         if len(work | between) < 2:
             return
         load = self._tenant_load(work)
-        if len(work) > 1:
-            step.fair = self._tenant_shares(step.budget, work, load)
         q, budget = self.waiting, step.budget
         _, _, chunks, decodes = load
         weights = {t: q.weight(t) for t in work | between}
@@ -436,7 +434,11 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         step.present = set(asks)
         sparse = self.latency.sparse(asks, weights)
         need = {t: min(budget, n) for t, n in asks.items()}
-        step.limit = self.latency.limits(sparse, need, weights, budget)
+        step.limit = limit = self.latency.limits(sparse, need, weights, budget)
+        if len(work) > 1:
+            if limit is not None:  # the decodes the limits leave out free prompt tokens
+                decodes = {t: min(d, limit.get(t, d)) for t, d in decodes.items()}
+            step.fair = self._tenant_shares(budget, work, (*load[:3], decodes))
 
     def _tenant_load(self, tenants: set[str | None]) -> tuple[dict, dict, dict, dict]:
         """Per tenant with work: (running sequences, blocks they hold, prompt tokens their

@@ -202,3 +202,19 @@ def test_limits_need_both_a_sparse_and_a_backlogged_key():
     assert lat.sparse(need, w) == set()  # its quantum is spent
     now[0] += 1
     assert lat.lingering() == set() and not lat.prompt  # present linger_s, then gone
+
+
+def test_a_sparse_prompt_gets_in_past_more_decodes_than_the_budget():
+    """The flood runs more decodes than a step's budget.  Its limit leaves most of them
+    out of the step, so the prompt tokens they would have taken are there for the chat
+    key's share: its prompt runs in the step it arrived for (with every decode counted
+    against the budget, its share was 0 and it waited for the flood to end)."""
+    rng = random.Random(6)
+    arrivals = {
+        0: _flood(rng, "f", 100, plen=8, out=80),
+        20: [_group("c0", "chat", _prompt(rng, 16), 4)],
+    }
+    run, _ = _run(_cfg(max_num_batched_tokens=64, max_num_seqs=128), arrivals)
+    assert all(so.num_scheduled_tokens == 64 for so in run.steps[14:20])  # decodes only
+    assert _first_sample(run, "c0") == 20
+    assert _per_key(run.steps[20]) == {"c": 16, "f": 4}  # the floor of 20 tokens
