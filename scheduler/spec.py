@@ -222,7 +222,9 @@ class SpecDecoder:
         """How many tokens `req` would draft this step (0: none), before any proposing:
         its depth for its acceptance rate, or an occasional one-token probe.  `room` is
         the most drafts that fit (token budget, max_tokens, max_model_len)."""
-        if req not in self._started:
+        # (The float test first: the set is asked only while the request's average is
+        # untouched, not for every row of every step.)
+        if req.spec_trials == 1.0 and req not in self._started:
             self._started.add(req)
             if self.prior is not None:
                 req.spec_accepted, req.spec_trials = self.prior
@@ -287,8 +289,11 @@ class StepCostPolicy:
     CPU shared with other work) it costs several plain steps, and where the line falls
     depends on the model, the machine and its load, not on a batch size fixed in advance.
     So each batch size keeps the seconds its last few plain decode steps and speculating
-    steps took (timed from scheduling to dispatch, so host work counts) and reads each
-    side as their median, and a step speculates when
+    steps took (timed from scheduling to dispatch, so host work counts), and reads a
+    speculating step's cost as the plain figure (a median) times the median ratio
+    speculating / plain of its timing runs (below), each ratio a speculating step against
+    the plain steps just before it or the other way round, so load that moves both alike
+    leaves it alone.  A step speculates when
 
     - the tokens it is expected to emit (rows plus each row's expected accepted drafts,
       from its own acceptance rate) per predicted second beat the plain step's rows per
@@ -311,7 +316,7 @@ class StepCostPolicy:
     side not chosen is re-timed.
 
     Re-timing the losing side costs the time it loses against the chosen one (its switch
-    cost, then its steps at their measured speed).  It is due once the steps run since the
+    cost, then its steps at their measured speed, and the switch back).  It is due once the steps run since the
     last one took 1/REGRET times that cost (and at least MIN_EXPLORE steps): exploring
     never takes more than REGRET of the time, a side that is far worse is re-timed rarely
     (not at all in a short run), a close one often enough to follow a change of load or
