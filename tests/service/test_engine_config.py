@@ -270,3 +270,29 @@ def test_replace_and_flat_round_trip():
     assert c.replace(device="cuda:1").cache == c.cache
     with pytest.raises(ConfigError, match="--block-size"):
         c.replace(block_size=3)
+
+
+def test_the_prefix_tier_and_the_ranks_read_their_groups(tmp_path):
+    """The groups the engine test above does not reach on one CPU rank: the shared prefix
+    tier's settings reach its TierConfig, the parallel ones every rank's Topology."""
+    from types import SimpleNamespace
+
+    from gpu.tp_executor import Topology
+    from service.engine_setup import build_prefix_tier
+
+    argv = [
+        "--redis-url", "memory://", "--redis-hit-threshold", "3", "--redis-max-kv-memory",
+        "0.5", "--redis-lookup-deadline", "0.25", "--block-size", "32", *KEYS,
+        "--prefix-tier-key-share", "0.75", "--tensor-parallel-size", "2",
+        "--pipeline-parallel-size", "2", "--pipeline-micro-batches", "3", "--nnodes", "2",
+        "--master-addr", "10.0.0.1", "--master-port", "29500", "--tensor-parallel-timeout", "9",
+    ]  # fmt: skip
+    config = _config(argv)
+    runner = SimpleNamespace(dtype="torch.float32", quantization=None, kv_payload_bytes=4096)
+    tier = build_prefix_tier(config, runner, tmp_path)
+    t = tier.cfg
+    assert (t.hit_threshold, t.max_kv_bytes, t.lookup_deadline) == (3, 1 << 29, 0.25)
+    assert t.tenant_share == 0.75 and t.meta["block_size"] == "32" and tier.name == "memory"
+    topo = Topology.from_settings(config.parallel)
+    assert (topo.tp_size, topo.pp_size, topo.micro_batches, topo.nnodes) == (2, 2, 3, 2)
+    assert (topo.master_addr, topo.master_port, topo.timeout_s) == ("10.0.0.1", 29500, 9.0)
