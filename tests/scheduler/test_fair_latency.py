@@ -218,3 +218,51 @@ def test_a_sparse_prompt_gets_in_past_more_decodes_than_the_budget():
     assert all(so.num_scheduled_tokens == 64 for so in run.steps[14:20])  # decodes only
     assert _first_sample(run, "c0") == 20
     assert _per_key(run.steps[20]) == {"c": 16, "f": 4}  # the floor of 20 tokens
+
+
+def _chat_phase(sched: Scheduler, runner: FakeRunner, clock: list[float], n: int, start: float):
+    """`n` chat requests of 48/8 tokens, each sent 2 ms after the last one ended, the first
+    at `start`, on a clock each step advances by its cost: (TTFTs, flood tokens a second)."""
+    rng, ttft, flood, t0 = random.Random(len(sched.groups)), {}, 0, clock[0]
+    nxt, asked, rid = start, None, ""
+    while len(ttft) < n or asked is not None:
+        if asked is None and clock[0] >= nxt:
+            rid, asked = f"c{nxt}", nxt
+            sched.add_request(_group(rid, "chat", _prompt(rng, 48), 8))
+        if not sched.has_unfinished():
+            clock[0] = max(clock[0], nxt)
+            continue
+        so = sched.schedule()
+        clock[0] += FIXED + PER_TOKEN * so.num_scheduled_tokens
+        flood += sum(len(sr.input_ids) for sr in so.all_scheduled() if sr.req_id[0] == "f")
+        for u in sched.update_from_output(so, runner.execute_model(so)):
+            if u.req_id == rid and asked is not None and rid not in ttft:
+                ttft[rid] = clock[0] - asked
+            if u.req_id == rid and u.finish_reason:
+                asked, nxt = None, clock[0] + 0.002
+        sched.observe_step_time(FIXED + PER_TOKEN * so.num_scheduled_tokens)
+    return list(ttft.values()), flood / (clock[0] - t0)
+
+
+def test_the_fair_bench_on_a_clock_of_step_costs():
+    """bench/fair.py's shape on a simulated clock (a step costs FIXED + PER_TOKEN a token):
+    20 chat requests alone, then 100 flood requests of 512/64 and, half a second on, the
+    20 chat requests again.  The chat key's worst TTFT stays within 2x of alone (the step
+    in flight and its own, each about its prompt's cost), where FCFS makes it wait for
+    the flood; the flood keeps at least half its throughput meanwhile."""
+    worst, rate = {}, {}
+    for policy in ("fcfs", "fair"):
+        cfg = _cfg(num_kv_blocks=8000, block_size=16, max_num_batched_tokens=1024,
+                   max_num_seqs=256, max_model_len=2048, scheduling_policy=policy)  # fmt: skip
+        sched, runner = Scheduler(cfg), FakeRunner(8000, 16, VOCAB)
+        clock = [0.0]
+        sched.latency.clock = lambda clock=clock: clock[0]
+        alone, _ = _chat_phase(sched, runner, clock, 20, 0.0)
+        rng = random.Random(7)
+        for g in _flood(rng, "f", 100, plen=512, out=64):
+            sched.add_request(g)
+        crowded, rate[policy] = _chat_phase(sched, runner, clock, 20, clock[0] + 0.5)
+        worst[policy] = max(crowded) / max(alone)
+    assert worst["fair"] <= 2.0, worst
+    assert worst["fcfs"] > 20, worst
+    assert rate["fair"] >= 0.5 * rate["fcfs"], rate  # what the floor promises
