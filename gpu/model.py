@@ -22,10 +22,8 @@ from gpu.cpu.linear import (
     Scratch,
     decode_on_amx,
     linears_packable,
+    pack_head,
     pack_model_linears,
-    use_dpbf16,
-    use_sgemm,
-    use_sgemm512,
 )
 from gpu.pp import PPStage
 from gpu.tp import TPGroup, vocab_parallel_embed
@@ -432,9 +430,7 @@ class CausalLM(nn.Module):
                 layer.mlp.gate_up_proj.scratch = scratch  # each dead once SiLU * up ran
         if self.lm_head_int8 is not None or not has_head:
             return n
-        self.lm_head_packed = PackedLinear.of_weight(
-            w, use_sgemm(dtype), amx, use_dpbf16(dtype), use_sgemm512(dtype)
-        )
+        self.lm_head_packed = pack_head(w, amx)
         if self.lm_head_weight is not None:
             self.lm_head_weight = None  # only the packed copy is used from now on
         return n

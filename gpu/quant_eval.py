@@ -104,7 +104,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
             else:
                 proj += m.weight.nbytes
         elif isinstance(m, PackedLinear):
-            proj += m.in_features * m.out_features * elem(m.packed.dtype)
+            proj += m.in_features * m.out_features * elem(m.dtype)  # layouts keep its dtype
         elif isinstance(m, torch.nn.Linear):
             proj += m.weight.nbytes
     other = sum(p.nbytes for n, p in model.named_parameters() if "proj" not in n)
@@ -112,7 +112,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
         other += head.qweight.nbytes + head.scale.nbytes
     if packed_head is not None:
         cfg = model.config  # type: ignore[attr-defined]
-        other += cfg.vocab_size * cfg.hidden_size * elem(packed_head.packed.dtype)
+        other += cfg.vocab_size * cfg.hidden_size * elem(packed_head.dtype)
     return proj, other
 
 

@@ -42,7 +42,7 @@ KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2, "amx": 3}
 
 def linear_kind(lin: nn.Module) -> str | None:
     """The packed kernel of a stack's projection, or None (a quantized layer, oneDNN...)."""
-    return lin.decode_kernel() if isinstance(lin, PackedLinear) else None
+    return lin.strategy.kernel if isinstance(lin, PackedLinear) else None
 
 
 def enabled() -> bool:
@@ -124,7 +124,8 @@ class LayerStack:
             row.in_eps = layer.input_layernorm.eps
             row.post_eps = layer.post_attention_layernorm.eps
             row.qkv = self._weight(qkv)
-            row.qkv_bias = None if qkv.bias_f32 is None else qkv.bias_f32.data_ptr()
+            bias = qkv.strategy.bias_f32
+            row.qkv_bias = None if bias is None else bias.data_ptr()
             row.o = self._weight(attn.o_proj)
             row.gate_up = self._weight(mlp.gate_up_proj)
             row.down = self._weight(mlp.down_proj)
@@ -134,7 +135,7 @@ class LayerStack:
 
     def _weight(self, lin: PackedLinear) -> int:
         """Where the step's kernel reads `lin`'s weight (AMX: its own copy)."""
-        w = lin.amx if self.amx else lin.packed
+        w = lin.strategy.stack_weight()
         assert w is not None
         return w.data_ptr()
 

@@ -1,5 +1,5 @@
-"""Linear layers with weights packed once at load (CPU only), on the kernel that is fastest
-for the CPU, the dtype and the row count.
+"""Linear layers with weights packed once at load (CPU only), each on the kernel family
+that is fastest for the CPU, the dtype and the row count.
 
 `F.linear` on CPU lays the weight out for the GEMM kernel on every call; packing once
 saves that work each step, and in float32 the packed path also reaches oneDNN's faster
@@ -7,34 +7,39 @@ kernels.  The ops are the ones torch's own CPU compiler (inductor) emits for fro
 layers; when they are missing or disagree with `F.linear` on a probe, the model keeps
 plain `nn.Linear`.
 
-Where oneDNN leaves speed on the table, pagestream's own kernels take the products (the
-measurements behind each choice: docs/PERFORMANCE.md, "What moved the numbers"):
+`choose` picks one family per projection, once, from the dtype, the CPU's features
+(gpu/cpu/features.py), the kernel choices PAGESTREAM_DECODE_GEMM / PAGESTREAM_PREFILL_GEMM
+(scheduler/envs.py) and the weight's shape; a `PackedLinear` holds that family's strategy,
+which packs the weight and runs its products.  Why each family runs where it does
+(measured: docs/PERFORMANCE.md, "What moved the numbers"):
 
-- float32 without AVX-512: the AVX2 `sgemm` (gpu/cpu/kernels/sgemm.cpp) at every size.  It
-  packs its own copy of the weight, which replaces oneDNN's, and a row's result does not
-  depend on the batch it came in (every size runs the same sums).  Without it, products of
-  512+ rows go to MKL's sgemm through the plain weight kept beside the packed one.
-- bfloat16 with AMX tiles: the AMX kernel (gpu/cpu/kernels/amx_gemm.cpp) up to
-  AMX_MAX_ROWS rows (decodes and mixed steps); larger products stay on oneDNN, so the layer
-  keeps both copies of the weight, made only where it fits AMX_COPY_MEMORY_SHARE of the
-  memory available.  An MLP's gate_up runs SiLU(gate) * up as the AMX product's epilogue
-  (amx_silu) and as oneDNN post-ops at prefill sizes (gated_linear).
-- bfloat16 with AVX512-BF16 and no AMX: the `vdpbf16ps` kernel
-  (gpu/cpu/kernels/dpbf16_gemm.cpp) at every size, one copy of the weight in its layout;
-  gate_up weights are packed for a gated epilogue (SiLU(gate) * up computed as the product
-  is rounded: the same bits as the separate pass, and no [rows, 2 x inter] tensor).
-- float32 with AVX-512 (AMX or not: AMX has no float32 product): the same kernel's float32
-  twin (`sgemm512`), with the gated epilogue too.
+- `OneDnnLinear`: oneDNN's packed weight, where no kernel of ours is ahead.  Float32
+  products of MKL_FROM_ROWS+ rows go to MKL's sgemm (ahead there) on CPUs without AVX-512
+  where pagestream's sgemm is not built, from a plain copy of the weight.
+- `SgemmLinear`: pagestream's AVX2 sgemm (gpu/cpu/kernels/sgemm.cpp) at every size, for
+  float32 without AVX-512 and for bf16 without a native bf16 product (oneDNN emulates it).
+  A row's result does not depend on the batch it came in.
+- `Sgemm512Linear`: the AVX-512 float32 kernel (gpu/cpu/kernels/dpbf16_gemm.cpp) at every
+  size, for float32 on any AVX-512 CPU (AMX has no float32 product).
+- `Dpbf16Linear`: the `vdpbf16ps` kernel (same file) at every size, for bf16 on
+  AVX512-BF16 CPUs without AMX.
+- `AmxLinear`: the AMX kernel (gpu/cpu/kernels/amx_gemm.cpp) up to AMX_MAX_ROWS rows (ahead
+  of oneDNN's own AMX kernel at decode and mixed-step sizes), oneDNN above: two copies of
+  the weight, made only where they fit AMX_COPY_MEMORY_SHARE of the memory.
 
-PAGESTREAM_DECODE_GEMM (scheduler/envs.py) forces one kernel or oneDNN alone, for
-comparisons.
+An MLP's gate_up is packed for `PackedLinear.silu_mul` where the family allows: SiLU(gate)
+* up as the product's epilogue (the bits of the separate pass, and no [rows, 2 x inter]
+tensor); on AMX for decode-sized rows, prefill-sized ones as oneDNN post-ops
+(`gated_linear`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -100,12 +105,18 @@ def _bucketed(x: torch.Tensor) -> torch.Tensor:
 # level below it, MKL ahead above (an AVX2-only CPU's measurement; docs/PERFORMANCE.md).
 MKL_FROM_ROWS = 512
 
+# Rows up to which the AMX kernel runs a bf16 product: ahead of oneDNN's own AMX kernel at
+# decode and mixed-step sizes, level around this size, behind at prefill sizes (measured
+# per row count on an AMX Xeon; docs/PERFORMANCE.md).
+AMX_MAX_ROWS = 192
+
 
 def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | None:
     """The row count from which a projection runs on MKL's sgemm; None: never.
     PAGESTREAM_PREFILL_GEMM: auto (float32 on a CPU without AVX-512 where pagestream's
-    sgemm is not built: with it, the sgemm takes every size), mkl (any float32 model),
-    onednn (never)."""
+    sgemm is not built: with it, the sgemm takes every size), mkl (any float32 model; choose
+    applies it to oneDNN and the AVX2 sgemm, the kernels it was measured beside), onednn
+    (never)."""
     choice = envs.PAGESTREAM_PREFILL_GEMM
     if dtype != torch.float32 or choice == "onednn" or not torch.backends.mkl.is_available():
         return None
@@ -115,21 +126,14 @@ def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | N
     return MKL_FROM_ROWS
 
 
-# Rows up to which the AMX kernel runs a bf16 product: ahead of oneDNN's own AMX kernel at
-# decode and mixed-step sizes, level around this size, behind at prefill sizes (measured
-# per row count on an AMX Xeon; docs/PERFORMANCE.md).
-AMX_MAX_ROWS = 192
-
-
 def _decode_gemm() -> str:
     return envs.PAGESTREAM_DECODE_GEMM
 
 
 def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
-    """Projections run on pagestream's sgemm (sgemm.cpp) rather than oneDNN.
-    PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU without AVX-512; bfloat16 on a CPU
-    without AVX512-BF16 or AMX, where oneDNN emulates bf16 products: where each was
-    measured), sgemm (any float32 or bf16 model), amx / dpbf16 / onednn (never)."""
+    """PAGESTREAM_DECODE_GEMM lets the AVX2 sgemm take `dtype`'s projections: auto (float32
+    without AVX-512; bf16 without AVX512-BF16 or AMX), sgemm (float32 or bf16), amx /
+    dpbf16 / onednn (never); where it is built."""
     choice = _decode_gemm()
     if dtype not in (torch.float32, torch.bfloat16) or choice in ("onednn", "amx", "dpbf16"):
         return False
@@ -144,9 +148,9 @@ def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 
 
 def use_amx(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
-    """bf16 products of up to AMX_MAX_ROWS rows run on pagestream's AMX kernel
-    (amx_gemm.cpp).  PAGESTREAM_DECODE_GEMM: auto or amx (bf16 where the CPU has AMX and
-    the kernel is built), sgemm / dpbf16 / onednn (never)."""
+    """PAGESTREAM_DECODE_GEMM lets the AMX kernel take bf16 products of up to AMX_MAX_ROWS
+    rows: auto or amx (where the CPU has AMX and the kernel is built), sgemm / dpbf16 /
+    onednn (never)."""
     choice = _decode_gemm()
     if dtype != torch.bfloat16 or choice in ("onednn", "sgemm", "dpbf16"):
         return False
@@ -154,10 +158,9 @@ def use_amx(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 
 
 def use_dpbf16(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
-    """bf16 projections of every size run on pagestream's AVX512-BF16 kernel
-    (dpbf16_gemm.cpp) rather than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (bf16 on a CPU with
-    AVX512-BF16 and no AMX, where it was measured; with AMX the tiles' kernels run), dpbf16
-    (any bf16 model where the kernel is built), sgemm / amx / onednn (never)."""
+    """PAGESTREAM_DECODE_GEMM lets the vdpbf16ps kernel take bf16 projections of every
+    size: auto (AVX512-BF16 without AMX: with AMX the tiles' kernels run), dpbf16 (any bf16
+    model), sgemm / amx / onednn (never); where it is built."""
     choice = _decode_gemm()
     if dtype != torch.bfloat16 or choice in ("onednn", "sgemm", "amx"):
         return False
@@ -170,10 +173,9 @@ def use_dpbf16(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 
 
 def use_sgemm512(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
-    """float32 projections of every size run on dpbf16_gemm.cpp's float32 kernel rather
-    than oneDNN.  PAGESTREAM_DECODE_GEMM: auto (float32 on a CPU with AVX-512, AMX or not:
-    AMX has no float32 product, so an AMX CPU's float32 runs on the same FMAs, faster than
-    oneDNN's there too: docs/PERFORMANCE.md), sgemm512 (any float32 model where the kernel is built), others (never)."""
+    """PAGESTREAM_DECODE_GEMM lets the AVX-512 float32 kernel take float32 projections of
+    every size: auto (any AVX-512 CPU, AMX or not), sgemm512 (any float32 model), others
+    (never); where it is built."""
     choice = _decode_gemm()
     if dtype != torch.float32 or choice not in ("auto", "sgemm512"):
         return False
@@ -184,173 +186,317 @@ def use_sgemm512(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
     return "avx512f" in (cpu or cpu_features.detect()).flags
 
 
-class PackedLinear(nn.Module):
-    """A drop-in for nn.Linear whose weight is pre-reordered once: for oneDNN, or with
-    `sgemm` for pagestream's kernel; with `mkl_from`, products of at least that many rows
-    run on the plain weight (MKL) instead; with `amx` (bf16), products of up to
-    AMX_MAX_ROWS rows run on pagestream's AMX kernel from a copy in its own layout."""
+@dataclass(frozen=True)
+class Choice:
+    """One projection's kernel family (a key of FAMILIES) and its options."""
 
-    def __init__(
-        self,
-        linear: nn.Linear,
-        mkl_from: int | None = None,
-        sgemm: bool = False,
-        amx: bool = False,
-        dpbf16: bool = False,
-        gated_inter: int | None = None,
-        sgemm512: bool = False,
-    ) -> None:
+    family: str
+    mkl_from: int | None = None  # onednn / sgemm: products of this many rows on MKL's sgemm
+    gated_inter: int | None = None  # an MLP's gate_up packed for PackedLinear.silu_mul
+
+    def describe(self) -> str:
+        mkl = "" if self.mkl_from is None else f", MKL from {self.mkl_from} rows"
+        return self.family + mkl + (", SiLU·up epilogue" if self.gated_inter else "")
+
+
+def choose(
+    dtype: torch.dtype,
+    shape: tuple[int, int],  # the weight's [out, in]
+    *,
+    bias: bool = False,
+    gated_inter: int | None = None,
+    mkl: bool = True,
+    amx_copy: bool = True,
+    cpu: CpuFeatures | None = None,
+) -> Choice:
+    """The kernel family of a `dtype` projection on `cpu` (this machine's by default) under
+    the kernel choices (use_* and mkl_from_rows read them).  gated_inter: an MLP's gate_up
+    ([gate; up], gated_inter rows each), gated where the family's epilogue takes it (no
+    bias, inter whole groups of its layout); mkl=False: never MKL (the lm_head: logits rows
+    never reach its sizes); amx_copy=False: no AMX copy (decode_on_amx: no room for it)."""
+    cpu = cpu or cpu_features.detect()
+    n, k = shape
+    family = _family(dtype, cpu, amx_copy)
+    if family == "amx" and k % 32:  # the AMX kernel reads k in tiles of 32
+        family = "onednn"
+    mkl_from = mkl_from_rows(dtype, cpu) if mkl and family in ("onednn", "sgemm") else None
+    group = _gated_group(family, dtype, mkl_from)
+    gated = gated_inter is not None and not bias and n == 2 * gated_inter
+    if not (gated and group and gated_inter % group == 0):
+        gated_inter = None
+    return Choice(family, mkl_from, gated_inter)
+
+
+def _family(dtype: torch.dtype, cpu: CpuFeatures, amx_copy: bool) -> str:
+    # At most one of these holds for a dtype, CPU and choice, but for DECODE_GEMM=sgemm512
+    # on a CPU without AVX-512, where the forced kernel wins over the AVX2 sgemm.
+    if use_dpbf16(dtype, cpu):
+        return "dpbf16"
+    if use_sgemm512(dtype, cpu):
+        return "sgemm512"
+    if amx_copy and use_amx(dtype, cpu):
+        return "amx"
+    return "sgemm" if use_sgemm(dtype, cpu) else "onednn"
+
+
+def _gated_group(family: str, dtype: torch.dtype, mkl_from: int | None) -> int | None:
+    """Outputs per group of the family's gated layout; None: none here (oneDNN, the bf16
+    sgemm, or the sgemm beside MKL, which reads the plain weight for the prefill rows)."""
+    if family == "amx":
+        return cpu_kernels.AMX_GATED_GROUP
+    if family == "sgemm" and (dtype != torch.float32 or mkl_from is not None):
+        return None
+    if family in ("dpbf16", "sgemm512", "sgemm"):
+        return cpu_kernels.gated_kernel(family).group
+    return None
+
+
+def _take(scratch: Scratch | None, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if scratch is None else scratch.take(rows, cols, dtype)
+
+
+def _checkpoint_order(y: torch.Tensor, group: int) -> torch.Tensor:
+    """A gated layout's plain product [rows, 2 x inter] back in [gate; up] order (MLPs take
+    silu_mul(); this serves any other caller)."""
+    order = cpu_kernels.gated_order(y.shape[1] // 2, group)
+    return torch.empty_like(y).index_copy_(1, order, y)
+
+
+class LinearStrategy:
+    """One kernel family's packed weight and its products.  `packed` is the layout its
+    products read (`amx`: the AMX copy); `kernel` names the compiled kernel the layer stack
+    (gpu/cpu/layer_stack.py) runs for it, None where it takes none."""
+
+    family = ""  # its key in FAMILIES
+    kernel: str | None = None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: Choice) -> None:
+        assert choice.family == self.family, (choice, self.family)
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        # pagestream's kernels add a float32 bias (exact for a bf16 one).
+        self.bias_f32 = None if bias is None else bias.float()
+        self.gated_inter = choice.gated_inter
+        self.mkl_from = choice.mkl_from
+        self.plain = None if choice.mkl_from is None else weight
+        self.packed: torch.Tensor | None = None
+        self.amx: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def silu_mul(self, x2: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+        """SiLU(gate) * up [rows, gated_inter] of x2 [rows, in] (a gated gate_up only)."""
+        raise NotImplementedError
+
+    def stack_weight(self) -> torch.Tensor | None:
+        """The layout `kernel` reads in the layer stack."""
+        return self.packed if self.kernel else None
+
+    def onednn_rows(self) -> tuple[int, int | None] | None:
+        """The row counts (first, last or None: no end) whose products run on oneDNN, which
+        warm_onednn builds at start; None: none do."""
+        return None
+
+    def warm(self, x: torch.Tensor) -> None:
+        """Run the oneDNN product the model runs at x's rows."""
+        packed_linear(x, self.packed, self.bias)
+
+    def _on_mkl(self, x: torch.Tensor) -> bool:
+        return self.plain is not None and x.numel() >= self.mkl_from * self.in_features
+
+    def _mkl(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return F.linear(x, self.plain, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.plain.t(), out=out)
+        return torch.addmm(self.bias, x, self.plain.t(), out=out)
+
+
+class OneDnnLinear(LinearStrategy):
+    """oneDNN's packed weight at every size (and MKL's sgemm from mkl_from rows)."""
+
+    family = "onednn"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: Choice) -> None:
+        super().__init__(weight, bias, choice)
+        self.packed = pack_weight(weight)
+
+    def forward(self, x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+        if not self._on_mkl(x):
+            return packed_linear(x, self.packed, self.bias)  # oneDNN allocates its own
+        out = _take(scratch, x.shape[0], self.out_features, x.dtype) if x.dim() == 2 else None
+        return self._mkl(x, out)
+
+    def onednn_rows(self) -> tuple[int, int | None] | None:
+        return 1, None if self.mkl_from is None else self.mkl_from - 1
+
+
+class _EverySize(LinearStrategy):
+    """One of pagestream's kernels at every size, from its own layout of the weight (an
+    MLP's gate_up: its gated layout, `gated`)."""
+
+    pack_fn = gemm_fn = ""  # cpu_kernels' names, looked up at each call
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: Choice) -> None:
+        super().__init__(weight, bias, choice)
+        self.gated = cpu_kernels.gated_kernel(self.family) if self.gated_inter else None
+        if self.gated is not None:
+            self.packed = self.gated.pack(weight, self.gated_inter)
+        else:
+            self.packed = getattr(cpu_kernels, self.pack_fn)(weight)
+
+    def forward(self, x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        n = self.out_features
+        if self.gated is not None:
+            y = _checkpoint_order(self.gated.gemm(x2, self.packed, n, None), self.gated.group)
+            return y.view(*x.shape[:-1], n)
+        out = _take(scratch, x.shape[0], n, x.dtype) if x.dim() == 2 else None
+        if self._on_mkl(x):
+            return self._mkl(x, out)
+        y = getattr(cpu_kernels, self.gemm_fn)(x2, self.packed, n, self.bias_f32, out)
+        return y.view(*x.shape[:-1], n)
+
+    def silu_mul(self, x2: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+        assert self.gated is not None and self.gated_inter is not None
+        out = _take(scratch, x2.shape[0], self.gated_inter, x2.dtype)
+        return self.gated.silu(x2, self.packed, self.gated_inter, out)
+
+
+class SgemmLinear(_EverySize):
+    """The AVX2 sgemm (float32 or bf16 weights; MKL's sgemm from mkl_from rows where asked).
+    The layer stack takes it in float32 without MKL."""
+
+    family = kernel = "sgemm"
+    pack_fn, gemm_fn = "sgemm_pack", "sgemm"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: Choice) -> None:
+        super().__init__(weight, bias, choice)
+        if weight.dtype != torch.float32 or self.plain is not None:
+            self.kernel = None
+
+
+class Sgemm512Linear(_EverySize):
+    """The AVX-512 float32 kernel."""
+
+    family = kernel = "sgemm512"
+    pack_fn, gemm_fn = "sgemm512_pack", "sgemm512"
+
+
+class Dpbf16Linear(_EverySize):
+    """The AVX512-BF16 (vdpbf16ps) bf16 kernel."""
+
+    family = kernel = "dpbf16"
+    pack_fn, gemm_fn = "dpbf16_pack", "dpbf16_gemm"
+
+
+class AmxLinear(LinearStrategy):
+    """bf16 on the AMX kernel up to AMX_MAX_ROWS rows, from its own copy (`amx`); oneDNN
+    above, from `packed` or, for a gated gate_up, the gate and up halves packed apart
+    (`halves`: gated_linear's operands)."""
+
+    family = kernel = "amx"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: Choice) -> None:
+        super().__init__(weight, bias, choice)
+        inter = self.gated_inter
+        self.halves: tuple[torch.Tensor, torch.Tensor] | None = None
+        if inter is None:
+            self.packed = pack_weight(weight)
+            self.amx = cpu_kernels.amx_pack(weight)
+        else:
+            self.halves = (pack_weight(weight[:inter]), pack_weight(weight[inter:]))
+            self.amx = cpu_kernels.amx_gated_pack(weight, inter)
+
+    def forward(self, x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+        n = self.out_features
+        if x.dtype != torch.bfloat16 or x.numel() > AMX_MAX_ROWS * self.in_features:
+            if self.halves is not None:  # a gated gate_up's prefill-sized plain product
+                return torch.cat([packed_linear(x, h, None) for h in self.halves], dim=-1)
+            return packed_linear(x, self.packed, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        if self.halves is not None:
+            y = cpu_kernels.amx_gemm(x2, self.amx, n, None)
+            y = _checkpoint_order(y, cpu_kernels.AMX_GATED_GROUP)
+        else:
+            y = cpu_kernels.amx_gemm(x2, self.amx, n, self.bias_f32)
+        return y.view(*x.shape[:-1], n)
+
+    def silu_mul(self, x2: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+        inter = self.gated_inter
+        assert inter is not None and self.halves is not None
+        if x2.shape[0] > AMX_MAX_ROWS:
+            return gated_linear(x2, *self.halves)
+        out = _take(scratch, x2.shape[0], inter, x2.dtype)
+        return cpu_kernels.amx_silu(x2, self.amx, inter, out)
+
+    def stack_weight(self) -> torch.Tensor | None:
+        return self.amx
+
+    def onednn_rows(self) -> tuple[int, int | None] | None:
+        return AMX_MAX_ROWS + 1, None
+
+    def warm(self, x: torch.Tensor) -> None:
+        if self.halves is not None:
+            gated_linear(x, *self.halves)  # what its MLP runs
+        else:
+            packed_linear(x, self.packed, self.bias)
+
+
+FAMILIES: dict[str, type[LinearStrategy]] = {
+    "onednn": OneDnnLinear,
+    "sgemm": SgemmLinear,
+    "sgemm512": Sgemm512Linear,
+    "dpbf16": Dpbf16Linear,
+    "amx": AmxLinear,
+}
+
+
+class PackedLinear(nn.Module):
+    """A drop-in for nn.Linear whose weight is packed once, run by the strategy of the
+    kernel family `choice` names (see `choose`)."""
+
+    def __init__(self, linear: nn.Linear, choice: Choice) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.dtype = linear.weight.dtype
-        # Plain attributes, not parameters: the packed layouts are opaque tensors that
-        # state_dict() and .to() must not touch.
-        self.dpbf16 = dpbf16 and linear.weight.dtype == torch.bfloat16
-        self.sgemm512 = sgemm512 and linear.weight.dtype == torch.float32
-        self.sgemm = sgemm and not (self.dpbf16 or self.sgemm512)
-        # An MLP's gate_up ([gate; up] rows, gated_inter each) is packed for silu_mul():
-        # SiLU(gate) * up as the product's epilogue, for every product on the vdpbf16ps
-        # kernel, its float32 twin or the float32 AVX2 sgemm where MKL does not take the
-        # prefill rows (gated_ops), or on the AMX kernel for decode-sized ones (amx_gated).
-        gated = (
-            gated_inter is not None
-            and linear.bias is None
-            and linear.out_features == 2 * gated_inter
-        )
-        whole = (
-            "dpbf16" if self.dpbf16
-            else "sgemm512" if self.sgemm512
-            else "sgemm" if self.sgemm and mkl_from is None and self.dtype == torch.float32
-            else None
-        )  # fmt: skip
-        ops = cpu_kernels.gated_kernel(whole) if gated and whole else None
-        self.gated_ops = ops if ops and gated_inter % ops.group == 0 else None
-        # On AMX the gated layout serves decode-sized rows; prefill's take gated_linear
-        # over oneDNN packs of the gate and up halves (instead of one of [gate; up]).
-        amx = amx and linear.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
-        self.amx_gated = (
-            amx and not self.dpbf16 and gated and gated_inter % cpu_kernels.AMX_GATED_GROUP == 0
-        )
-        self.halves: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.gated_ops:
-            self.packed = self.gated_ops.pack(linear.weight, gated_inter)
-        elif self.amx_gated:
-            w = linear.weight.detach()
-            self.halves = (pack_weight(w[:gated_inter]), pack_weight(w[gated_inter:]))
-            self.packed = None
-        elif self.dpbf16:
-            self.packed = cpu_kernels.dpbf16_pack(linear.weight)
-        elif self.sgemm512:
-            self.packed = cpu_kernels.sgemm512_pack(linear.weight)
-        elif self.sgemm:
-            self.packed = cpu_kernels.sgemm_pack(linear.weight)
-        else:
-            self.packed = pack_weight(linear.weight)
+        self.choice = choice
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        # pagestream's kernels add a float32 bias (exact for a bf16 one).
-        self.bias_f32 = None if self.bias is None else self.bias.float()
-        self.mkl_from = mkl_from
-        self.plain = None if mkl_from is None else linear.weight.detach()
+        # A plain attribute, not parameters: the packed layouts are opaque tensors that
+        # state_dict() and .to() must not touch.
+        self.strategy = FAMILIES[choice.family](linear.weight.detach(), self.bias, choice)
         self.scratch: Scratch | None = None  # see Scratch
-        # The AMX kernel reads k in tiles of 32 (every model dimension we know is a multiple).
-        if self.amx_gated:
-            self.amx = cpu_kernels.amx_gated_pack(linear.weight, gated_inter)
-        else:
-            self.amx = cpu_kernels.amx_pack(linear.weight) if amx else None
-        # silu_mul() is there (MLP.forward takes it).
-        self.gated_inter = gated_inter if self.gated_ops or self.amx_gated else None
 
     @classmethod
-    def of_weight(
-        cls,
-        weight: torch.Tensor,
-        sgemm: bool = False,
-        amx: bool = False,
-        dpbf16: bool = False,
-        sgemm512: bool = False,
-    ) -> PackedLinear:
-        """For a bare weight (the lm_head): no bias, no MKL path."""
+    def of_weight(cls, weight: torch.Tensor, choice: Choice) -> PackedLinear:
+        """For a bare weight (the lm_head): no bias."""
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls(linear, sgemm=sgemm, amx=amx, dpbf16=dpbf16, sgemm512=sgemm512)
+        return cls(linear, choice)
+
+    @property
+    def gated_inter(self) -> int | None:
+        """Set where silu_mul() is there (MLP.forward takes it)."""
+        return self.strategy.gated_inter
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up of this gate_up projection, [T, gated_inter], in one pass (on
-        the AMX kernel: up to AMX_MAX_ROWS rows; more take gated_linear)."""
+        """SiLU(gate) * up of this gate_up projection, [..., gated_inter], in one pass."""
         inter = self.gated_inter
         assert inter is not None
-        x2 = x.reshape(-1, self.in_features)
-        if self.gated_ops or x2.shape[0] <= AMX_MAX_ROWS:
-            out = None
-            if self.scratch is not None:
-                out = self.scratch.take(x2.shape[0], inter, x.dtype)
-            if self.gated_ops:
-                y = self.gated_ops.silu(x2, self.packed, inter, out)
-            else:
-                y = cpu_kernels.amx_silu(x2, self.amx, inter, out)
-        else:
-            assert self.halves is not None
-            y = gated_linear(x2, *self.halves)
+        y = self.strategy.silu_mul(x.reshape(-1, self.in_features), self.scratch)
         return y.view(*x.shape[:-1], inter)
 
-    def decode_kernel(self) -> str | None:
-        """Which of pagestream's kernels forward() and silu_mul() call for decode-sized
-        products (AMX: up to AMX_MAX_ROWS rows; the others: any), as the layer stack
-        (gpu/cpu/layer_stack.py) calls them; None: oneDNN, or MKL from some row count."""
-        if self.amx is not None:
-            return "amx" if self.dtype == torch.bfloat16 else None
-        if self.halves is not None:
-            return None
-        if self.dpbf16:
-            return "dpbf16"
-        if self.sgemm512:
-            return "sgemm512"
-        if self.sgemm and self.plain is None and self.dtype == torch.float32:
-            return "sgemm"
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        amx = self.amx is not None and x.dtype == torch.bfloat16
-        amx = amx and x.numel() <= AMX_MAX_ROWS * self.in_features
-        if self.gated_ops or (amx and self.amx_gated):
-            # The gated layout's plain product, back in [gate; up] order (MLPs take
-            # silu_mul(); this serves any other caller).
-            x2 = x.reshape(-1, self.in_features)
-            if self.gated_ops:
-                order = cpu_kernels.gated_order(self.out_features // 2, self.gated_ops.group)
-                y = self.gated_ops.gemm(x2, self.packed, self.out_features, None)
-            else:
-                order = cpu_kernels.gated_order(self.out_features // 2, cpu_kernels.AMX_GATED_GROUP)
-                y = cpu_kernels.amx_gemm(x2, self.amx, self.out_features, None)
-            y = torch.empty_like(y).index_copy_(1, order, y)
-            return y.view(*x.shape[:-1], self.out_features)
-        if amx:
-            y = cpu_kernels.amx_gemm(x.reshape(-1, self.in_features), self.amx,
-                                     self.out_features, self.bias_f32)  # fmt: skip
-            return y.view(*x.shape[:-1], self.out_features)
-        if self.halves is not None:  # a gated gate_up's prefill-sized plain product
-            return torch.cat([packed_linear(x, h, None) for h in self.halves], dim=-1)
-        mkl = self.plain is not None and x.numel() >= self.mkl_from * self.in_features
-        if not (mkl or self.sgemm or self.dpbf16 or self.sgemm512):
-            return packed_linear(x, self.packed, self.bias)  # oneDNN allocates its own
-        out = None
-        if self.scratch is not None and x.dim() == 2:
-            out = self.scratch.take(x.shape[0], self.out_features, x.dtype)
-        if self.dpbf16 or self.sgemm512:
-            gemm = cpu_kernels.dpbf16_gemm if self.dpbf16 else cpu_kernels.sgemm512
-            y = gemm(x.reshape(-1, self.in_features), self.packed, self.out_features,
-                     self.bias_f32, out)  # fmt: skip
-            return y.view(*x.shape[:-1], self.out_features)
-        if mkl:
-            if out is None:
-                return F.linear(x, self.plain, self.bias)
-            if self.bias is None:
-                return torch.mm(x, self.plain.t(), out=out)
-            return torch.addmm(self.bias, x, self.plain.t(), out=out)
-        y = cpu_kernels.sgemm(x.reshape(-1, self.in_features), self.packed,
-                              self.out_features, self.bias_f32, out)  # fmt: skip
-        return y.view(*x.shape[:-1], self.out_features)
+        return self.strategy.forward(x, self.scratch)
+
+
+def pack_head(weight: torch.Tensor, amx_copy: bool = False) -> PackedLinear:
+    """The lm_head's PackedLinear (amx_copy: as decode_on_amx decided for the model)."""
+    return PackedLinear.of_weight(
+        weight, choose(weight.dtype, tuple(weight.shape), mkl=False, amx_copy=amx_copy)
+    )
 
 
 def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
@@ -366,22 +512,18 @@ def warm_onednn(model: nn.Module, max_rows: int, max_logit_rows: int) -> int:
     done: set[tuple] = set()
     runs = 0
     for layer in model.modules():
-        if not isinstance(layer, PackedLinear) or layer.sgemm or layer.dpbf16 or layer.sgemm512:
+        span = layer.strategy.onednn_rows() if isinstance(layer, PackedLinear) else None
+        if span is None:
             continue
-        lo = AMX_MAX_ROWS + 1 if layer.amx is not None else 1
+        lo, last = span
         hi = max_logit_rows if layer is head else max_rows
-        if layer.plain is not None:  # MKL from mkl_from rows
-            hi = min(hi, layer.mkl_from - 1)
+        hi = hi if last is None else min(hi, last)
         key = (layer.in_features, layer.out_features, layer.bias is None, layer.dtype, lo, hi)
         if key in done:
             continue
         done.add(key)
         for rows in sorted({cpu_kernels.gemm_rows(r) for r in range(lo, hi + 1)}):
-            x = torch.zeros(rows, layer.in_features, dtype=layer.dtype)
-            if layer.halves is not None:
-                gated_linear(x, *layer.halves)  # what its MLP runs
-            else:
-                packed_linear(x, layer.packed, layer.bias)
+            layer.strategy.warm(torch.zeros(rows, layer.in_features, dtype=layer.dtype))
             runs += 1
     return runs
 
@@ -490,25 +632,11 @@ def linears_packable(dtype: torch.dtype) -> bool:
 
 
 def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool = False) -> int:
-    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
-    (Quantized layers are not nn.Linear and keep their own kernels.)  amx: the decode rows
-    take the AMX kernel (decode_on_amx decides)."""
+    """Swap every nn.Linear of a CPU model for a PackedLinear on the family `choose` picks
+    for it; returns how many.  (Quantized layers are not nn.Linear and keep their own
+    kernels.)  amx: the AMX copies may be made (decode_on_amx decides)."""
     if not linears_packable(dtype):
         return 0
-    mkl_from = mkl_from_rows(dtype)
-    if mkl_from is not None:
-        log.info("float32 projections of >= %d rows run on MKL's sgemm", mkl_from)
-    sgemm = use_sgemm(dtype)
-    if sgemm:
-        log.info("%s projections run on pagestream's AVX2 sgemm", str(dtype).split(".")[-1])
-    if amx:
-        log.info("bf16 projections of <= %d rows run on pagestream's AMX kernel", AMX_MAX_ROWS)
-    dpbf16 = use_dpbf16(dtype)
-    if dpbf16:
-        log.info("bf16 projections run on pagestream's AVX512-BF16 kernel")
-    sgemm512 = use_sgemm512(dtype)
-    if sgemm512:
-        log.info("float32 projections run on pagestream's AVX-512 kernel")
     # MLPs' gate_up projections (an `inter` beside a `gate_up_proj`): SiLU * up in the
     # GEMM's epilogue, unless the compiled elementwise kernels are turned off.
     gated = (
@@ -520,10 +648,18 @@ def pack_model_linears(model: nn.Module, dtype: torch.dtype, amx: bool = False) 
         if cpu_kernels.fused_enabled()
         else {}
     )
-    return swap_linears(
-        model,
-        lambda lin: PackedLinear(lin, mkl_from, sgemm, amx, dpbf16, gated.get(id(lin)), sgemm512),
-    )
+    chosen: Counter[str] = Counter()
+
+    def make(lin: nn.Linear) -> PackedLinear:
+        choice = choose(dtype, (lin.out_features, lin.in_features), bias=lin.bias is not None,
+                        gated_inter=gated.get(id(lin)), amx_copy=amx)  # fmt: skip
+        chosen[choice.describe()] += 1
+        return PackedLinear(lin, choice)
+
+    n = swap_linears(model, make)
+    log.info("%s projections: %s", str(dtype).split(".")[-1],
+             "; ".join(f"{c} on {kind}" for kind, c in chosen.most_common()))  # fmt: skip
+    return n
 
 
 def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

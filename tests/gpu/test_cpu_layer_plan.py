@@ -156,7 +156,7 @@ def _spans(model, kv_caches, meta, positions) -> list[tuple[int, int, str]]:
         for pname, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                            ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):  # fmt: skip
             for attr in ("packed", "amx", "bias_f32"):
-                named.append((f"L{i}.{pname}.{attr}", getattr(lin, attr, None)))
+                named.append((f"L{i}.{pname}.{attr}", getattr(lin.strategy, attr, None)))
     return [
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
         for name, t in named

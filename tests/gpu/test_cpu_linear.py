@@ -1,9 +1,10 @@
-"""The CPU projections: oneDNN's packed weight, or pagestream's sgemm (float32 without
-AVX-512, bf16 without native bf16; every size), AMX kernel (bf16 with AMX, decode sizes),
-AVX512-BF16 kernel (bf16 with AVX512-BF16 and no AMX; every size) or its float32 twin
-(float32 with AVX-512; every size);
-MKL's sgemm on the plain weight from MKL_FROM_ROWS rows where asked (or where the sgemm is
-not built on a float32 CPU without AVX-512)."""
+"""The CPU projections, one strategy per kernel family: oneDNN's packed weight, or
+pagestream's sgemm (float32 without AVX-512, bf16 without native bf16; every size), AMX
+kernel (bf16 with AMX, decode sizes), AVX512-BF16 kernel (bf16 with AVX512-BF16 and no AMX;
+every size) or its float32 twin (float32 with AVX-512; every size); MKL's sgemm on the
+plain weight from MKL_FROM_ROWS rows where asked (or where the sgemm is not built on a
+float32 CPU without AVX-512).  `choose` picks what the flag chains it replaced picked
+(test_choose_picks_what_the_flag_chains_picked)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from gpu.cpu import linear as cpu_linear
 from gpu.cpu.features import CpuFeatures
 from gpu.cpu.linear import (
     AMX_MAX_ROWS,
+    Choice,
     PackedLinear,
+    choose,
     mkl_from_rows,
     use_amx,
     use_dpbf16,
@@ -88,7 +91,7 @@ def test_mkl_only_for_float32_without_avx512_or_sgemm_unless_asked(monkeypatch):
 def test_packed_linear_takes_mkl_from_the_threshold_with_the_same_result(monkeypatch, bias):
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=bias)
-    layer = PackedLinear(lin, mkl_from=8)
+    layer = PackedLinear(lin, Choice("onednn", mkl_from=8))
     onednn = []
     real = cpu_linear.packed_linear
     monkeypatch.setattr(
@@ -99,7 +102,7 @@ def test_packed_linear_takes_mkl_from_the_threshold_with_the_same_result(monkeyp
         ref = F.linear(x, lin.weight, lin.bias)
         torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
     assert onednn == [1, 7]  # 8 and 40 rows went to MKL
-    assert PackedLinear(lin).plain is None  # no second copy unless asked
+    assert PackedLinear(lin, Choice("onednn")).strategy.plain is None  # no copy unless asked
 
 
 @needs_packing
@@ -108,12 +111,14 @@ def test_model_keeps_plain_weights_only_where_mkl_is_used(monkeypatch):
     from tests.checkpoints import tiny_checkpoint
 
     path = tiny_checkpoint("llama")
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "onednn")  # no kernel of ours takes them all
     for choice, plain in (("onednn", False), ("mkl", torch.backends.mkl.is_available())):
         monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", choice)
         r = ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=16)
         layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
-        assert layers and all((m.plain is not None) == plain for m in layers)
-        assert r.model.lm_head_packed.plain is None  # logits rows never reach MKL's sizes
+        assert layers and all((m.strategy.plain is not None) == plain for m in layers)
+        head = r.model.lm_head_packed.strategy
+        assert head.plain is None  # logits rows never reach MKL's sizes
 
 
 @needs_packing
@@ -122,7 +127,7 @@ def test_scratch_output_is_reused_and_exact():
     dead before the next such layer runs); results equal F.linear at every size."""
     torch.manual_seed(1)
     lins = [nn.Linear(32, 48, bias=b) for b in (False, True)]
-    layers = [PackedLinear(lin, mkl_from=4) for lin in lins]
+    layers = [PackedLinear(lin, Choice("onednn", mkl_from=4)) for lin in lins]
     scratch = cpu_linear.Scratch()
     for layer in layers:
         layer.scratch = scratch
@@ -273,7 +278,7 @@ def test_sgemm_bf16_is_the_float32_product_rounded_once(n, k):
 def test_packed_linear_on_sgemm_below_mkl(monkeypatch, bias):
     torch.manual_seed(2)
     lin = nn.Linear(64, 40, bias=bias)
-    layer = PackedLinear(lin, mkl_from=8, sgemm=True)
+    layer = PackedLinear(lin, Choice("sgemm", mkl_from=8))
     calls = []
     real = cpu_kernels.sgemm
     monkeypatch.setattr(
@@ -285,7 +290,7 @@ def test_packed_linear_on_sgemm_below_mkl(monkeypatch, bias):
             layer(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5
         )
     assert calls == [1, 7, 6]  # 8 rows went to MKL; the 3-d input as 6 rows
-    head = PackedLinear.of_weight(lin.weight, sgemm=True)
+    head = PackedLinear.of_weight(lin.weight, Choice("sgemm"))
     x = torch.randn(3, 64)
     torch.testing.assert_close(head(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
 
@@ -294,7 +299,7 @@ def test_packed_linear_on_sgemm_below_mkl(monkeypatch, bias):
 def test_bf16_packed_linear_on_sgemm():
     torch.manual_seed(4)
     lin = nn.Linear(64, 40, bias=True).bfloat16()
-    layer = PackedLinear(lin, sgemm=True)
+    layer = PackedLinear(lin, Choice("sgemm"))
     for shape in ((1, 64), (9, 64), (2, 3, 64)):
         x = torch.randn(*shape).bfloat16()
         y = layer(x)
@@ -366,8 +371,9 @@ def test_amx_rows_do_not_depend_on_the_batch(k):
 def test_packed_linear_on_amx_up_to_max_rows(monkeypatch, bias):
     torch.manual_seed(2)
     lin = nn.Linear(64, 48, bias=bias).bfloat16()
-    layer = PackedLinear(lin, amx=True)
-    assert layer.amx is not None and layer.packed is not None  # oneDNN's copy for prefill
+    layer = PackedLinear(lin, Choice("amx"))
+    amx = layer.strategy
+    assert amx.amx is not None and amx.packed is not None  # oneDNN's copy for prefill
     calls = []
     real = cpu_kernels.amx_gemm
     monkeypatch.setattr(
@@ -380,11 +386,9 @@ def test_packed_linear_on_amx_up_to_max_rows(monkeypatch, bias):
         )
         torch.testing.assert_close(layer(x).float(), ref, atol=2e-2, rtol=2**-7)
     assert calls == [1, AMX_MAX_ROWS, 6]  # the 3-d input as 6 rows; 97 rows on oneDNN
-    head = PackedLinear.of_weight(lin.weight, amx=True)
-    assert head.amx is not None
-    # k not a multiple of 32: oneDNN only
-    assert PackedLinear(nn.Linear(40, 16).bfloat16(), amx=True).amx is None
-    assert PackedLinear(lin.float(), amx=True).amx is None  # float32: never
+    assert cpu_linear.pack_head(lin.weight, amx_copy=True).strategy.amx is not None
+    assert choose(torch.bfloat16, (16, 40)).family == "onednn"  # k not a multiple of 32
+    assert choose(torch.float32, (48, 64)).family != "amx"  # float32: never
 
 
 @needs_amx
@@ -399,7 +403,7 @@ def test_bf16_model_runs_its_decode_projections_on_amx_and_matches_onednn(monkey
         monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
         r = ModelRunner(path, dtype="bfloat16", device="cpu", num_kv_blocks=16)
         layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
-        assert layers and all((m.amx is not None) == (choice == "amx") for m in layers)
+        assert layers and all((m.strategy.amx is not None) == (choice == "amx") for m in layers)
         h = torch.randn(5, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
         logits[choice] = r.model.compute_logits(h.bfloat16())
     torch.testing.assert_close(logits["amx"], logits["onednn"], atol=3e-2, rtol=2**-7)
@@ -427,7 +431,8 @@ def test_bf16_model_keeps_one_copy_when_the_amx_copy_does_not_fit(monkeypatch, c
     with caplog.at_level("WARNING"):
         r = ModelRunner(tiny_checkpoint("llama"), dtype="bfloat16", device="cpu", num_kv_blocks=16)
     layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
-    assert layers and all(m.amx is None for m in layers) and r.model.lm_head_packed.amx is None
+    assert layers and all(m.choice.family == "onednn" for m in layers)
+    assert r.model.lm_head_packed.strategy.amx is None
     assert "stay on oneDNN" in caplog.text
 
 
@@ -486,8 +491,8 @@ def test_dpbf16_rows_do_not_depend_on_the_batch():
 def test_packed_linear_on_dpbf16_every_size(monkeypatch):
     torch.manual_seed(6)
     lin = nn.Linear(64, 40, bias=True).bfloat16()
-    layer = PackedLinear(lin, dpbf16=True)
-    assert layer.dpbf16 and not layer.sgemm
+    layer = PackedLinear(lin, Choice("dpbf16"))
+    assert layer.strategy.kernel == "dpbf16"
     calls = []
     real = cpu_kernels.dpbf16_gemm
     monkeypatch.setattr(
@@ -502,8 +507,9 @@ def test_packed_linear_on_dpbf16_every_size(monkeypatch):
         ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
         torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=2**-7)
     assert calls == [1, 9, 700, 6]  # prefill-sized products too; the 3-d input as 6 rows
-    assert PackedLinear.of_weight(lin.weight, dpbf16=True).dpbf16
-    assert not PackedLinear(nn.Linear(64, 40), dpbf16=True).dpbf16  # float32: never
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "dpbf16")
+    assert cpu_linear.pack_head(lin.weight).choice.family == "dpbf16"
+    assert choose(torch.float32, (40, 64)).family != "dpbf16"  # float32: never
 
 
 def _model_on_kernel_matches_onednn(
@@ -521,8 +527,8 @@ def _model_on_kernel_matches_onednn(
         monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", choice)
         r = ModelRunner(path, dtype=dtype, device="cpu", num_kv_blocks=16)
         layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
-        assert layers and all(getattr(m, kernel) == (choice == kernel) for m in layers)
-        assert getattr(r.model.lm_head_packed, kernel) == (choice == kernel)
+        layers.append(r.model.lm_head_packed)
+        assert layers and all((m.choice.family == kernel) == (choice == kernel) for m in layers)
         h = torch.randn(300, r.config.hidden_size, generator=torch.Generator().manual_seed(0))
         logits[choice] = r.model.compute_logits(h.to(r.model.embed_tokens.weight.dtype))
     torch.testing.assert_close(logits[kernel], logits["onednn"], atol=atol, rtol=rtol)
@@ -577,30 +583,25 @@ def _check_gated_epilogue(kernel: str, inter: int, k: int, rows: tuple[int, ...]
 def test_packed_gate_up_on_dpbf16_takes_the_gated_layout_where_it_can():
     torch.manual_seed(7)
     lin = nn.Linear(64, 2 * 96, bias=False).bfloat16()
-    layer = PackedLinear(lin, dpbf16=True, gated_inter=96)
-    ungated = PackedLinear(lin, dpbf16=True)
+    layer = PackedLinear(lin, Choice("dpbf16", gated_inter=96))
+    ungated = PackedLinear(lin, Choice("dpbf16"))
     assert layer.gated_inter == 96 and ungated.gated_inter is None
     x = torch.randn(9, 64).bfloat16()
     # forward() still gives [gate; up] in the checkpoint's order; silu_mul() the fused op.
     assert torch.equal(layer(x), ungated(x))
     assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
     assert layer.silu_mul(x.view(3, 3, 64)).shape == (3, 3, 96)
+
     # Where the epilogue cannot run, the plain layout: a bias, an inter that does not tile
-    # by 32, float32, or no vdpbf16ps kernel asked for.
-    assert (
-        PackedLinear(nn.Linear(64, 192).bfloat16(), dpbf16=True, gated_inter=96).gated_inter is None
-    )
-    assert (
-        PackedLinear(
-            nn.Linear(64, 80, bias=False).bfloat16(), dpbf16=True, gated_inter=40
-        ).gated_inter
-        is None
-    )
-    assert (
-        PackedLinear(nn.Linear(64, 192, bias=False), dpbf16=True, gated_inter=96).gated_inter
-        is None
-    )
-    assert PackedLinear(lin, gated_inter=96).gated_inter is None
+    # by 32, float32, or no vdpbf16ps kernel chosen.
+    def gated(dtype=torch.bfloat16, shape=(192, 64), inter=96, bias=False, cpu=AVX512):
+        return choose(dtype, shape, bias=bias, gated_inter=inter, cpu=cpu).gated_inter
+
+    assert gated() == 96
+    assert gated(bias=True) is None
+    assert gated(shape=(80, 64), inter=40) is None
+    assert choose(torch.float32, (192, 64), gated_inter=96, cpu=AVX512).family == "sgemm512"
+    assert gated(cpu=AVX512_NO_BF16) is None  # the bf16 sgemm's: no gated layout
 
 
 @needs_dpbf16
@@ -655,10 +656,11 @@ def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
     and the multiply fused (close: SiLU of the float32 sums); forward() gives [gate; up]."""
     torch.manual_seed(8)
     lin = nn.Linear(64, 2 * 96, bias=False).bfloat16()
-    layer = PackedLinear(lin, amx=True, gated_inter=96)
-    ungated = PackedLinear(lin, amx=True)
-    assert layer.gated_inter == 96 and layer.amx_gated and ungated.gated_inter is None
-    assert layer.halves is not None and layer.packed is None  # no [gate; up] oneDNN copy
+    layer = PackedLinear(lin, Choice("amx", gated_inter=96))
+    ungated = PackedLinear(lin, Choice("amx"))
+    assert layer.gated_inter == 96 and ungated.gated_inter is None
+    gated = layer.strategy
+    assert gated.halves is not None and gated.packed is None  # no [gate; up] oneDNN copy
     calls = []
     real = cpu_kernels.amx_silu
     monkeypatch.setattr(
@@ -677,11 +679,17 @@ def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
             torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=3e-2, rtol=2**-6)
     assert calls == [1, 9, AMX_MAX_ROWS]
     assert layer.silu_mul(torch.randn(3, 3, 64).bfloat16()).shape == (3, 3, 96)
+
     # A bias, an inter that does not tile by 16, or no AMX copy: the plain layout.
-    assert PackedLinear(nn.Linear(64, 192).bfloat16(), amx=True, gated_inter=96).gated_inter is None
-    odd = nn.Linear(64, 2 * 40, bias=False).bfloat16()
-    assert PackedLinear(odd, amx=True, gated_inter=40).gated_inter is None
-    assert PackedLinear(lin, gated_inter=96).gated_inter is None
+    def gated(shape=(192, 64), inter=96, bias=False, amx_copy=True):
+        choice = choose(torch.bfloat16, shape, bias=bias, gated_inter=inter, amx_copy=amx_copy,
+                        cpu=AMX)  # fmt: skip
+        return choice.family, choice.gated_inter
+
+    assert gated() == ("amx", 96)
+    assert gated(bias=True) == ("amx", None)
+    assert gated(shape=(80, 64), inter=40) == ("amx", None)
+    assert gated(amx_copy=False) == ("onednn", None)
 
 
 @needs_packing
@@ -888,10 +896,11 @@ def test_sgemm512_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
 def test_packed_float32_gate_up_on_sgemm512_takes_the_gated_layout():
     torch.manual_seed(7)
     lin = nn.Linear(64, 2 * 96, bias=False)
-    layer = PackedLinear(lin, sgemm512=True, gated_inter=96)
-    ungated = PackedLinear(lin, sgemm512=True)
-    assert layer.gated_ops == cpu_kernels.gated_kernel("sgemm512") and layer.gated_inter == 96
-    assert ungated.gated_inter is None and ungated.gated_ops is None
+    layer = PackedLinear(lin, Choice("sgemm512", gated_inter=96))
+    ungated = PackedLinear(lin, Choice("sgemm512"))
+    assert layer.strategy.gated == cpu_kernels.gated_kernel("sgemm512")
+    assert layer.gated_inter == 96 and ungated.gated_inter is None
+    assert ungated.strategy.gated is None
     for rows in (9, 700):  # decode-sized (columns split) and prefill-sized (rows split)
         x = torch.randn(rows, 64)
         assert torch.equal(layer(x), ungated(x))  # [gate; up] in the checkpoint's order
@@ -932,21 +941,187 @@ def test_sgemm_silu_rows_do_not_depend_on_the_batch_or_threads(threads):
 def test_packed_float32_gate_up_on_sgemm_takes_the_gated_layout():
     torch.manual_seed(7)
     lin = nn.Linear(64, 2 * 96, bias=False)
-    layer = PackedLinear(lin, sgemm=True, gated_inter=96)
-    ungated = PackedLinear(lin, sgemm=True)
-    assert layer.gated_ops == cpu_kernels.gated_kernel("sgemm") and layer.gated_inter == 96
-    assert ungated.gated_inter is None and ungated.gated_ops is None
+    layer = PackedLinear(lin, Choice("sgemm", gated_inter=96))
+    ungated = PackedLinear(lin, Choice("sgemm"))
+    assert layer.strategy.gated == cpu_kernels.gated_kernel("sgemm")
+    assert layer.gated_inter == 96 and ungated.gated_inter is None
+    assert ungated.strategy.gated is None
     for rows in (2, 9, 700):
         x = torch.randn(rows, 64)
         assert torch.equal(layer(x), ungated(x))  # [gate; up] in the checkpoint's order
         assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
-    # The plain layout where the epilogue cannot run: a bias, an inter that does not tile by
-    # 16, bf16 weights, or MKL taking the prefill rows.
-    assert PackedLinear(nn.Linear(64, 192), sgemm=True, gated_inter=96).gated_inter is None
-    assert (
-        PackedLinear(nn.Linear(64, 2 * 40, bias=False), sgemm=True, gated_inter=40).gated_inter
-        is None
-    )
-    bf16 = nn.Linear(64, 192, bias=False).bfloat16()
-    assert PackedLinear(bf16, sgemm=True, gated_inter=96).gated_inter is None
-    assert PackedLinear(lin, mkl_from=512, sgemm=True, gated_inter=96).gated_inter is None
+
+
+@needs_sgemm
+def test_sgemm_gates_only_float32_without_mkl(monkeypatch):
+    """The plain layout where the epilogue cannot run: a bias, an inter that does not tile
+    by 16, bf16 weights, or MKL taking the prefill rows (which read the plain weight)."""
+
+    def gated(dtype=torch.float32, shape=(192, 64), inter=96, bias=False):
+        choice = choose(dtype, shape, bias=bias, gated_inter=inter, cpu=AVX2)
+        assert choice.family == "sgemm"
+        return choice.gated_inter
+
+    assert gated() == 96
+    assert gated(bias=True) is None
+    assert gated(shape=(80, 64), inter=40) is None
+    assert gated(dtype=torch.bfloat16) is None
+    monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", "mkl")
+    assert gated() == (None if torch.backends.mkl.is_available() else 96)
+
+
+# What the flag chains the strategies replaced chose (PackedLinear's six flags sorted out in
+# its __init__ from pack_model_linears' use_* calls; issue 49), recorded by running that
+# code for every combination below before the change.  First a plain projection's family
+# per dtype, CPU and PAGESTREAM_PREFILL_GEMM (rows), for each PAGESTREAM_DECODE_GEMM
+# (columns, in DECODES' order), every kernel of ours built; "/mkl": MKL's sgemm from
+# MKL_FROM_ROWS rows.
+DECODES = ("auto", "onednn", "sgemm", "amx", "dpbf16", "sgemm512")
+OLD_FAMILIES = """
+float32  base       auto   sgemm      onednn/mkl sgemm      onednn/mkl onednn/mkl sgemm512
+float32  base       mkl    sgemm/mkl  onednn/mkl sgemm/mkl  onednn/mkl onednn/mkl sgemm512
+float32  base       onednn sgemm      onednn     sgemm      onednn     onednn     sgemm512
+float32  avx2       auto   sgemm      onednn/mkl sgemm      onednn/mkl onednn/mkl sgemm512
+float32  avx2       mkl    sgemm/mkl  onednn/mkl sgemm/mkl  onednn/mkl onednn/mkl sgemm512
+float32  avx2       onednn sgemm      onednn     sgemm      onednn     onednn     sgemm512
+float32  avx512     auto   sgemm512   onednn     sgemm      onednn     onednn     sgemm512
+float32  avx512     mkl    sgemm512   onednn/mkl sgemm/mkl  onednn/mkl onednn/mkl sgemm512
+float32  avx512     onednn sgemm512   onednn     sgemm      onednn     onednn     sgemm512
+float32  avx512bf16 auto   sgemm512   onednn     sgemm      onednn     onednn     sgemm512
+float32  avx512bf16 mkl    sgemm512   onednn/mkl sgemm/mkl  onednn/mkl onednn/mkl sgemm512
+float32  avx512bf16 onednn sgemm512   onednn     sgemm      onednn     onednn     sgemm512
+float32  amx        auto   sgemm512   onednn     sgemm      onednn     onednn     sgemm512
+float32  amx        mkl    sgemm512   onednn/mkl sgemm/mkl  onednn/mkl onednn/mkl sgemm512
+float32  amx        onednn sgemm512   onednn     sgemm      onednn     onednn     sgemm512
+bfloat16 base       auto   sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 base       mkl    sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 base       onednn sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 avx2       auto   sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 avx2       mkl    sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 avx2       onednn sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 avx512     auto   sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 avx512     mkl    sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 avx512     onednn sgemm      onednn     sgemm      onednn     dpbf16     sgemm
+bfloat16 avx512bf16 auto   dpbf16     onednn     sgemm      onednn     dpbf16     dpbf16
+bfloat16 avx512bf16 mkl    dpbf16     onednn     sgemm      onednn     dpbf16     dpbf16
+bfloat16 avx512bf16 onednn dpbf16     onednn     sgemm      onednn     dpbf16     dpbf16
+bfloat16 amx        auto   amx        onednn     sgemm      amx        dpbf16     amx
+bfloat16 amx        mkl    amx        onednn     sgemm      amx        dpbf16     amx
+bfloat16 amx        onednn amx        onednn     sgemm      amx        dpbf16     amx
+"""
+# With none of our kernels built, every projection was oneDNN's whatever DECODE_GEMM said:
+# float32 ones with MKL from MKL_FROM_ROWS rows under PREFILL_GEMM=mkl, and under auto on
+# CPUs without AVX-512.  Without MKL, no "/mkl" anywhere (the rest as above).
+# Then what each kind of projection in SHAPES (in, out, bias, gated_inter; "head": the
+# lm_head) got, in SHAPES' order, per dtype and plain projection's family (the first
+# column after the dtype is the plain one's, the key); "+g": packed for silu_mul.
+SHAPES = {
+    "plain": (64, 48, False, None),
+    "bias": (64, 48, True, None),
+    "k40": (40, 48, False, None),
+    "gated": (64, 192, False, 96),
+    "gated48": (64, 96, False, 48),
+    "gated40": (64, 80, False, 40),
+    "gatedbias": (64, 192, True, 96),
+    "head": (64, 48, False, "head"),
+}
+OLD_SHAPES = """
+float32  sgemm      sgemm      sgemm      sgemm+g    sgemm+g    sgemm      sgemm      sgemm
+float32  onednn/mkl onednn/mkl onednn/mkl onednn/mkl onednn/mkl onednn/mkl onednn/mkl onednn
+float32  sgemm512   sgemm512   sgemm512   sgemm512+g sgemm512   sgemm512   sgemm512   sgemm512
+float32  sgemm/mkl  sgemm/mkl  sgemm/mkl  sgemm/mkl  sgemm/mkl  sgemm/mkl  sgemm/mkl  sgemm
+float32  onednn     onednn     onednn     onednn     onednn     onednn     onednn     onednn
+bfloat16 sgemm      sgemm      sgemm      sgemm      sgemm      sgemm      sgemm      sgemm
+bfloat16 onednn     onednn     onednn     onednn     onednn     onednn     onednn     onednn
+bfloat16 dpbf16     dpbf16     dpbf16     dpbf16+g   dpbf16     dpbf16     dpbf16     dpbf16
+bfloat16 amx        amx        onednn     amx+g      amx+g      amx        amx        amx
+"""
+# The kernel the layer stack ran for each (dtype, family) (PackedLinear.decode_kernel()).
+OLD_KERNELS = {
+    ("float32", "sgemm"): "sgemm",
+    ("float32", "sgemm/mkl"): None,
+    ("float32", "sgemm512"): "sgemm512",
+    ("float32", "onednn"): None,
+    ("float32", "onednn/mkl"): None,
+    ("bfloat16", "sgemm"): None,
+    ("bfloat16", "onednn"): None,
+    ("bfloat16", "dpbf16"): "dpbf16",
+    ("bfloat16", "amx"): "amx",
+}
+FAKE_CPUS = {
+    "base": CpuFeatures("test CPU", frozenset()),
+    "avx2": AVX2,
+    "avx512": AVX512_NO_BF16,
+    "avx512bf16": AVX512,
+    "amx": AMX,
+}
+_BUILT = ("sgemm_available", "amx_available", "dpbf16_available", "sgemm512_available")
+
+
+def _code(choice: Choice) -> str:
+    assert choice.mkl_from in (None, cpu_linear.MKL_FROM_ROWS)
+    mkl = "" if choice.mkl_from is None else "/mkl"
+    return choice.family + mkl + ("+g" if choice.gated_inter else "")
+
+
+def _old_family(dtype: str, cpu: str, prefill: str, family: str, built: bool, mkl: bool) -> str:
+    if not built:
+        no_avx512 = "avx512f" not in FAKE_CPUS[cpu].flags
+        on_mkl = dtype == "float32" and (prefill == "mkl" or (prefill == "auto" and no_avx512))
+        family = "onednn/mkl" if on_mkl else "onednn"
+    return family if mkl else family.replace("/mkl", "")
+
+
+@pytest.mark.parametrize("built, mkl", [(True, True), (False, True), (True, False)])
+def test_choose_picks_what_the_flag_chains_picked(monkeypatch, built, mkl):
+    """For every dtype, fake CPU, kernel choice and kind of projection, `choose` gives the
+    family, MKL threshold and gated layout the flag chains gave (OLD_FAMILIES, OLD_SHAPES),
+    whatever this machine is."""
+    for name in _BUILT:
+        monkeypatch.setattr(cpu_kernels, name, lambda: built)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    shapes = {tuple(row[:2]): row[1:] for row in map(str.split, OLD_SHAPES.strip().splitlines())}
+    checked = 0
+    for dtype, cpu, prefill, *families in map(str.split, OLD_FAMILIES.strip().splitlines()):
+        monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", prefill)
+        for decode, family in zip(DECODES, families, strict=True):
+            monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", decode)
+            family = _old_family(dtype, cpu, prefill, family, built, mkl)
+            wants = shapes[dtype, family]
+            for (k, n, bias, inter), want in zip(SHAPES.values(), wants, strict=True):
+                got = choose(getattr(torch, dtype), (n, k), bias=bias, cpu=FAKE_CPUS[cpu],
+                             gated_inter=None if inter == "head" else inter,
+                             mkl=inter != "head")  # fmt: skip
+                assert _code(got) == want, (dtype, cpu, prefill, decode, (k, n, bias, inter))
+                checked += 1
+    assert checked == 2 * 5 * 3 * 6 * len(SHAPES)
+
+
+def test_choose_leaves_amx_where_its_copy_does_not_fit(monkeypatch):
+    """decode_on_amx's refusal (no room for the AMX copy) left bf16 on oneDNN under auto."""
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: True)
+    assert choose(torch.bfloat16, (48, 64), cpu=AMX).family == "amx"
+    assert choose(torch.bfloat16, (48, 64), cpu=AMX, amx_copy=False).family == "onednn"
+
+
+def test_each_family_names_the_kernel_the_layer_stack_ran():
+    """A strategy's `kernel` is what PackedLinear.decode_kernel() gave (OLD_KERNELS), for
+    every family this machine builds."""
+    avail = {
+        "sgemm": cpu_kernels.sgemm_available(),
+        "sgemm512": cpu_kernels.sgemm512_available(),
+        "dpbf16": cpu_kernels.dpbf16_available(),
+        "amx": cpu_kernels.amx_available(),
+        "onednn": cpu_linear.packing_available(torch.float32),
+    }
+    tried = 0
+    for (dtype, code), kernel in OLD_KERNELS.items():
+        family, _, mkl = code.partition("/")
+        dt = getattr(torch, dtype)
+        if not avail[family] or (family == "onednn" and not cpu_linear.packing_available(dt)):
+            continue
+        choice = Choice(family, cpu_linear.MKL_FROM_ROWS if mkl else None)
+        layer = PackedLinear(nn.Linear(64, 48).to(dt), choice)
+        assert layer.strategy.kernel == kernel, (dtype, code)
+        tried += 1
+    assert tried or not cpu_kernels.available()
