@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -347,10 +348,12 @@ class StepCost:
         # A spread of a tenth of the mean size: below it the slope is mostly noise.
         if var <= 0 or var < (0.1 * x / w) ** 2:
             return
-        slope = (xy / w - (x / w) * (y / w)) / var
-        if slope > 0:
-            self.per_token = slope
-            self.fixed = max(0.0, y / w - slope * x / w)
+        # No slope: the steps cost what they cost whatever their size (a host-bound or
+        # crowded machine), so a short step buys no latency (min_tokens: no floor but
+        # the budget's).
+        slope = max(0.0, (xy / w - (x / w) * (y / w)) / var)
+        self.per_token = slope
+        self.fixed = max(0.0, y / w - slope * x / w)
 
     def min_tokens(self) -> int:
         """The fewest tokens a step should carry for its fixed cost to be at most half of
@@ -359,6 +362,8 @@ class StepCost:
         first short steps give the fit the sizes it needs)."""
         if self.per_token is None or self.fixed is None:
             return 1
+        if self.per_token <= 0:
+            return sys.maxsize
         return max(1, math.ceil(self.fixed / self.per_token - 1e-6))  # not float noise
 
 

@@ -174,6 +174,10 @@ def test_step_cost_fits_the_fixed_and_per_token_cost():
     for _ in range(500):  # a long run of one size leaves the last good fit standing
         cost.observe(48, 2 * (FIXED + PER_TOKEN * 48))
     assert cost.min_tokens() > 1
+    crowded = StepCost()  # steps cost the same whatever their size: no short step pays
+    for n in (1, 48, 1, 48, 1024, 48):
+        crowded.observe(n, 0.4)
+    assert crowded.min_tokens() >= 1024
 
 
 def test_limits_need_both_a_sparse_and_a_backlogged_key():
