@@ -196,8 +196,10 @@ class SpecDecoder:
         self.stats = SpecStats(accepted_by_position=[0] * self.k)
         self.policy = StepCostPolicy()
         self.prior: tuple[float, float] | None = None  # (accepted, trials) averages
-        # Averages of the drafts verifies kept and of what _estimate promised them.
-        self.calibration = (0.0, 0.0)
+        # Averages of the drafts verifies kept and of what _estimate promised them; they
+        # start level (as if a few verifies had kept what was promised), so the first
+        # verifies cannot set a factor that stops speculation before more are seen.
+        self.calibration = (2.0, 2.0)
         self._started: weakref.WeakSet[Request] = weakref.WeakSet()
 
     def enabled_for_step(self, num_requests: int) -> bool:
@@ -324,7 +326,7 @@ class StepCostPolicy:
     """
 
     SAMPLES = 5
-    RUN = 2  # steps per timing run: the switch, then one steady step
+    RUN = 3  # steps per timing run: the switch, then two steady steps
     MIN_EXPLORE = 32
     REGRET = 0.02  # the most of the time re-timing the losing side may cost
     SWITCH_MARGIN = 1.05

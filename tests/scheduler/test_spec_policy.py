@@ -39,6 +39,16 @@ def simulate(
     return (seconds / tokens) / (plain / rows), choices
 
 
+def warm_up(
+    p: StepCostPolicy, rows: int, expected: float, worst: float, spec: float, plain: float
+) -> None:
+    """A batch size's first choices: a timing run on each side, speculating first."""
+    for side, secs in ((True, spec), (False, plain)):
+        for _ in range(p.RUN):
+            assert p.choose(rows, expected, worst) == side
+            p.observe(rows, side, secs)
+
+
 def test_a_far_dearer_side_costs_little_over_a_short_run():
     # A draft model on free text at batch 4: a verify step 5x a plain one, each row
     # expecting 1.75 tokens, and 10 plain steps' worth of catch-up whenever it starts
@@ -46,7 +56,7 @@ def test_a_far_dearer_side_costs_little_over_a_short_run():
     # times) one re-timing speculate: within 5% of plain decoding over 1000 steps.
     p = StepCostPolicy()
     ratio, choices = simulate(p, 1000, 4, 7.0, 1.75, 5.0, 1.0, spec_switch=10.0)
-    assert choices[:4] == [True, True, False, False]
+    assert choices[: 2 * p.RUN] == [True] * p.RUN + [False] * p.RUN
     assert sum(choices) <= 2 * p.RUN
     assert ratio < 1.05
     # The catch-up never entered the figure a choice reads.
@@ -59,7 +69,7 @@ def test_switch_costs_do_not_hide_a_winning_side():
     # on plain for good.
     p = StepCostPolicy()
     ratio, choices = simulate(p, 600, 1, 2.0, 2.0, 1.2, 1.0, spec_switch=30.0)
-    assert sum(choices[4:]) > 0.9 * len(choices[4:])
+    assert sum(choices[2 * p.RUN :]) > 0.9 * len(choices[2 * p.RUN :])
     assert ratio < 0.75
 
 
@@ -73,7 +83,7 @@ def test_close_sides_are_retimed_often_far_ones_rarely():
     assert plain_runs >= 400 // (near.MIN_EXPLORE + near.RUN) - 2
     far = StepCostPolicy()
     _, choices = simulate(far, 400, 4, 5.0, 1.25, 4.0, 1.0, spec_switch=4.0)
-    assert sum(choices[4:]) == 0
+    assert sum(choices[2 * far.RUN :]) == 0
 
 
 def test_the_tail_of_a_batch_borrows_the_nearest_figures():
@@ -93,9 +103,7 @@ def test_the_side_running_keeps_a_close_choice():
     # A switch to the draft model pays its catch-up, so the side running keeps the choice
     # until the other wins by SWITCH_MARGIN, not at the first tie noise makes.
     p = StepCostPolicy()
-    for side, secs in ((True, 2.0), (True, 2.0), (False, 1.0), (False, 1.0)):
-        assert p.choose(2, 4.4, 2.2) == side
-        p.observe(2, side, secs)
+    warm_up(p, 2, 4.4, 2.2, 2.0, 1.0)
     assert p.choose(2, 4.4, 2.2)  # 2.2 tokens a row for 2x a plain step
     p.ratios[2].extend([2.2] * p.SAMPLES)  # re-timed: now a tie
     assert p.choose(2, 4.4, 2.2)
@@ -110,10 +118,8 @@ def test_the_ratio_pairs_a_timing_run_with_the_side_just_running():
     # more, but the speculating re-timing step is read against the plain steps just
     # before it, so the ratio, and the choice, stay.
     p = StepCostPolicy()
-    for side, secs in ((True, 2.0), (True, 2.0), (False, 1.0), (False, 1.0)):
-        assert p.choose(4, 6.0, 1.5) == side
-        p.observe(4, side, secs)
-    assert list(p.ratios[4]) == [2.0]
+    warm_up(p, 4, 6.0, 1.5, 2.0, 1.0)
+    assert set(p.ratios[4]) == {2.0}
     assert not p.choose(4, 6.0, 1.5)  # 1.5 tokens a row for 2x a plain step: plain
     load, spec_steps = 3.0, 0
     for _ in range(600):

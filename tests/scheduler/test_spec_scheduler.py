@@ -162,16 +162,12 @@ def test_cost_policy_weighs_expected_tokens_against_measured_seconds():
     from scheduler.spec import StepCostPolicy
 
     p = StepCostPolicy()
-    # Warm-up: a run of two speculating steps, then two plain ones; the first of each run
+    # Warm-up: a run of speculating steps, then one of plain ones; the first of each run
     # pays the switch (here 9x a steady step) and is kept apart from the figures.
-    assert p.choose(8, 9.0)
-    p.observe(8, True, 27.0)
-    assert p.choose(8, 9.0)
-    p.observe(8, True, 3.0)
-    assert not p.choose(8, 9.0)
-    p.observe(8, False, 9.0)
-    assert not p.choose(8, 9.0)
-    p.observe(8, False, 1.0)
+    for side, steady in ((True, 3.0), (False, 1.0)):
+        for i in range(p.RUN):
+            assert p.choose(8, 9.0) == side
+            p.observe(8, side, steady * (9.0 if i == 0 else 1.0))
     assert p.figures(8) == (3.0, 1.0) and p.switch[(8, True)] == 27.0
     # A verify step costs 3x a plain one: worth it only if it emits over 3x the tokens
     # (24 for 8 rows) and no row emits under 3 x 0.95.
