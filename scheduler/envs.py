@@ -73,6 +73,15 @@ _VARS = [
     ),
     EnvVar("CXX", None, "the C++ compiler for the CPU kernels (default: c++, else g++)"),
     EnvVar(
+        "OMP_WAIT_POLICY",
+        None,
+        "OpenMP's own (libgomp reads it when torch loads): passive makes a thread waiting at a "
+        "barrier sleep instead of spin, and gpu/cpu/threads.py then keeps every usable CPU in "
+        "the team beside busy processes (a waiting thread gives its CPU back to a descheduled "
+        "one instead of holding it)",
+        parse=lambda v: (v or "").lower(),
+    ),
+    EnvVar(
         "PAGESTREAM_CPU_KERNELS",
         "1",
         "0: do not build or load the compiled CPU kernels (torch paths only)",

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from scheduler import envs
+
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 0.2  # one read of ~20-40 small /proc files: ~0.2% of a core
@@ -139,17 +141,22 @@ class ThreadGovernor:
         self._regained_at = -math.inf
         self._backoff = MIN_BACKOFF_S
         self._hold_until = 0.0  # no thread is taken back before this
+        why = ""
         try:
             self._prev = sample()
             self._enabled = True
         except (OSError, ValueError, IndexError):  # no schedstat (CONFIG_SCHED_INFO off)
-            self._prev, self._enabled = (0, 0), False
+            self._prev, self._enabled, why = (0, 0), False, "; no schedstat, so fixed"
+        # Shedding answers spinning: a member waiting at a barrier holds its CPU while the
+        # one it waits for queues behind a neighbour.  A passive wait sleeps and gives that
+        # CPU to the late member, so the wider team keeps its share of the CPUs instead.
+        if self._enabled and envs.OMP_WAIT_POLICY == "passive":
+            self._enabled, why = False, "; OpenMP waits passively, so fixed"
         self._last = clock()
         torch.set_num_threads(self.threads)
         log.info(
             "CPU threads: %d (the CPUs this process may use: affinity %s, cgroup quota %s)%s",
-            self.threads, _affinity(), cgroup_cpu_limit(),
-            "" if self._enabled else "; no schedstat, so fixed",
+            self.threads, _affinity(), cgroup_cpu_limit(), why,
         )  # fmt: skip
 
     def tick(self) -> int:

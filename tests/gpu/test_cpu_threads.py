@@ -154,6 +154,20 @@ def test_steps_and_seconds_at_each_team_size():
     assert gov.steps_at[1] >= 10 and gov.seconds_at[2] >= 1.0
 
 
+def test_passive_openmp_waits_keep_every_usable_cpu(monkeypatch):
+    """With OMP_WAIT_POLICY=passive a member waiting at a barrier sleeps, so a busy
+    neighbour costs the team its share of a CPU, not a stall at every barrier: the team
+    stays at the ceiling (which still follows affinity and quota)."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    cpu = FakeCPU()
+    gov = ThreadGovernor(2, sample=cpu.sample, clock=lambda: cpu.t)
+    assert set(_run(gov, cpu, 5, got=1.33, wanted=2.0)) == {2}
+    assert gov.changes == 0 and torch.get_num_threads() == 2
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    gov = ThreadGovernor(2, sample=cpu.sample, clock=lambda: cpu.t)
+    assert _run(gov, cpu, 5, got=1.33, wanted=2.0)[-1] == 1
+
+
 def test_governor_with_one_cpu_never_changes():
     cpu = FakeCPU()
     gov = ThreadGovernor(1, sample=cpu.sample, clock=lambda: cpu.t)
