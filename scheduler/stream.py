@@ -82,7 +82,10 @@ class RequestStream:
         self.wake_on_tokens = wake_on_tokens
         self._pending: list[RequestUpdate | TokenOnly] = []
         self._last: dict[str, RequestUpdate] = {}  # each sequence's latest full update
-        self._event = asyncio.Event()
+        # The consumer's wake-up: a bare future made only while it waits (an Event costs a
+        # coroutine, a future and its waiter list per wait, and this is one per stream
+        # per step).
+        self._waiter: asyncio.Future[None] | None = None
         self._live = n  # sequences not finished yet (as the consumer has been told)
         # Sequences not finished yet as the engine counts them: with the engine on its own
         # thread (EngineCore own_thread) the consumer's side learns of a finish a moment
@@ -101,17 +104,22 @@ class RequestStream:
             self._last[u.req_id] = u
             if u.finish_reason is not None:
                 self._live -= 1
-        self._event.set()
+        self._wake()
 
     def put_token(self, req_id: str, tok: int) -> None:
         """Engine side: one decode token of a sequence that goes on."""
         self._pending.append((req_id, tok))
         if self.wake_on_tokens:
-            self._event.set()
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        self._event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     async def get(self) -> list[RequestUpdate]:
         """Consumer side: everything since the last call, one merged update per sequence.
@@ -119,7 +127,10 @@ class RequestStream:
         while not self._pending:
             if self.error is not None:
                 raise self.error
-            self._event.clear()
-            await self._event.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         pending, self._pending = self._pending, []
         return merge_updates(pending, self._last)
