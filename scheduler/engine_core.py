@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -106,6 +107,7 @@ class _Flight:
 
     so: SchedulerOutput
     begun: float  # when its scheduling began
+    handed: float  # when it was handed to the executor (grammar masks filled)
     # Async scheduling: the executor's future (launched at once, so a step scheduled
     # ahead queues behind it); None: the step is executed when joined.
     fut: asyncio.Future[ModelOutput] | None
@@ -562,7 +564,8 @@ class EngineCore:
             self._die(e)
             raise
         finally:
-            await self._drop_flights(flight, nxt)
+            # A clean stop waits for steps still queued; a death or a cancellation not.
+            await self._drop_flights(flight, nxt, wait=sys.exc_info()[1] is None)
             for t in self._lookups:
                 t.cancel()
             self.idle.set()
@@ -589,7 +592,7 @@ class EngineCore:
             await self._wait_inbox(0.05)
             return None
         fut = self.executor.launch(so) if self.async_scheduling else None  # type: ignore[attr-defined]
-        return _Flight(so, begun, fut)
+        return _Flight(so, begun, time.perf_counter(), fut)
 
     def _schedule_ahead(self, flight: _Flight) -> _Flight | None:
         """Async scheduling: the next step, scheduled and queued on the executor while
@@ -600,7 +603,8 @@ class EngineCore:
         so = self.scheduler.schedule_ahead(flight.so)
         if so is None:
             return None
-        return _Flight(so, begun, self.executor.launch(so))  # type: ignore[attr-defined]
+        fut = self.executor.launch(so)  # type: ignore[attr-defined]
+        return _Flight(so, begun, time.perf_counter(), fut)
 
     async def _join(self, flight: _Flight) -> None:
         """Wait for a step's output and apply it: update, the tier, the streams, hooks."""
@@ -610,7 +614,7 @@ class EngineCore:
         else:
             mo = await ex.join(flight.fut, so)  # type: ignore[attr-defined]
         # The device time of a step queued behind another starts when that one ended.
-        start, self._last_output_at = max(flight.begun, self._last_output_at), time.perf_counter()
+        start, self._last_output_at = max(flight.handed, self._last_output_at), time.perf_counter()
         updates = sched.update_from_output(so, mo)
         if self.tier is not None:
             self._feed_tier(so, mo)
@@ -624,13 +628,13 @@ class EngineCore:
         if self.on_step is not None:
             self.run_guarded("on_step hook", self.on_step, StepInfo(so, mo, now - start))
 
-    async def _drop_flights(self, *flights: _Flight | None) -> None:
-        """The engine stops with steps still queued on the executor: a clean stop waits
-        for them (the runner is released after), a death leaves them to finish alone."""
+    async def _drop_flights(self, *flights: _Flight | None, wait: bool) -> None:
+        """The engine stops with steps still queued on the executor: `wait` for them (a
+        clean stop: the runner is released after), or leave them to finish alone."""
         for flight in flights:
             if flight is None or flight.fut is None:
                 continue
-            if self.dead is None:
+            if wait:
                 with contextlib.suppress(Exception):
                     await flight.fut
             else:
