@@ -178,7 +178,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         step = _StepPlan(budget=self.config.max_num_batched_tokens)
         if self.waiting.fair:
             self._fair_plan(step)
-            if step.fair is not None and step.fair.starved:
+            if step.fair is not None and step.fair.starved(self.waiting.tenants()):
                 # A tenant under its share of the running set gets in first, within its
                 # share of the step's prompt tokens, taking room from over-share tenants.
                 self._admit_waiting(step, early=True)
