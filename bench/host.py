@@ -78,7 +78,11 @@ def row(proto: str, streams: int, step_ms: float, r: dict) -> list[str]:
 
 
 def serve(
-    step_ms: float, max_seqs: int, engine: str = "auto", overlap: str = "auto"
+    step_ms: float,
+    max_seqs: int,
+    engine: str = "auto",
+    overlap: str = "auto",
+    switch: str = "default",
 ) -> tuple[subprocess.Popen, str]:
     LOG.parent.mkdir(exist_ok=True)
     port = _free_port()
@@ -88,6 +92,8 @@ def serve(
            "--max-num-batched-tokens", str(max(8192, 16 * max_seqs)),
            "--max-websockets", str(max_seqs + 16), "--disable-access-log",
            "--engine-thread", engine, "--async-scheduling", overlap]  # fmt: skip
+    if switch != "default":
+        cmd += ["--switch-interval-ms", switch]
     # The log goes to a file: a pipe nobody reads would stall the server once it filled.
     log = open(LOG, "ab")  # noqa: SIM115 - the child holds it; closed with our copy below
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
@@ -108,16 +114,18 @@ def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
     engines = getattr(args, "host_engine_thread", "auto").split(",")
     # serve --async-scheduling per round (auto: off for this CPU stand-in).
     overlaps = getattr(args, "host_async_scheduling", "auto").split(",")
+    # serve --switch-interval-ms per round (default: the interpreter's 5 ms).
+    switches = getattr(args, "host_switch_interval", "default").split(",")
     rows = []
-    for engine, overlap in itertools.product(engines, overlaps):
+    for engine, overlap, switch in itertools.product(engines, overlaps, switches):
         for step_ms in steps:
-            proc, url = serve(step_ms, max(streams), engine, overlap)
+            proc, url = serve(step_ms, max(streams), engine, overlap, switch)
             try:
                 one_round(url, proc.pid, "sse", min(streams), 8)  # warm-up
                 for proto in ("sse", "ws"):
                     for n in streams:
                         r = one_round(url, proc.pid, proto, n, args.host_tokens)
-                        rows.append([*row(proto, n, step_ms, r), engine, overlap])
+                        rows.append([*row(proto, n, step_ms, r), engine, overlap, switch])
                         print("  host " + " | ".join(rows[-1]), flush=True)
             finally:
                 _stop(proc)
@@ -126,6 +134,6 @@ def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
         "stream, all streams at once, clients in another process on the same CPUs",
         ["proto", "streams", "device ms a step", "delivered tok/s", "TPOT p50 / p99 ms",
          "largest gap ms", "server CPU µs / token", "steps (period)", "host share in series",
-         "engine thread", "async scheduling"],
+         "engine thread", "async scheduling", "switch interval ms"],
         rows,
     )  # fmt: skip

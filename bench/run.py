@@ -205,6 +205,9 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
                     help="host: serve --engine-thread modes to compare, e.g. off,on")  # fmt: skip
     ap.add_argument("--host-async-scheduling", default="auto",
                     help="host: serve --async-scheduling modes to compare, e.g. off,on")  # fmt: skip
+    ap.add_argument("--host-switch-interval", default="default",
+                    help="host: serve --switch-interval-ms values to compare (ms; 'default': "
+                    "the interpreter's), e.g. default,0.5")  # fmt: skip
     ap.add_argument("--crowded-rate", type=float, default=3.0, help="crowded: Poisson req/s")
     ap.add_argument("--crowded-offline-n", type=int, default=24, help="crowded: offline requests")
     ap.add_argument("--crowded-levels", default="0,1,2", help="crowded: busy neighbour counts")

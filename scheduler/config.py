@@ -200,11 +200,16 @@ class DeviceSettings:
     # Schedule step N+1 while step N runs (scheduler/ahead.py); None: on for CUDA, off on
     # CPU (service/async_engine.py async_scheduling_default).
     async_scheduling: bool | None = None
+    # CPython's thread switch interval (sys.setswitchinterval), process-wide; None: keep
+    # the interpreter's (service/async_engine.py switch_interval).
+    switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         ok = self.device is None or self.device.split(":")[0] in ("cpu", "cuda")
         _check(self, "device", ok, "must be cpu, cuda or cuda:N")
         _positive_or_none(self, "threads")
+        ms = self.switch_interval_ms
+        _check(self, "switch_interval_ms", ms is None or 0 < ms <= 1000, "must be in (0, 1000]")
         _one_of(self, "attention_backend", ATTENTION_BACKENDS)
 
 

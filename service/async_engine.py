@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +47,16 @@ def engine_thread_default(config: EngineConfig, runner: object) -> bool:
         return config.device.engine_thread
     device = getattr(runner, "device", None)
     return getattr(device, "type", "cpu") == "cuda"
+
+
+def switch_interval(config: EngineConfig) -> float:
+    """Apply --switch-interval-ms (process-wide) and return the interval in force, in
+    seconds.  The engine's threads (HTTP loop, engine core, executor) take turns on one
+    interpreter: a thread that wants it while another runs Python waits up to this long,
+    and a step's host work hands it over several times (docs/HOST_PATH.md)."""
+    if config.device.switch_interval_ms is not None:
+        sys.setswitchinterval(config.device.switch_interval_ms / 1e3)
+    return sys.getswitchinterval()
 
 
 def async_scheduling_default(config: EngineConfig, runner: object) -> bool:
@@ -167,6 +178,7 @@ class AsyncEngine:
         faults: FaultPlan | None,
     ) -> AsyncEngine:
         """The scheduler, tokenizer and prefix tier around a built executor."""
+        switch_interval(config)
         runner: Any = executor.runner
         tokenizer = Tokenizer.from_dir(model_dir)
         capacity = runner.num_kv_blocks * config.cache.block_size

@@ -259,6 +259,12 @@ def _add_device_args(g: Group) -> None:
         "off the HTTP event loop (auto: on for CUDA, off on CPU; docs/HOST_PATH.md)",
     )  # fmt: skip
     g.add_argument(
+        "--switch-interval-ms", type=float, default=None, metavar="MS",
+        help="Python's thread switch interval: how long a thread that wants the interpreter "
+        "waits for one running Python code (default: the interpreter's, 5 ms; "
+        "docs/HOST_PATH.md)",
+    )  # fmt: skip
+    g.add_argument(
         "--async-scheduling", choices=["auto", "on", "off"], default="auto",
         help="schedule step N+1 while step N runs, plain decode steps only (auto: on for "
         "CUDA, off on CPU; docs/HOST_PATH.md)",

@@ -33,14 +33,15 @@ def test_host_section_measures_both_protocols_and_both_device_times():
 
 
 def test_host_section_with_async_scheduling():
-    """The real server with --async-scheduling on: every stream runs to its end, a step a
-    token."""
+    """The real server with --async-scheduling on and a short switch interval: every
+    stream runs to its end, a step a token."""
     args = argparse.Namespace(
-        host_streams="6", host_tokens=12, host_step_ms="5", host_async_scheduling="on"
-    )
+        host_streams="6", host_tokens=12, host_step_ms="5", host_async_scheduling="on",
+        host_switch_interval="0.5",
+    )  # fmt: skip
     text = run(args, _table)
     rows = [line.split(" | ") for line in text.splitlines()[2:]]
-    assert [(r[0], r[-1]) for r in rows] == [("sse", "on"), ("ws", "on")]
+    assert [(r[0], r[-2], r[-1]) for r in rows] == [("sse", "on", "0.5"), ("ws", "on", "0.5")]
     for r in rows:
         assert float(r[3].replace(",", "")) > 0
         assert int(r[7].split()[0]) >= 12

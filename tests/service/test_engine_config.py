@@ -43,6 +43,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--ngram-min": (["3"], None),
     "--device": (["cpu"], None),
     "--threads": (["3"], None),
+    "--switch-interval-ms": (["0.5"], None),
     "--master-addr": (["10.0.0.1"], None),
     "--master-port": (["29500"], None),
     # More than one rank does not run with speculation: set on a line without it.

@@ -82,3 +82,21 @@ def test_write_cannot_wait(
     transport: _Transport | None, paused: bool, size: int, limit: int, fits: bool
 ) -> None:
     assert write_cannot_wait(_request(transport, paused), size, limit) is fits  # type: ignore[arg-type]
+
+
+def test_switch_interval_flag_sets_the_interpreters_and_only_when_given():
+    import sys
+
+    from scheduler.config import EngineConfig
+    from service.async_engine import switch_interval
+    from service.cli import build_parser, engine_config
+
+    before = sys.getswitchinterval()
+    try:
+        a = build_parser().parse_args(["serve", "--switch-interval-ms", "0.5"])
+        assert switch_interval(engine_config(a)) == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(before)
+        assert switch_interval(EngineConfig.from_kwargs()) == before  # not given: untouched
+    finally:
+        sys.setswitchinterval(before)
