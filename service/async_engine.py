@@ -49,13 +49,24 @@ def engine_thread_default(config: EngineConfig, runner: object) -> bool:
     return getattr(device, "type", "cpu") == "cuda"
 
 
-def switch_interval(config: EngineConfig) -> float:
+# What --switch-interval-ms defaults to where the engine's threads run Python at once (its
+# own engine thread, or scheduling ahead beside the executor): with the interpreter's 5 ms a
+# thread that wants it waits up to a step's worth, several times a step; the shorter one
+# cut both the host's CPU a token and TPOT in the host bench (docs/PERFORMANCE.md).
+THREADED_SWITCH_INTERVAL_MS = 0.5
+
+
+def switch_interval(config: EngineConfig, threaded: bool = False) -> float:
     """Apply --switch-interval-ms (process-wide) and return the interval in force, in
     seconds.  The engine's threads (HTTP loop, engine core, executor) take turns on one
     interpreter: a thread that wants it while another runs Python waits up to this long,
-    and a step's host work hands it over several times (docs/HOST_PATH.md)."""
-    if config.device.switch_interval_ms is not None:
-        sys.setswitchinterval(config.device.switch_interval_ms / 1e3)
+    and a step's host work hands it over several times (docs/HOST_PATH.md).  Unset:
+    THREADED_SWITCH_INTERVAL_MS where `threaded`, else the interpreter's own."""
+    ms = config.device.switch_interval_ms
+    if ms is None and threaded:
+        ms = THREADED_SWITCH_INTERVAL_MS
+    if ms is not None:
+        sys.setswitchinterval(ms / 1e3)
     return sys.getswitchinterval()
 
 
@@ -136,6 +147,7 @@ class AsyncEngine:
             own_thread=engine_thread_default(config, runner),
             async_scheduling=async_scheduling_default(config, runner),
         )
+        switch_interval(config, self.core.own_thread or self.core.async_scheduling)
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
@@ -178,7 +190,6 @@ class AsyncEngine:
         faults: FaultPlan | None,
     ) -> AsyncEngine:
         """The scheduler, tokenizer and prefix tier around a built executor."""
-        switch_interval(config)
         runner: Any = executor.runner
         tokenizer = Tokenizer.from_dir(model_dir)
         capacity = runner.num_kv_blocks * config.cache.block_size

@@ -261,8 +261,8 @@ def _add_device_args(g: Group) -> None:
     g.add_argument(
         "--switch-interval-ms", type=float, default=None, metavar="MS",
         help="Python's thread switch interval: how long a thread that wants the interpreter "
-        "waits for one running Python code (default: the interpreter's, 5 ms; "
-        "docs/HOST_PATH.md)",
+        "waits for one running Python code (default: 0.5 with --engine-thread or "
+        "--async-scheduling on, else the interpreter's 5 ms; docs/HOST_PATH.md)",
     )  # fmt: skip
     g.add_argument(
         "--async-scheduling", choices=["auto", "on", "off"], default="auto",

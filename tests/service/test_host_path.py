@@ -88,7 +88,7 @@ def test_switch_interval_flag_sets_the_interpreters_and_only_when_given():
     import sys
 
     from scheduler.config import EngineConfig
-    from service.async_engine import switch_interval
+    from service.async_engine import THREADED_SWITCH_INTERVAL_MS, switch_interval
     from service.cli import build_parser, engine_config
 
     before = sys.getswitchinterval()
@@ -98,5 +98,9 @@ def test_switch_interval_flag_sets_the_interpreters_and_only_when_given():
         assert sys.getswitchinterval() == pytest.approx(0.0005)
         sys.setswitchinterval(before)
         assert switch_interval(EngineConfig.from_kwargs()) == before  # not given: untouched
+        # not given, but the engine's threads run Python at once: the threaded default
+        assert switch_interval(EngineConfig.from_kwargs(), threaded=True) == pytest.approx(
+            THREADED_SWITCH_INTERVAL_MS / 1e3
+        )
     finally:
         sys.setswitchinterval(before)
