@@ -175,23 +175,13 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         leave the grammar masks to `fill_masks` (the engine runs it off the event loop)."""
         self._constrained = []
         self.kv.pins.expire()
-        step = _StepPlan(budget=self.config.max_num_batched_tokens)
-        if self.waiting.fair:
-            self._fair_plan(step)
-            if step.fair is not None and step.fair.starved(self.waiting.tenants()):
-                # A tenant under its share of the running set gets in first, within its
-                # share of the step's prompt tokens, taking room from over-share tenants.
-                self._admit_waiting(step, early=True)
-        self._schedule_running(step)
-        if step.early:
-            self.running += step.early
-            self._timed = None
-        # No admissions in a step that preempted: the pool is already short.
-        if not step.preempted:
-            left = step.budget
-            self._admit_waiting(step)
-            if step.budget != left:
-                self._timed = None  # a prompt chunk rides along: not a pure decode step
+        step = self._plan_step(latency_first=True)
+        ran = step.scheduled or (step.decodes is not None and step.decodes.req_ids)
+        if step.limit is not None and not ran and (self.running or self.waiting):
+            # The latency-first limits left nothing to run (the sparse tenant's request
+            # cannot get a seat the backlogged ones hold, and they may not decode): a step
+            # without them, or the engine would wait for work that never comes.
+            step = self._plan_step(latency_first=False)
         so = self._step_output(step)
         if self.waiting.fair:
             if step.present:
@@ -218,6 +208,28 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         so.grammar_bitmasks.update(
             (r.req_id, m) for r, m in zip(constrained, masks, strict=True) if m is not None
         )
+
+    def _plan_step(self, latency_first: bool) -> _StepPlan:
+        """What one step runs: fair shares and (latency_first) their limits first, then
+        running requests, then admissions."""
+        step = _StepPlan(budget=self.config.max_num_batched_tokens)
+        if self.waiting.fair:
+            self._fair_plan(step, latency_first)
+            if step.fair is not None and step.fair.starved(self.waiting.tenants()):
+                # A tenant under its share of the running set gets in first, within its
+                # share of the step's prompt tokens, taking room from over-share tenants.
+                self._admit_waiting(step, early=True)
+        self._schedule_running(step)
+        if step.early:
+            self.running += step.early
+            self._timed = None
+        # No admissions in a step that preempted: the pool is already short.
+        if not step.preempted:
+            left = step.budget
+            self._admit_waiting(step)
+            if step.budget != left:
+                self._timed = None  # a prompt chunk rides along: not a pure decode step
+        return step
 
     def _schedule_running(self, step: _StepPlan) -> None:
         plans = self._plan_drafts(step.budget)
@@ -414,7 +426,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         else:
             del seqs[req.tenant]
 
-    def _fair_plan(self, step: _StepPlan) -> None:
+    def _fair_plan(self, step: _StepPlan, latency_first: bool = True) -> None:
         """Fair shares for this step (step.fair, when two or more tenants have work) and
         the latency-first limits (step.limit, when a sparse tenant, with work or between
         requests, shares the server with a backlogged one)."""
@@ -434,7 +446,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         step.present = set(asks)
         sparse = self.latency.sparse(asks, weights)
         need = {t: min(budget, n) for t, n in asks.items()}
-        step.limit = limit = self.latency.limits(sparse, need, weights, budget)
+        limit = self.latency.limits(sparse, need, weights, budget) if latency_first else None
+        step.limit = limit
         if len(work) > 1:
             if limit is not None:  # the decodes the limits leave out free prompt tokens
                 decodes = {t: min(d, limit.get(t, d)) for t, d in decodes.items()}

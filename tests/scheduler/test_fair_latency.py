@@ -270,3 +270,17 @@ def test_the_fair_bench_on_a_clock_of_step_costs():
     assert worst["fair"] <= 2.0, worst
     assert worst["fcfs"] > 20, worst
     assert rate["fair"] >= 0.5 * rate["fcfs"], rate  # what the floor promises
+
+
+def test_a_sparse_key_without_a_seat_never_stalls_the_server():
+    """One seat, held by the flood; a chat key's prompt arrives.  The limits leave the
+    flood nothing while the chat request cannot be seated (nobody is over a share it could
+    be preempted for): such a step runs without the limits instead of running nothing (the
+    server then waited for ever, every step empty)."""
+    rng = random.Random(11)
+    arrivals = {
+        0: _flood(rng, "f", 5, plen=120, out=30),
+        12: [_group("c0", "chat", _prompt(rng, 20), 4)],
+    }
+    run, _ = _run(_cfg(max_num_seqs=1, max_num_batched_tokens=1024), arrivals)
+    assert all(so.num_scheduled_tokens > 0 for so in run.steps)

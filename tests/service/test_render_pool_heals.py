@@ -160,7 +160,8 @@ async def test_a_replacement_that_fails_to_start_is_retried(pool, monkeypatch):
 
 
 async def test_a_cancelled_caller_returns_the_worker(pool):
-    slow = "{% for i in range(20000) %}{% for j in range(100) %}{% endfor %}{% endfor %}ok"
+    # About a second of rendering on a fast CPU: still running when the caller cancels.
+    slow = "{% for i in range(20000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}ok"
     task = asyncio.create_task(pool.render(RenderJob(MSGS, chat_template=slow)))
     await asyncio.sleep(0.1)
     task.cancel()
