@@ -154,15 +154,30 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """Every prefill chunk of the step (the requests after the decodes), into `out`,
         one SDPA call each."""
-        lens = meta.query_lens_cpu
         start = meta.num_decodes  # decodes are one token each
         for i in range(meta.num_decodes, meta.num_seqs):
-            end = start + lens[i]
-            out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc,
-                None if meta.tree_bits is None else meta.tree_bits[start:end],
-            )  # fmt: skip
-            start = end
+            start = self._prefill_into(q, k, v, k_cache, v_cache, meta, out, sc, i, start)
+
+    def _prefill_into(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        sc: tuple[torch.Tensor | None, torch.Tensor | None],
+        i: int,
+        start: int,
+    ) -> int:
+        """Chunk i (its rows from `start`) by one SDPA call, into `out`; its end row."""
+        end = start + meta.query_lens_cpu[i]
+        out[start:end] = self._prefill(
+            q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc,
+            None if meta.tree_bits is None else meta.tree_bits[start:end],
+        )  # fmt: skip
+        return end
 
     def _decode(
         self,

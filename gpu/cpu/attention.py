@@ -90,12 +90,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 start += sum(lens[i:j])
                 i = j
                 continue
-            end = start + lens[i]
-            out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, sc,
-                None if meta.tree_bits is None else meta.tree_bits[start:end],
-            )  # fmt: skip
-            i, start = i + 1, end
+            start = self._prefill_into(q, k, v, k_cache, v_cache, meta, out, sc, i, start)
+            i += 1
 
     # Fresh tokens from which a prefill chunk takes torch's SDPA under auto (bf16 on AMX):
     # torch's flash attention runs its products on the tiles, the kernel on vdpbf16ps.
