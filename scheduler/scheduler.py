@@ -63,6 +63,8 @@ class _StepPlan:
     # backlogged ones: the tokens each backlogged tenant may still take this step.
     limit: dict[str | None, int] | None = None
     present: set[str | None] = field(default_factory=set)  # tenants LatencyFirst weighed
+    # Per tenant with running requests: (prompt tokens their chunks have left, decodes).
+    held: dict[str | None, tuple[int, int]] = field(default_factory=dict)
 
 
 def _seeded_sampling(req: Request) -> bool:
@@ -321,7 +323,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
                 expected += gain
             worst = min(worst, 1.0 + gain)
         # Decided before any proposing: a plain step must not pay for n-gram look-ups.
-        speculate = bool(wanted) and spec.policy.choose(len(decodes), expected, worst)
+        # A step with a prompt chunk in it is not timed (observe_step_time).
+        timed = len(decodes) == len(self.running)
+        speculate = bool(wanted) and spec.policy.choose(len(decodes), expected, worst, timed)
         plans: dict[str, tuple[list[int], int]] = {}
         if speculate:
             for req, k in wanted:
@@ -351,17 +355,30 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         fit (vLLM's priority preemption, with the share as the priority)."""
         bs = self.block_size
         q, fair = self.waiting, step.fair
+        later: set[str | None] = set()  # early: passed over until the running pass is done
         while q and step.budget > 0:
             if fair is None:
                 skip: set | frozenset = frozenset()
                 req = q.peek()
             else:
-                skip = fair.done | fair.over if early else fair.skip(q.tenants())
+                skip = fair.done | fair.over | later if early else fair.skip(q.tenants())
                 if (req := q.peek(skip)) is None:
                     break
             cap = step.budget if fair is None else min(step.budget, fair.tokens[req.tenant])
             if step.limit is not None and req.tenant in step.limit:
                 cap = min(cap, step.limit[req.tenant])
+            if early and fair is not None:
+                # Only what the tenant's own running requests leave of its share: a new
+                # request started ahead of them would take their tokens, and under tight
+                # latency-first limits every step then began one more prompt of that
+                # tenant and finished none.
+                chunks, decodes = step.held.get(req.tenant, (0, 0))
+                cap = min(cap, fair.tokens[req.tenant] - chunks)
+                if step.limit is not None and req.tenant in step.limit:
+                    cap = min(cap, step.limit[req.tenant] - chunks - decodes)
+                if cap <= 0:
+                    later.add(req.tenant)
+                    continue
             seqs = 1 + len(req.fork_ids)
             if cap <= 0 or len(self.running) + len(step.early) + seqs > self.config.max_num_seqs:
                 if fair is None:
@@ -444,6 +461,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         asks = {t: decodes[t] + chunks[t] + q.demand(t, cap) for t in work}
         asks.update((t, 0) for t in between if t not in work)
         step.present = set(asks)
+        step.held = {t: (chunks[t], decodes[t]) for t in work}
         sparse = self.latency.sparse(asks, weights)
         need = {t: min(budget, n) for t, n in asks.items()}
         limit = self.latency.limits(sparse, need, weights, budget) if latency_first else None
