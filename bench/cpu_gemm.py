@@ -1,7 +1,7 @@
 """CPU projection GEMMs: a model's projections in sequence, this tree against a git revision,
 or (--ceilings) each projection against the machine's memory and compute ceilings.
 
-    python -m bench.cpu_gemm --baseline REV [--kernel dpbf16|sgemm512|sgemm] [--preset mid]
+    python -m bench.cpu_gemm --baseline REV [--kernel amx|dpbf16|sgemm512|sgemm] [--preset mid]
                              [--rows 16,38,64] [--rounds 15] [--no-lm-head] [--threads 2]
     python -m bench.cpu_gemm --ceilings [--preset llama1b] [--rows 1,16,64,512]
 
@@ -47,9 +47,18 @@ class Kernel(NamedTuple):
     source: str  # in gpu/cpu_kernels
     dtype: torch.dtype
     available: Callable[[], bool]  # built on this CPU
+    symbol: str = ""  # the product's entry point, ps_<symbol> (default: the kernel's name)
+
+    def product(self, name: str) -> str:
+        return f"ps_{self.symbol or name}"
+
+    def gated(self, name: str) -> str:
+        return f"ps_{(self.symbol or name).removesuffix('_gemm')}_silu"
 
 
+# AMX first: where the CPU has it, the model's decode-sized bf16 products run on it.
 KERNELS = {
+    "amx": Kernel("amx_gemm.cpp", torch.bfloat16, cpu_kernels.amx_available, "amx_gemm"),
     "dpbf16": Kernel("dpbf16_gemm.cpp", torch.bfloat16, cpu_kernels.dpbf16_available),
     "sgemm512": Kernel("dpbf16_gemm.cpp", torch.float32, cpu_kernels.sgemm512_available),
     "sgemm": Kernel("sgemm.cpp", torch.float32, cpu_kernels.sgemm_available),
@@ -58,10 +67,11 @@ KERNELS = {
 
 def _bind(lib: ctypes.CDLL, kernel: str) -> None:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    getattr(lib, f"ps_{kernel}").argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
-    getattr(lib, f"ps_{kernel}").restype = None
-    getattr(lib, f"ps_{kernel}_silu").argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
-    getattr(lib, f"ps_{kernel}_silu").restype = i32
+    spec = KERNELS[kernel]
+    getattr(lib, spec.product(kernel)).argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+    getattr(lib, spec.product(kernel)).restype = None
+    getattr(lib, spec.gated(kernel)).argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
+    getattr(lib, spec.gated(kernel)).restype = i32
 
 
 def build_revision(rev: str, kernel: str) -> ctypes.CDLL:
@@ -93,7 +103,9 @@ def projections(kernel: str, preset: str, lm_head: bool) -> list[Proj]:
     if lm_head:
         shapes.append((cfg.vocab_size, h, False, "lm_head"))
     pack = getattr(cpu_kernels, f"{kernel}_pack")
-    gated_pack = cpu_kernels.gated_kernel(kernel).pack
+    gated_pack = (
+        cpu_kernels.amx_gated_pack if kernel == "amx" else cpu_kernels.gated_kernel(kernel).pack
+    )
     out = []
     for n, k, gated, kind in shapes:
         w = (torch.randn(n, k) * 0.02).to(dtype)
@@ -105,13 +117,13 @@ def run_sequence(lib: ctypes.CDLL, kernel: str, projs: list[Proj], xs, ys, threa
     for pr, x, y in zip(projs, xs, ys, strict=True):
         m = x.shape[0]
         if pr.gated:
-            ok = getattr(lib, f"ps_{kernel}_silu")(
+            ok = getattr(lib, KERNELS[kernel].gated(kernel))(
                 x.data_ptr(), x.stride(0), m, pr.k, pr.packed.data_ptr(), pr.n, y.data_ptr(),
                 y.stride(0), threads,
             )  # fmt: skip
             assert ok, f"{kernel}_silu refused the shape"
         else:
-            getattr(lib, f"ps_{kernel}")(
+            getattr(lib, KERNELS[kernel].product(kernel))(
                 x.data_ptr(), x.stride(0), m, pr.k, pr.packed.data_ptr(), pr.n, None,
                 y.data_ptr(), y.stride(0), threads,
             )  # fmt: skip
@@ -208,7 +220,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="git revision to time")
     ap.add_argument("--ceilings", action="store_true", help="vs the machine's ceilings")
-    ap.add_argument("--kernel", choices=sorted(KERNELS), help="default: the widest built")
+    ap.add_argument(
+        "--kernel", choices=sorted(KERNELS), help="default: the widest built (amx where it runs)"
+    )
     ap.add_argument("--preset", default="mid", choices=sorted(PRESETS))
     ap.add_argument("--rows", default="16,38,64", help="rows per product, comma-separated")
     ap.add_argument("--rounds", type=int, default=15)

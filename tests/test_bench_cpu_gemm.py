@@ -60,3 +60,31 @@ def test_peak_flops_loop_counts_what_it_runs():
     # Any x86-64 core with AVX2 does at least a few GFLOP/s and at most ~200 per core
     # (two 512-bit FMA pipes at 6 GHz).
     assert 2e9 < one < 2.5e11
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs AMX")
+def test_cpu_gemm_runs_the_amx_kernel_both_ways():
+    """The AMX kernel (what decode-sized bf16 products run on where the CPU has it) in both
+    modes: against the ceilings, and against a revision's build of it with the same bits."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = ["--kernel", "amx", "--preset", "tiny", "--rounds", "2", "--threads", "1"]
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.cpu_gemm", "--ceilings", "--rows", "1,24", *common],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    kinds = {ln.split("|")[1].strip() for ln in r.stdout.splitlines() if ln.startswith("| ")}
+    assert {"qkv", "o", "gate_up", "down", "lm_head"} <= kinds, r.stdout
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        return
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.cpu_gemm", "--baseline", "HEAD", "--rows", "5", *common],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 5 |")]
+    assert len(rows) == 1, r.stdout
+    if not subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", "gpu/cpu/kernels"], cwd=ROOT
+    ).returncode:
+        assert rows[0].rstrip().endswith("| yes |"), rows
