@@ -323,8 +323,11 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
                 expected += gain
             worst = min(worst, 1.0 + gain)
         # Decided before any proposing: a plain step must not pay for n-gram look-ups.
-        # A step with a prompt chunk in it is not timed (observe_step_time).
-        timed = len(decodes) == len(self.running)
+        # A step with a prompt chunk in it is not timed (observe_step_time): a running
+        # prompt, or (likely) one admitted from the queue after this plan.
+        timed = len(decodes) == len(self.running) and not (
+            self.waiting and len(self.running) < self.config.max_num_seqs
+        )
         speculate = bool(wanted) and spec.policy.choose(len(decodes), expected, worst, timed)
         plans: dict[str, tuple[list[int], int]] = {}
         if speculate:

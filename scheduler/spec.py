@@ -332,6 +332,7 @@ class StepCostPolicy:
     SWITCH_MARGIN = 1.05
     MAX_ROW_SLOWDOWN = 0.95  # a row's expected speed in a verify step vs a plain one
     NEAR = 4  # sizes within this factor share figures until both sides are measured
+    PAYBACK = 128  # steps a switch to speculating must repay its switch step's extra in
 
     def __init__(self) -> None:
         # (bucket, speculated) -> the last SAMPLES steady step times
@@ -343,17 +344,35 @@ class StepCostPolicy:
         self.switch: dict[tuple[int, bool], float] = {}
         self.buckets: dict[int, _BucketState] = {}
         self._last: bool | None = None  # the side of the last timed step
+        self._plain_steps = 0  # timed plain steps since the last speculating one
+        # bucket -> the plain steps before its last switch to speculating (the switch
+        # cost's catch-up is read per step sat out)
+        self.sat_out: dict[int, int] = {}
 
     @staticmethod
     def bucket(rows: int) -> int:
         """Batch sizes 1-4 apart, then powers of two (the cost moves slowly with size)."""
         return rows if rows <= 4 else 1 << (rows - 1).bit_length()
 
-    def choose(self, rows: int, expected_tokens: float, worst_row: float = 1.0) -> bool:
+    def choose(
+        self, rows: int, expected_tokens: float, worst_row: float = 1.0, timed: bool = True
+    ) -> bool:
         """Speculate in a step of `rows` decodes expected to emit `expected_tokens`, the
-        least of them `worst_row` tokens (1: a row without drafts)?"""
+        least of them `worst_row` tokens (1: a row without drafts)?  `timed`: the step is
+        a pure decode step whose time `observe` will get; an untimed one (a prompt chunk
+        rides along) starts no timing run and takes no step of one, since its time would
+        teach nothing, and speculates only where timed steps of its size chose to: a
+        speculating step there still pays the draft model's catch-up (a new batch's
+        prompts whole) or the verify rows, on figures borrowed or never taken."""
         b = self.bucket(rows)
         st = self.buckets.setdefault(b, _BucketState())
+        if not timed:
+            figures = self.figures(b)
+            if figures is None:
+                return False
+            spec, plain = figures
+            gain = self.gain(rows, expected_tokens, worst_row)
+            return st.choice is True and self._better(b, st, gain, spec, plain)
         if st.run_left > 0:
             st.run_left -= 1
             return st.run_side
@@ -362,8 +381,7 @@ class StepCostPolicy:
             return self._start_run(st, (b, True) not in self.samples)
         spec, plain = figures
         gain = self.gain(rows, expected_tokens, worst_row)
-        m = self.SWITCH_MARGIN if st.choice is False else 1.0 / self.SWITCH_MARGIN
-        better = gain * plain > spec * m
+        better = self._better(b, st, gain, spec, plain)
         if better != st.choice:
             st.choice, st.steps, st.elapsed = better, 0, 0.0
         st.steps += 1
@@ -372,6 +390,17 @@ class StepCostPolicy:
             st.steps, st.elapsed = 0, 0.0
             return self._start_run(st, not better)
         return better
+
+    def _better(self, b: int, st: _BucketState, gain: float, spec: float, plain: float) -> bool:
+        """Whether speculating beats plain decoding now: the side running keeps a close
+        choice (SWITCH_MARGIN), and a switch to speculating must also earn back what its
+        last switch step cost over a steady one (a draft model's catch-up: a new batch's
+        prompts whole) within PAYBACK steps, or a batch whose first verifies disappoint
+        pays that catch-up for a handful of speculating steps."""
+        if st.choice is True:
+            return gain * plain > spec / self.SWITCH_MARGIN
+        extra = max(0.0, self.switch.get((b, True), spec) - spec) / self.PAYBACK
+        return gain * plain > spec * self.SWITCH_MARGIN + extra
 
     def _start_run(self, st: _BucketState, side: bool) -> bool:
         st.run_side, st.run_left = side, self.RUN - 1
@@ -389,6 +418,11 @@ class StepCostPolicy:
         progress, and what switching back costs the other side."""
         secs, back = (spec, plain) if side else (plain, spec)
         first = self.switch.get((b, side), secs)
+        if side:
+            # A draft model catches up on every step it sat out: its last switch's extra,
+            # per plain step before it, times the plain steps since.
+            sat = self.sat_out.get(b, 0)
+            first = secs + max(0.0, first - secs) / max(1, sat) * max(1, self._plain_steps)
         same = gain * plain if side else spec / gain  # the other side's time for a step's progress
         run = first + (self.RUN - 1) * secs - self.RUN * same
         return max(0.0, run) + max(0.0, self.switch.get((b, not side), back) - back)
@@ -432,6 +466,8 @@ class StepCostPolicy:
         st = self.buckets.get(b)
         if speculated != self._last:
             self.switch[key] = seconds
+            if speculated:
+                self.sat_out[b] = self._plain_steps
         else:
             self.samples.setdefault(key, deque(maxlen=self.SAMPLES)).append(seconds)
             other = (b, not speculated)
@@ -442,6 +478,7 @@ class StepCostPolicy:
                 r = seconds / o if speculated else o / seconds
                 self.ratios.setdefault(b, deque(maxlen=self.SAMPLES)).append(r)
         self._last = speculated
+        self._plain_steps = 0 if speculated else self._plain_steps + 1
         if st is not None and st.choice == speculated:
             st.elapsed += seconds
 

@@ -7,6 +7,7 @@ by its seconds per emitted token against decoding plain all along."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 
 from scheduler.spec import StepCostPolicy
@@ -21,16 +22,21 @@ def simulate(
     spec: float,
     plain: float,
     spec_switch: float = 0.0,
+    catch_up: Callable[[int], float] | None = None,
 ) -> tuple[float, list[bool]]:
-    """(seconds per emitted token relative to plain decoding, each step's choice)."""
+    """(seconds per emitted token relative to plain decoding, each step's choice).
+    `catch_up(n)`: a switch to speculating after n plain steps costs that on top of
+    `spec_switch` (a draft model catching up on the tokens it sat out)."""
     choices: list[bool] = []
     seconds = tokens = 0.0
     last: bool | None = None
+    sat = 0
     for _ in range(steps):
         side = policy.choose(rows, expected, worst)
         cost = spec if side else plain
         if side and last is not True:
-            cost += spec_switch
+            cost += spec_switch + (catch_up(sat) if catch_up is not None else 0.0)
+        sat = 0 if side else sat + 1
         policy.observe(rows, side, cost)
         seconds += cost
         tokens += expected if side else rows
@@ -171,3 +177,42 @@ def test_the_estimate_is_calibrated_by_what_verifies_kept():
             raw.append(spec._estimate(req, 4))
         spec.observe(req, 4, 4 if i % 2 else 0)
     assert abs(sum(promised) / 200 - 2.0) < 0.1 < abs(sum(raw) / 200 - 2.0)
+
+
+def test_a_catch_up_that_grows_with_the_steps_sat_out_is_priced_so():
+    # The draft model at batch 4 on free text: its warm-up prefills the prompts (10 plain
+    # steps), and a later switch catches up on every step it sat out (half a plain step
+    # each).  Priced at the warm-up's switch alone, a re-timing after ~500 plain steps
+    # paid ~250 of them; read per step sat out, re-timing that side never pays under the
+    # REGRET rule, and the run stays within 1% of plain decoding.
+    p = StepCostPolicy()
+    ratio, choices = simulate(
+        p, 3000, 4, 7.0, 1.75, 5.0, 1.0, spec_switch=10.0, catch_up=lambda n: 0.5 * n
+    )
+    assert sum(choices) == p.RUN
+    assert ratio < 1.01
+
+
+def test_untimed_steps_start_no_timing_run():
+    # A step with a prompt chunk in it is not timed: it neither starts nor takes a step of
+    # a warm-up run (its time would teach nothing), and it speculates only where the timed
+    # steps of its size chose to.
+    p = StepCostPolicy()
+    assert not any(p.choose(4, 7.0, 1.75, timed=False) for _ in range(5))
+    warm_up(p, 4, 8.0, 2.0, 1.2, 1.0)  # 2 tokens a row for 1.2x a plain step: speculate
+    assert p.choose(4, 8.0, 2.0) and p.choose(4, 8.0, 2.0, timed=False)
+    # Size 2 borrows size 4's figures, but no timed step of its own chose speculation.
+    assert not p.choose(2, 4.0, 2.0, timed=False)
+
+
+def test_a_switch_to_speculating_must_repay_its_catch_up():
+    # Speculating is a little ahead (1.4 tokens a row for 1.2x a plain step), but its last
+    # switch step cost 400 plain steps (a new batch's prompts through the draft model):
+    # not repaid within PAYBACK steps, so plain stays.  A cheap switch does not hold it.
+    for switch, speculates in ((400.0, False), (1.3, True)):
+        p = StepCostPolicy()
+        for side, secs in ((True, 1.2), (False, 1.0)):
+            for i in range(p.RUN):
+                assert p.choose(4, 5.6, 1.4) == side
+                p.observe(4, side, switch if side and i == 0 else secs)
+        assert p.choose(4, 5.6, 1.4) == speculates
