@@ -40,6 +40,8 @@ QUANTUM_TOKENS = 256
 # How long a key that goes idle keeps its sparse claim on short steps: about a chat
 # user's pause between turns (LatencyFirst).
 LINGER_S = 10.0
+# StepCost: a step timed past this many times the fit's figure counts as this many.
+OUTLIER = 3.0
 _NONE = object()  # _turn: every waiting tenant is skipped
 
 
@@ -339,6 +341,12 @@ class StepCost:
         self.per_token: float | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
+        if self.per_token is not None and self.fixed is not None:
+            # A step far slower than the fit says was interrupted (the process descheduled
+            # on a busy machine, stopped, swapping): its time says nothing about its size,
+            # and one such step at a short size would lift the floor for many steps after.
+            # Clipped, not dropped, so a machine that really got slower moves the fit.
+            seconds = min(seconds, OUTLIER * (self.fixed + self.per_token * tokens))
         m = self.memory
         s = self._sums
         for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
@@ -385,7 +393,8 @@ class LatencyFirst:
     and the step that runs it, then each cost about what that prompt costs alone.  The
     step in flight is the one no policy can shorten after the fact, so a tenant stays
     present for `linger_s` seconds after its last request ends (a chat user's pause
-    between turns): its next request finds short steps too.
+    between turns): its next request finds short steps too, half its last prompt while
+    no sparse tenant has work (the step a next prompt waits for).
     """
 
     quantum: int = QUANTUM_TOKENS
@@ -446,6 +455,15 @@ class LatencyFirst:
         if not sparse or not backlog:
             return None
         want = max(self._want(t, need[t]) for t in sparse)
-        size = min(budget, max(self.cost.min_tokens(), want))
+        if any(need[t] for t in sparse):
+            size = min(budget, max(self.cost.min_tokens(), want))
+        else:
+            # Every sparse tenant is between requests: this step is the one a next prompt
+            # would wait for, and then it rides a step of its own as long.  A backlogged
+            # tenant's tokens, deep into long prompts beside decodes, cost more each than
+            # a fresh prompt's, so a full-sized step here took longer than the prompt's
+            # own and the two together past twice its step alone; half the size keeps
+            # them under it.  The floor does not apply: no sparse work rides along.
+            size = min(budget, max(1, want // 2))
         room = max(0, size - sum(need[t] for t in sparse))
         return split_budget(room, backlog, weights)
