@@ -32,6 +32,7 @@ Verification along the tree is exact:
 from __future__ import annotations
 
 import json
+from itertools import repeat
 from pathlib import Path
 
 import torch
@@ -225,14 +226,15 @@ class MedusaProposer:
             path, cfg.hidden_size, cfg.vocab_size, target.dtype, target.device
         )
         self.num_heads = self.heads.num_heads
-        # Per request: the hidden state of the row that sampled its last token.
-        self.hidden: dict[str, torch.Tensor] = {}
+        # Per request: the hidden state of the row that sampled its last token, as (a
+        # step's rows, its row there): every step remembers its rows, and a view per row
+        # cost a visible share of a plain step on a small model.
+        self.hidden: dict[str, tuple[torch.Tensor, int]] = {}
         self.trees: dict[str, Tree] = {}  # this step's, by request
 
     def remember(self, ids: list[str], rows: torch.Tensor) -> None:
         rows = rows.detach().clone()  # (a step's hidden buffer may be reused)
-        for i, rid in enumerate(ids):
-            self.hidden[rid] = rows[i]
+        self.hidden.update(zip(ids, zip(repeat(rows), range(len(ids)))))
 
     def drop(self, req_id: str) -> None:
         self.hidden.pop(req_id, None)
@@ -247,7 +249,7 @@ class MedusaProposer:
         known = [sr for sr in reqs if sr.req_id in self.hidden]
         topk: dict[str, list[list[int]]] = {}
         if known:
-            h = torch.stack([self.hidden[sr.req_id] for sr in known])
+            h = torch.stack([buf[i] for buf, i in (self.hidden[sr.req_id] for sr in known)])
             w = self.heads.heads[0][-1].weight
             logits = torch.stack(
                 [self.heads.heads[d](h.to(w.dtype)) for d in range(depth)]

@@ -103,6 +103,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         self.step_id = 0
         self._constrained: list[Request] = []  # sampling rows with a grammar, this step
         self._timed: tuple[int, bool] | None = None  # (decode rows, speculated) of a pure step
+        self._admitted = False  # the last step admitted a prompt from the queue
         self._init_tier(tier)
         self._init_ahead()
 
@@ -226,11 +227,13 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             self.running += step.early
             self._timed = None
         # No admissions in a step that preempted: the pool is already short.
+        self._admitted = False
         if not step.preempted:
             left = step.budget
             self._admit_waiting(step)
             if step.budget != left:
                 self._timed = None  # a prompt chunk rides along: not a pure decode step
+                self._admitted = True
         return step
 
     def _schedule_running(self, step: _StepPlan) -> None:
@@ -305,6 +308,14 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         if spec is None or not spec.enabled_for_step(len(self.running) + len(self.waiting)):
             return {}
         decodes = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
+        # A step with a prompt chunk in it is not timed (observe_step_time): a running
+        # prompt, or one admitted from the queue after this plan (likely while the last
+        # step admitted one; a queue held back by the KV pool admits none).
+        timed = len(decodes) == len(self.running) and not (self.waiting and self._admitted)
+        if decodes and spec.policy.plain_for_sure(len(decodes), 1.0 + spec.k, timed):
+            if len(decodes) == len(self.running):
+                self._timed = (len(decodes), False)
+            return {}
         wanted: list[tuple[Request, int]] = []
         expected = float(len(decodes))
         worst = 1.0 + spec.k  # the fewest tokens a row is expected to emit
@@ -323,11 +334,6 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
                 expected += gain
             worst = min(worst, 1.0 + gain)
         # Decided before any proposing: a plain step must not pay for n-gram look-ups.
-        # A step with a prompt chunk in it is not timed (observe_step_time): a running
-        # prompt, or (likely) one admitted from the queue after this plan.
-        timed = len(decodes) == len(self.running) and not (
-            self.waiting and len(self.running) < self.config.max_num_seqs
-        )
         speculate = bool(wanted) and spec.policy.choose(len(decodes), expected, worst, timed)
         plans: dict[str, tuple[list[int], int]] = {}
         if speculate:

@@ -385,11 +385,30 @@ class StepCostPolicy:
         if better != st.choice:
             st.choice, st.steps, st.elapsed = better, 0, 0.0
         st.steps += 1
-        cost = self._explore_cost(b, not better, gain, spec, plain)
+        cost = st.cost = self._explore_cost(b, not better, gain, spec, plain)
         if st.steps > self.MIN_EXPLORE and st.elapsed * self.REGRET >= cost:
             st.steps, st.elapsed = 0, 0.0
             return self._start_run(st, not better)
         return better
+
+    def plain_for_sure(self, rows: int, most: float, timed: bool = True) -> bool:
+        """Whether a step of `rows` decodes runs plain whatever its rows expect, each at
+        most `most` tokens: its size chose plain, no timing run is under way or may be
+        due, and even `most` tokens a row would not pay.  The scheduler then skips the
+        per-row estimates (on a small model they are a visible share of a plain step);
+        the step counts towards the next re-timing as a full choice would."""
+        b = self.bucket(rows)
+        st = self.buckets.get(b)
+        if st is None or st.choice is not False or st.run_left > 0:
+            return False
+        if timed and st.steps >= self.MIN_EXPLORE and st.elapsed * self.REGRET >= st.cost:
+            return False  # a re-timing may be due: the full choice prices it
+        figures = self.figures(b)
+        if figures is None or self._better(b, st, most, *figures):
+            return False
+        if timed:
+            st.steps += 1
+        return True
 
     def _better(self, b: int, st: _BucketState, gain: float, spec: float, plain: float) -> bool:
         """Whether speculating beats plain decoding now: the side running keeps a close
@@ -492,3 +511,4 @@ class _BucketState:
     elapsed: float = 0.0  # seconds the chosen side ran since then
     run_side: bool = False  # the side of the timing run under way
     run_left: int = 0  # its steps still to come
+    cost: float = 0.0  # what re-timing the losing side cost at the last full choice

@@ -157,6 +157,9 @@ async def test_greedy_identity_forced_preemption(method):
         speculative_config=spec_config(method, name, k=4),
         threads=1,
     )
+    # Every decode step speculates: with arrivals every step most steps carry a prompt
+    # chunk, where the cost policy starts no timing run, and this is about preemption.
+    engine.scheduler.spec.policy.choose = lambda *a, **k: True
     results = await run_engine(engine, work, stagger_steps=1)
     check(model, work, results)
     assert engine.scheduler.num_preemptions > 0
@@ -178,6 +181,7 @@ async def test_greedy_identity_parallel_samples(method):
         speculative_config=spec_config(method, name),
         threads=1,
     )
+    engine.scheduler.spec.policy.choose = lambda *a, **k: True  # (as under preemption)
     results = await run_engine(engine, work, n=3, stagger_steps=1)
     check(model, work, results, n=3)
     assert_speculated(engine)

@@ -216,3 +216,28 @@ def test_a_switch_to_speculating_must_repay_its_catch_up():
                 assert p.choose(4, 5.6, 1.4) == side
                 p.observe(4, side, switch if side and i == 0 else secs)
         assert p.choose(4, 5.6, 1.4) == speculates
+
+
+def test_plain_for_sure_skips_only_choices_that_are_plain_anyway():
+    # The scheduler asks plain_for_sure (no per-row estimates) before a full choice: over
+    # a run where plain wins by far and the speculating side is re-timed now and then, the
+    # choices are the same step for step as with full choices only.
+    def run(fast: bool) -> list[bool]:
+        p = StepCostPolicy()
+        out: list[bool] = []
+        for _ in range(3000):
+            if fast and p.plain_for_sure(4, 5.0):
+                side = False
+            else:
+                side = p.choose(4, 7.0, 1.75)
+            p.observe(4, side, 6.0 if side else 1.0)
+            out.append(side)
+        return out
+
+    full, fast = run(False), run(True)
+    assert fast == full
+    assert sum(full) > 2 * StepCostPolicy.RUN  # re-timed after the warm-up
+    p = StepCostPolicy()
+    assert not p.plain_for_sure(4, 5.0)  # nothing measured yet
+    warm_up(p, 4, 8.0, 2.0, 1.2, 1.0)
+    assert not p.plain_for_sure(4, 5.0)  # speculating chosen
