@@ -306,3 +306,26 @@ def test_a_sparse_key_without_a_seat_never_stalls_the_server():
     }
     run, _ = _run(_cfg(max_num_seqs=1, max_num_batched_tokens=1024), arrivals)
     assert all(so.num_scheduled_tokens > 0 for so in run.steps)
+
+
+def test_a_backlogged_keys_running_prompts_go_before_its_new_ones():
+    """A chat request decodes beside a flood, so every step is short and the flood's
+    limit is a few tokens.  The flood's oldest prompt takes them until it is computed,
+    then the next one starts: a flood request admitted ahead of the running ones (early,
+    the flood being under its seat share) began one more prompt every step and finished
+    none while the chat request ran."""
+    rng = random.Random(12)
+    arrivals = {
+        0: [_group("c0", "chat", _prompt(rng, 24), 60)],
+        1: _flood(rng, "f", 40, plen=120, out=4),
+    }
+    run, _ = _run(_cfg(), arrivals)
+    started: list[str] = []
+    for so in run.steps[1:55]:
+        assert so.num_scheduled_tokens == 24 and _per_key(so)["c"] == 1
+        for sr in so.all_scheduled():
+            if sr.req_id[0] == "f" and sr.req_id not in started:
+                started.append(sr.req_id)
+    # 54 steps of 23 flood tokens: about ten 120-token prompts, in arrival order.
+    assert started == [f"f{i}" for i in range(len(started))] and len(started) <= 12, started
+    assert _first_sample(run, "f0") == 1 + 120 // 23
