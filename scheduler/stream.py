@@ -121,9 +121,9 @@ class RequestStream:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def get(self) -> list[RequestUpdate]:
-        """Consumer side: everything since the last call, one merged update per sequence.
-        Raises the engine's error if the engine died."""
+    async def wait(self) -> None:
+        """Consumer side: until something is pending.  Raises the engine's error if the
+        engine died."""
         while not self._pending:
             if self.error is not None:
                 raise self.error
@@ -132,5 +132,34 @@ class RequestStream:
                 await self._waiter
             finally:
                 self._waiter = None
+
+    async def get(self) -> list[RequestUpdate]:
+        """Consumer side: everything since the last call, one merged update per sequence.
+        Raises the engine's error if the engine died."""
+        if not self._pending:
+            await self.wait()
+        return self.take()
+
+    def take(self) -> list[RequestUpdate]:
+        """What `get` returns, once something is pending."""
         pending, self._pending = self._pending, []
         return merge_updates(pending, self._last)
+
+    def take_tokens(self) -> list[int] | None:
+        """Consumer side, a stream of one sequence: the pending decode tokens when that is
+        all that is pending (most steps), taken without an update object; None (nothing
+        taken) when a full update is among them."""
+        pending = self._pending
+        if len(pending) == 1:
+            u = pending[0]
+            if type(u) is not tuple:
+                return None
+            self._pending = []
+            return [u[1]]
+        toks = []
+        for u in pending:
+            if type(u) is not tuple:
+                return None
+            toks.append(u[1])
+        self._pending = []
+        return toks

@@ -104,6 +104,7 @@ class _Sequence:
         self.params = p
         self.prompt_ids = prompt_ids
         self.done = False
+        self.req_id = ""  # the engine's id of this sample, from its first update
 
     def clear_delta(self) -> None:
         """Before each batch of updates: the deltas hold only what that batch adds."""
@@ -455,8 +456,20 @@ class AsyncEngine:
             metrics=metrics,
         )
         live = params.n
+        # One sample without stop strings or logprobs: a step's decode tokens go straight
+        # to the detokenizer, without an update object (every stream, every step).
+        plain = params.n == 1 and seqs[0].stops is None and params.logprobs is None
         try:
             while live:
+                if plain and metrics.first_token_time is not None:
+                    if not stream._pending:
+                        await stream.wait()
+                    toks = stream.take_tokens()
+                    if toks is not None:
+                        self._take_tokens(seqs[0], metrics, toks)
+                        if not final_only:
+                            yield out
+                        continue
                 updates = await stream.get()
                 now = time.monotonic()
                 for s in seqs:
@@ -527,6 +540,7 @@ class AsyncEngine:
         self, seq: _Sequence, out: RequestOutput, metrics: RequestMetrics, u, now: float
     ) -> None:  # u: RequestUpdate
         """One sample's update: timings, cached tokens, prompt logprobs, then its text."""
+        seq.req_id = u.req_id
         if u.new_token_ids:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -564,6 +578,27 @@ class AsyncEngine:
             "blocks": len(prompt_token_ids) // bs,
             "cached_tokens": last.num_cached_tokens,
         }
+
+    def _take_tokens(self, seq: _Sequence, metrics: RequestMetrics, toks: list[int]) -> None:
+        """`_take_update` for decode tokens alone of a sample without stop strings or
+        logprobs: what that does with such an update, without the update."""
+        now = time.monotonic()
+        metrics.last_token_time = now
+        metrics.token_times.append(now)
+        o = seq.out
+        try:
+            if self.faults is not None:
+                self.faults.check_detok(seq.req_id, seq.prompt_ids, len(o.token_ids))
+            delta = seq.detok.push(toks)
+        except Exception as e:
+            log.exception("request %s: output processing failed", seq.req_id)
+            seq.done = True
+            o.finish_reason = "error"
+            raise RequestFailed(f"output processing failed: {e}") from e
+        o.token_ids += toks
+        o.delta_token_ids = toks
+        o.delta_text = delta
+        o.add_text(delta)
 
     def _apply_guarded(self, seq: _Sequence, u) -> None:  # u: RequestUpdate
         """Detokenize and match stop strings; a failure there belongs to this request."""

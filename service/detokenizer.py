@@ -67,13 +67,9 @@ class IncrementalDetokenizer:
             return ""
         # One id at a time: a batch of ids (speculative decoding) that ends inside a
         # character would otherwise hold back the complete characters before it too.
-        new: list[str] = []
-        for i in token_ids:
-            self._output_ids.append(i)
-            text = self._stream.step(self._tok, i)
-            if text:
-                new.append(text)
-        text = "".join(new)
+        self._output_ids += token_ids
+        stream, tok = self._stream, self._tok
+        text = "".join([t for i in token_ids if (t := stream.step(tok, i))])
         if text:
             self._emitted.append(text)
         return text

@@ -42,6 +42,34 @@ def write_cannot_wait(request: web.Request, size: int, limit: int) -> bool:
     return transport.get_write_buffer_size() + size <= min(high, limit)  # type: ignore[attr-defined]
 
 
+def write_now(request: web.Request, resp: web.StreamResponse, data: bytes, limit: int) -> bool:
+    """Write `data` as one chunk of `resp`'s chunked body now, without a coroutine, when
+    nothing about it can wait (`write_cannot_wait`) and the body is a plain one whose
+    headers are out (no compression, no declared length, no send hooks).  False: nothing
+    was written, take the awaited path (`resp.write`).  Per event it saves the three
+    coroutines between the caller and the transport, for every stream on every step.
+    Goes through aiohttp's own chunk writer, so its byte counts stay right; an aiohttp
+    without these attributes always gets the awaited path."""
+    w: Any = getattr(resp, "_payload_writer", None)
+    try:
+        if (
+            w is None
+            or w._headers_buf is not None  # the first write carries the headers
+            or not w.chunked
+            or w._compress is not None
+            or w.length is not None
+            or w._on_chunk_sent is not None
+            or w.on_body_write is not None
+            or not write_cannot_wait(request, len(data) + 16, limit)  # + the chunk's framing
+        ):
+            return False
+        write = w._write_chunked_payload
+    except AttributeError:
+        return False
+    write(data)
+    return True
+
+
 # The body field that asked for structured output: a grammar that fails mid-generation
 # (the client's fault, RequestFailed.status 400) is reported against it.
 SPEC_FIELD = web.RequestKey("pagestream_spec_field", str)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -77,6 +77,7 @@ class Metrics:
         self.extra_counters: dict[str, Counter] = {}
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._last_extra: dict[str, float] = {}
+        self._pin_children: tuple[Any, Any, tuple[tuple[str, Any], ...]] | None = None
         # Label children resolved once: the step hook runs every step.
         self._c = {
             name: getattr(self, name).labels(model_name)
@@ -225,17 +226,26 @@ class Metrics:
         )  # fmt: skip
 
     def on_pins(self, st: PinStats) -> None:
-        name = self.model_name
-        self.pinned_blocks.labels(name).set(st.pinned_blocks)
-        self.pinned_conversations.labels(name).set(st.conversations)
-        counters = (
-            ("followup_turns", self.followups.labels(name)),
-            ("followup_hit_turns", self.followup_hits.labels(name)),
-            ("followup_prompt_tokens", self.followup_tokens.labels(name, "prompt")),
-            ("followup_cached_tokens", self.followup_tokens.labels(name, "cached")),
-            ("evicted_blocks", self.pins_dropped.labels(name, "evicted")),
-            ("expired", self.pins_dropped.labels(name, "expired")),
-        )
+        # Runs every step: the labelled children are looked up once (each `labels` call
+        # builds and hashes its label tuple under a lock).
+        children = self._pin_children
+        if children is None:
+            name = self.model_name
+            children = self._pin_children = (
+                self.pinned_blocks.labels(name),
+                self.pinned_conversations.labels(name),
+                (
+                    ("followup_turns", self.followups.labels(name)),
+                    ("followup_hit_turns", self.followup_hits.labels(name)),
+                    ("followup_prompt_tokens", self.followup_tokens.labels(name, "prompt")),
+                    ("followup_cached_tokens", self.followup_tokens.labels(name, "cached")),
+                    ("evicted_blocks", self.pins_dropped.labels(name, "evicted")),
+                    ("expired", self.pins_dropped.labels(name, "expired")),
+                ),
+            )
+        blocks, conversations, counters = children
+        blocks.set(st.pinned_blocks)
+        conversations.set(st.conversations)
         for attr, counter in counters:
             value, key = getattr(st, attr), f"pins:{attr}"
             last = self._last_extra.get(key, 0)

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from service.http_util import (
     limit_send_buffer,
     wait_drained,
     write_cannot_wait,
+    write_now,
 )
 from service.limits import Limits
 from service.outputs import RequestOutput, Submitted
@@ -123,7 +124,8 @@ async def merge(
 
 
 # A stream's chunks for one step of one prompt: (the choices that moved, the output).
-ChunksOf = Callable[[list[ChoiceDelta], RequestOutput], list[dict[str, Any]]]
+# A chunk is a dict, or an event already encoded (`sse` of it).
+ChunksOf = Callable[[list[ChoiceDelta], RequestOutput], Sequence[dict[str, Any] | bytes]]
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -194,6 +196,10 @@ class ServingBase:
             await stream.put(data)
         else:
             await self.send(request, resp, data)
+
+    def send_now(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> bool:
+        """`send` done at once when it cannot wait (True); False: nothing written."""
+        return write_now(request, resp, data, self.max_buffered_bytes)
 
     async def send(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
         """One SSE write, bounded: while more than `max_buffered_bytes` wait in the socket's
@@ -316,7 +322,7 @@ class ServingBase:
         subs.clear()
         self.streams.run(log, stream, lambda: self._release(owned))
         resp = await self._prepare_sse(request)
-        if await follow(log, SSESink(functools.partial(self.send, request, resp)), 0):
+        if await follow(log, self._sink(request, resp), 0):
             await end_stream(resp)
         return resp
 
@@ -327,7 +333,7 @@ class ServingBase:
         log, after = self.streams.lookup_sse(request, request.get(TENANT))
         resp = await self._prepare_sse(request)
         await self.send(request, resp, self.streams.retry_field())
-        if await follow(log, SSESink(functools.partial(self.send, request, resp)), after):
+        if await follow(log, self._sink(request, resp), after):
             await end_stream(resp)
         return resp
 
@@ -342,6 +348,13 @@ class ServingBase:
         self.limit_send_buffer(request)
         await resp.prepare(request)
         return resp
+
+    def _sink(self, request: web.Request, resp: web.StreamResponse) -> SSESink:
+        """`resp` as the connection following a resume log."""
+        return SSESink(
+            functools.partial(self.send, request, resp),
+            functools.partial(self.send_now, request, resp),
+        )
 
     def _chunk(
         self, base: dict[str, Any], choices: list[dict[str, Any]], usage: StreamUsage
@@ -374,10 +387,15 @@ class ServingBase:
                 async for item in items:
                     deltas, out = (deltas_of(item, 0), item) if one else item
                     for chunk in chunks_of(deltas, out):
+                        data = chunk if type(chunk) is bytes else sse(chunk)  # type: ignore[arg-type]
+                        # Most events are written at once, without a coroutine between
+                        # here and the transport (every stream, every step).
                         if stream is not None:
-                            await stream.put(sse(chunk))
-                        else:
-                            await self.send(request, resp, sse(chunk))
+                            pending = stream.offer(data)
+                            if pending is not None:
+                                await pending
+                        elif not write_now(request, resp, data, self.max_buffered_bytes):
+                            await self.send(request, resp, data)
         except SlowClient:
             return resp  # dropped; the request was aborted as its generator closed
         except (ConnectionResetError, asyncio.CancelledError):

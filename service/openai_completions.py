@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
@@ -22,7 +23,7 @@ from service.completion_extras import (
     join_logprobs,
 )
 from service.http_util import TENANT_SALT, json_response, salted
-from service.openai_common import ChoiceDelta, ServingBase, StreamUsage
+from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
 from service.outputs import CompletionOutput, RequestOutput
 from service.protocol import BadRequest
 from service.protocol_openai import CompletionRequest, decode_completion
@@ -295,13 +296,30 @@ class _CompletionChunks:
         # Nothing but text in a choice's middle chunks: those are built inline.
         plain = echo is None and not req.echo_only and not req.return_token_ids
         self.plain = plain and req.logprobs is None and req.prompt_logprobs is None
+        # A plain middle chunk of one choice, as the event's bytes around its text: the
+        # rest of it is the same every step (choice index -> (head, tail)).
+        self.frames: dict[int, tuple[bytes, bytes]] = {}
 
-    def __call__(self, deltas: list[ChoiceDelta], out: RequestOutput) -> list[dict[str, Any]]:
+    def _frame(self, index: int) -> tuple[bytes, bytes]:
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+        event = sse(self.serving._chunk(self.base, [choice], self.usage))
+        at = event.rindex(b'"text":""')  # choices come last in the chunk
+        self.frames[index] = frame = (event[: at + 7], event[at + 9 :])
+        return frame
+
+    def __call__(
+        self, deltas: list[ChoiceDelta], out: RequestOutput
+    ) -> list[dict[str, Any] | bytes]:
         req, n, usage, offsets, echo = self.req, self.n, self.usage, self.offsets, self.echo
-        choices = []
+        choices: list[dict[str, Any]] = []
         for d in deltas:
             if self.plain and d.finish_reason is None and d.index in offsets:
                 usage.completion_tokens += len(d.token_ids)
+                if len(deltas) == 1 and not usage.continuous:
+                    head, tail = self.frames.get(d.index) or self._frame(d.index)
+                    self.cached[out.request_id] = out.num_cached_tokens
+                    usage.cached = sum(self.cached.values())
+                    return [head + orjson.dumps(d.text) + tail]
                 choices.append(
                     {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": None}
                 )

@@ -104,11 +104,22 @@ class StreamLog:
     async def put(self, data: bytes) -> None:
         """An SSE event: numbered, kept, and written to the connection holding the log
         (the write's back-pressure pauses the generation, as without resume)."""
+        pending = self.offer(data)
+        if pending is not None:
+            await pending
+
+    def offer(self, data: bytes) -> Awaitable[None] | None:
+        """`put` without a coroutine when the connection holding the log takes the event
+        at once (`SSESink.deliver_now`); else the write to await, in order, before the
+        next event."""
         seq = self.last + 1
         data = b"id: %d\n%s" % (seq, data)
         self._store(data)
         if self.live and not self.lost:
-            await self.owner.deliver(self, seq, data)
+            owner = self.owner
+            if not owner.deliver_now(self, seq, data):
+                return owner.deliver(self, seq, data)  # type: ignore[no-any-return]
+        return None
 
     def put_frame(self, frame: dict[str, Any]) -> None:
         """A WebSocket generation's frame: numbered (`seq`; a `delta` also carries the
@@ -228,10 +239,25 @@ class ResumeGone(Exception):
 class SSESink:
     """An HTTP response following a log; `write` is the bounded SSE write."""
 
-    def __init__(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        write: Callable[[bytes], Awaitable[None]],
+        write_now: Callable[[bytes], bool] | None = None,
+    ) -> None:
         self.write = write
+        # The same write when it cannot wait, done at once (True) or refused (False).
+        self.write_now = write_now
         self.pos = 0
         self.ended = asyncio.Event()
+
+    def deliver_now(self, stream: StreamLog, seq: int, data: bytes) -> bool:
+        """`deliver` when the write cannot wait; False: nothing written, await `deliver`."""
+        if self.write_now is None or not self.write_now(data):
+            return False
+        self.pos = seq
+        if seq > stream.written:
+            stream.written = seq
+        return True
 
     async def deliver(self, stream: StreamLog, seq: int, data: bytes) -> None:
         try:

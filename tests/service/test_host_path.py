@@ -104,3 +104,91 @@ def test_switch_interval_flag_sets_the_interpreters_and_only_when_given():
         )
     finally:
         sys.setswitchinterval(before)
+
+
+async def test_write_now_writes_what_the_awaited_write_would() -> None:
+    """`write_now` refuses a compressed body and a write past the caller's bound;
+    otherwise its chunks reach the client exactly as `resp.write`'s, in order."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from service.http_util import write_now
+
+    seen: dict[str, list[bool]] = {}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        if request.query.get("gzip"):
+            resp.enable_compression(web.ContentCoding.gzip)
+        await resp.prepare(request)
+        got = seen.setdefault(request.query.get("gzip", "plain"), [])
+        ok = write_now(request, resp, b"a", 1 << 20)  # prepare sent the headers
+        got.append(ok)
+        if not ok:
+            await resp.write(b"a")
+        for i in range(5):
+            data = b"<%d>" % i
+            ok = write_now(request, resp, data, 1 << 20)
+            got.append(ok)
+            if not ok:
+                await resp.write(data)
+        got.append(write_now(request, resp, b"x" * 100, 50))  # past the caller's bound
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/")
+        assert await r.read() == b"a<0><1><2><3><4>"
+        assert r.headers["Transfer-Encoding"] == "chunked"
+        assert seen["plain"] == [True, True, True, True, True, True, False]
+        r = await client.get("/?gzip=1")
+        assert await r.read() == b"a<0><1><2><3><4>"
+        assert seen["1"] == [False] * 7
+
+
+async def test_take_tokens_only_when_nothing_but_tokens_waits() -> None:
+    from scheduler.scheduler import RequestUpdate
+    from scheduler.stream import RequestStream
+
+    s = RequestStream("g")
+    first = RequestUpdate(req_id="r", group_id="g", sample_index=0, new_token_ids=[7])
+    s.put([first])
+    assert s.take_tokens() is None  # a full update waits: nothing taken
+    assert [u.new_token_ids for u in s.take()] == [[7]]
+    s.put_token("r", 8)
+    s.put_token("r", 9)
+    await s.wait()
+    assert s.take_tokens() == [8, 9]
+    s.put_token("r", 10)
+    assert s.take_tokens() == [10]
+    s.put_token("r", 11)
+    s.put([RequestUpdate(req_id="r", group_id="g", sample_index=0, new_token_ids=[12],
+                         finish_reason="length")])  # fmt: skip
+    assert s.take_tokens() is None
+    (u,) = await s.get()
+    assert u.new_token_ids == [11, 12] and u.finish_reason == "length"
+
+
+def test_plain_completion_chunk_is_the_dicts_event() -> None:
+    """A plain middle chunk built from its pre-encoded frame is byte for byte the event
+    the dict path encodes (text with quotes, escapes and multi-byte characters)."""
+    import functools
+
+    from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
+    from service.openai_completions import _CompletionChunks
+
+    serving = SimpleNamespace(token_text=None, _chunk=functools.partial(ServingBase._chunk, None))
+    req = SimpleNamespace(echo_only=False, return_token_ids=False, logprobs=None,
+                          prompt_logprobs=None)  # fmt: skip
+    base = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": 'm"x'}
+    usage = StreamUsage(3, include=True, continuous=False)
+    chunks = _CompletionChunks(serving, req, base, [[1, 2, 3]], 1, None, usage)  # type: ignore[arg-type]
+    chunks.offsets[0] = 0  # past the choice's first chunk
+    out = SimpleNamespace(request_id="r", num_cached_tokens=2)
+    for text in ['hé "x"\n\\', "", "🎉", '"text":""']:
+        (got,) = chunks([ChoiceDelta(0, text, [9], None, None, None)], out)  # type: ignore[arg-type]
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+        assert got == sse({**base, "choices": [choice]})
+    assert usage.completion_tokens == 4 and usage.cached == 2
