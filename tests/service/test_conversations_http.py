@@ -132,18 +132,23 @@ def test_interactive_key_is_admitted_before_a_flooding_keys_queue(model) -> None
         with _server(model, max_num_seqs=1, scheduling_policy=policy) as s:
             done: list[str] = []
 
-            def send(name: str, key: str, n: int, done: list[str] = done) -> None:
-                turn(s.url, _prompt(rng, n), key=key)
+            def send(name: str, key: str, n: int, out: int, done: list[str] = done) -> None:
+                turn(s.url, _prompt(rng, n), key=key, max_tokens=out)
                 done.append(name)
 
-            flood = [threading.Thread(target=send, args=(f"f{i}", KEY_A, 120)) for i in range(5)]
+            # Each flood request long enough (~100 steps) that the first cannot end before the
+            # fifth has arrived and queued: on a fast CPU 12 tokens did, and the queue never
+            # reached four.
+            flood = [
+                threading.Thread(target=send, args=(f"f{i}", KEY_A, 120, 100)) for i in range(5)
+            ]
             for t in flood:
                 t.start()
             deadline = time.monotonic() + 60
             while s.on_loop(lambda: len(s.engine.scheduler.waiting)) < 4:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            chat = threading.Thread(target=send, args=("chat", KEY_B, 20))
+            chat = threading.Thread(target=send, args=("chat", KEY_B, 20, 12))
             chat.start()
             for t in [*flood, chat]:
                 t.join(120)
