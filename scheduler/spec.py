@@ -328,7 +328,7 @@ class StepCostPolicy:
     SAMPLES = 5
     RUN = 3  # steps per timing run: the switch, then two steady steps
     MIN_EXPLORE = 32
-    REGRET = 0.02  # the most of the time re-timing the losing side may cost
+    REGRET = 0.01  # the most of the time re-timing the losing side may cost
     SWITCH_MARGIN = 1.05
     MAX_ROW_SLOWDOWN = 0.95  # a row's expected speed in a verify step vs a plain one
     NEAR = 4  # sizes within this factor share figures until both sides are measured
