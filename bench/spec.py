@@ -122,15 +122,19 @@ def _rows(
     workloads: list[str],
     runs: dict[tuple[str, int], list[tuple[str, tuple[float, float, float]]]],
     batches: tuple[int, ...] = (1, 4, 32),
+    sizes: dict[tuple[str, int], int] | None = None,
 ) -> list[list[str]]:
     """One table row per workload and batch: off's figures, then each mode's, its median
-    paired ratio to off and its mean acceptance length."""
+    paired ratio to off and its mean acceptance length.  `sizes`: the rows a batch really
+    had where the corpus held fewer prompts than asked (the row says both)."""
     rows = []
     for wl in workloads:
         for batch in batches:
             seq = runs[(wl, batch)]
             base_wall, base_cpu, _ = _medians([f for m, f in seq if m == "off"])
-            row = [wl, str(batch), f"{base_cpu:.0f} ({base_wall:.0f})"]
+            got = (sizes or {}).get((wl, batch), batch)
+            label = str(batch) if got == batch else f"{got} (of {batch} asked)"
+            row = [wl, label, f"{base_cpu:.0f} ({base_wall:.0f})"]
             for mode in MODES:
                 _, cpu, mal = _medians([f for m, f in seq if m == mode])
                 pairs = paired_ratios(seq, mode)
@@ -208,12 +212,14 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
     for llm in llms.values():
         llm.generate(work["free"][:2], params)  # warm-up
     runs: dict[tuple[str, int], list[tuple[str, tuple[float, float, float]]]] = {}
+    sizes: dict[tuple[str, int], int] = {}
     try:
         # Each round runs plain next to every mode (round_order), `repeats` rounds, and a
         # mode's speed-up is the median of its ratios to the plain runs beside it.
         for wl, ps in work.items():
             for batch in batches:
                 groups = [[p] for p in ps[:BATCH1_PROMPTS]] if batch == 1 else [ps[:batch]]
+                sizes[(wl, batch)] = 1 if batch == 1 else len(ps[:batch])
                 seq = runs.setdefault((wl, batch), [])
                 for rep in range(repeats):
                     for mode in round_order(rep):
@@ -226,7 +232,7 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
     finally:
         for llm in llms.values():
             llm.shutdown()
-    rows = _rows(list(work), runs, batches)
+    rows = _rows(list(work), runs, batches, sizes)
     where = f"{args.threads} threads"
     if torch.cuda.is_available():  # the LLM runs on the GPU then
         graphs = "eager" if args.enforce_eager else "CUDA graphs"

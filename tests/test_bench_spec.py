@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.spec import MODES, _medians, paired_ratios, round_order
+from bench.spec import MODES, _medians, _rows, paired_ratios, round_order
 
 
 def test_round_order_puts_plain_beside_every_mode_and_rotates():
@@ -31,3 +31,11 @@ def test_paired_ratios_cancel_a_drift_of_load():
     off = _medians([f for m, f in seq if m == "off"])[0]
     draft = _medians([f for m, f in seq if m == "draft"])[0]
     assert abs(draft / off - 0.9) > 0.03
+
+
+def test_a_batch_the_corpus_cannot_fill_says_how_many_rows_it_had():
+    seq = [(m, (100.0, 100.0, 1.0)) for rep in range(2) for m in round_order(rep)]
+    runs = {("free", 4): seq, ("free", 32): seq}
+    rows = _rows(["free"], runs, (4, 32), {("free", 4): 4, ("free", 32): 14})
+    assert [r[1] for r in rows] == ["4", "14 (of 32 asked)"]
+    assert rows[0][3].startswith("100 (1.00x")
