@@ -86,18 +86,30 @@ async def test_admission_bound_from_the_snapshot():
     cfg.max_num_seqs = 1  # one runs, the others wait
     core.start()
     try:
+        # The engine thread may take r0 into the running seat at any moment after its add,
+        # so the bound is probed once that has happened (then only the queue moves: r0
+        # runs 200 tokens of 20 ms steps).
         streams = [core.add(make_group(f"r{i}", [1, 2, 3], 200)) for i in range(3)]
-        with pytest.raises(EngineOverloaded):
-            core.add(make_group("r3", [1, 2, 3], 5))
         await _until(lambda: core.queued()[0] < 3)  # the first one runs
-        assert core.queued()[0] == 2
-        core.add(make_group("r4", [1, 2, 3], 2))
+        assert core.queued() == (2, 6)
+        streams.append(core.add(make_group("r3", [1, 2, 3], 2)))  # the third waiting seat
         with pytest.raises(EngineOverloaded, match="sequences"):
-            core.add(make_group("r5", [1, 2, 3], 2))
-        for gid in ("r0", "r1", "r2"):
+            core.add(make_group("r4", [1, 2, 3], 2))
+        assert core.queued() == (3, 9)
+        for gid in ("r0", "r1", "r2", "r3"):
             core.abort(gid)
         for s in streams:
             await asyncio.wait_for(_collect(s), 10)
+        await _until(lambda: core.queued() == (0, 0) and core.idle.is_set())
+        # and the token bound: 40 prompt tokens wait at most
+        core.add(make_group("long", list(range(1, 36)), 200))
+        await _until(lambda: core.queued()[0] == 0)  # it runs
+        streams = [core.add(make_group("w1", list(range(1, 31)), 2))]
+        with pytest.raises(EngineOverloaded, match="tokens"):
+            core.add(make_group("w2", list(range(1, 12)), 2))
+        for gid in ("long", "w1"):
+            core.abort(gid)
+        await asyncio.wait_for(_collect(streams[0]), 10)
         await _until(lambda: core.queued() == (0, 0) and core.idle.is_set())
     finally:
         await core.stop()
