@@ -115,6 +115,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None
     awq_group_size: int | None = None  # an AutoAWQ INT4 (GEMM) checkpoint's group size
+    # An FP8 checkpoint's quant_method ("compressed-tensors" or "fbgemm_fp8"): projection
+    # weights stored float8_e4m3fn with a `weight_scale` each, loaded as they are.
+    fp8_format: str | None = None
     o_proj_bias: bool = False
 
     @property
@@ -170,6 +173,7 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             awq_group_size=_awq_group_size(raw.get("quantization_config"), hidden),
+            fp8_format=_fp8_format(raw.get("quantization_config")),
         )
 
     @classmethod
@@ -208,11 +212,14 @@ def _awq_group_size(qc: dict[str, Any] | None, hidden: int) -> int | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method in FP8_METHODS:
+        return None
     if method != "awq":
         raise ModelLoadError(
             f"config.json: quantization method {method or qc!r} is not supported "
-            "(AWQ INT4 checkpoints in the AutoAWQ 'gemm' format load; for INT8 weights "
-            "start from a 16/32-bit checkpoint with --quantization int8)"
+            "(AWQ INT4 checkpoints in the AutoAWQ 'gemm' format and FP8 ones in the "
+            "compressed-tensors or fbgemm_fp8 format load; for INT8 or FP8 weights start "
+            "from a 16/32-bit checkpoint with --quantization int8 / fp8)"
         )
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
@@ -235,6 +242,52 @@ def _awq_group_size(qc: dict[str, Any] | None, hidden: int) -> int | None:
             f"32 dividing hidden_size {hidden}; per-channel (-1) is not)"
         )
     return group
+
+
+FP8_METHODS = ("compressed-tensors", "fbgemm_fp8")
+
+
+def _fp8_format(qc: dict[str, Any] | None) -> str | None:
+    """The quant_method of an FP8 checkpoint this loader runs (float8 e4m3 weights, a
+    per-channel or per-tensor `weight_scale`; activations are quantized per token at run
+    time whatever the checkpoint planned, which is at least as fine as a static scale);
+    None when it is not one; a clear error for the variants it cannot run."""
+    method = str((qc or {}).get("quant_method", "")).lower()
+    if not qc or method not in FP8_METHODS:
+        return None
+    if method == "fbgemm_fp8":
+        return method  # always per-channel e4m3 weights, dynamic per-token activations
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ModelLoadError("config.json: compressed-tensors without config_groups")
+    for name, group in groups.items():
+        # The storage format, top-level or (newer files) per group; the weights' dtype is
+        # checked against it at load.
+        fmt = str(group.get("format") or qc.get("format") or "float-quantized").lower()
+        if fmt != "float-quantized":
+            raise ModelLoadError(
+                f"config.json: compressed-tensors format {fmt!r} is not supported (FP8 "
+                "weights stored 'float-quantized' only)"
+            )
+        w = group.get("weights") or {}
+        ok = (
+            w.get("type") == "float"
+            and w.get("num_bits") == 8
+            and w.get("strategy") in ("channel", "tensor")
+            and w.get("symmetric", True)
+        )
+        if not ok:
+            raise ModelLoadError(
+                f"config.json: compressed-tensors group {name!r} weights {w} are not supported "
+                "(8-bit float, symmetric, strategy channel or tensor)"
+            )
+        a = group.get("input_activations") or {}
+        if a and (a.get("type") != "float" or a.get("num_bits") != 8):
+            raise ModelLoadError(
+                f"config.json: compressed-tensors group {name!r} activations {a} are not "
+                "supported (8-bit float)"
+            )
+    return method
 
 
 def resolve_dtype(

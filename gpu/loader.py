@@ -12,7 +12,14 @@ from gpu.attention.base import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.model import CausalLM, Rotary
 from gpu.pp import PPStage
-from gpu.quant_linear import AWQLinear, quantize_model_int8, unpack_awq
+from gpu.quant_linear import (
+    FP8_DTYPE,
+    AWQLinear,
+    Fp8Linear,
+    quantize_model_fp8,
+    quantize_model_int8,
+    unpack_awq,
+)
 from gpu.tp import TPGroup, local_config, shard_range
 
 # Keys some checkpoints carry that hold no weights we need.
@@ -25,7 +32,11 @@ _FUSED = {
     "mlp.down_proj": ("mlp.down_proj",),
 }
 _PROJECTIONS = tuple(p for parts in _FUSED.values() for p in parts)
-QUANTIZATION_METHODS = ("int8", "awq")
+QUANTIZATION_METHODS = ("int8", "awq", "fp8")
+# An FP8 checkpoint's per-projection scales: weight_scale per channel ([N, 1] or [N]) or
+# per tensor; input_scale (a static activation scale) is read past: activations are
+# quantized per token at run time.
+_FP8_SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -138,6 +149,9 @@ def read_checkpoint(
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
+                if name.endswith(_FP8_SCALE_SUFFIXES) and cfg.fp8_format:
+                    _fp8_scale(f, name, expected, wanted, tensors, path)
+                    continue
                 if name not in expected:
                     # Tied checkpoints sometimes store lm_head too; it equals the embedding.
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -160,6 +174,30 @@ def read_checkpoint(
             f"{path}: checkpoint has tensors {cfg.architecture} does not use: {_fmt(unexpected)}"
         )
     return tensors
+
+
+def _fp8_scale(
+    f: object,
+    name: str,
+    expected: dict[str, tuple[int, ...]],
+    wanted: set[str],
+    tensors: dict[str, torch.Tensor],
+    path: str | Path,
+) -> None:
+    """Check one FP8 scale tensor's place and shape; keep the weight scales read."""
+    base, kind = name.rsplit(".", 1)
+    weight = expected.get(base + ".weight")
+    if weight is None or not base.endswith(_PROJECTIONS):
+        raise ModelLoadError(f"{path}: FP8 scale {name} belongs to no projection")
+    shape = tuple(f.get_slice(name).get_shape())  # type: ignore[attr-defined]
+    per_tensor = shape in ((), (1,), (1, 1))
+    if not per_tensor and not (kind == "weight_scale" and shape in ((weight[0], 1), (weight[0],))):
+        raise ModelLoadError(
+            f"{path}: tensor {name} has shape {shape}; an FP8 {kind} is per tensor"
+            + (f" or per output channel ({weight[0]}, 1)" if kind == "weight_scale" else "")
+        )
+    if kind == "weight_scale" and base + ".weight" in wanted:
+        tensors[name] = f.get_tensor(name).float().reshape(-1)  # type: ignore[attr-defined]
 
 
 def _to_state_dict(
@@ -232,6 +270,49 @@ def _awq_layers(
             setattr(parent, attr, AWQLinear(q, z, s, bias, g, dtype, device))
 
 
+def _fp8_layers(
+    cfg: ModelConfig,
+    hf: dict[str, torch.Tensor],
+    path: str | Path,
+    pp: PPStage | None,
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """An FP8 checkpoint's projections: {(layer, fused name): (float8 weight [N, K], float32
+    scale [N])}, the parts' bytes and scales concatenated as stored (a per-tensor scale
+    repeated over its part's rows).  Their entries in `hf` become placeholders.  A part
+    stored in 16/32 bits (the checkpoint's ignore list) keeps its fused projection
+    unquantized; one fused projection with both kinds of parts is refused."""
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    start, stop = (0, cfg.num_layers) if pp is None else (pp.start, pp.stop)
+    for i in range(start, stop):
+        for fused, parts in _FUSED.items():
+            names = [f"model.layers.{i}.{p}" for p in parts]
+            fp8 = [hf[n + ".weight"].dtype == FP8_DTYPE for n in names]
+            scaled = [n + ".weight_scale" in hf for n in names]
+            for n, a, b in zip(names, fp8, scaled, strict=True):
+                if a != b:
+                    raise ModelLoadError(
+                        f"{path}: {n}.weight is {hf[n + '.weight'].dtype} "
+                        + ("without a weight_scale" if a else "but has a weight_scale")
+                        + " (FP8 weights are float8_e4m3fn, each with its weight_scale)"
+                    )
+            if not any(fp8):
+                continue
+            if not all(fp8):
+                raise ModelLoadError(
+                    f"{path}: layer {i}: {', '.join(parts)} mix FP8 and 16/32-bit weights "
+                    "(they run as one fused projection)"
+                )
+            qs, ss = [], []
+            for n in names:
+                q = hf[n + ".weight"]
+                s = hf.pop(n + ".weight_scale")
+                qs.append(q)
+                ss.append(s.expand(q.shape[0]) if s.numel() == 1 else s)
+                hf[n + ".weight"] = torch.empty(0)  # placeholder for _to_state_dict
+            out[(i, fused)] = (torch.cat(qs), torch.cat(ss))
+    return out
+
+
 def load_model(
     path: str | Path,
     cfg: ModelConfig,
@@ -244,8 +325,10 @@ def load_model(
     pp: PPStage | None = None,
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors into it.
-    quantization: None, "int8" (weight-only, quantized here from a 16/32-bit checkpoint)
-    or "awq" (asserts the checkpoint is AWQ, which is detected from config.json anyway)."""
+    quantization: None, "int8" (weight-only, quantized here from a 16/32-bit checkpoint),
+    "awq" (asserts the checkpoint is AWQ, which is detected from config.json anyway) or
+    "fp8" (W8A8: quantized here from a 16/32-bit checkpoint; an FP8 checkpoint, detected
+    from config.json, loads its own bytes and scales with or without the flag)."""
     if quantization not in (None, *QUANTIZATION_METHODS):
         raise ModelLoadError(
             f"quantization {quantization!r} is not supported; use {' or '.join(QUANTIZATION_METHODS)}"
@@ -254,28 +337,50 @@ def load_model(
         raise ModelLoadError(
             f"{path}: --quantization awq, but config.json has no AWQ quantization_config"
         )
-    if quantization == "int8" and cfg.awq_group_size:
+    if quantization in ("int8", "fp8") and cfg.awq_group_size:
         raise ModelLoadError(
-            f"{path}: an AWQ checkpoint is already quantized; drop --quantization int8"
+            f"{path}: an AWQ checkpoint is already quantized; drop --quantization {quantization}"
+        )
+    if quantization in ("int8", "awq") and cfg.fp8_format:
+        raise ModelLoadError(
+            f"{path}: an FP8 ({cfg.fp8_format}) checkpoint is already quantized; drop "
+            f"--quantization {quantization} (or pass fp8)"
         )
     hf = read_checkpoint(path, cfg, tp, pp)
+    fp8 = _fp8_layers(cfg, hf, path, pp) if cfg.fp8_format else {}
+    if cfg.fp8_format and not fp8:
+        raise ModelLoadError(
+            f"{path}: config.json names {cfg.fp8_format}, but no projection holds FP8 weights"
+        )
     # Copies, never views: safetensors hands out tensors that view its mapping of the file,
     # and one of them kept as is (the embedding; a linear the CPU path does not pack) held
     # the whole file's pages mapped into the process beside the packed copies of them.
     copy = device.type == "cpu"
+    start = 0 if pp is None else pp.start
+    fp8_keys = {f"layers.{i - start}.{fused}.weight" for i, fused in fp8}
     sd = {
         k: v.to(device=device, dtype=dtype, copy=copy)
         for k, v in _to_state_dict(cfg, hf, pp).items()
+        if k not in fp8_keys
     }
     with torch.device("meta"):
         model = CausalLM(local_config(cfg, tp, pp), backend, max_positions, tp, pp)
     if cfg.awq_group_size:
         _awq_layers(cfg, hf, model, sd, dtype, device)
         sd = {k: v for k, v in sd.items() if not k.endswith("proj.bias")}
+    for (i, fused), (q, s) in fp8.items():
+        # The checkpoint's FP8 bytes and scales as they are, no requantization.
+        prefix = f"layers.{i - start}.{fused}"
+        layer = Fp8Linear(q.to(device), s.to(device), sd.pop(prefix + ".bias", None), dtype)
+        parent_name, attr = fused.split(".")
+        setattr(getattr(model.layers[i - start], parent_name), attr, layer)
+        sd |= {f"{prefix}.{k}": v for k, v in layer.state_dict().items()}
     del hf
     model.load_state_dict(sd, strict=True, assign=True)
     # Non-persistent buffers were built on meta; rebuild them for real.
     model.rotary = Rotary(cfg, max_positions).to(device)
     if quantization == "int8":
         quantize_model_int8(model, dtype)
+    elif quantization == "fp8" and not cfg.fp8_format:
+        quantize_model_fp8(model, dtype)
     return model.eval().requires_grad_(False)

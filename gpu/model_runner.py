@@ -197,8 +197,11 @@ class ModelRunner:
         )  # fmt: skip
         # Bytes of weights this process holds (1/N of the sharded ones under TP).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # Weight quantization in effect: int8 (at load), awq (the checkpoint's), or None.
-        self.quantization = "awq" if cfg.awq_group_size else quantization
+        # Weight quantization in effect: int8 / fp8 (at load), awq / fp8 (the checkpoint's),
+        # or None.
+        self.quantization = (
+            "awq" if cfg.awq_group_size else "fp8" if cfg.fp8_format else quantization
+        )
         if self.device.type == "cpu":
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request
             packed = self.model.pack_for_cpu()

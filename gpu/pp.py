@@ -62,6 +62,8 @@ def check_pp_config(cfg: ModelConfig, size: int, quantization: str | None = None
         problems.append(f"num_hidden_layers {cfg.num_layers} (fewer layers than stages)")
     if cfg.awq_group_size:
         problems.append("AWQ checkpoints (not supported with pipeline parallelism)")
+    if cfg.fp8_format:
+        problems.append("FP8 checkpoints (not supported with pipeline parallelism)")
     if quantization:
         problems.append(f"--quantization {quantization} (not supported with pipeline parallelism)")
     if problems:

@@ -17,6 +17,14 @@ are unpacked and repacked for torch's int4 kernels (`_weight_int4pack_mm_for_cpu
 `_weight_int4pack_mm` on CUDA), which compute (q - 8) * s + z: so z = (8 - zero) * s.
 When a kernel is missing or disagrees with the dequantized reference on a probe, the
 layer keeps a dequantized weight instead (and says so in the log).
+
+FP8 (W8A8, what Hopper runs): weight float8_e4m3fn [N, K] with a float32 scale per output
+channel (amax / 448, quantized at load, or a checkpoint's own), activations quantized per
+token in the forward (row amax / 448, dynamic), the product `torch._scaled_mm` with row
+and column scales.  Where `_scaled_mm` refuses the layer's shape, device or output dtype
+(CUDA: K and N multiples of 16, row-wise scales only with a bf16 output), the layer keeps
+the FP8 values widened to the model dtype and multiplies them with the same quantized
+activations, so both paths compute the same W8A8 product.
 """
 
 from __future__ import annotations
@@ -248,3 +256,128 @@ class AWQLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+# ---------------------------------------------------------------------- FP8 (W8A8)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+_fp8_logged: set[str] = set()
+
+
+def _log_once(msg: str, *args: object) -> None:
+    key = msg % args
+    if key not in _fp8_logged:
+        _fp8_logged.add(key)
+        log.info(msg, *args)
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> float8_e4m3fn [N, K] and float32 scales [N], per output channel.
+    Clamped before the cast: e4m3fn has no infinity, and out-of-range values become NaN."""
+    wf = w.float()
+    scale = wf.abs().amax(1).clamp_min(1e-12) / FP8_MAX
+    q = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> float8_e4m3fn [M, K] and float32 scales [M, 1], one per token
+    (dynamic: from this call's values)."""
+    xf = x.float()
+    scale = xf.abs().amax(1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+class Fp8Linear(nn.Module):
+    """W8A8 FP8 linear layer: `qweight` float8_e4m3fn [N, K], `scale` float32 [N] per
+    output channel; the input is quantized per token on every call, the result comes back
+    in the model dtype with the bias added after the product."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if qweight.dtype != FP8_DTYPE:
+            raise ValueError(f"Fp8Linear needs a {FP8_DTYPE} weight, got {qweight.dtype}")
+        self.out_features, self.in_features = qweight.shape
+        dev = qweight.device
+        self.register_buffer("scale_b", scale.float().reshape(1, -1).to(dev).contiguous())
+        self.bias = None if bias is None else bias.detach().to(dev, dtype)
+        # _scaled_mm's output dtype: the model's where the device takes it, else bf16 (CUDA's
+        # row-wise scaling writes bf16 only) widened after; None: the fallback below.
+        self.mm_out: torch.dtype | None = None
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("weight", None)
+        why = ""
+        for out in dict.fromkeys((dtype, torch.bfloat16)):
+            try:
+                ok = self._agrees(out, dtype)
+            except (RuntimeError, NotImplementedError) as e:
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                continue
+            if ok:
+                self.mm_out = out
+                break
+            why = f"its {out} result disagrees with the dequantized product"
+        if self.mm_out is None:
+            _log_once(
+                "FP8: torch._scaled_mm refuses [%d, %d] on %s (%s); that shape runs the FP8 "
+                "values widened to %s",
+                self.out_features, self.in_features, dev.type, why, dtype,
+            )  # fmt: skip
+            # Exact: every e4m3 value is a bf16 / fp16 / fp32 value.
+            self.weight, self.qweight = qweight.to(dtype), None
+
+    def _agrees(self, out: torch.dtype, dtype: torch.dtype) -> bool:
+        """One small product through _scaled_mm against float32 on the dequantized
+        operands (the layer's own shape: a refusal raises here, at load, not mid-step)."""
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, self.in_features, generator=g).to(self.qweight.device, dtype)
+        got = self._scaled_mm(x, out).float()
+        xq, sa = quantize_fp8_rows(x)
+        ref = (xq.float() * sa) @ (self.qweight.float() * self.scale_b.reshape(-1, 1)).T
+        tol = 1e-4 if out == torch.float32 else 2.0**-7
+        return bool(torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=tol))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> Fp8Linear:
+        q, s = quantize_fp8(linear.weight.detach())
+        return cls(q, s, linear.bias, dtype)
+
+    def _scaled_mm(self, x2: torch.Tensor, out: torch.dtype) -> torch.Tensor:
+        xq, sa = quantize_fp8_rows(x2)
+        assert self.qweight is not None
+        return torch._scaled_mm(
+            xq, self.qweight.t(), scale_a=sa, scale_b=self.scale_b, out_dtype=out
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.mm_out is not None:
+            y = self._scaled_mm(x2, self.mm_out).to(x.dtype)
+        else:
+            assert self.weight is not None
+            xq, sa = quantize_fp8_rows(x2)
+            y = (F.linear(xq.to(self.weight.dtype), self.weight) * (sa * self.scale_b)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the layer multiplies by, float32 [N, K] (tests, references)."""
+        w = self.qweight if self.qweight is not None else self.weight
+        assert w is not None
+        return w.float() * self.scale_b.reshape(-1, 1)
+
+
+def quantize_model_fp8(model: nn.Module, dtype: torch.dtype) -> int:
+    """Swap every projection (nn.Linear) for an Fp8Linear quantized from its weight.  The
+    lm_head and the embedding stay in the model dtype: the logits are what sampling reads
+    and per-token FP8 rounding of the final hidden state would move every one of them,
+    while at the 8B shape the head is ~7% of the weight bytes.  Returns how many layers."""
+    return swap_linears(model, lambda linear: Fp8Linear.from_linear(linear, dtype))

@@ -110,6 +110,8 @@ def check_tp_config(cfg: ModelConfig, size: int) -> None:
         problems.append(f"vocab_size {cfg.vocab_size}")
     if cfg.awq_group_size:
         problems.append("AWQ checkpoints (not supported with tensor parallelism)")
+    if cfg.fp8_format:
+        problems.append("FP8 checkpoints (not supported with tensor parallelism)")
     if problems:
         raise ModelLoadError(
             f"tensor_parallel_size {size} cannot split this model evenly: " + "; ".join(problems)

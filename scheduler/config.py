@@ -44,7 +44,7 @@ FLAGS: dict[str, str | None] = {
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = ("int8", "awq")  # --quantization; LLM(...) values are checked at load
+QUANTIZATIONS = ("int8", "awq", "fp8")  # --quantization
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # gpu/attention's BACKEND_NAMES
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
@@ -80,14 +80,17 @@ class ModelSettings:
 
     model: str | None = None  # checkpoint directory; None: the embedded default model
     dtype: str = "auto"
-    quantization: str | None = None  # weights: as stored (AWQ when the checkpoint says), int8
+    # weights: as stored (AWQ / FP8 when the checkpoint says), int8, fp8 (W8A8)
+    quantization: str | None = None
     max_model_len: int | None = None  # None: the model's, capped by the KV cache
     seed: int = 0  # of unseeded sampling
 
     def __post_init__(self) -> None:
         _one_of(self, "dtype", DTYPES)
-        # quantization is checked against the checkpoint at load (gpu/loader.py), which
-        # knows what it holds (an AWQ checkpoint, an already quantized one).
+        if self.quantization is not None:
+            _one_of(self, "quantization", QUANTIZATIONS)
+        # Whether it fits the checkpoint is checked at load (gpu/loader.py), which knows
+        # what it holds (an AWQ or FP8 checkpoint, an already quantized one).
         _positive_or_none(self, "max_model_len")
 
 

@@ -25,6 +25,7 @@ from gpu.quant_linear import (
     unpack_awq,
 )
 from modelkit.awq import ORDER_MAP, dequantized, pack, quantize_groups, write_awq_checkpoint
+from scheduler.config import ConfigError
 from tests.checkpoints import tiny_checkpoint
 
 
@@ -238,5 +239,5 @@ def test_quantization_flag_must_fit_the_checkpoint(awq_dirs):
         ModelRunner(awq, dtype="float32", device="cpu", num_kv_blocks=8, quantization="int8")
     with pytest.raises(ModelLoadError, match="no AWQ quantization_config"):
         ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="awq")
-    with pytest.raises(ModelLoadError, match="not supported"):
+    with pytest.raises(ConfigError, match=r"quantization \(--quantization\) must be one of"):
         ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="gptq")
