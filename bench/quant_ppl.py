@@ -1,5 +1,5 @@
 """Held-out perplexity of the trained target (modelkit/pair) through the engine, unquantized
-vs int8/fp8 KV vs int8 weights: `python -m bench.quant_ppl [WINDOWS]`.
+vs int8/fp8 KV vs int8 / fp8 weights: `python -m bench.quant_ppl [WINDOWS]`.
 
 The windows are the training script's held-out split (every 20th file), 128 tokens each,
 scored with `prompt_logprobs` (the engine's own forward, the same numbers transformers
@@ -25,6 +25,7 @@ CONFIGS = [
     ("int8 KV", {"kv_cache_dtype": "int8"}),
     ("fp8 KV (e4m3)", {"kv_cache_dtype": "fp8"}),
     ("int8 weights", {"quantization": "int8"}),
+    ("fp8 weights (W8A8)", {"quantization": "fp8"}),
 ]
 
 
