@@ -12,7 +12,7 @@ ARGS ?=
 # build onto a CPU-only machine).  Override with `make setup TORCH_SPEC=...`.
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: setup run test test-fast lint format bench bench-serve gpu-check compose-check fleet k8s-check clean
+.PHONY: setup run test test-fast lint format bench bench-serve gpu-check gpu-bench compose-check fleet k8s-check clean
 
 setup: $(VENV)/.stamp
 
@@ -61,6 +61,11 @@ bench-serve: setup
 # For a machine with a CUDA GPU: native kernel tests at real sizes, bandwidth, e2e decode.
 gpu-check: setup
 	$(PY) -m bench.gpu_check $(ARGS)
+
+# For a CUDA GPU: pagestream serve under load (1B and 8B shapes, random weights written
+# there) at concurrency 1/16/64/256, beside the decode roofline (bench/gpu_serve.py).
+gpu-bench: setup
+	$(PY) -m bench.gpu_serve $(ARGS)
 
 # The compose topology on loopback: redis-server, 3 replicas, nginx with docker/nginx.conf.
 # Prints per-replica request counts, Redis-hit TTFT vs cold, and the failover timeline.

@@ -126,6 +126,22 @@ PRESETS: dict[str, Preset] = {
         init_std=0.02,
         dtype="bfloat16",
     ),
+    # Llama-3.1-8B's shape (untied, GQA 32/8, head_dim 128), again with the local 32k
+    # vocabulary: the tokenizer trained here tops out near 33k merges, and token ids the
+    # tokenizer cannot decode would break detokenization in served benchmarks.
+    "llama8b": Preset(
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        init_std=0.02,
+        dtype="bfloat16",
+    ),
 }
 
 ARCHS: dict[str, tuple[str, str]] = {
@@ -293,6 +309,77 @@ def random_state_dict(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
             t = std * torch.randn(shape, generator=gen)
         out[name] = t.to(dtype).contiguous()
     return out
+
+
+def write_fast_weights(
+    cfg: dict[str, Any],
+    out: Path,
+    seed: int = 0,
+    device: str = "cpu",
+    shard_bytes: int = 4 << 30,
+) -> list[Path]:
+    """Random weights for `cfg`, written in seconds at billions of parameters.
+
+    `random_state_dict` draws every element from one CPU generator, minutes at the 8B
+    shape; here one random block (drawn on `device`, a GPU when there is one) is tiled
+    into each tensor from a seeded offset. The values repeat with the block's period, which
+    a benchmark of speed does not see; they are not for accuracy tests. Shards of at most
+    `shard_bytes` with an index, so no file needs the whole model in memory at once."""
+    dtype = DTYPES[cfg.get("torch_dtype") or "float32"]
+    std = float(cfg["initializer_range"])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    period = (1 << 24) + 7  # odd, so tensors of power-of-two sizes do not start aligned
+    block = (std * torch.randn(2 * period, generator=gen, device=device)).to(dtype)
+    norm = (1.0 + 0.1 * torch.randn(1 << 16, generator=gen, device=device)).to(dtype)
+    rng = torch.Generator().manual_seed(seed + 1)
+    # Each shard is saved as soon as it is full, so memory holds one shard at a time;
+    # the names are fixed once the count is known (one file: no index).
+    shard: dict[str, torch.Tensor] = {}
+    parts: list[tuple[Path, list[str]]] = []
+    size = total = 0
+
+    def flush() -> None:
+        part = out / f"model.part{len(parts)}.safetensors"
+        save_file(shard, str(part), {"format": "pt"})
+        parts.append((part, list(shard)))
+        shard.clear()
+
+    for name, shape in state_dict_shapes(cfg).items():
+        n = 1
+        for d in shape:
+            n *= d
+        src = norm if name.endswith("norm.weight") else block
+        half = src.numel() // 2
+        reps = -(-n // half)
+        off = int(torch.randint(half, (1,), generator=rng))
+        t = src[off : off + half].repeat(reps)[:n] if reps > 1 else src[off : off + n]
+        t = t.reshape(shape).to("cpu", copy=True).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    files: list[Path] = []
+    if len(parts) == 1:
+        files.append(out / "model.safetensors")
+        os.replace(parts[0][0], files[0])
+    else:
+        weight_map: dict[str, str] = {}
+        for i, (part, names) in enumerate(parts):
+            fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            os.replace(part, out / fname)
+            files.append(out / fname)
+            weight_map.update(dict.fromkeys(names, fname))
+        _write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    for f in files:
+        f.chmod(0o644)
+    return files
 
 
 # ---------------------------------------------------------------------------------------
@@ -506,12 +593,15 @@ def make_model(
     vocab_size: int | None = None,
     corpus_bytes: int | None = None,
     config_overrides: dict[str, Any] | None = None,
+    fast_weights: str | None = None,
 ) -> Path:
     """Write a random-weight HF checkpoint with a locally trained tokenizer; return its dir.
 
     `dtype` defaults to the preset's ("float32" for tiny, "bfloat16" otherwise).
     `config_overrides` are applied last to config.json (e.g. a shorter
     max_position_embeddings); the weights follow the overridden shapes.
+    `fast_weights` names a torch device ("cpu", "cuda") to draw speed-benchmark weights
+    on (`write_fast_weights`) instead of the exact seeded draw.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -540,9 +630,14 @@ def make_model(
             "pad_token_id": ENDOFTEXT_ID,
         },
     )
-    weights = out / "model.safetensors"
-    save_file(random_state_dict(cfg, seed), str(weights), {"format": "pt"})
-    weights.chmod(0o644)  # safetensors writes 0600; the checkpoint may be served by another user
+    if fast_weights:
+        write_fast_weights(cfg, out, seed, fast_weights)
+    else:
+        weights = out / "model.safetensors"
+        save_file(random_state_dict(cfg, seed), str(weights), {"format": "pt"})
+        weights.chmod(
+            0o644
+        )  # safetensors writes 0600; the checkpoint may be served by another user
     # Last, so that a directory with a config.json is a complete checkpoint.
     _write_json(out / "config.json", cfg)
     return out
