@@ -331,25 +331,44 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[list[str]] = []
     notes: list[str] = []
     failed = False
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> str:
+        # After every row: a run stopped at the device's time limit keeps what it measured.
+        header["runtime"] = f"{time.perf_counter() - t_start:.0f} s"
+        md = markdown(header, rows, notes)
+        out.write_text(md)
+        return md
+
+    def failure(preset: str, c: str, e: Exception) -> None:
+        msg = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        rows.append([preset, c, *["-"] * (len(HEAD) - 3), f"FAILED: {msg}"])
+        print(f"  {preset} c={c}: {msg}", flush=True)
+        write()
+
     for preset in presets:
-        shape = checkpoint(preset, args.device, "float32" if args.dry else None)
-        notes.append(
-            f"- {preset}: weights read a step {shape.weight_bytes / 1e9:.2f} GB, KV "
-            f"{shape.kv_per_token / 1024:.0f} KiB a token; checkpoint ready in "
-            f"{shape.write_s:.1f} s ({shape.path})"
-        )
-        print(notes[-1], flush=True)
-        log = out.parent / f"gpu_serve_{preset}.log"
-        proc, url = start_server(shape, args, log)
+        try:  # a shape that cannot be written or served costs its row, not the other shape
+            shape = checkpoint(preset, args.device, "float32" if args.dry else None)
+            notes.append(
+                f"- {preset}: weights read a step {shape.weight_bytes / 1e9:.2f} GB, KV "
+                f"{shape.kv_per_token / 1024:.0f} KiB a token; checkpoint ready in "
+                f"{shape.write_s:.1f} s ({shape.path})"
+            )
+            print(notes[-1], flush=True)
+            t0 = time.perf_counter()
+            proc, url = start_server(shape, args, out.parent / f"gpu_serve_{preset}.log")
+            notes.append(f"- {preset}: server healthy in {time.perf_counter() - t0:.0f} s")
+        except Exception as e:
+            failed = True
+            failure(preset, "all", e)
+            continue
         try:
             for c in args.concurrency:
                 try:
                     r = one_load(url, c, args, args.device)
                 except Exception as e:  # one load's failure costs its row, not the table
                     failed = True
-                    msg = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-                    rows.append([preset, str(c), *["-"] * (len(HEAD) - 3), f"FAILED: {msg}"])
-                    print(f"  {preset} c={c}: {msg}", flush=True)
+                    failure(preset, str(c), e)
                     continue
                 rows.append(row(shape, r, args, bw))
                 failed |= bool(r.bench["failed"])
@@ -357,12 +376,10 @@ def main(argv: list[str] | None = None) -> int:
                 if errs:
                     notes.append(f"- {preset} c={c} errors: " + "; ".join(errs))
                 print("  " + " | ".join(rows[-1]), flush=True)
+                write()
         finally:
             _stop(proc)
-    header["runtime"] = f"{time.perf_counter() - t_start:.0f} s"
-    md = markdown(header, rows, notes)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(md)
+    md = write()
     print()
     print(md)
     print(f"written to {out}")

@@ -82,3 +82,12 @@ def test_byte_counts_of_the_8b_shape() -> None:
     roof = gpu_serve.roofline(gpu_serve.Shape("llama8b", Path("."), read, kv, params, 0.0),
                               64, 1088, 4.0e12)  # fmt: skip
     assert roof == pytest.approx(64 / ((read + 64 * 1088 * kv) / 4.0e12))
+
+
+def test_a_server_that_does_not_start_is_a_failed_row(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_serve.md"
+    argv = ["--device", "cpu", "--dry", "--out", str(out), "--server-arg=--no-such-flag"]
+    assert gpu_serve.main(argv) == 1
+    rows = _table(out.read_text())
+    assert len(rows) == 1 and rows[0]["conc."] == "all"
+    assert "FAILED: RuntimeError: server did not start" in rows[0]["errors"]
