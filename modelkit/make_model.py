@@ -635,9 +635,8 @@ def make_model(
     else:
         weights = out / "model.safetensors"
         save_file(random_state_dict(cfg, seed), str(weights), {"format": "pt"})
-        weights.chmod(
-            0o644
-        )  # safetensors writes 0600; the checkpoint may be served by another user
+        # safetensors writes 0600; the checkpoint may be served by another user
+        weights.chmod(0o644)
     # Last, so that a directory with a config.json is a complete checkpoint.
     _write_json(out / "config.json", cfg)
     return out

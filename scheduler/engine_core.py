@@ -145,12 +145,7 @@ def _deliver(batch: list[tuple[RequestStream, int, Any]]) -> None:
     """On the consumers' loop: one step's outputs into their streams."""
     for stream, kind, item in batch:
         if kind == _TOKEN:
-            # RequestStream.put_token, inline: one a stream every step.
-            stream._pending.append(item)
-            if stream.wake_on_tokens:
-                w = stream._waiter
-                if w is not None and not w.done():
-                    w.set_result(None)
+            stream.put_token(*item)
         elif kind == _UPDATES:
             stream.put(item)
         else:

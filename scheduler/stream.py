@@ -149,15 +149,8 @@ class RequestStream:
         """Consumer side, a stream of one sequence: the pending decode tokens when that is
         all that is pending (most steps), taken without an update object; None (nothing
         taken) when a full update is among them."""
-        pending = self._pending
-        if len(pending) == 1:
-            u = pending[0]
-            if type(u) is not tuple:
-                return None
-            self._pending = []
-            return [u[1]]
         toks = []
-        for u in pending:
+        for u in self._pending:
             if type(u) is not tuple:
                 return None
             toks.append(u[1])

@@ -591,10 +591,7 @@ class AsyncEngine:
                 self.faults.check_detok(seq.req_id, seq.prompt_ids, len(o.token_ids))
             delta = seq.detok.push(toks)
         except Exception as e:
-            log.exception("request %s: output processing failed", seq.req_id)
-            seq.done = True
-            o.finish_reason = "error"
-            raise RequestFailed(f"output processing failed: {e}") from e
+            raise _output_failed(seq, seq.req_id, e) from e
         o.token_ids += toks
         o.delta_token_ids = toks
         o.delta_text = delta
@@ -607,10 +604,7 @@ class AsyncEngine:
                 self.faults.check_detok(u.req_id, seq.prompt_ids, len(seq.out.token_ids))
             self._apply(seq, u)
         except Exception as e:
-            log.exception("request %s: output processing failed", u.req_id)
-            seq.done = True
-            seq.out.finish_reason = "error"
-            raise RequestFailed(f"output processing failed: {e}") from e
+            raise _output_failed(seq, u.req_id, e) from e
 
     def _apply(self, seq: _Sequence, u) -> None:  # u: RequestUpdate
         o = seq.out
@@ -663,3 +657,12 @@ class AsyncEngine:
                     o.stop_reason = u.error  # e.g. a grammar's dead end: say why
         o.add_text(delta)
         o.delta_text += delta
+
+
+def _output_failed(seq: _Sequence, req_id: str, e: Exception) -> RequestFailed:
+    """A failure while turning a sample's tokens into output (called in the `except`):
+    logged, the sample ended with finish_reason "error", the error its request raises."""
+    log.exception("request %s: output processing failed", req_id)
+    seq.done = True
+    seq.out.finish_reason = "error"
+    return RequestFailed(f"output processing failed: {e}")

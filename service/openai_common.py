@@ -394,7 +394,7 @@ class ServingBase:
                             pending = stream.offer(data)
                             if pending is not None:
                                 await pending
-                        elif not write_now(request, resp, data, self.max_buffered_bytes):
+                        elif not self.send_now(request, resp, data):
                             await self.send(request, resp, data)
         except SlowClient:
             return resp  # dropped; the request was aborted as its generator closed
