@@ -91,7 +91,9 @@ def serve(
            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_seqs),
            "--max-num-batched-tokens", str(max(8192, 16 * max_seqs)),
            "--max-websockets", str(max_seqs + 16), "--disable-access-log",
-           "--engine-thread", engine, "--async-scheduling", overlap]  # fmt: skip
+           "--async-scheduling", overlap]  # fmt: skip
+    # engine: an --engine-thread value, or `process` (--engine-process).
+    cmd += ["--engine-process"] if engine == "process" else ["--engine-thread", engine]
     if switch != "default":
         cmd += ["--switch-interval-ms", switch]
     # The log goes to a file: a pipe nobody reads would stall the server once it filled.
@@ -110,7 +112,8 @@ def run(args: argparse.Namespace, print_table: Callable[..., str]) -> str:
     streams = [int(x) for x in args.host_streams.split(",")]
     steps = [float(x) for x in args.host_step_ms.split(",")]
     # serve --engine-thread per round: off (the engine on the HTTP loop), on (its own
-    # thread), auto (the device's default: off for this CPU stand-in).
+    # thread), auto (the device's default: off for this CPU stand-in); or `process`
+    # (serve --engine-process: the engine in a child process).
     engines = getattr(args, "host_engine_thread", "auto").split(",")
     # serve --async-scheduling per round (auto: off for this CPU stand-in).
     overlaps = getattr(args, "host_async_scheduling", "auto").split(",")

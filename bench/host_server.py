@@ -11,10 +11,12 @@ period above `--step-ms`.  `--host-ms` adds that much pure-Python work to every 
 the engine's side (a step hook holding the GIL, as scheduling, update and grammar work
 do), to show what host work on the engine does to HTTP
 (tests/service/test_engine_thread_http.py).  Bench-only: the product has no such flags.
+With `--engine-process` the same stand-in engine is built in the engine's process.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from scheduler.config import EngineConfig
 from scheduler.contract import ModelOutput, SchedulerOutput
 from scheduler.executor import ThreadExecutor
 
@@ -75,24 +78,40 @@ def _busy(seconds: float) -> None:
         pass
 
 
+def build_engine(model_dir: str, step_ms: float, host_ms: float, config: EngineConfig):
+    """The real engine around HostRunner (in the server's process, or in the engine's
+    own with --engine-process: then this runs there, see service/engine_proc.py)."""
+    from service.async_engine import AsyncEngine
+    from service.tokenizer import Tokenizer
+
+    # The real checkpoint's tokenizer (and its vocabulary), never its weights.
+    tok = Tokenizer.from_dir(Path(model_dir))
+    runner = HostRunner(tok.encode(WORDS, add_special_tokens=False), tok.vocab_size,
+                        step_ms / 1e3, 4096)  # fmt: skip
+    engine = AsyncEngine._assemble(config, ThreadExecutor(runner), Path(model_dir), None)
+    if host_ms:
+        engine.add_step_hook(lambda info: _busy(host_ms / 1e3))
+    return engine
+
+
 def main(argv: list[str]) -> int:
     from service.async_engine import AsyncEngine
     from service.cli import build_parser, server_config
     from service.engine_setup import ensure_default_model
-    from service.tokenizer import Tokenizer
 
     step_ms = _take(argv, "--step-ms")
     host_ms = _take(argv, "--host-ms")
     a = build_parser().parse_args(["serve", *argv])
     config = server_config(a)
-    # The real checkpoint's tokenizer (and its vocabulary), never its weights.
-    model_dir = Path(a.model) if a.model else ensure_default_model()
-    tok = Tokenizer.from_dir(model_dir)
-    runner = HostRunner(tok.encode(WORDS, add_special_tokens=False), tok.vocab_size,
-                        step_ms / 1e3, 4096)  # fmt: skip
-    engine = AsyncEngine._assemble(config.engine, ThreadExecutor(runner), model_dir, None)
-    if host_ms:
-        engine.add_step_hook(lambda info: _busy(host_ms / 1e3))
+    model_dir = str(Path(a.model) if a.model else ensure_default_model())
+    # By its module's name, not __main__'s: the engine's process unpickles it.
+    from bench.host_server import build_engine as named
+
+    build = functools.partial(named, model_dir, step_ms, host_ms)
+    if config.engine.device.engine_process:
+        engine = AsyncEngine.in_process(config.engine, build)
+    else:
+        engine = build(config.engine)
     from service.app import run_server
 
     return run_server(config, engine)

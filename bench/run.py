@@ -202,7 +202,8 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host-tokens", type=int, default=256, help="host: tokens a stream")
     ap.add_argument("--host-step-ms", default="0,8", help="host: stand-in device ms a step")
     ap.add_argument("--host-engine-thread", default="auto",
-                    help="host: serve --engine-thread modes to compare, e.g. off,on")  # fmt: skip
+                    help="host: engine modes to compare: serve --engine-thread values and "
+                    "process (serve --engine-process), e.g. off,on,process")  # fmt: skip
     ap.add_argument("--host-async-scheduling", default="auto",
                     help="host: serve --async-scheduling modes to compare, e.g. off,on")  # fmt: skip
     ap.add_argument("--host-switch-interval", default="default",

@@ -200,6 +200,10 @@ class DeviceSettings:
     # The engine core on its own thread (True) or the caller's loop (False); None: on for
     # CUDA, off on CPU (service/async_engine.py engine_thread_default).
     engine_thread: bool | None = None
+    # The engine core (model, executor, scheduler, grammar masks) in a child process,
+    # the HTTP process keeping tokenization, detokenization and stream writes
+    # (service/engine_proc.py); serving only, never the offline LLM.
+    engine_process: bool = False
     # Schedule step N+1 while step N runs (scheduler/ahead.py); None: on for CUDA, off on
     # CPU (service/async_engine.py async_scheduling_default).
     async_scheduling: bool | None = None
@@ -214,6 +218,8 @@ class DeviceSettings:
         ms = self.switch_interval_ms
         _check(self, "switch_interval_ms", ms is None or 0 < ms <= 1000, "must be in (0, 1000]")
         _one_of(self, "attention_backend", ATTENTION_BACKENDS)
+        if self.engine_process and self.engine_thread:
+            raise ConfigError("--engine-process does not combine with --engine-thread on")
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,18 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
+        if self.device.engine_process:
+            # Refused rather than served wrong (docs/HOST_PATH.md): what the engine
+            # process does not carry across its boundary yet.
+            if self.parallel.enabled:
+                raise ConfigError(
+                    "--engine-process does not run with --tensor-parallel-size / "
+                    "--pipeline-parallel-size / --nnodes > 1 yet"
+                )
+            if self.prefix_tier.redis_url:
+                raise ConfigError(
+                    "--engine-process does not run with --redis-url (the shared prefix tier) yet"
+                )
         if self.speculative is not None and self.parallel.enabled:
             raise ConfigError(
                 "speculative decoding (--speculative-*) does not run with "

@@ -92,9 +92,12 @@ class ReleaseConversation:
 
 @dataclass
 class StepInfo:
-    so: SchedulerOutput
+    so: SchedulerOutput | None  # None: a step of an engine in another process
     mo: ModelOutput
     seconds: float
+    # The scheduler's stats after the step, where the scheduler is not this process's
+    # (service/engine_proc.py); None: read them from the scheduler.
+    stats: Any = None
 
 
 class _Stop:
@@ -187,6 +190,10 @@ class EngineCore:
         # own_thread: run on thread `pagestream-engine` with its own event loop (see the
         # module docstring); else on the loop that calls start().
         self.own_thread = own_thread
+        # Outputs batched a step (the outbox, _flush) and admission read from a snapshot:
+        # with the engine on its own thread, or in a child process whose _flush sends the
+        # batch to the parent (service/engine_proc.py).
+        self._batched = own_thread
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop _run runs on
         self._loop_thread: int | None = None  # that loop's thread id
         self._client_loop: asyncio.AbstractEventLoop | None = None  # the consumers' loop
@@ -309,7 +316,7 @@ class EngineCore:
     def queued(self) -> tuple[int, int]:
         """(sequences, prompt tokens) waiting for their first step: the scheduler's queue,
         requests parked on a prefix look-up, and adds still in the inbox."""
-        if self.own_thread:  # the scheduler belongs to the engine thread: its snapshot
+        if self._batched:  # the scheduler belongs to the engine thread: its snapshot
             with self._lock:
                 return (
                     self._snap_seqs + self._inbox_seqs,
@@ -326,7 +333,7 @@ class EngineCore:
     def _snapshot(self) -> None:
         """own_thread: the scheduler's queue as admission sees it (engine thread only).
         Token and per-tenant counts cost a pass over the queue, so only when bounded."""
-        if not self.own_thread:
+        if not self._batched:
             return
         sched = self.scheduler
         seqs = len(sched.waiting) + len(sched.remote_pending)
@@ -365,7 +372,7 @@ class EngineCore:
 
     def tenant_queued(self, tenant: str) -> int:
         """Requests of one tenant waiting for their first step (inbox and look-ups too)."""
-        if self.own_thread:
+        if self._batched:
             with self._lock:
                 return self._snap_tenants[tenant] + self._inbox_tenants.get(tenant, 0)
         sched = self.scheduler
@@ -423,7 +430,7 @@ class EngineCore:
                 self._inbox_seqs -= len(group)
                 self._inbox_tokens -= group[0].prompt_len
                 self._inbox_left(group[0].tenant)
-                if self.own_thread:
+                if self._batched:
                     self._snap_seqs += len(group)
                     self._snap_tokens += group[0].prompt_len
                     self._snap_tenants[group[0].tenant] += 1
@@ -492,7 +499,7 @@ class EngineCore:
 
     def _dispatch(self, updates: list[RequestUpdate] | StepUpdates) -> None:
         streams = self.streams
-        outbox = self._outbox if self.own_thread else None
+        outbox = self._outbox if self._batched else None
         if isinstance(updates, StepUpdates):
             # Decode rows that took a token and go on: a token each, no update object.
             for req, tok in zip(updates.decode_reqs, updates.decode_tokens, strict=True):
@@ -522,7 +529,7 @@ class EngineCore:
         self._flush()
 
     def _fail(self, stream: RequestStream, error: BaseException) -> None:
-        if self.own_thread:
+        if self._batched:
             self._outbox.append((stream, _FAIL, error))
             self._flush()
         else:

@@ -71,6 +71,21 @@ def _seeded_sampling(req: Request) -> bool:
     return req.params.seed is not None and req.params.temperature > 0
 
 
+def check_group(group: list[Request], max_len: int, max_num_seqs: int) -> None:
+    """Scheduler.check_group from the two limits it reads (also where the scheduler is
+    another process's: service/engine_proc.py)."""
+    p = group[0]
+    if p.prompt_len == 0:
+        raise RequestRejected("the prompt is empty")
+    if p.prompt_len >= max_len:
+        raise RequestRejected(
+            f"the prompt has {p.prompt_len} tokens; max_model_len is {max_len}, which "
+            "must leave room for at least one generated token"
+        )
+    if len(group) > max_num_seqs:
+        raise RequestRejected(f"n={len(group)} is more than max_num_seqs ({max_num_seqs})")
+
+
 class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadScheduling):
     def __init__(
         self,
@@ -111,19 +126,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
     def check_group(self, group: list[Request]) -> None:
         """The checks that need no queue state (callers run them synchronously, before
         the engine actor sees the request)."""
-        max_len = self.config.max_model_len
-        p = group[0]
-        if p.prompt_len == 0:
-            raise RequestRejected("the prompt is empty")
-        if p.prompt_len >= max_len:
-            raise RequestRejected(
-                f"the prompt has {p.prompt_len} tokens; max_model_len is {max_len}, which "
-                "must leave room for at least one generated token"
-            )
-        if len(group) > self.config.max_num_seqs:
-            raise RequestRejected(
-                f"n={len(group)} is more than max_num_seqs ({self.config.max_num_seqs})"
-            )
+        check_group(group, self.config.max_model_len, self.config.max_num_seqs)
 
     def add_request(self, group: list[Request]) -> None:
         """Queue a request (group[0]) and, for n > 1, its other samples, which are forked

@@ -246,7 +246,8 @@ def _engine_metrics(engine: AsyncEngine, name: str) -> Metrics:
     metrics.set_kv_cache_info(engine.runner)
 
     def on_step(info: StepInfo) -> None:
-        metrics.on_step(info, engine.scheduler.stats())
+        stats = info.stats if info.stats is not None else engine.scheduler.stats()
+        metrics.on_step(info, stats)
         if engine.tier is not None:
             metrics.on_tier(engine.tier.name, engine.tier.stats, engine.tier.healthy)
 
@@ -527,23 +528,7 @@ async def debug_state(request: web.Request) -> web.Response:
         # a new one is no growth.
         body["gc_objects"] = len(gc.get_objects()) + gc.get_freeze_count()
     if engine is not None:
-        sched = engine.scheduler
-        pool = sched.kv.pool
-        body |= {
-            "engine_dead": str(engine.dead) if engine.dead else None,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "remote_pending": len(sched.remote_pending),
-            "requests": len(sched.requests),
-            "groups": len(sched.groups),
-            "streams": len(engine.core.streams),
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used,
-            "kv_blocks_cached": len(pool.cached),
-            "runner_requests": len(getattr(engine.runner, "requests", ())),
-            "num_preemptions": sched.num_preemptions,
-            "hook_errors": engine.core.hook_errors,
-        }
+        body |= await engine.debug_counts()
     return json_response(body)
 
 

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler.config import EngineConfig
 from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
@@ -33,6 +33,9 @@ from service.engine_setup import build_prefix_tier, ensure_default_model, tp_exe
 from service.outputs import CompletionOutput, RequestMetrics, RequestOutput, Submitted
 from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from service.engine_proc import ProcessCore
 
 log = logging.getLogger(__name__)
 
@@ -125,35 +128,51 @@ class AsyncEngine:
         on_step: Callable[[StepInfo], None] | None = None,
         tier: PrefixTier | None = None,
         executor: ThreadExecutor | None = None,
+        core: ProcessCore | None = None,
     ) -> None:
+        """`core`: the engine in a child process (`in_process`); then there is no
+        scheduler, executor or model here, and `runner` holds the child's facts."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.model_dir = model_dir
         self.model_name = config.model.model or "pagestream-default"
-        self.executor = executor or ThreadExecutor(runner)  # type: ignore[arg-type]
+        self.executor = executor
+        if executor is None and core is None:
+            self.executor = ThreadExecutor(runner)  # type: ignore[arg-type]
         self._step_hooks: list[Callable[[StepInfo], None]] = [on_step] if on_step else []
         # Called once per request when it ends (finished, aborted or failed).
         self.request_hooks: list[Callable[[RequestOutput], None]] = []
         self.tier = tier
-        self.core = EngineCore(
-            scheduler,
-            self.executor,
-            on_step=self._on_step,
-            tier=tier,
-            max_waiting_requests=config.scheduler.max_waiting_requests,
-            max_waiting_tokens=config.scheduler.max_waiting_tokens,
-            max_waiting_per_tenant=config.scheduler.max_waiting_per_key,
-            own_thread=engine_thread_default(config, runner),
-            async_scheduling=async_scheduling_default(config, runner),
-        )
-        switch_interval(config, self.core.own_thread or self.core.async_scheduling)
+        self.core: EngineCore | ProcessCore
+        if core is not None:
+            self.core = core
+            core.on_step = self._on_step
+            switch_interval(config)
+        else:
+            self.core = EngineCore(
+                scheduler,  # type: ignore[arg-type]
+                self.executor,  # type: ignore[arg-type]
+                on_step=self._on_step,
+                tier=tier,
+                max_waiting_requests=config.scheduler.max_waiting_requests,
+                max_waiting_tokens=config.scheduler.max_waiting_tokens,
+                max_waiting_per_tenant=config.scheduler.max_waiting_per_key,
+                own_thread=engine_thread_default(config, runner),
+                async_scheduling=async_scheduling_default(config, runner),
+            )
+            switch_interval(config, self.core.own_thread or self.core.async_scheduling)
         self._ids = itertools.count()
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys([*runner.eos_token_ids, *tokenizer.eos_token_ids])  # type: ignore[attr-defined]
         )
-        self.max_model_len = scheduler.config.max_model_len
+        if scheduler is not None:
+            self.max_model_len = scheduler.config.max_model_len
+            self.block_size = scheduler.block_size
+        else:
+            self.max_model_len = runner.max_model_len  # type: ignore[attr-defined]
+            self.block_size = core.facts["block_size"]  # type: ignore[union-attr]
         self.faults: FaultPlan | None = None
         # Ids the model has embeddings for (a tokenizer may know more added tokens).
         self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
@@ -167,6 +186,8 @@ class AsyncEngine:
         """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
 
+        if config.device.engine_process:
+            return cls.in_process(config)
         model_dir = Path(config.model.model) if config.model.model else ensure_default_model()
         faults = FaultPlan.from_env(config.fault_injection)
         if faults is not None:
@@ -181,6 +202,35 @@ class AsyncEngine:
 
         # Built on the thread that will run every step (see ThreadExecutor).
         return cls._assemble(config, ThreadExecutor(factory=build), model_dir, faults)
+
+    @classmethod
+    def in_process(
+        cls,
+        config: EngineConfig,
+        builder: Callable[[EngineConfig], AsyncEngine] | None = None,
+    ) -> AsyncEngine:
+        """The engine in a child process (`serve --engine-process`,
+        service/engine_proc.py): `builder(config)` builds it there (default: from_config,
+        inline); here only the tokenizer, grammar checks and the streams.  Blocks while
+        the child loads the model."""
+        from service.engine_proc import ProcessCore, default_builder, remote_runner
+
+        core = ProcessCore.spawn(config, builder or default_builder)
+        try:
+            model_dir = Path(core.facts["model_dir"])
+            engine = cls(
+                config,
+                runner=remote_runner(core.facts),
+                tokenizer=Tokenizer.from_dir(model_dir),
+                scheduler=None,
+                model_dir=model_dir,
+                core=core,
+            )
+        except BaseException:
+            core.kill()
+            raise
+        engine.faults = FaultPlan.from_env(config.fault_injection)
+        return engine
 
     @classmethod
     def _assemble(
@@ -241,6 +291,9 @@ class AsyncEngine:
 
     async def start(self) -> None:
         self.core.start()
+        connect = getattr(self.core, "connect", None)
+        if connect is not None:  # the engine's process: its socket, on this loop
+            await connect()
         if self.tier is not None:  # its tasks and connections live on the engine's loop
             await self.core.call_in_loop(self.tier.start)
         watch = getattr(self.executor, "watch", None)
@@ -255,13 +308,43 @@ class AsyncEngine:
         tier = self.tier
         await self.core.stop(finally_in_loop=tier.close if tier is not None else None)
         self.grammars.shutdown()
-        self.executor.shutdown(wait=self.dead is None)
+        if self.executor is not None:
+            self.executor.shutdown(wait=self.dead is None)
+
+    @property
+    def in_child(self) -> bool:
+        """The engine runs in a child process (service/engine_proc.py)."""
+        return self.scheduler is None
 
     async def scheduler_stats(self) -> tuple[SchedulerStats, int]:
         """(scheduler stats, KV blocks in use), read on the engine's loop: with the engine
         on its own thread, reading them elsewhere would race it (stats() expires pins)."""
+        if self.scheduler is None:
+            return await self.core.query("scheduler_stats")  # type: ignore[union-attr]
         sched = self.scheduler
         return await self.core.call_in_loop(lambda: (sched.stats(), sched.kv.pool.num_used))
+
+    async def debug_counts(self) -> dict[str, object]:
+        """The engine's part of /debug/state: what runs, waits and is held."""
+        if self.scheduler is None:
+            return await self.core.query("debug_counts")  # type: ignore[union-attr]
+        sched = self.scheduler
+        pool = sched.kv.pool
+        return {
+            "engine_dead": str(self.dead) if self.dead else None,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "remote_pending": len(sched.remote_pending),
+            "requests": len(sched.requests),
+            "groups": len(sched.groups),
+            "streams": len(self.core.streams),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached": len(pool.cached),
+            "runner_requests": len(getattr(self.runner, "requests", ())),
+            "num_preemptions": sched.num_preemptions,
+            "hook_errors": self.core.hook_errors,
+        }
 
     @property
     def dead(self) -> BaseException | None:
@@ -563,7 +646,7 @@ class AsyncEngine:
         """Compute a prefix (e.g. a system prompt) and publish the KV of all its full
         blocks to the shared tier now, rather than after it proves hot (counted against
         `tenant`'s share of the tier)."""
-        bs = self.scheduler.block_size
+        bs = self.block_size
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         rid = f"prefix-{uuid.uuid4().hex[:16]}"
         sub = self.submit(

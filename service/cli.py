@@ -262,6 +262,11 @@ def _add_device_args(g: Group) -> None:
         "off the HTTP event loop (auto: on for CUDA, off on CPU; docs/HOST_PATH.md)",
     )  # fmt: skip
     g.add_argument(
+        "--engine-process", action="store_true",
+        help="run the engine core (model, scheduler, grammar masks) in a child process; "
+        "this one keeps HTTP, tokenization and detokenization (docs/HOST_PATH.md)",
+    )  # fmt: skip
+    g.add_argument(
         "--switch-interval-ms", type=float, default=None, metavar="MS",
         help="Python's thread switch interval: how long a thread that wants the interpreter "
         "waits for one running Python code (default: 0.5 with --engine-thread or "
