@@ -1,0 +1,284 @@
+"""The engine core in its own process (`serve --engine-process`, service/engine_proc.py),
+through real `pagestream serve` processes and real HTTP clients: greedy output identical
+to the inline engine's and the engine thread's (plain, n = 2, stop strings, streaming, a
+JSON-schema grammar, and the engine serving on after an abort mid-stream frees the
+request's KV); the engine's process killed under load fails the streams, /health says
+503 and the server exits for its supervisor; no engine process outlives its server
+(stopped or killed); the features it does not carry are refused at start-up, naming the
+flag."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from service.app import ENGINE_FAILURE_EXIT
+from tests.checkpoints import tiny_checkpoint
+from tests.service.live_server import free_port, live_server
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+def engine_children(pid: int) -> list[int]:
+    """The server's engine processes (direct children running service.engine_proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for c in (task / "children").read_text().split():
+                cmd = Path(f"/proc/{c}/cmdline").read_bytes()
+                if b"service.engine_proc" in cmd:
+                    out.append(int(c))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """pid exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@contextlib.contextmanager
+def server(tmp_path: Path, module: str, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A real server process (`service.cli serve` or `bench.host_server`), healthy."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logf = tmp_path / f"server-{port}.log"
+    pre = ["serve"] if module == "service.cli" else []
+    cmd = [sys.executable, "-m", module, *pre, "--port", str(port), "--threads", "1", *args]
+    with logf.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, logf.read_text()[-3000:]
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url + "/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with session.post(url + "/v1/completions", json=body) as r:
+        text = await r.text()
+        assert r.status == 200, text
+        return json.loads(text)
+
+
+async def _stream_text(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, str]:
+    text, finish = "", None
+    async with session.post(url + "/v1/completions", json=body | {"stream": True}) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                text += c["text"]
+                finish = c["finish_reason"] or finish
+    return text, finish
+
+
+async def workload(url: str) -> dict:
+    """Greedy requests one at a time (each computes alone, so every mode batches them
+    alike), then an abort mid-stream and the same request again."""
+    out: dict = {}
+    greedy = {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/models") as r:
+            m = (await r.json())["data"][0]["id"]
+        base = {"model": m, **greedy}
+
+        def choices(r: dict) -> list:
+            return [(c["text"], c.get("token_ids"), c["finish_reason"]) for c in r["choices"]]
+
+        plain = await _post(s, url, base | {"prompt": "Once upon a time", "max_tokens": 24})
+        out["plain"] = choices(plain)
+        text = plain["choices"][0]["text"]
+        assert len(text) > 6, text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        r = await _post(s, url, base | {"prompt": "Once upon a time", "max_tokens": 24,
+                                        "stop": [stop]})  # fmt: skip
+        out["stop"] = choices(r)
+        assert out["stop"][0][2] == "stop", (stop, out["stop"])
+        r = await _post(s, url, base | {"prompt": "The cat", "max_tokens": 12, "n": 2})
+        out["n2"] = choices(r)
+        out["stream"] = await _stream_text(s, url, base | {"prompt": "Hello", "max_tokens": 16})
+        r = await _post(s, url, base | {"prompt": "Answer:", "max_tokens": 40,
+                                        "ignore_eos": False, "guided_json": SCHEMA})  # fmt: skip
+        out["json"] = choices(r)
+        json.loads(out["json"][0][0])  # the grammar held
+        # Abort mid-stream: the client leaves after three chunks.
+        body = base | {"prompt": "A long story", "max_tokens": 400, "stream": True}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.content:
+                seen += line.startswith(b"data: {")
+                if seen == 3:
+                    break
+        deadline = time.monotonic() + 20
+        while True:
+            async with s.get(url + "/debug/state") as r:
+                st = await r.json()
+            if st["running"] == 0 and st["requests"] == 0 and st["kv_blocks_used"] == 0:
+                break
+            assert time.monotonic() < deadline, f"the aborted request still holds KV: {st}"
+            await asyncio.sleep(0.05)
+        out["streams_after_abort"] = st["streams"]
+        r = await _post(s, url, base | {"prompt": "Once upon a time", "max_tokens": 24})
+        out["after_abort"] = choices(r)
+    return out
+
+
+@pytest.mark.slow
+async def test_process_engine_serves_what_inline_and_thread_serve(tmp_path, model):
+    results = {}
+    for mode in (["--engine-thread", "off"], ["--engine-thread", "on"], ["--engine-process"]):
+        args = ["--model", model, "--dtype", "float32", "--num-kv-blocks", "256",
+                "--enable-debug-routes", *mode]  # fmt: skip
+        with server(tmp_path, "service.cli", *args) as (proc, url):
+            kids = engine_children(proc.pid)
+            assert len(kids) == (1 if mode == ["--engine-process"] else 0), kids
+            results[mode[-1]] = await workload(url)
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 60) == 0
+            for k in kids:  # no engine process left behind a clean exit
+                assert wait_gone(k, 10), f"engine process {k} outlived its server"
+    inline = results["off"]
+    assert inline["plain"][0][1] and len(inline["plain"][0][1]) == 24
+    assert inline["after_abort"] == inline["plain"]
+    assert inline["n2"][0][:2] == inline["n2"][1][:2]
+    assert results["on"] == inline
+    assert results["--engine-process"] == inline
+
+
+def _host_args(model: str, *extra: str) -> list[str]:
+    return ["--model", model, "--engine-process", *extra]
+
+
+async def _long_streams(url: str, n: int, started: asyncio.Event) -> list[list[str]]:
+    """n SSE streams far longer than the test: each one's events, to its end."""
+
+    async def one(s: aiohttp.ClientSession, m: str, i: int) -> list[str]:
+        body = {"model": m, "prompt": f"go {i}", "max_tokens": 1500, "stream": True,
+                "ignore_eos": True, "temperature": 0}  # fmt: skip
+        events = []
+        with contextlib.suppress(aiohttp.ClientError):
+            async with s.post(url + "/v1/completions", json=body) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        started.set()
+                        events.append(line.decode())
+        return events
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/models") as r:
+            m = (await r.json())["data"][0]["id"]
+        return await asyncio.gather(*(one(s, m, i) for i in range(n)))
+
+
+def _failed_by_the_engine(events: list[str]) -> bool:
+    return any('"error"' in e and "engine" in e for e in events)
+
+
+async def test_killed_engine_process_fails_streams_and_health(model):
+    """SIGKILL to the engine's process under load: every stream ends with the engine's
+    error (no hang), /health and /live answer 503 naming it, a new request gets 503."""
+    with live_server(model, engine_kwargs={"engine_process": True}) as srv:
+        core = srv.engine.core
+        assert srv.engine.in_child and srv.engine.executor is None
+        started = asyncio.Event()
+        streams = asyncio.create_task(_long_streams(srv.url, 3, started))
+        await asyncio.wait_for(started.wait(), 60)
+        core.kill()
+        ends = await asyncio.wait_for(streams, 30)
+        assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
+        for path in ("/health", "/live"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(srv.url + path, timeout=5)
+            assert e.value.code == 503
+            assert "engine process exited unexpectedly (signal 9)" in e.value.read().decode()
+        body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(
+            srv.url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 503
+
+
+async def test_server_exits_for_its_supervisor_when_the_engine_process_is_killed(tmp_path, model):
+    with server(tmp_path, "bench.host_server", *_host_args(model, "--step-ms", "20")) as (
+        proc,
+        url,
+    ):
+        (kid,) = engine_children(proc.pid)
+        started = asyncio.Event()
+        streams = asyncio.create_task(_long_streams(url, 3, started))
+        await asyncio.wait_for(started.wait(), 60)
+        os.kill(kid, signal.SIGKILL)
+        ends = await asyncio.wait_for(streams, 30)
+        assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
+        assert await asyncio.to_thread(proc.wait, 30) == ENGINE_FAILURE_EXIT
+
+
+def test_engine_process_dies_with_a_killed_server(tmp_path, model):
+    with server(tmp_path, "bench.host_server", *_host_args(model)) as (proc, _):
+        (kid,) = engine_children(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        assert wait_gone(kid, 10), "the engine process outlived its SIGKILLed server"
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--redis-url", "memory://"], "--redis-url"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+        (["--engine-thread", "on"], "--engine-thread on"),
+    ],
+)
+def test_what_the_process_does_not_carry_is_refused_at_start(model, flags, named):
+    r = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--model", model, "--engine-process",
+         "--port", str(free_port()), *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--engine-process" in r.stderr and named in r.stderr, r.stderr[-2000:]
