@@ -388,12 +388,12 @@ class ProcessCore:
         except Exception as e:  # a frame this side cannot read: the pair cannot go on
             log.exception("engine process: bad frame")
             error = f"bad frame from the engine process: {e}"
+        if error is not None:  # dead from now on, while the child exits
+            self._die(EngineProcessError(error))
         code = await asyncio.to_thread(self._wait_child)
         if error is None and not (self._stopping and code == 0):
             why = f"signal {-code}" if code is not None and code < 0 else f"code {code}"
-            error = f"the engine process exited unexpectedly ({why})"
-        if error is not None:
-            self._die(EngineProcessError(error))
+            self._die(EngineProcessError(f"the engine process exited unexpectedly ({why})"))
         elif self._task is not None and not self._task.done():
             self._task.set_result(None)
         if self._writer is not None:

@@ -217,23 +217,37 @@ def _failed_by_the_engine(events: list[str]) -> bool:
     return any('"error"' in e and "engine" in e for e in events)
 
 
-async def test_killed_engine_process_fails_streams_and_health(model):
-    """SIGKILL to the engine's process under load: every stream ends with the engine's
-    error (no hang), /health and /live answer 503 naming it, a new request gets 503."""
-    with live_server(model, engine_kwargs={"engine_process": True}) as srv:
+FORWARD = 2043  # a prompt token the fault plan fails the forward pass on
+
+
+@pytest.mark.parametrize("how", ["killed", "step raises"])
+async def test_engine_process_death_fails_streams_and_health(model, how):
+    """The engine's process SIGKILLed, or its step raising (fault injection in the child),
+    under load: every stream ends with the engine's error (no hang), /health and /live
+    answer 503 naming it, a new request gets 503."""
+    kw = {"engine_process": True, "fault_injection": f"forward-token={FORWARD}"}
+    with live_server(model, engine_kwargs=kw) as srv:
         core = srv.engine.core
         assert srv.engine.in_child and srv.engine.executor is None
         started = asyncio.Event()
         streams = asyncio.create_task(_long_streams(srv.url, 3, started))
         await asyncio.wait_for(started.wait(), 60)
-        core.kill()
+        if how == "killed":
+            core.kill()
+            why = "engine process exited unexpectedly (signal 9)"
+        else:
+            async with aiohttp.ClientSession() as s:
+                body = {"model": model, "prompt": [1, FORWARD, 2], "max_tokens": 4}
+                async with s.post(srv.url + "/v1/completions", json=body) as r:
+                    assert r.status == 503, await r.text()
+            why = "injected"
         ends = await asyncio.wait_for(streams, 30)
         assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
         for path in ("/health", "/live"):
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(srv.url + path, timeout=5)
             assert e.value.code == 503
-            assert "engine process exited unexpectedly (signal 9)" in e.value.read().decode()
+            assert why in e.value.read().decode()
         body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2}).encode()
         req = urllib.request.Request(
             srv.url + "/v1/completions", body, {"Content-Type": "application/json"}
@@ -241,6 +255,7 @@ async def test_killed_engine_process_fails_streams_and_health(model):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=5)
         assert e.value.code == 503
+        assert await asyncio.to_thread(wait_gone, core.pid, 10)
 
 
 async def test_server_exits_for_its_supervisor_when_the_engine_process_is_killed(tmp_path, model):
