@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -248,6 +249,8 @@ class ProcessCore:
         self._task: asyncio.Future[None] | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the consumers' (set by start)
+        self._loop_thread: int | None = None
         self._stopping = False
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Frame)
@@ -288,7 +291,8 @@ class ProcessCore:
     def start(self) -> asyncio.Future[None]:
         """The future that ends when the child does; call `connect` right after."""
         assert self._task is None
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._task = loop.create_future()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -300,6 +304,11 @@ class ProcessCore:
         self._reader_task = asyncio.create_task(self._read(reader), name="pagestream-engine-io")
 
     def _send(self, msg: ToChild) -> None:
+        """Write a message to the child, from any thread (as EngineCore.post)."""
+        if threading.get_ident() != self._loop_thread and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: no child to tell
+                self._loop.call_soon_threadsafe(self._send, msg)
+            return
         w = self._writer
         if w is None or w.is_closing():
             return  # the child is gone; _read fails what waits on it

@@ -139,6 +139,9 @@ async def workload(url: str) -> dict:
         assert out["stop"][0][2] == "stop", (stop, out["stop"])
         r = await _post(s, url, base | {"prompt": "The cat", "max_tokens": 12, "n": 2})
         out["n2"] = choices(r)
+        r = await _post(s, url, base | {"prompt": "The dog", "max_tokens": 6, "logprobs": 2})
+        out["logprobs"] = (choices(r), r["choices"][0]["logprobs"])
+        assert out["logprobs"][1]["top_logprobs"], r
         out["stream"] = await _stream_text(s, url, base | {"prompt": "Hello", "max_tokens": 16})
         r = await _post(s, url, base | {"prompt": "Answer:", "max_tokens": 40,
                                         "ignore_eos": False, "guided_json": SCHEMA})  # fmt: skip
@@ -271,6 +274,38 @@ async def test_server_exits_for_its_supervisor_when_the_engine_process_is_killed
         ends = await asyncio.wait_for(streams, 30)
         assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
         assert await asyncio.to_thread(proc.wait, 30) == ENGINE_FAILURE_EXIT
+
+
+async def test_admission_reads_the_engine_process_queue(tmp_path, model):
+    """--max-waiting-requests with the queue in the engine's process: one running (one
+    seat), one waiting, the next refused with 429 from the local copy of the counts."""
+    args = _host_args(model, "--step-ms", "50", "--max-num-seqs", "1",
+                      "--max-waiting-requests", "1")  # fmt: skip
+    with server(tmp_path, "bench.host_server", *args) as (_, url):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/v1/models") as r:
+                m = (await r.json())["data"][0]["id"]
+            body = {"model": m, "prompt": "hi", "max_tokens": 40, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            async with s.post(url + "/v1/completions", json=body) as first:
+                assert first.status == 200
+                await first.content.readline()  # its first event: it runs
+                second = asyncio.create_task(_stream_text(s, url, body))
+                deadline = time.monotonic() + 10
+                while True:  # the second is queued behind the only seat
+                    async with s.get(url + "/metrics") as r:
+                        text = await r.text()
+                    waiting = [ln for ln in text.splitlines()
+                               if ln.startswith("pagestream_num_requests_waiting")]  # fmt: skip
+                    if waiting and float(waiting[0].split()[-1]) == 1:
+                        break
+                    assert time.monotonic() < deadline, waiting
+                    await asyncio.sleep(0.05)
+                async with s.post(url + "/v1/completions", json=body) as third:
+                    assert third.status == 429, await third.text()
+                async for _ in first.content:
+                    pass
+            assert (await asyncio.wait_for(second, 30))[1] == "length"
 
 
 def test_engine_process_dies_with_a_killed_server(tmp_path, model):
