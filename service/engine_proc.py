@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
@@ -34,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 
 # How long the parent waits for the child to exit after a stop before it kills it.
 STOP_TIMEOUT_S = 30.0
+# How often the child checks that the server's process is still its parent.
+PARENT_POLL_S = 0.2
 
 
 # ----------------------------------------------------------------------------- wire
@@ -707,13 +709,16 @@ async def _child_serve(engine: AsyncEngine, sock: socket.socket) -> int:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the server's dies, however it dies (Linux)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # it died before the prctl
+    """Exit as soon as the server's process is gone, however it went (even SIGKILL, and
+    while the model still loads).  Polled rather than PR_SET_PDEATHSIG, which fires when
+    the *thread* that started this process ends (a worker thread of the server's)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
         os._exit(1)
+
+    threading.Thread(target=watch, name="pagestream-parent-watch", daemon=True).start()
 
 
 def child_main(fd: int, parent_pid: int) -> int:

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -332,3 +333,34 @@ def test_what_the_process_does_not_carry_is_refused_at_start(model, flags, named
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--engine-process" in r.stderr and named in r.stderr, r.stderr[-2000:]
+
+
+def test_engine_process_outlives_the_thread_that_started_it(model):
+    """Started from a thread that then ends (as the server's loader thread may), the
+    engine's process serves on, and its engine's shutdown ends it."""
+    from scheduler.config import EngineConfig
+    from scheduler.sampling_params import SamplingParams
+    from service.async_engine import AsyncEngine
+
+    box: dict = {}
+    config = EngineConfig.from_kwargs(model=model, dtype="float32", threads=1,
+                                      engine_process=True)  # fmt: skip
+    t = threading.Thread(target=lambda: box.update(engine=AsyncEngine.in_process(config)))
+    t.start()
+    t.join(120)
+    engine = box["engine"]
+    time.sleep(0.5)
+    assert alive(engine.core.pid)
+
+    async def use() -> list[int]:
+        await engine.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+            async for out in engine.generate("Hello", params):
+                last = out
+            return last.outputs[0].token_ids
+        finally:
+            await engine.shutdown()
+
+    assert len(asyncio.run(use())) == 5
+    assert wait_gone(engine.core.pid, 10)
