@@ -493,7 +493,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     engine = state.engine
     if engine is not None:
         stats, used = await engine.scheduler_stats()
-        state.metrics.refresh(stats, used, engine.core.hook_errors)
+        state.metrics.refresh(stats, used, engine.hook_errors)
         if engine.tier is not None:
             # The tier's writer publishes between steps; an idle replica has no step to
             # copy its counters on, so they are brought up to date at scrape time too.

@@ -320,9 +320,24 @@ class AsyncEngine:
         """(scheduler stats, KV blocks in use), read on the engine's loop: with the engine
         on its own thread, reading them elsewhere would race it (stats() expires pins)."""
         if self.scheduler is None:
-            return await self.core.query("scheduler_stats")  # type: ignore[union-attr]
+            stats, used, hooks = await self.core.query("stats_for_server")  # type: ignore[union-attr]
+            self.core.child_hook_errors = hooks  # type: ignore[union-attr]
+            return stats, used
         sched = self.scheduler
         return await self.core.call_in_loop(lambda: (sched.stats(), sched.kv.pool.num_used))
+
+    async def stats_for_server(self) -> tuple[SchedulerStats, int, dict[str, int]]:
+        """What the server's process asks an engine process for at a /metrics scrape."""
+        stats, used = await self.scheduler_stats()
+        return stats, used, dict(self.core.hook_errors)
+
+    @property
+    def hook_errors(self) -> dict[str, int]:
+        """Failures of guarded hooks by hook, the engine process's (as of the last
+        scrape) with this one's."""
+        mine = self.core.hook_errors
+        theirs: dict[str, int] = getattr(self.core, "child_hook_errors", {})
+        return {k: mine.get(k, 0) + theirs.get(k, 0) for k in {*mine, *theirs}}
 
     async def debug_counts(self) -> dict[str, object]:
         """The engine's part of /debug/state: what runs, waits and is held."""
@@ -415,7 +430,8 @@ class AsyncEngine:
         if bad is not None:
             raise RequestRejected(f"logit_bias: token id {bad} is outside the vocabulary")
         grammars: list = [None] * params.n
-        if params.structured_outputs is not None:
+        # In an engine process the child makes the matchers (the spec is checked here).
+        if params.structured_outputs is not None and not self.in_child:
             try:
                 grammars = self.grammars.matchers(params.structured_outputs, params.n)
             except GrammarError as e:

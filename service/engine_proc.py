@@ -110,7 +110,7 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
 ToChild = Add | Abort | Finish | Release | Query | Stop
 
 # What a Query may call on the child's engine (each returns picklable data).
-QUERIES = ("scheduler_stats", "debug_counts")
+QUERIES = ("stats_for_server", "debug_counts")
 
 
 class Batch(msgspec.Struct, array_like=True):
@@ -229,7 +229,8 @@ class ProcessCore:
         self.max_waiting_tokens = s.max_waiting_tokens
         self.max_waiting_per_tenant = s.max_waiting_per_key
         self.num_rejected = 0
-        self.hook_errors: dict[str, int] = {}
+        self.hook_errors: dict[str, int] = {}  # of hooks in this process
+        self.child_hook_errors: dict[str, int] = {}  # the child's, as of the last query
         self.on_step: Callable[[StepInfo], None] | None = None
         self.streams: dict[str, RequestStream] = {}
         self._sid_of: dict[str, int] = {}  # group id -> sid of its live stream

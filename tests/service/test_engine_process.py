@@ -364,3 +364,45 @@ def test_engine_process_outlives_the_thread_that_started_it(model):
 
     assert len(asyncio.run(use())) == 5
     assert wait_gone(engine.core.pid, 10)
+
+
+def _boom(info) -> None:
+    raise RuntimeError("a broken exporter in the engine's process")
+
+
+def failing_hook_engine(config):
+    """A builder (run in the engine's process): the engine with a step hook that fails."""
+    from service.engine_proc import default_builder
+
+    engine = default_builder(config)
+    engine.add_step_hook(_boom)
+    return engine
+
+
+async def test_hooks_in_the_engine_process_fail_alone_and_are_counted(model):
+    """A step hook failing in the engine's process: serving goes on, the failures reach
+    the server's /metrics; the server's own step hooks see every step."""
+    from scheduler.config import EngineConfig
+    from service.async_engine import AsyncEngine
+    from service.state import ServerConfig
+    from tests.service.live_server import LiveServer
+
+    config = EngineConfig.from_kwargs(model=model, dtype="float32", threads=1,
+                                      num_kv_blocks=256, engine_process=True)  # fmt: skip
+    engine = await asyncio.to_thread(AsyncEngine.in_process, config, failing_hook_engine)
+    seen = []
+    engine.add_step_hook(lambda info: seen.append((info.so, len(info.mo.req_ids), info.stats)))
+    srv = LiveServer(ServerConfig(engine=config), engine).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": model, "prompt": "Hi", "max_tokens": 6, "ignore_eos": True}
+            r = await _post(s, srv.url, body)
+            assert r["choices"][0]["finish_reason"] == "length"
+            async with s.get(srv.url + "/metrics") as m:
+                text = await m.text()
+        lines = [ln for ln in text.splitlines() if ln.startswith("pagestream_engine_hook_errors")]
+        assert any("_boom" in ln and float(ln.split()[-1]) >= 6 for ln in lines), lines
+        assert len(seen) >= 6 and all(so is None and st is not None for so, _, st in seen)
+        assert sum(n for _, n, _ in seen) >= 6  # every sampled token counted
+    finally:
+        srv.stop()
