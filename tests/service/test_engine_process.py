@@ -69,15 +69,20 @@ def wait_gone(pid: int, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def server(tmp_path: Path, module: str, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A real server process (`service.cli serve` or `bench.host_server`), healthy."""
+def server(
+    tmp_path: Path, module: str, *args: str, new_session: bool = False
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A real server process (`service.cli serve` or `bench.host_server`), healthy;
+    new_session: in a process group of its own (a signal to the group spares pytest)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logf = tmp_path / f"server-{port}.log"
     pre = ["serve"] if module == "service.cli" else []
     cmd = [sys.executable, "-m", module, *pre, "--port", str(port), "--threads", "1", *args]
     with logf.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -196,11 +201,14 @@ def _host_args(model: str, *extra: str) -> list[str]:
     return ["--model", model, "--engine-process", *extra]
 
 
-async def _long_streams(url: str, n: int, started: asyncio.Event) -> list[list[str]]:
-    """n SSE streams far longer than the test: each one's events, to its end."""
+async def _long_streams(
+    url: str, n: int, started: asyncio.Event, max_tokens: int = 1500
+) -> list[list[str]]:
+    """n SSE streams (by default far longer than the test): each one's events, to its
+    end."""
 
     async def one(s: aiohttp.ClientSession, m: str, i: int) -> list[str]:
-        body = {"model": m, "prompt": f"go {i}", "max_tokens": 1500, "stream": True,
+        body = {"model": m, "prompt": f"go {i}", "max_tokens": max_tokens, "stream": True,
                 "ignore_eos": True, "temperature": 0}  # fmt: skip
         events = []
         with contextlib.suppress(aiohttp.ClientError):
@@ -406,3 +414,23 @@ async def test_hooks_in_the_engine_process_fail_alone_and_are_counted(model):
         assert sum(n for _, n, _ in seen) >= 6  # every sampled token counted
     finally:
         srv.stop()
+
+
+async def test_sigterm_to_the_whole_group_drains_through_the_server(tmp_path, model):
+    """SIGTERM to the server's process group (a supervisor stopping them all): the engine's
+    process ignores it, the server drains its streams to their end, then stops the
+    engine; both exit cleanly."""
+    args = _host_args(model, "--step-ms", "20")
+    with server(tmp_path, "bench.host_server", *args, new_session=True) as (proc, url):
+        (kid,) = engine_children(proc.pid)
+        started = asyncio.Event()
+        streams = asyncio.create_task(_long_streams(url, 2, started, max_tokens=60))
+        await asyncio.wait_for(started.wait(), 60)
+        os.killpg(proc.pid, signal.SIGTERM)
+        ends = await asyncio.wait_for(streams, 60)
+        for events in ends:
+            assert events[-1].strip() == "data: [DONE]", events[-2:]
+            assert '"finish_reason":"length"' in events[-2].replace(" ", ""), events[-2:]
+            assert not any('"error"' in e for e in events)
+        assert await asyncio.to_thread(proc.wait, 60) == 0
+        assert wait_gone(kid, 10)
