@@ -437,7 +437,10 @@ class ProcessCore:
                     s.fail(_decode_error(kind, msg))
                     self._forget(sid, s)
         for sid in frame.handled:
-            seqs, tokens, tenant = self._inbox.pop(sid)
+            taken = self._inbox.pop(sid, None)
+            if taken is None:
+                continue
+            seqs, tokens, tenant = taken
             self._inbox_seqs -= seqs
             self._inbox_tokens -= tokens
             n = self._inbox_tenants[tenant] - 1
@@ -692,8 +695,8 @@ async def _child_serve(engine: AsyncEngine, sock: socket.socket) -> int:
     reading = asyncio.create_task(read())
     await asyncio.wait({task, reading}, return_when=asyncio.FIRST_COMPLETED)
     if task.done():  # the engine died (a step raised)
-        e = task.exception() if not task.cancelled() else RuntimeError("cancelled")
-        core.send(dead=str(e))
+        e = None if task.cancelled() else task.exception()
+        core.send(dead=str(e) if e is not None else "the engine's loop ended")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(writer.drain(), 5)
         engine.executor.shutdown(wait=False)
