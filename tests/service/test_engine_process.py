@@ -434,3 +434,24 @@ async def test_sigterm_to_the_whole_group_drains_through_the_server(tmp_path, mo
             assert not any('"error"' in e for e in events)
         assert await asyncio.to_thread(proc.wait, 60) == 0
         assert wait_gone(kid, 10)
+
+
+def test_offline_llm_with_the_engine_process(model):
+    """LLM(engine_process=True): the same greedy tokens as the inline engine (its
+    final-only streams: tokens that wake no one until the end)."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = ["Hello there", "The cat sat"]
+    got = {}
+    for proc in (True, False):
+        llm = LLM(model, dtype="float32", threads=1, engine_process=proc)
+        try:
+            got[proc] = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+            pid = getattr(llm.engine.core, "pid", None)
+        finally:
+            llm.shutdown()
+        if proc:
+            assert pid is not None and wait_gone(pid, 10)
+    assert got[True] == got[False] and all(len(t) == 10 for t in got[True])
