@@ -145,9 +145,11 @@ async def workload(url: str) -> dict:
         assert out["stop"][0][2] == "stop", (stop, out["stop"])
         r = await _post(s, url, base | {"prompt": "The cat", "max_tokens": 12, "n": 2})
         out["n2"] = choices(r)
-        r = await _post(s, url, base | {"prompt": "The dog", "max_tokens": 6, "logprobs": 2})
-        out["logprobs"] = (choices(r), r["choices"][0]["logprobs"])
-        assert out["logprobs"][1]["top_logprobs"], r
+        r = await _post(s, url, base | {"prompt": "The dog", "max_tokens": 6, "logprobs": 2,
+                                        "prompt_logprobs": 1})  # fmt: skip
+        c0 = r["choices"][0]
+        out["logprobs"] = (choices(r), c0["logprobs"], c0.get("prompt_logprobs"))
+        assert out["logprobs"][1]["top_logprobs"] and out["logprobs"][2], r
         out["stream"] = await _stream_text(s, url, base | {"prompt": "Hello", "max_tokens": 16})
         r = await _post(s, url, base | {"prompt": "Answer:", "max_tokens": 40,
                                         "ignore_eos": False, "guided_json": SCHEMA})  # fmt: skip
