@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.output_len} tokens out (ignore_eos), greedy, SSE",
         "copy bandwidth": f"{bw / 1e9:.0f} GB/s (read + write)" if bw else "-",
         "roofline context": f"{args.input_len + args.output_len / 2:.0f} tokens a sequence",
+        # Which engine mode (--engine-process, --engine-thread) and the like: a second run
+        # with other flags is only comparable where the header says what differs.
+        "server flags": " ".join(args.server_arg) or "defaults",
     }
     rows: list[list[str]] = []
     notes: list[str] = []

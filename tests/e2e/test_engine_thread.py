@@ -80,7 +80,9 @@ def _requests() -> list[tuple[list[int], SamplingParams]]:
     ]
 
 
-async def _serve(engine: AsyncEngine) -> list[list[tuple[list[int], str, str | None]]]:
+async def _serve(
+    engine: AsyncEngine, extra: list[tuple[list[int], SamplingParams]] = ()
+) -> list[list[tuple[list[int], str, str | None]]]:
     await engine.start()
     try:
 
@@ -91,7 +93,7 @@ async def _serve(engine: AsyncEngine) -> list[list[tuple[list[int], str, str | N
             assert last is not None and last.finished
             return [(o.token_ids, o.text, o.finish_reason) for o in last.outputs]
 
-        reqs = _requests()
+        reqs = [*_requests(), *extra]
         return await asyncio.wait_for(
             asyncio.gather(*(one(i, p, sp) for i, (p, sp) in enumerate(reqs))), 300
         )
