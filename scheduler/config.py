@@ -202,8 +202,10 @@ class DeviceSettings:
     engine_thread: bool | None = None
     # The engine core (model, executor, scheduler, grammar masks) in a child process,
     # the HTTP process keeping tokenization, detokenization and stream writes
-    # (service/engine_proc.py); serving only, never the offline LLM.
-    engine_process: bool = False
+    # (service/engine_proc.py); None: `serve` takes it on CUDA where nothing it does
+    # not carry is asked for (service/async_engine.py engine_process_default), an
+    # engine built directly (the offline LLM, tests) never.
+    engine_process: bool | None = None
     # Schedule step N+1 while step N runs (scheduler/ahead.py); None: on for CUDA, off on
     # CPU (service/async_engine.py async_scheduling_default).
     async_scheduling: bool | None = None

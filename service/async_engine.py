@@ -52,6 +52,27 @@ def engine_thread_default(config: EngineConfig, runner: object) -> bool:
     return getattr(device, "type", "cpu") == "cuda"
 
 
+def engine_process_default(config: EngineConfig) -> bool:
+    """Whether `serve` runs the engine core in a child process (service/engine_proc.py).
+    Auto: on CUDA yes, as vLLM v1 serves: the host bench, whose stand-in model releases
+    the GIL for a step as a GPU step does, measured the process ahead of the engine
+    thread (host time in series with an 8 ms step 4-18% against 7-28%, server CPU a
+    token 5.8-6.7 against 6.1-8.4 µs; docs/HOST_PATH.md).  Not where it would be refused
+    (tensor or pipeline parallelism, the shared prefix tier) or where the engine thread is
+    set either way.  On a CPU no: served beside the model it measured level with inline,
+    and it is one more process on the cores the model uses."""
+    d = config.device
+    if d.engine_process is not None:
+        return d.engine_process
+    if d.engine_thread is not None or config.parallel.enabled or config.prefix_tier.redis_url:
+        return False
+    if d.device is not None:
+        return d.device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
 # What --switch-interval-ms defaults to where the engine's threads run Python at once (its
 # own engine thread, or scheduling ahead beside the executor): with the interpreter's 5 ms a
 # thread that wants it waits up to a step's worth, several times a step; the shorter one

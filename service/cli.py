@@ -262,9 +262,12 @@ def _add_device_args(g: Group) -> None:
         "off the HTTP event loop (auto: on for CUDA, off on CPU; docs/HOST_PATH.md)",
     )  # fmt: skip
     g.add_argument(
-        "--engine-process", action="store_true",
+        "--engine-process", choices=["auto", "on", "off"], nargs="?", const="on",
+        default="auto",
         help="run the engine core (model, scheduler, grammar masks) in a child process; "
-        "this one keeps HTTP, tokenization and detokenization (docs/HOST_PATH.md)",
+        "this one keeps HTTP, tokenization and detokenization (auto: on for CUDA unless "
+        "--engine-thread, tensor/pipeline parallelism or --redis-url is given; bare: on; "
+        "docs/HOST_PATH.md)",
     )  # fmt: skip
     g.add_argument(
         "--switch-interval-ms", type=float, default=None, metavar="MS",
@@ -340,6 +343,7 @@ def engine_config(a: argparse.Namespace, **settings: object) -> EngineConfig:
         "cuda_graphs": False if a.enforce_eager else None,
         "enable_prefix_caching": not a.no_prefix_caching,
         "engine_thread": {"on": True, "off": False}.get(a.engine_thread),
+        "engine_process": {"on": True, "off": False}.get(a.engine_process),
         "async_scheduling": {"on": True, "off": False}.get(a.async_scheduling),
         # 0: unbounded
         "max_waiting_requests": a.max_waiting_requests or None,
@@ -536,8 +540,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
             print(f"pagestream serve: {e}", file=sys.stderr)
             return 2
     from service.app import run_server
+    from service.async_engine import engine_process_default
 
-    code = run_server(config)
+    # serve's own choice of where the engine runs; an app or engine built directly (the
+    # offline LLM, the tests' servers) keeps it in its process on auto.
+    engine = config.engine.replace(engine_process=engine_process_default(config.engine))
+    code = run_server(dataclasses.replace(config, engine=engine))
     if code:
         # The engine failed.  Exit now, even if a step is stuck in a broken device: the
         # executor's worker thread is not a daemon, and interpreter exit would join it.

@@ -297,3 +297,38 @@ def test_the_prefix_tier_and_the_ranks_read_their_groups(tmp_path):
     topo = Topology.from_settings(config.parallel)
     assert (topo.tp_size, topo.pp_size, topo.micro_batches, topo.nnodes) == (2, 2, 3, 2)
     assert (topo.master_addr, topo.master_port, topo.timeout_s) == ("10.0.0.1", 29500, 9.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        ([], None),
+        (["--engine-process"], True),
+        (["--engine-process", "on"], True),
+        (["--engine-process", "off"], False),
+        (["--engine-process", "auto"], None),
+    ],
+)
+def test_engine_process_flag(argv, want):
+    assert _config(argv).device.engine_process is want
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["--device", "cpu"], False),
+        (["--device", "cuda"], True),
+        (["--device", "cuda:1"], True),
+        (["--device", "cuda", "--engine-process", "off"], False),
+        (["--device", "cpu", "--engine-process"], True),
+        # What the process does not carry, or a mode asked for by name, keeps it here.
+        (["--device", "cuda", "--redis-url", "redis://127.0.0.1:1"], False),
+        (["--device", "cuda", "--tensor-parallel-size", "2"], False),
+        (["--device", "cuda", "--engine-thread", "on"], False),
+        (["--device", "cuda", "--engine-thread", "off"], False),
+    ],
+)
+def test_serve_takes_the_engine_process_on_cuda_where_it_carries_everything(argv, want):
+    from service.async_engine import engine_process_default
+
+    assert engine_process_default(_config(argv)) is want
