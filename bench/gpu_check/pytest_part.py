@@ -37,6 +37,10 @@ ENGINE_TESTS = (
     "tests/service/test_spec_serving.py",
     "tests/service/test_tool_calls.py",
     "tests/service/test_quant_server.py",
+    # serve's CUDA default: the engine in a child process (its parity with inline and the
+    # thread, and its death).
+    "tests/service/test_engine_process.py::test_process_engine_serves_what_inline_and_thread_serve",
+    "tests/service/test_engine_process.py::test_engine_process_death_fails_streams_and_health",
 )
 # The dry run only checks the harness: one quick file, no model.
 ENGINE_TESTS_DRY = ("tests/service/test_stop_matcher.py",)
