@@ -180,14 +180,22 @@ def ceilings(args: argparse.Namespace) -> None:
     _bind(lib, kernel)
     copy = cpu_ceilings.copy_bandwidth(args.threads)
     read = cpu_ceilings.read_bandwidth(args.threads)
-    peak = cpu_ceilings.peak_flops(args.threads)
+    fma = cpu_ceilings.peak_flops(args.threads)
+    assert fma is not None
+    # The bf16 kernel against its own instruction's loop (its rate is not always twice
+    # the FMA's); the others against the fp32 FMA loop (AMX tiles: no loop of their own).
+    dot = cpu_ceilings.peak_flops(args.threads, kind="dpbf16") if kernel == "dpbf16" else None
+    peak, peak_name = (dot, "vdpbf16ps") if dot else (fma, "FMA")
+    loops = f"FMA loop {fma / 1e9:.0f} GFLOP/s (fp32)"
+    if dot:
+        loops += f", vdpbf16ps loop {dot / 1e9:.0f} GFLOP/s"
     print(
         f"\n{kernel} ({dtype}), preset {args.preset}, {args.threads} threads, median of "
         f"{args.rounds}; ceilings: STREAM copy {copy / 1e9:.1f} GB/s, read {read / 1e9:.1f} "
-        f"GB/s, FMA loop {peak / 1e9:.0f} GFLOP/s (fp32)\n"
+        f"GB/s, {loops}\n"
     )
     print("| projection | rows | ms (all layers) | weights GB/s | of copy | of read | "
-          "GFLOP/s | of FMA peak |")  # fmt: skip
+          f"GFLOP/s | of {peak_name} peak |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     projs = projections(kernel, args.preset, not args.no_lm_head)
     for kind in dict.fromkeys(p.kind for p in projs):

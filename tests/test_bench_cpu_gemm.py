@@ -62,6 +62,21 @@ def test_peak_flops_loop_counts_what_it_runs():
     assert 2e9 < one < 2.5e11
 
 
+def test_the_bf16_dot_loop_runs_where_the_cpu_has_it():
+    from bench.cpu_ceilings import peak_flops
+
+    dot = peak_flops(1, reps=2, iters=2_000_000, kind="dpbf16")
+    if not cpu_kernels.dpbf16_available():
+        assert dot is None
+        return
+    fma = peak_flops(1, reps=2, iters=2_000_000)
+    assert dot is not None and fma is not None
+    # Two bf16 products and two adds a lane where an FMA does one of each: up to twice
+    # the fp32 rate (Zen 4 issues it at the FMA's rate, so twice); loose bounds for a
+    # machine running other work.
+    assert 0.5 * fma < dot < 3 * fma, (dot, fma)
+
+
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs AMX")
 def test_cpu_gemm_runs_the_amx_kernel_both_ways():
     """The AMX kernel (what decode-sized bf16 products run on where the CPU has it) in both
