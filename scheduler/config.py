@@ -202,9 +202,10 @@ class DeviceSettings:
     engine_thread: bool | None = None
     # The engine core (model, executor, scheduler, grammar masks) in a child process,
     # the HTTP process keeping tokenization, detokenization and stream writes
-    # (service/engine_proc.py); None: `serve` takes it on CUDA where nothing it does
-    # not carry is asked for (service/async_engine.py engine_process_default), an
-    # engine built directly (the offline LLM, tests) never.
+    # (service/engine_proc.py; the shared prefix tier and the TP/PP executor live there
+    # too); None: `serve` takes it on CUDA unless engine_thread is set
+    # (service/async_engine.py engine_process_default), an engine built directly (the
+    # offline LLM, tests) never.
     engine_process: bool | None = None
     # Schedule step N+1 while step N runs (scheduler/ahead.py); None: on for CUDA, off on
     # CPU (service/async_engine.py async_scheduling_default).
@@ -240,18 +241,6 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        if self.device.engine_process:
-            # Refused rather than served wrong (docs/HOST_PATH.md): what the engine
-            # process does not carry across its boundary yet.
-            if self.parallel.enabled:
-                raise ConfigError(
-                    "--engine-process does not run with --tensor-parallel-size / "
-                    "--pipeline-parallel-size / --nnodes > 1 yet"
-                )
-            if self.prefix_tier.redis_url:
-                raise ConfigError(
-                    "--engine-process does not run with --redis-url (the shared prefix tier) yet"
-                )
         if self.speculative is not None and self.parallel.enabled:
             raise ConfigError(
                 "speculative decoding (--speculative-*) does not run with "

@@ -35,7 +35,7 @@ from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from service.engine_proc import ProcessCore
+    from service.engine_proc import ProcessCore, TierView
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,14 @@ def engine_process_default(config: EngineConfig) -> bool:
     Auto: on CUDA yes, as vLLM v1 serves: the host bench, whose stand-in model releases
     the GIL for a step as a GPU step does, measured the process ahead of the engine
     thread (host time in series with an 8 ms step 4-18% against 7-28%, server CPU a
-    token 5.8-6.7 against 6.1-8.4 µs; docs/HOST_PATH.md).  Not where it would be refused
-    (tensor or pipeline parallelism, the shared prefix tier) or where the engine thread is
-    set either way.  On a CPU no: served beside the model it measured level with inline,
+    token 5.8-6.7 against 6.1-8.4 µs; docs/HOST_PATH.md); the shared prefix tier and
+    the tensor/pipeline-parallel executor (with its rank processes) live in the child.
+    Not where the engine thread is set either way.  On a CPU no: served beside the model it measured level with inline,
     and it is one more process on the cores the model uses."""
     d = config.device
     if d.engine_process is not None:
         return d.engine_process
-    if d.engine_thread is not None or config.parallel.enabled or config.prefix_tier.redis_url:
+    if d.engine_thread is not None:
         return False
     if d.device is not None:
         return d.device.startswith("cuda")
@@ -147,7 +147,7 @@ class AsyncEngine:
         scheduler: Scheduler,
         model_dir: Path,
         on_step: Callable[[StepInfo], None] | None = None,
-        tier: PrefixTier | None = None,
+        tier: PrefixTier | TierView | None = None,
         executor: ThreadExecutor | None = None,
         core: ProcessCore | None = None,
     ) -> None:
@@ -245,6 +245,7 @@ class AsyncEngine:
                 tokenizer=Tokenizer.from_dir(model_dir),
                 scheduler=None,
                 model_dir=model_dir,
+                tier=core.tier,
                 core=core,
             )
         except BaseException:
@@ -315,7 +316,9 @@ class AsyncEngine:
         connect = getattr(self.core, "connect", None)
         if connect is not None:  # the engine's process: its socket, on this loop
             await connect()
-        if self.tier is not None:  # its tasks and connections live on the engine's loop
+        # Its tasks and connections live on the engine's loop (in an engine process, the
+        # child starts and closes it: here is only its view).
+        if self.tier is not None and not self.in_child:
             await self.core.call_in_loop(self.tier.start)
         watch = getattr(self.executor, "watch", None)
         if watch is not None:  # tensor parallel: a rank exiting fails the engine at once
@@ -326,7 +329,7 @@ class AsyncEngine:
             watch(failed)
 
     async def shutdown(self) -> None:
-        tier = self.tier
+        tier = self.tier if not self.in_child else None
         await self.core.stop(finally_in_loop=tier.close if tier is not None else None)
         self.grammars.shutdown()
         if self.executor is not None:

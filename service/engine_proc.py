@@ -53,6 +53,7 @@ from scheduler.engine_core import (
     Message,
     StepInfo,
 )
+from scheduler.prefix_tier import TierStats
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, check_group
@@ -136,6 +137,9 @@ class Frame(msgspec.Struct, array_like=True):
     steps: list[Step]
     replies: list[tuple[int, bytes]]  # (qid, pickled result or error)
     dead: str | None = None  # the engine stopped on this error; the child exits
+    # The shared prefix tier's (TierStats fields, healthy), where it changed since the
+    # last frame: a query's reply carries it, so a /metrics scrape reads it fresh.
+    tier: tuple[list[int], bool] | None = None
 
 
 _HDR = 4
@@ -204,6 +208,21 @@ class _Generated:
         self.spec_accepted: dict[str, list[int]] = {}
 
 
+class TierView:
+    """What the server's process reads of the shared prefix tier, which lives in the
+    engine's process (its connections and writer task on the child's loop): its name,
+    counters and health as of the child's last frame."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.stats = TierStats()
+        self.healthy = True
+
+    def update(self, snap: tuple[list[int], bool]) -> None:
+        values, self.healthy = snap
+        self.stats = TierStats(*values)
+
+
 class ProcessCore:
     """EngineCore's face to AsyncEngine and the server, with the engine in a child
     process: admission on a local copy of the child's queue counts, outputs delivered
@@ -246,6 +265,7 @@ class ProcessCore:
         self._snap_seqs = self._snap_tokens = 0
         self._snap_tenants: dict[str | None, int] = {}
         self.dead: BaseException | None = None
+        self.tier = TierView(facts["tier"]) if facts.get("tier") else None
         self.idle = asyncio.Event()
         self.idle.set()
         self.num_steps = 0
@@ -420,6 +440,8 @@ class ProcessCore:
 
     def _apply(self, frame: Frame) -> None:
         by_sid = self._by_sid
+        if frame.tier is not None and self.tier is not None:
+            self.tier.update(frame.tier)  # before the step hooks and replies read it
         for b in frame.batches:
             for sid, rid, tok in b.tokens:
                 s = by_sid.get(sid)
@@ -545,7 +567,7 @@ class ChildCore(EngineCore):
             engine.scheduler,
             engine.executor,
             on_step=self._step_done,
-            tier=None,
+            tier=engine.tier,
             max_waiting_requests=core.max_waiting_requests,
             max_waiting_tokens=core.max_waiting_tokens,
             max_waiting_per_tenant=core.max_waiting_per_tenant,
@@ -561,6 +583,18 @@ class ChildCore(EngineCore):
         self._replies: list[tuple[int, bytes]] = []
         self._snap_dirty = False
         self._send_armed = False
+        self._tier_sent: tuple[list[int], bool] | None = None
+
+    def _tier_changed(self) -> tuple[list[int], bool] | None:
+        t = self.tier
+        if t is None:
+            return None
+        # Every send: the field values, without astuple's deep copy (they are ints).
+        snap = (list(vars(t.stats).values()), t.healthy)  # type: ignore[attr-defined]
+        if snap == self._tier_sent:
+            return None
+        self._tier_sent = snap
+        return snap
 
     def _arm(self) -> None:
         if not self._send_armed:
@@ -574,7 +608,8 @@ class ChildCore(EngineCore):
             self._snap_dirty = False
             with self._lock:
                 snap = (self._snap_seqs, self._snap_tokens, list(self._snap_tenants.items()))
-        frame = Frame(self._batches, self._handled, snap, self._steps, self._replies, dead)
+        frame = Frame(self._batches, self._handled, snap, self._steps, self._replies, dead,
+                      self._tier_changed())  # fmt: skip
         self._batches, self._handled, self._steps, self._replies = [], [], [], []
         if not self._writer.is_closing():
             self._writer.write(_frame(self._enc.encode(frame)))
@@ -652,7 +687,11 @@ async def _child_serve(engine: AsyncEngine, sock: socket.socket) -> int:
     reader, writer = await asyncio.open_connection(sock=sock)
     core = ChildCore(engine, writer)
     engine.core = core
-    task = core.start()
+    # As in one process: the prefix tier started on this loop, a TP/PP rank's exit
+    # watched (it fails the engine, as a step's error does).
+    await engine.start()
+    task = core._task
+    assert task is not None
     stopped = asyncio.Event()
 
     async def answer(q: Query) -> None:
@@ -754,6 +793,7 @@ def child_main(fd: int, parent_pid: int) -> int:
             "num_kv_blocks": int(getattr(engine.runner, "num_kv_blocks", 0)),
             "kv_bytes_per_block": int(getattr(engine.runner, "kv_bytes_per_block", 0)),
             "runner_block_size": int(getattr(engine.runner, "block_size", 1)),
+            "tier": engine.tier.name if engine.tier is not None else None,
         }
     except BaseException as e:
         log.exception("engine process: the engine failed to build")

@@ -321,9 +321,10 @@ def test_engine_process_flag(argv, want):
         (["--device", "cuda:1"], True),
         (["--device", "cuda", "--engine-process", "off"], False),
         (["--device", "cpu", "--engine-process"], True),
-        # What the process does not carry, or a mode asked for by name, keeps it here.
-        (["--device", "cuda", "--redis-url", "redis://127.0.0.1:1"], False),
-        (["--device", "cuda", "--tensor-parallel-size", "2"], False),
+        (["--device", "cuda", "--redis-url", "redis://127.0.0.1:1"], True),
+        (["--device", "cuda", "--tensor-parallel-size", "2"], True),
+        (["--device", "cuda", "--pipeline-parallel-size", "2"], True),
+        # A mode asked for by name keeps it here.
         (["--device", "cuda", "--engine-thread", "on"], False),
         (["--device", "cuda", "--engine-thread", "off"], False),
     ],

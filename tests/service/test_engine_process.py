@@ -4,8 +4,9 @@ to the inline engine's and the engine thread's (plain, n = 2, stop strings, stre
 JSON-schema grammar, and the engine serving on after an abort mid-stream frees the
 request's KV); the engine's process killed under load fails the streams, /health says
 503 and the server exits for its supervisor; no engine process outlives its server
-(stopped or killed); the features it does not carry are refused at start-up, naming the
-flag."""
+(stopped or killed); --engine-thread on is refused beside it at start-up, naming the
+flag.  (The shared prefix tier and tensor parallelism under the engine process:
+tests/service/test_prefix_registration.py, tests/reliability/test_tp_engine_process.py.)"""
 
 from __future__ import annotations
 
@@ -327,22 +328,14 @@ def test_engine_process_dies_with_a_killed_server(tmp_path, model):
         assert wait_gone(kid, 10), "the engine process outlived its SIGKILLed server"
 
 
-@pytest.mark.parametrize(
-    ("flags", "named"),
-    [
-        (["--redis-url", "memory://"], "--redis-url"),
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
-        (["--engine-thread", "on"], "--engine-thread on"),
-    ],
-)
-def test_what_the_process_does_not_carry_is_refused_at_start(model, flags, named):
+def test_engine_thread_on_is_refused_beside_the_process_at_start(model):
     r = subprocess.run(
         [sys.executable, "-m", "service.cli", "serve", "--model", model, "--engine-process",
-         "--port", str(free_port()), *flags],
+         "--port", str(free_port()), "--engine-thread", "on"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "--engine-process" in r.stderr and named in r.stderr, r.stderr[-2000:]
+    assert "--engine-process" in r.stderr and "--engine-thread on" in r.stderr, r.stderr[-2000:]
 
 
 def test_engine_process_outlives_the_thread_that_started_it(model):
