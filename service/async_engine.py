@@ -59,8 +59,9 @@ def engine_process_default(config: EngineConfig) -> bool:
     thread (host time in series with an 8 ms step 4-18% against 7-28%, server CPU a
     token 5.8-6.7 against 6.1-8.4 µs; docs/HOST_PATH.md); the shared prefix tier and
     the tensor/pipeline-parallel executor (with its rank processes) live in the child.
-    Not where the engine thread is set either way.  On a CPU no: served beside the model it measured level with inline,
-    and it is one more process on the cores the model uses."""
+    Not where the engine thread is set either way.  On a CPU no: served beside the
+    model it measured level with inline, and it is one more process on the cores the
+    model uses."""
     d = config.device
     if d.engine_process is not None:
         return d.engine_process
