@@ -380,6 +380,7 @@ class AsyncEngine:
             # checks compare it with the total.
             "kv_blocks_free": pool.num_free,
             "kv_blocks_cached": len(pool.cached),
+            "kv_blocks_pinned": pool.num_pinned,
             "conversation_pins": len(sched.kv.pins.convs),
             "runner_requests": len(getattr(self.runner, "requests", ())),
             "num_preemptions": sched.num_preemptions,

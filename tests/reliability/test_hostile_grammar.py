@@ -25,9 +25,23 @@ AMBIGUOUS = 'start: a\na: a a a | a a | "x" | "xx"\n'
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def inline_server(tmp_path_factory):
     model = str(tiny_checkpoint("llama"))
     with serve_process(model, log_dir=tmp_path_factory.mktemp("hostile-grammar")) as s:
+        yield s
+
+
+# And with the engine core in a child process (`--engine-process on`): the grammar is
+# compiled again there, its masks and per-token budget run there, and a refusal or an
+# ambiguous grammar's end crosses back as that request's 4xx.
+@pytest.fixture(scope="module", params=["inline", "engine-process"])
+def server(request, inline_server, tmp_path_factory):
+    if request.param == "inline":
+        yield inline_server
+        return
+    model = str(tiny_checkpoint("llama"))
+    log_dir = tmp_path_factory.mktemp("hostile-grammar-proc")
+    with serve_process(model, "--engine-process", "on", log_dir=log_dir) as s:
         yield s
 
 
@@ -70,9 +84,11 @@ async def test_hostile_specs_get_a_400_and_nothing_else_notices(server, path, bo
     await normal_chat(server.url)
 
 
-async def test_two_slow_compiles_do_not_blame_an_innocent(server):
+async def test_two_slow_compiles_do_not_blame_an_innocent(inline_server):
     """Row 6: two schemas that compile for seconds, then a small one: the slow ones are
-    refused at the deadline (their workers killed), the small one is served."""
+    refused at the deadline (their workers killed), the small one is served (the server's
+    process refuses them: the engine's mode does not matter)."""
+    server = inline_server
     async with Watch(server.url) as w:
         slow = [_completion(guided_json=json.loads(slow_schema(8100 + i))) for i in range(2)]
         innocent = _completion(guided_json={"type": "object"}, max_tokens=16)
