@@ -133,6 +133,32 @@ async def test_websocket_session_pins_until_close(model, engine_process) -> None
         assert (await asyncio.to_thread(s.debug_counts))["kv_blocks_pinned"] == 0
 
 
+@MODES
+async def test_websocket_closed_mid_generation_releases_its_pin(model, engine_process) -> None:
+    """Closed (close frame, then the connection) while a generation runs: its abort,
+    then the socket's release, free the earlier turn's pinned KV (the release crosses
+    to the engine's process after the abort)."""
+    with _server(model, engine_process) as s:
+        async with websockets.connect(f"{s.ws_url}?api_key={KEY_B}") as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": list(range(20, 70)),
+                                      "params": {"max_tokens": 4}}))  # fmt: skip
+            while json.loads(await ws.recv())["type"] != "done":
+                pass
+            assert await asyncio.to_thread(s.conversation_pins) == 1
+            await ws.send(json.dumps({"type": "generate", "id": "b", "prompt": list(range(80, 90)),
+                                      "params": {"max_tokens": 300, "ignore_eos": True}}))  # fmt: skip
+            async with asyncio.timeout(30):
+                while (f := json.loads(await ws.recv()))["type"] != "delta":
+                    assert f["type"] != "error", f
+        deadline = time.monotonic() + 10
+        while (counts := await asyncio.to_thread(s.debug_counts))["conversation_pins"] or counts[
+            "kv_blocks_pinned"
+        ]:
+            assert time.monotonic() < deadline, f"the closed socket's pin is held: {counts}"
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(s.wait_kv_free, 10)
+
+
 def test_interactive_key_is_admitted_before_a_flooding_keys_queue(model) -> None:
     """One sequence at a time: the order requests finish in is the order they were
     admitted.  FCFS runs the other key's request after the whole flood; fair shares run it
