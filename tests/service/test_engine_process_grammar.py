@@ -150,3 +150,19 @@ def no_pins(server: LiveServer, timeout: float = 10.0) -> None:
             return
         assert time.monotonic() < deadline, f"a pin outlived its socket: {counts}"
         time.sleep(0.05)
+
+
+async def test_the_idle_check_sees_a_request_on_either_side(server) -> None:
+    """live_server's KV/idle check reads the child through its query path: a request
+    running there (its KV held) shows, so the suites' leak checks can fail here."""
+    url = server.url + "/v1/completions"
+    long = body(max_tokens=300, ignore_eos=True, stream=True)
+    async with aiohttp.ClientSession(headers=AUTH) as s:
+        r = await s.post(url, json=long)
+        assert r.status == 200
+        await r.content.readline()
+        busy = await asyncio.to_thread(server._busy)
+        assert busy.get("kv_blocks_held") and busy.get("requests"), busy
+        assert busy.get("server_streams"), busy
+        r.close()
+    await asyncio.to_thread(server.wait_kv_free, 10)
