@@ -529,6 +529,12 @@ async def debug_state(request: web.Request) -> web.Response:
         body["gc_objects"] = len(gc.get_objects()) + gc.get_freeze_count()
     if engine is not None:
         body |= await engine.debug_counts()
+        if engine.in_child:
+            # This side of the boundary: streams still delivered into here, and adds the
+            # engine's process has not taken (a leak on either side shows).
+            core = engine.core
+            body["server_streams"] = len(core.streams)
+            body["server_inbox"] = len(core._inbox)  # type: ignore[union-attr]
     return json_response(body)
 
 

@@ -380,7 +380,12 @@ class AsyncEngine:
             "streams": len(self.core.streams),
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used,
+            # Free counts pinned free blocks (a conversation's cached turn): the KV-leak
+            # checks compare it with the total.
+            "kv_blocks_free": pool.num_free,
             "kv_blocks_cached": len(pool.cached),
+            "kv_blocks_pinned": pool.num_pinned,
+            "conversation_pins": len(sched.kv.pins.convs),
             "runner_requests": len(getattr(self.runner, "requests", ())),
             "num_preemptions": sched.num_preemptions,
             "hook_errors": self.core.hook_errors,

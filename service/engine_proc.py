@@ -706,28 +706,72 @@ async def _child_serve(engine: AsyncEngine, sock: socket.socket) -> int:
         core._replies.append((q.qid, payload))
         core._arm()
 
+    # Adds whose grammar compiles, by group id: the last task of that request's chain
+    # (its add, then the messages that came for it meanwhile) and its conversation.
+    # A compile takes up to two COMPILE_TIMEOUT_S (the worker's check, then the compile);
+    # every other request's messages go on past it, as in one process, where each
+    # handler compiles its own.
+    compiling: dict[str, tuple[asyncio.Task[None], str | None]] = {}
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(coro: Any) -> asyncio.Task[None]:
+        t = asyncio.create_task(coro)
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+        return t
+
+    def chain(gid: str, conversation: str | None, coro: Any) -> None:
+        t = spawn(coro)
+        compiling[gid] = (t, conversation)
+
+        def done(_: asyncio.Task[None]) -> None:
+            if compiling.get(gid, (None,))[0] is t:
+                del compiling[gid]
+
+        t.add_done_callback(done)
+
+    async def add_compiled(msg: Add) -> None:
+        with contextlib.suppress(Exception):  # build_group says why, per request
+            await engine.compile_grammar(msg.params)
+        core.take_add(msg)
+
+    async def after(waits: list[asyncio.Task[None]], fn: Callable[[], None]) -> None:
+        await asyncio.gather(*waits, return_exceptions=True)
+        fn()
+
+    def abort(msg: Abort) -> None:
+        core.post(_AbortSid(msg.group_id, msg.sid))  # type: ignore[arg-type]
+
     async def read() -> None:
         dec = msgspec.msgpack.Decoder(ToChild)
-        queries: set[asyncio.Task[None]] = set()
         while True:
             msg = dec.decode(await _read_frame(reader))
             if isinstance(msg, Add):
                 if msg.params.structured_outputs is not None:
-                    # In order: a later message for this request waits for its add.
-                    with contextlib.suppress(Exception):  # build_group says why, per request
-                        await engine.compile_grammar(msg.params)
-                core.take_add(msg)
+                    chain(msg.request_id, msg.conversation, add_compiled(msg))
+                else:
+                    core.take_add(msg)
             elif isinstance(msg, Abort):
-                core.post(_AbortSid(msg.group_id, msg.sid))  # type: ignore[arg-type]
+                held = compiling.get(msg.group_id)
+                if held is None:
+                    abort(msg)
+                else:  # after its add (the abort checks the sid then)
+                    chain(msg.group_id, held[1], after([held[0]], lambda m=msg: abort(m)))
             elif isinstance(msg, Finish):
-                core.finish_sequence(msg.req_id)
+                core.finish_sequence(msg.req_id)  # its tokens came: the add was taken
             elif isinstance(msg, Release):
-                core.release_conversation(msg.key)
+                # After the conversation's adds (and their aborts) still compiling: one
+                # taken after the release would pin its KV with no release to come.
+                held = [t for t, conv in compiling.values() if conv == msg.key]
+                if held:
+                    spawn(after(held, lambda k=msg.key: core.release_conversation(k)))
+                else:
+                    core.release_conversation(msg.key)
             elif isinstance(msg, Query):
-                t = asyncio.create_task(answer(msg))
-                queries.add(t)
-                t.add_done_callback(queries.discard)
+                spawn(answer(msg))
             elif isinstance(msg, Stop):
+                # The adds still compiling go in first, as they did in order before.
+                await asyncio.gather(*tasks, return_exceptions=True)
                 stopped.set()
                 return
 

@@ -198,10 +198,13 @@ class WSSession:
                     ended.append(t)
             for t in ended:
                 t.cancel()
-            await asyncio.gather(*ended, return_exceptions=True)
-            if self.state.engine is not None and self.conversation is not None:
-                # After the aborts its generations queued: the last one pins nothing then.
-                self.state.engine.core.release_conversation(self.conversation)
+            aborted = asyncio.gather(*ended, return_exceptions=True)
+            # After the aborts its generations queued (the last one pins nothing then),
+            # and even when this handler is cancelled while it waits for them: the peer's
+            # connection lost after its close frame cancels the handler here, and a
+            # release skipped leaves the socket's pinned KV held until its TTL.
+            aborted.add_done_callback(lambda _: self.release_conversation())
+            await aborted
             if self._closer is not None:
                 await asyncio.gather(self._closer, writer, return_exceptions=True)
             else:

@@ -12,6 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
+import pytest
+
 from tests.checkpoints import tiny_checkpoint
 from tests.reliability.watch import serve_process
 
@@ -28,9 +30,11 @@ def _hang_up_after_done(host: str, port: int, request: bytes) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
 
 
-def test_hanging_up_after_done_is_no_server_error(tmp_path):
+# And with the engine core in a child process, whose log goes to the same file.
+@pytest.mark.parametrize("mode", [[], ["--engine-process", "on"]], ids=["inline", "engine-process"])
+def test_hanging_up_after_done_is_no_server_error(tmp_path, mode):
     model = str(tiny_checkpoint("llama"))
-    with serve_process(model, log_dir=tmp_path) as server:
+    with serve_process(model, *mode, log_dir=tmp_path) as server:
         u = urlparse(server.url)
         body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "stream": True}).encode()
         request = (

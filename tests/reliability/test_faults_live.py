@@ -21,6 +21,7 @@ from service.app import ENGINE_FAILURE_EXIT
 from tests.checkpoints import tiny_checkpoint
 from tests.reliability.clients import completion, sse_completion, ws_generations
 from tests.service.live_server import free_port, live_server
+from tests.service.test_engine_process import engine_children, wait_gone
 
 # Marker tokens (tiny vocabulary: 2048): a prompt holding one picks its fault.
 SAMPLE, REGISTER, DETOK, FORWARD = 2040, 2041, 2042, 2043
@@ -42,9 +43,14 @@ def body(prompt: list[int], max_tokens: int = 24, **kw) -> dict:
             "return_token_ids": True, **kw}  # fmt: skip
 
 
-async def test_request_faults_fail_only_their_request(model):
+# With the engine in a child process too: the sampling and registration faults fire
+# there and cross the boundary as that request's failure; detokenization stays here.
+@pytest.mark.parametrize("engine_process", [False, True], ids=["inline", "engine-process"])
+async def test_request_faults_fail_only_their_request(model, engine_process):
     prompts = clean_prompts(8)
-    with live_server(model, engine_kwargs={"fault_injection": PLAN}) as server:
+    with live_server(
+        model, engine_kwargs={"fault_injection": PLAN}, engine_process=engine_process
+    ) as server:
         url = server.url
         async with aiohttp.ClientSession() as s:
             clean = await asyncio.gather(*(sse_completion(s, url, body(p)) for p in prompts))
@@ -83,10 +89,10 @@ async def test_request_faults_fail_only_their_request(model):
         server.wait_kv_free()
         # The runner drops finished requests at the next step, which may still be running.
         for _ in range(100):
-            if server.on_loop(lambda: len(server.engine.runner.requests)) == 0:
+            if server.debug_counts()["runner_requests"] == 0:
                 break
             time.sleep(0.05)
-        assert server.on_loop(lambda: len(server.engine.runner.requests)) == 0
+        assert server.debug_counts()["runner_requests"] == 0
         with urllib.request.urlopen(url + "/health", timeout=5) as h:
             assert h.status == 200
         with urllib.request.urlopen(url + "/metrics", timeout=5) as m:
@@ -129,18 +135,21 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
 
 
 @pytest.mark.slow
-async def test_engine_failure_answers_clients_then_exits_nonzero(model):
+@pytest.mark.parametrize("mode", [[], ["--engine-process", "on"]], ids=["inline", "engine-process"])
+async def test_engine_failure_answers_clients_then_exits_nonzero(model, mode):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PAGESTREAM_FAULT_INJECTION": f"forward-token={FORWARD}"}  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port),
-         "--num-kv-blocks", "256", "--dtype", "float32", "--threads", "1"],
+         "--num-kv-blocks", "256", "--dtype", "float32", "--threads", "1", *mode],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:
         _wait_health(url, proc)
+        children = engine_children(proc.pid)
+        assert len(children) == (1 if mode else 0), children
         long = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
         async with aiohttp.ClientSession() as s:
             ws = await websockets.connect(f"ws://127.0.0.1:{port}/v1/ws")
@@ -174,6 +183,8 @@ async def test_engine_failure_answers_clients_then_exits_nonzero(model):
         log = proc.stdout.read() if proc.stdout else ""
         assert rc == ENGINE_FAILURE_EXIT, log
         assert "injected engine fault" in log
+        for c in children:  # the engine's process does not outlive its server
+            assert wait_gone(c, 10), f"engine process {c} outlived its server"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -126,7 +126,18 @@ async def test_row8_deep_nesting_anywhere_is_a_400(server):
     server.assert_alive()
 
 
-async def test_row10_echo_logprobs_are_bounded(server):
+@pytest.fixture(scope="module")
+def process_server(tmp_path_factory):
+    model = str(tiny_checkpoint("llama"))
+    log_dir = tmp_path_factory.mktemp("hostile-edge-proc")
+    with serve_process(model, "--engine-process", "on", log_dir=log_dir) as s:
+        yield s
+
+
+# With the engine core in a child process too: 64 samples' prompt logprobs cross the
+# boundary in the child's frames.
+@pytest.mark.parametrize("mode", ["inline", "engine-process"])
+async def test_row10_echo_logprobs_are_bounded(server, process_server, mode):
     """Row 10: echo + logprobs 20, 4 prompts x n=64 x 1,900 tokens (a 45 KB body asking for
     a 265 MB answer): a 400 naming `logprobs`.  Under the limit, a bounded 200 (each
     prompt's echo built once for its n choices) that no one else notices."""
@@ -135,6 +146,7 @@ async def test_row10_echo_logprobs_are_bounded(server):
     hostile = {"prompt": prompts, "n": 64, "echo": True, "logprobs": 20, "max_tokens": 1}
     # 1 prompt x 150 tokens x n=64 x 21 = 201,600 entries: under the 1,000,000 default.
     bounded = {**hostile, "prompt": [prompts[0][:150]]}
+    server = process_server if mode == "engine-process" else server
     async with Watch(server.url) as w:
         status, obj, took, size = await post(server.url, "/v1/completions", hostile)
         assert_client_error(status, obj, took, "logprobs")

@@ -25,10 +25,35 @@ AMBIGUOUS = 'start: a\na: a a a | a a | "x" | "xx"\n'
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def inline_server(tmp_path_factory):
     model = str(tiny_checkpoint("llama"))
     with serve_process(model, log_dir=tmp_path_factory.mktemp("hostile-grammar")) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def process_server(tmp_path_factory):
+    model = str(tiny_checkpoint("llama"))
+    log_dir = tmp_path_factory.mktemp("hostile-grammar-proc")
+    with serve_process(model, "--engine-process", "on", log_dir=log_dir) as s:
+        yield s
+
+
+@pytest.fixture
+def server(request):
+    mode = getattr(request, "param", "inline")
+    return request.getfixturevalue(
+        "process_server" if mode == "engine-process" else "inline_server"
+    )
+
+
+# And with the engine core in a child process (`--engine-process on`): the grammar is
+# compiled again there, its masks and per-token budget run there, and a refusal or an
+# ambiguous grammar's end crosses back as that request's 4xx.  Not twice: the slow
+# compiles (refused in the server's process whatever the mode) and the ambiguous
+# grammar at n = 4 (24 s; n = 1 crosses the same way).
+MODES = ["inline", "engine-process"]
+BOTH = pytest.mark.parametrize("server", MODES, indirect=True)
 
 
 def _completion(**kw) -> dict:
@@ -58,8 +83,16 @@ REFUSED = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("path", "body", "param"), REFUSED, ids=["row1-lark", "row1-ref",
-                                                                 "row9-unsat", "row6-slow"])  # fmt: skip
+REFUSED_IDS = ["row1-lark", "row1-ref", "row9-unsat", "row6-slow"]
+REFUSED_CASES = [
+    pytest.param(mode, *row, id=f"{mode}-{rid}")
+    for mode in MODES
+    for row, rid in zip(REFUSED, REFUSED_IDS, strict=True)
+    if mode == "inline" or rid != "row6-slow"
+]
+
+
+@pytest.mark.parametrize(("server", "path", "body", "param"), REFUSED_CASES, indirect=["server"])
 async def test_hostile_specs_get_a_400_and_nothing_else_notices(server, path, body, param):
     async with Watch(server.url) as w:
         for _ in range(2):  # the second time from the refusal memory, or a new worker
@@ -70,9 +103,11 @@ async def test_hostile_specs_get_a_400_and_nothing_else_notices(server, path, bo
     await normal_chat(server.url)
 
 
-async def test_two_slow_compiles_do_not_blame_an_innocent(server):
+async def test_two_slow_compiles_do_not_blame_an_innocent(inline_server):
     """Row 6: two schemas that compile for seconds, then a small one: the slow ones are
-    refused at the deadline (their workers killed), the small one is served."""
+    refused at the deadline (their workers killed), the small one is served (the server's
+    process refuses them: the engine's mode does not matter)."""
+    server = inline_server
     async with Watch(server.url) as w:
         slow = [_completion(guided_json=json.loads(slow_schema(8100 + i))) for i in range(2)]
         innocent = _completion(guided_json={"type": "object"}, max_tokens=16)
@@ -87,7 +122,9 @@ async def test_two_slow_compiles_do_not_blame_an_innocent(server):
     server.assert_alive()
 
 
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize(
+    ("server", "n"), [("inline", 1), ("inline", 4), ("engine-process", 1)], indirect=["server"]
+)
 async def test_an_ambiguous_grammar_ends_on_its_budget(server, n):
     """Row 4: each token of this grammar costs more than the last (a second a token by
     800); the request ends with a 4xx once a token passes the per-token budget, and the
@@ -103,6 +140,7 @@ async def test_an_ambiguous_grammar_ends_on_its_budget(server, n):
     await normal_chat(server.url)
 
 
+@BOTH
 async def test_many_distinct_schemas_never_compile_on_the_loop(server):
     """Row 5: 300 distinct schemas (more than the cache holds) while others wait between
     compile and admission: none is recompiled on the event loop, every one is served."""
@@ -124,6 +162,7 @@ async def test_many_distinct_schemas_never_compile_on_the_loop(server):
     server.assert_alive()
 
 
+@BOTH
 async def test_a_thousand_optional_properties_is_served_or_refused(server):
     """Row 9's second case: never a 5xx; within the reply budget when refused."""
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}

@@ -10,6 +10,7 @@ afterwards nothing runs, nothing waits, no KV block is held, and memory is bound
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -66,11 +67,12 @@ class Server:
     def wait_quiet(self, timeout: float = 30.0) -> dict[str, Any]:
         """Until nothing runs, waits or is held (the last steps may still be landing)."""
         keys = ("running", "waiting", "remote_pending", "requests", "groups", "streams",
-                "kv_blocks_used", "runner_requests", "inflight", "websockets")  # fmt: skip
+                "kv_blocks_used", "runner_requests", "inflight", "websockets",
+                "server_streams", "server_inbox")  # fmt: skip
         deadline = time.monotonic() + timeout
         while True:
             s = self.state()
-            busy = {k: s[k] for k in keys if s[k]}
+            busy = {k: s[k] for k in keys if s.get(k)}
             if not busy:
                 return s
             if time.monotonic() > deadline:
@@ -78,8 +80,8 @@ class Server:
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
+@contextlib.contextmanager
+def start_server(*extra: str) -> Iterator[Server]:
     model = str(tiny_checkpoint("llama"))
     port = free_port()
     log = open(os.devnull, "w")  # noqa: SIM115 - closed below
@@ -93,7 +95,7 @@ def server() -> Iterator[Server]:
          # default 5 s grace) this soak's RSS climbs ~16 MB per 1,000 requests on a Zen 2
          # with live objects back to baseline (an open item of resumable streams), against
          # ~2 MB without; the soak keeps guarding the rest of the server.
-         "--resume-grace", "0"],
+         "--resume-grace", "0", *extra],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     srv = Server(proc, port)
@@ -120,6 +122,25 @@ def server() -> Iterator[Server]:
         log.close()
 
 
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with start_server() as srv:
+        yield srv
+
+
+# The storm (not the soak) with the engine core in a child process as well: cancels,
+# dropped sockets and the slow reader's aborts cross the boundary, and the quiet check
+# reads both sides of it (the child's scheduler and pool, the server's streams).
+@pytest.fixture(scope="module", params=["inline", "engine-process"])
+def storm_server(request, server) -> Iterator[Server]:
+    if request.param == "inline":
+        yield server
+        return
+    with start_server("--engine-process", "on") as srv:
+        assert srv.state()["server_streams"] == 0  # the engine is in its child
+        yield srv
+
+
 def check_storm(res: StormResult) -> None:
     assert not res.ws_errors, res.ws_errors[:3]
     assert not res.sse_errors, res.sse_errors[:3]
@@ -129,7 +150,8 @@ def check_storm(res: StormResult) -> None:
     assert res.health_failures == 0 and res.health_max_s < 1.0, res.health_max_s
 
 
-async def test_storm_with_slow_reader_and_hostile_requests(server):
+async def test_storm_with_slow_reader_and_hostile_requests(storm_server):
+    server = storm_server
     before = server.state()
     slow = await asyncio.to_thread(RawWebSocket, server.port)
     try:

@@ -96,30 +96,74 @@ class LiveServer:
 
         return self.call(wrap(), timeout)
 
-    def kv_all_free(self) -> bool:
-        def check() -> bool:
-            sched = self.engine.scheduler
-            pool = sched.kv.pool
-            return (
-                not sched.has_unfinished()
-                and not sched.requests
-                and pool.num_free == pool.num_blocks
-                and not self.engine.core.streams
-            )
+    @property
+    def in_child(self) -> bool:
+        """The engine runs in a child process (`engine_process`): no scheduler here."""
+        return self.engine.in_child
 
-        return self.on_loop(check)
+    def debug_counts(self) -> dict[str, Any]:
+        """The engine's own counts (`/debug/state`'s), through its query path: with the
+        engine in a child process they cross the boundary as the server's do."""
+        return self.call(self.engine.debug_counts(), timeout=30)
+
+    def _busy(self) -> dict[str, Any]:
+        """What is still held, running, waiting or streaming (empty: idle)."""
+        if not self.in_child:
+
+            def check() -> dict[str, Any]:
+                sched = self.engine.scheduler
+                pool = sched.kv.pool
+                busy: dict[str, Any] = {
+                    "unfinished": sched.has_unfinished(),
+                    "requests": list(sched.requests),
+                    "kv_blocks_held": pool.num_blocks - pool.num_free,
+                    "streams": list(self.engine.core.streams),
+                }
+                return {k: v for k, v in busy.items() if v}
+
+            return self.on_loop(check)
+        c = self.debug_counts()
+        busy = {k: c[k] for k in ("running", "waiting", "requests", "groups", "streams",
+                                  "runner_requests") if c[k]}  # fmt: skip
+        if c["kv_blocks_total"] != c["kv_blocks_free"]:
+            busy["kv_blocks_held"] = c["kv_blocks_total"] - c["kv_blocks_free"]
+
+        def here() -> dict[str, Any]:
+            # The server's side of the boundary: streams it still delivers into, adds the
+            # child has not taken.
+            core = self.engine.core
+            mine = {"server_streams": list(core.streams), "server_sids": list(core._by_sid),
+                    "inbox": list(core._inbox)}  # fmt: skip
+            return {k: v for k, v in mine.items() if v}
+
+        return busy | self.on_loop(here)
+
+    def kv_all_free(self) -> bool:
+        return not self._busy()
 
     def wait_kv_free(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.kv_all_free():
+            busy = self._busy()
+            if not busy:
                 return
             time.sleep(0.02)
-        sched = self.engine.scheduler
-        raise AssertionError(
-            f"KV blocks not freed: {sched.kv.pool.num_free}/{sched.kv.pool.num_blocks} free, "
-            f"requests {list(sched.requests)}"
-        )
+        raise AssertionError(f"KV blocks not freed (engine not idle): {busy}")
+
+    def num_running(self) -> int:
+        if self.in_child:
+            return int(self.debug_counts()["running"])
+        return self.on_loop(lambda: self.engine.scheduler.stats().num_running)
+
+    def kv_free_blocks(self) -> int:
+        if self.in_child:
+            return int(self.debug_counts()["kv_blocks_free"])
+        return self.on_loop(lambda: self.engine.scheduler.kv.pool.num_free)
+
+    def conversation_pins(self) -> int:
+        if self.in_child:
+            return int(self.debug_counts()["conversation_pins"])
+        return self.on_loop(lambda: len(self.engine.scheduler.kv.pins.convs))
 
     def stop(self) -> None:
         if self.runner is not None:
@@ -141,11 +185,18 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_server(
-    model: str, *, engine_kwargs: dict[str, Any] | None = None, **config: Any
+    model: str,
+    *,
+    engine_kwargs: dict[str, Any] | None = None,
+    engine_process: bool = False,
+    **config: Any,
 ) -> Iterator[LiveServer]:
+    """engine_process: the engine core in a child process (`serve --engine-process`)."""
     # One torch thread: the server shares two cores with the test's clients, and torch's
     # default (every core) oversubscribes them (several times slower here).
     defaults = {"dtype": "float32", "num_kv_blocks": 256, "threads": 1}
+    if engine_process:
+        defaults["engine_process"] = True
     args = EngineConfig.from_kwargs(model=model, **(defaults | (engine_kwargs or {})))
     server = LiveServer(ServerConfig(engine=args, **config)).start()
     try:

@@ -61,23 +61,29 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, 400) for _ in range(n)]
 
 
-def _server(model: str, **engine):
+def _server(model: str, engine_process: bool = False, **engine):
     kw = {"num_kv_blocks": BLOCKS, "max_model_len": 400, **engine}
     return live_server(
-        model, engine_kwargs=kw, api_keys=[KEY_A, KEY_B], enable_prompt_tokens_details=True
-    )
+        model, engine_kwargs=kw, api_keys=[KEY_A, KEY_B], enable_prompt_tokens_details=True,
+        engine_process=engine_process,
+    )  # fmt: skip
 
 
-def test_pinned_turn_hits_after_storm_unpinned_misses_cap_holds(model) -> None:
+# The pins live with the scheduler: with the engine in a child process, a conversation's
+# key crosses with its add, and a WebSocket's close sends its Release across.
+MODES = pytest.mark.parametrize("engine_process", [False, True], ids=["inline", "engine-process"])
+
+
+@MODES
+def test_pinned_turn_hits_after_storm_unpinned_misses_cap_holds(model, engine_process) -> None:
     rng = random.Random(5)
-    with _server(model) as s:
+    with _server(model, engine_process) as s:
         pinned_1, plain_1 = _prompt(rng, 100), _prompt(rng, 100)
         out_p, _ = turn(s.url, pinned_1, conversation_id="trip")
         out_u, _ = turn(s.url, plain_1)
         # The other key's conversation of the same name is its own pin, not a replacement.
         turn(s.url, _prompt(rng, 40), key=KEY_B, session_id="trip")
-        pins = s.on_loop(lambda: dict(s.engine.scheduler.kv.pins.convs))
-        assert len(pins) == 2
+        assert s.conversation_pins() == 2
         for _ in range(8):  # 13 blocks each through a pool of 48, 12 of them pinned
             turn(s.url, _prompt(rng, 200))
         _, hit_p = turn(s.url, pinned_1 + out_p + [20, 21, 22], conversation_id="trip")
@@ -107,20 +113,50 @@ def test_bad_conversation_ids_and_priority_are_400s(model) -> None:
         assert post(s.url, {**base, "priority": -5, "session_id": "ok"})[0] == 200
 
 
-async def test_websocket_session_pins_until_close(model) -> None:
-    with _server(model) as s:
+@MODES
+async def test_websocket_session_pins_until_close(model, engine_process) -> None:
+    with _server(model, engine_process) as s:
         async with websockets.connect(f"{s.ws_url}?api_key={KEY_B}") as ws:
             await ws.send(json.dumps({"type": "generate", "id": "g", "prompt": list(range(20, 70)),
                                       "params": {"max_tokens": 4}}))  # fmt: skip
             while json.loads(await ws.recv())["type"] != "done":
                 pass
-            convs = s.on_loop(lambda: list(s.engine.scheduler.kv.pins.convs))
-            assert len(convs) == 1 and convs[0].startswith(key_tenant(KEY_B))
+            if engine_process:
+                assert await asyncio.to_thread(s.conversation_pins) == 1
+            else:
+                convs = s.on_loop(lambda: list(s.engine.scheduler.kv.pins.convs))
+                assert len(convs) == 1 and convs[0].startswith(key_tenant(KEY_B))
         for _ in range(200):
-            if not s.on_loop(lambda: len(s.engine.scheduler.kv.pins.convs)):
+            if not await asyncio.to_thread(s.conversation_pins):
                 break
             await asyncio.sleep(0.02)
-        assert s.on_loop(lambda: s.engine.scheduler.kv.pool.num_pinned) == 0
+        assert (await asyncio.to_thread(s.debug_counts))["kv_blocks_pinned"] == 0
+
+
+@MODES
+async def test_websocket_closed_mid_generation_releases_its_pin(model, engine_process) -> None:
+    """Closed (close frame, then the connection) while a generation runs: its abort,
+    then the socket's release, free the earlier turn's pinned KV (the release crosses
+    to the engine's process after the abort)."""
+    with _server(model, engine_process) as s:
+        async with websockets.connect(f"{s.ws_url}?api_key={KEY_B}") as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": list(range(20, 70)),
+                                      "params": {"max_tokens": 4}}))  # fmt: skip
+            while json.loads(await ws.recv())["type"] != "done":
+                pass
+            assert await asyncio.to_thread(s.conversation_pins) == 1
+            await ws.send(json.dumps({"type": "generate", "id": "b", "prompt": list(range(80, 90)),
+                                      "params": {"max_tokens": 300, "ignore_eos": True}}))  # fmt: skip
+            async with asyncio.timeout(30):
+                while (f := json.loads(await ws.recv()))["type"] != "delta":
+                    assert f["type"] != "error", f
+        deadline = time.monotonic() + 10
+        while (counts := await asyncio.to_thread(s.debug_counts))["conversation_pins"] or counts[
+            "kv_blocks_pinned"
+        ]:
+            assert time.monotonic() < deadline, f"the closed socket's pin is held: {counts}"
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(s.wait_kv_free, 10)
 
 
 def test_interactive_key_is_admitted_before_a_flooding_keys_queue(model) -> None:

@@ -253,9 +253,12 @@ async def test_websockets_per_server(server):
         assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "pong"
 
 
-async def test_full_waiting_queue_answers_429(model):
+# With the engine in a child process too: admission reads the child's queue as its
+# last frame gave it, plus the adds it has not taken yet.
+@pytest.mark.parametrize("engine_process", [False, True], ids=["inline", "engine-process"])
+async def test_full_waiting_queue_answers_429(model, engine_process):
     engine = {"max_num_seqs": 1, "max_waiting_requests": 2}
-    with live_server(model, engine_kwargs=engine) as s:
+    with live_server(model, engine_kwargs=engine, engine_process=engine_process) as s:
         long = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
         async with aiohttp.ClientSession() as http:
             streams = []

@@ -34,12 +34,35 @@ GRACE = 1.5
 LONG = 500
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
+def _live(engine_process: bool) -> Iterator[LiveServer]:
     with live_server(
-        str(tiny_checkpoint("llama")), api_keys=[KEY_A, KEY_B], resume_grace=GRACE
-    ) as s:
+        str(tiny_checkpoint("llama")), api_keys=[KEY_A, KEY_B], resume_grace=GRACE,
+        engine_process=engine_process,
+    ) as s:  # fmt: skip
         yield s
+
+
+@pytest.fixture(scope="module")
+def inline_server() -> Iterator[LiveServer]:
+    yield from _live(False)
+
+
+@pytest.fixture(scope="module")
+def process_server() -> Iterator[LiveServer]:
+    yield from _live(True)
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> LiveServer:
+    """The inline engine's server, or (BOTH) the engine-process one's too."""
+    mode = getattr(request, "param", "inline")
+    return request.getfixturevalue(f"{mode.replace('-', '_')}_server")
+
+
+# With the engine core in a child process (`serve --engine-process`): what a resume
+# leans on crosses the boundary (the grace timer's abort, a resumed cancel, a closed
+# socket's unpin), and the idle checks read the child's scheduler and pool.
+BOTH = pytest.mark.parametrize("server", ["inline", "process"], indirect=True)
 
 
 # ----------------------------------------------------------------- SSE, parsed properly
@@ -104,7 +127,16 @@ def cut(resp: aiohttp.ClientResponse) -> None:
 
 
 def busy(server: LiveServer) -> bool:
+    if server.in_child:
+        return bool(server.debug_counts()["requests"])
     return server.on_loop(lambda: bool(server.engine.scheduler.requests))
+
+
+def kv_used(server: LiveServer) -> int:
+    """KV blocks held, pinned free ones counted."""
+    if server.in_child:
+        return int(server.debug_counts()["kv_blocks_used"])
+    return server.on_loop(lambda: server.engine.scheduler.kv.pool.num_used)
 
 
 def logs(server: LiveServer) -> int:
@@ -146,6 +178,7 @@ async def reference(http: aiohttp.ClientSession, url: str, body: dict, chat: boo
     return answer(events, chat)
 
 
+@BOTH
 async def test_sse_cut_twice_resumes_to_the_uninterrupted_answer(server, http) -> None:
     url = server.url + "/v1/completions"
     want = await reference(http, url, completion(), chat=False)
@@ -253,9 +286,10 @@ async def test_a_resume_takes_the_stream_over_from_a_stale_connection(server, ht
     await asyncio.to_thread(server.wait_kv_free, 10)
 
 
+@BOTH
 async def test_no_resume_within_grace_aborts_and_frees_everything(server, http) -> None:
     await asyncio.to_thread(server.wait_kv_free, 10)
-    free = server.on_loop(lambda: server.engine.scheduler.kv.pool.num_free)
+    free = await asyncio.to_thread(server.kv_free_blocks)
     before_logs = await asyncio.to_thread(wait_logs_drained, server)
     n_aborted = await asyncio.to_thread(aborted, server)
     r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=1800),
@@ -268,7 +302,7 @@ async def test_no_resume_within_grace_aborts_and_frees_everything(server, http) 
     await asyncio.to_thread(server.wait_kv_free, GRACE + 5)
     assert time.monotonic() - t0 >= GRACE * 0.9  # aborted by the grace timer, not earlier
     assert await asyncio.to_thread(aborted, server) == n_aborted + 1  # not run to its end
-    assert server.on_loop(lambda: server.engine.scheduler.kv.pool.num_free) == free
+    assert await asyncio.to_thread(server.kv_free_blocks) == free
     assert logs(server) == before_logs == 0
     assert server.on_loop(lambda: server.state.request_ids.live) == set()
     async with http.get(f"{server.url}/v1/streams/cmpl-gone-1") as gone:
@@ -286,6 +320,7 @@ def wait_logs_drained(server: LiveServer) -> int:
     return logs(server)
 
 
+@BOTH
 async def test_buffer_overflow_without_a_reader_aborts_and_resume_is_410(server, http) -> None:
     streams = server.state.streams
     cap = streams.cap
@@ -389,6 +424,7 @@ async def test_ws_cut_and_resume_on_a_new_socket(server) -> None:
     await asyncio.to_thread(server.wait_kv_free, 10)
 
 
+@BOTH
 async def test_ws_cancel_reaches_a_resumed_generation(server) -> None:
     ws = await websockets.connect(ws_url(server))
     await ws.send(generate("c1", max_tokens=1800))
@@ -405,6 +441,7 @@ async def test_ws_cancel_reaches_a_resumed_generation(server) -> None:
     await asyncio.to_thread(server.wait_kv_free, 10)
 
 
+@BOTH
 async def test_ws_no_resume_within_grace_frees_everything(server) -> None:
     await asyncio.to_thread(server.wait_kv_free, 10)
     await asyncio.to_thread(wait_logs_drained, server)
@@ -418,8 +455,7 @@ async def test_ws_no_resume_within_grace_frees_everything(server) -> None:
     await asyncio.to_thread(server.wait_kv_free, GRACE + 5)
     await asyncio.to_thread(wait_for, lambda: logs(server) == 0, 5, "the log to drop")
     assert await asyncio.to_thread(aborted, server) == n_aborted + 1
-    pool = server.engine.scheduler.kv.pool  # num_used: pinned free blocks count too
-    await asyncio.to_thread(wait_for, lambda: server.on_loop(lambda: pool.num_used) == 0, 5,
+    await asyncio.to_thread(wait_for, lambda: kv_used(server) == 0, 5,
                             "no block held or pinned")  # fmt: skip
     assert server.on_loop(lambda: server.state.inflight) == 0
     async with websockets.connect(ws_url(server)) as ws2:
@@ -429,6 +465,7 @@ async def test_ws_no_resume_within_grace_frees_everything(server) -> None:
         assert (err["type"], err["code"]) == ("error", 404)
 
 
+@BOTH
 async def test_ws_generation_that_ends_after_its_socket_leaves_no_pinned_kv(server) -> None:
     """A socket's conversation KV is unpinned when it closes (scheduler pins); a
     generation that ran on after the close and then ended must not leave its KV pinned."""
@@ -438,9 +475,8 @@ async def test_ws_generation_that_ends_after_its_socket_leaves_no_pinned_kv(serv
     await ws_frames(ws, "short", lambda f: f["type"] == "delta")
     ws.transport.abort()
     await asyncio.to_thread(wait_for, lambda: not busy(server), 10, "the generation to end")
-    pool = server.engine.scheduler.kv.pool
     # num_used counts pinned free blocks too (they wait in their own queue).
-    await asyncio.to_thread(wait_for, lambda: server.on_loop(lambda: pool.num_used) == 0, 5,
+    await asyncio.to_thread(wait_for, lambda: kv_used(server) == 0, 5,
                             "its KV to be unpinned")  # fmt: skip
 
 

@@ -493,3 +493,38 @@ async def test_row7_websocket_ids_belong_to_their_socket(served) -> None:
         assert sum(len(f["token_ids"]) for f in frames if f["type"] == "delta") == VICTIM_TOKENS
     w.check("row 7 (WebSocket)")
     served.assert_alive()
+
+
+# ============================================================== per-key admission, live
+@pytest.mark.parametrize("engine_process", [False, True], ids=["inline", "engine-process"])
+async def test_a_key_past_its_waiting_share_gets_429_and_the_other_key_is_admitted(
+    model, engine_process
+) -> None:
+    """max_waiting_per_key reads the queue as admission sees it; with the engine in a
+    child process, the child's last snapshot plus the adds it has not taken yet."""
+    engine = {"max_num_seqs": 1, "max_waiting_per_key": 2}
+    with live_server(
+        model, api_keys=[KEY_A, KEY_B], engine_kwargs=engine, engine_process=engine_process
+    ) as s:
+        url = s.url + "/v1/completions"
+        long = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            held = [await http.post(url, json=long, headers=AUTH_A)]
+            assert held[0].status == 200
+            await held[0].content.readline()  # it runs: A waits for nothing
+            for _ in range(2):
+                held.append(await http.post(url, json=long, headers=AUTH_A))
+                assert held[-1].status == 200
+            async with http.post(url, json=long, headers=AUTH_A) as r:
+                body = await r.json()
+                assert r.status == 429, body
+                assert "this API key" in body["error"]["message"], body
+            held.append(await http.post(url, json=long, headers=AUTH_B))  # its own share
+            assert held[-1].status == 200
+            for r in held:
+                r.close()
+        await asyncio.to_thread(s.wait_kv_free, 30)
+        status, obj, _, _ = await post(
+            s.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=AUTH_A
+        )
+        assert status == 200, obj
