@@ -223,6 +223,13 @@ def kernel_env(choices: Mapping[str, str]) -> dict[str, str]:
     return {**os.environ, **choices}
 
 
+def with_import_root(root: str) -> dict[str, str]:
+    """A child process's environment that imports this project from `root` first
+    (PYTHONPATH), whatever directory it starts in (the engine process)."""
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def documentation() -> str:
     """A markdown table of every variable, for docs/FLAGS.md."""
     rows = ["| variable | default | what |", "|---|---|---|"]

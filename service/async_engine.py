@@ -52,6 +52,12 @@ def engine_thread_default(config: EngineConfig, runner: object) -> bool:
     return getattr(device, "type", "cpu") == "cuda"
 
 
+def default_builder(config: EngineConfig) -> AsyncEngine:
+    """The engine process's builder (run in the child, pickled by name): the engine as
+    it is built in one process."""
+    return AsyncEngine.from_config(config)
+
+
 def engine_process_default(config: EngineConfig) -> bool:
     """Whether `serve` runs the engine core in a child process (service/engine_proc.py).
     Auto: on CUDA yes, as vLLM v1 serves: the host bench, whose stand-in model releases
@@ -235,7 +241,7 @@ class AsyncEngine:
         service/engine_proc.py): `builder(config)` builds it there (default: from_config,
         inline); here only the tokenizer, grammar checks and the streams.  Blocks while
         the child loads the model."""
-        from service.engine_proc import ProcessCore, default_builder, remote_runner
+        from service.engine_proc import ProcessCore, remote_runner
 
         core = ProcessCore.spawn(config, builder or default_builder)
         try:

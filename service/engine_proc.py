@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from scheduler import envs
 from scheduler.engine_core import (
     _FAIL,
     _TOKEN,
@@ -62,7 +63,10 @@ from scheduler.stream import RequestStream
 
 if TYPE_CHECKING:
     from scheduler.config import EngineConfig
-    from service.async_engine import AsyncEngine
+
+# service.async_engine.AsyncEngine, which imports this module (its in_process): named, not
+# imported, so the two do not import each other.
+AsyncEngine = Any
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +292,7 @@ class ProcessCore:
         built inline (pickled: a module-level function or a partial of one)."""
         parent, child = socket.socketpair()
         root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        env = envs.with_import_root(root)
         cmd = [sys.executable, "-m", "service.engine_proc", str(child.fileno()), str(os.getpid())]
         proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), env=env, close_fds=True)
         child.close()
@@ -534,10 +537,6 @@ class ProcessCore:
 
 
 # ----------------------------------------------------------------------------- child
-def default_builder(config: EngineConfig) -> AsyncEngine:
-    from service.async_engine import AsyncEngine
-
-    return AsyncEngine.from_config(config)
 
 
 class _ChildStream(RequestStream):

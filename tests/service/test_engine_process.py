@@ -375,7 +375,7 @@ def _boom(info) -> None:
 
 def failing_hook_engine(config):
     """A builder (run in the engine's process): the engine with a step hook that fails."""
-    from service.engine_proc import default_builder
+    from service.async_engine import default_builder
 
     engine = default_builder(config)
     engine.add_step_hook(_boom)
