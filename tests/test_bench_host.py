@@ -51,13 +51,15 @@ def test_host_section_with_the_engine_in_its_own_process():
     """`process` as an engine mode: the stand-in model is built in the engine's process
     (serve --engine-process); every stream runs to its end, and the steps the child takes
     reach the server's /metrics."""
+    # The process alone, one size and a device time: the other modes and sizes are the
+    # test above's (a server start a row is most of this test's time).
     args = argparse.Namespace(
-        host_streams="2,6", host_tokens=12, host_step_ms="0,5", host_engine_thread="off,process"
+        host_streams="3", host_tokens=12, host_step_ms="2", host_engine_thread="process"
     )
     text = run(args, _table)
     rows = [line.split(" | ") for line in text.splitlines()[2:]]
-    assert sorted({r[-3] for r in rows}) == ["off", "process"]
-    assert len(rows) == 2 * 2 * 2 * 2  # modes x device times x protocols x stream counts
+    assert {r[-3] for r in rows} == {"process"}
+    assert len(rows) == 2  # the two protocols
     for r in rows:
         assert float(r[3].replace(",", "")) > 0
         assert int(r[7].split()[0]) >= 12
