@@ -234,9 +234,11 @@ class ProcessCore:
 
     own_thread = False
     tier = None
-    # Borrowed: they read only the limits, queued(), tenant_queued() and num_rejected.
+    # Borrowed: they read only the limits, queued(), tenant_queued(), num_rejected and
+    # the inbox counts.
     admit = EngineCore.admit
     _admit_tenant = EngineCore._admit_tenant
+    _inbox_left = EngineCore._inbox_left
     run_guarded = EngineCore.run_guarded
 
     def __init__(
@@ -468,11 +470,7 @@ class ProcessCore:
             seqs, tokens, tenant = taken
             self._inbox_seqs -= seqs
             self._inbox_tokens -= tokens
-            n = self._inbox_tenants[tenant] - 1
-            if n:
-                self._inbox_tenants[tenant] = n
-            else:
-                del self._inbox_tenants[tenant]
+            self._inbox_left(tenant)
         if frame.snapshot is not None:
             self._snap_seqs, self._snap_tokens, tenants = frame.snapshot
             self._snap_tenants = dict(tenants)

@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -28,6 +31,49 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(
+    tmp_path: Path, module: str, *args: str, new_session: bool = False, graceful: bool = False
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A real server process (`service.cli serve` or `bench.host_server`), healthy, its
+    output in tmp_path; new_session: in a process group of its own (a signal to the group
+    spares pytest); graceful: stopped with SIGTERM (killed past 30 s), else killed."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logf = tmp_path / f"server-{port}.log"
+    pre = ["serve"] if module == "service.cli" else []
+    cmd = [sys.executable, "-m", module, *pre, "--port", str(port), "--threads", "1", *args]
+    with logf.open("wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, logf.read_text()[-3000:]
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url + "/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            if graceful:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+            else:
+                proc.kill()
+                proc.wait(10)
 
 
 class LiveServer:

@@ -21,7 +21,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -30,6 +29,7 @@ import pytest
 from service.app import ENGINE_FAILURE_EXIT
 from tests.checkpoints import tiny_checkpoint
 from tests.service.live_server import free_port, live_server
+from tests.service.live_server import server_process as server
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -67,40 +67,6 @@ def wait_gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-@contextlib.contextmanager
-def server(
-    tmp_path: Path, module: str, *args: str, new_session: bool = False
-) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A real server process (`service.cli serve` or `bench.host_server`), healthy;
-    new_session: in a process group of its own (a signal to the group spares pytest)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    logf = tmp_path / f"server-{port}.log"
-    pre = ["serve"] if module == "service.cli" else []
-    cmd = [sys.executable, "-m", module, *pre, "--port", str(port), "--threads", "1", *args]
-    with logf.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, logf.read_text()[-3000:]
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(url + "/health", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.1)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:

@@ -10,11 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.checkpoints import tiny_checkpoint
-from tests.service.live_server import free_port
+from tests.service.live_server import server_process
 
 STEP_S = 0.2
 HEALTH_BUDGET_S = 0.05
@@ -31,33 +27,10 @@ GAP_SLACK_S = 0.1
 
 @contextlib.contextmanager
 def host_server(tmp_path: Path, *args: str) -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / f"server-{port}.log").open("wb")
-    cmd = [sys.executable, "-m", "bench.host_server", "--model", str(tiny_checkpoint("llama")),
-           "--port", str(port), "--threads", "1", *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / f"server-{port}.log").read_text()
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(url + "/health", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.1)
+    model = str(tiny_checkpoint("llama"))
+    with server_process(tmp_path, "bench.host_server", "--model", model, *args,
+                        graceful=True) as (_, url):  # fmt: skip
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
 
 
 async def probe(url: str, streams: int = 4, tokens: int = 6) -> tuple[float, float, int]:
