@@ -143,13 +143,20 @@ def logs(server: LiveServer) -> int:
     return server.on_loop(lambda: len(server.state.streams.logs))
 
 
-def aborted(server: LiveServer) -> float:
-    """Requests the engine finished as aborted so far (its Prometheus counter)."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(r'^pagestream_request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)',
-                  text, re.M)  # fmt: skip
-    return float(m.group(1)) if m else 0.0
+def aborted(server: LiveServer, at_least: float = 0.0) -> float:
+    """Requests the engine finished as aborted so far (its Prometheus counter); waits up
+    to 5 s for it to reach `at_least` (the count lands when the request's hooks run,
+    a moment after its stream ends)."""
+    deadline = time.monotonic() + 5
+    while True:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = re.search(r'^pagestream_request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)',
+                      text, re.M)  # fmt: skip
+        n = float(m.group(1)) if m else 0.0
+        if n >= at_least or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
 
 
 def wait_for(pred: Any, timeout: float, what: str) -> None:
@@ -301,7 +308,9 @@ async def test_no_resume_within_grace_aborts_and_frees_everything(server, http) 
     assert await asyncio.to_thread(busy, server)  # running on, waiting for a resume
     await asyncio.to_thread(server.wait_kv_free, GRACE + 5)
     assert time.monotonic() - t0 >= GRACE * 0.9  # aborted by the grace timer, not earlier
-    assert await asyncio.to_thread(aborted, server) == n_aborted + 1  # not run to its end
+    assert (
+        await asyncio.to_thread(aborted, server, n_aborted + 1) == n_aborted + 1
+    )  # not run to its end
     assert await asyncio.to_thread(server.kv_free_blocks) == free
     assert logs(server) == before_logs == 0
     assert server.on_loop(lambda: server.state.request_ids.live) == set()
@@ -454,7 +463,7 @@ async def test_ws_no_resume_within_grace_frees_everything(server) -> None:
     assert await asyncio.to_thread(busy, server)
     await asyncio.to_thread(server.wait_kv_free, GRACE + 5)
     await asyncio.to_thread(wait_for, lambda: logs(server) == 0, 5, "the log to drop")
-    assert await asyncio.to_thread(aborted, server) == n_aborted + 1
+    assert await asyncio.to_thread(aborted, server, n_aborted + 1) == n_aborted + 1
     await asyncio.to_thread(wait_for, lambda: kv_used(server) == 0, 5,
                             "no block held or pinned")  # fmt: skip
     assert server.on_loop(lambda: server.state.inflight) == 0
