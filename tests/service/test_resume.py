@@ -30,14 +30,19 @@ KEY_A, KEY_B = "resume-key-a", "resume-key-b"
 AUTH_A = {"Authorization": f"Bearer {KEY_A}"}
 AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
 GRACE = 1.5
-# ~2 s of decoding for the tiny model on one thread: still running when the client is back.
-LONG = 500
+# ~1 s of decoding for the tiny model on one thread (0.65 ms a token on a Zen 4): still
+# running when the client is back, on a machine a few times faster too.
+LONG = 1500
+# What a test waits to see aborted (by the grace timer, a cancel, a full buffer) must not
+# end by its length first on any machine: ~20 s of decoding here.
+ENDLESS = 30_000
 
 
 def _live(engine_process: bool) -> Iterator[LiveServer]:
     with live_server(
-        str(tiny_checkpoint("llama")), api_keys=[KEY_A, KEY_B], resume_grace=GRACE,
-        engine_process=engine_process,
+        str(tiny_checkpoint("llama", max_position_embeddings=32_768)),
+        api_keys=[KEY_A, KEY_B], resume_grace=GRACE, engine_process=engine_process,
+        engine_kwargs={"num_kv_blocks": 2_048},
     ) as s:  # fmt: skip
         yield s
 
@@ -299,7 +304,7 @@ async def test_no_resume_within_grace_aborts_and_frees_everything(server, http) 
     free = await asyncio.to_thread(server.kv_free_blocks)
     before_logs = await asyncio.to_thread(wait_logs_drained, server)
     n_aborted = await asyncio.to_thread(aborted, server)
-    r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=1800),
+    r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=ENDLESS),
                         headers={"X-Request-Id": "gone-1"})  # fmt: skip
     await read_events(r, until=5)
     cut(r)
@@ -335,7 +340,7 @@ async def test_buffer_overflow_without_a_reader_aborts_and_resume_is_410(server,
     cap = streams.cap
     server.on_loop(lambda: setattr(streams, "cap", 4096))
     try:
-        r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=1800))
+        r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=ENDLESS))
         events = await read_events(r, until=3)
         cut(r)
         t0 = time.monotonic()
@@ -356,7 +361,7 @@ async def test_grace_zero_is_abort_at_once_without_positions(server, http) -> No
     streams = server.state.streams
     server.on_loop(lambda: setattr(streams, "grace", 0.0))
     try:
-        r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=1800))
+        r = await http.post(server.url + "/v1/completions", json=completion(max_tokens=ENDLESS))
         events = await read_events(r, until=3)
         assert all("id" not in ev for ev in events)
         cut(r)
@@ -436,7 +441,7 @@ async def test_ws_cut_and_resume_on_a_new_socket(server) -> None:
 @BOTH
 async def test_ws_cancel_reaches_a_resumed_generation(server) -> None:
     ws = await websockets.connect(ws_url(server))
-    await ws.send(generate("c1", max_tokens=1800))
+    await ws.send(generate("c1", max_tokens=ENDLESS))
     frames = await ws_frames(ws, "c1", lambda f: f["type"] == "delta")
     ws.transport.abort()
     async with websockets.connect(ws_url(server)) as ws2:
@@ -456,7 +461,7 @@ async def test_ws_no_resume_within_grace_frees_everything(server) -> None:
     await asyncio.to_thread(wait_logs_drained, server)
     n_aborted = await asyncio.to_thread(aborted, server)
     ws = await websockets.connect(ws_url(server))
-    await ws.send(generate("lost", max_tokens=1800))
+    await ws.send(generate("lost", max_tokens=ENDLESS))
     frames = await ws_frames(ws, "lost", lambda f: f["type"] == "delta")
     ws.transport.abort()
     await asyncio.sleep(GRACE / 2)
