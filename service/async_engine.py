@@ -212,10 +212,10 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
+        if config.device.engine_process:
+            return cls.in_process(config)  # the HTTP process never imports torch
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
 
-        if config.device.engine_process:
-            return cls.in_process(config)
         model_dir = Path(config.model.model) if config.model.model else ensure_default_model()
         faults = FaultPlan.from_env(config.fault_injection)
         if faults is not None:

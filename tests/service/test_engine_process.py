@@ -154,6 +154,8 @@ async def test_process_engine_serves_what_inline_and_thread_serve(tmp_path, mode
             kids = engine_children(proc.pid)
             assert len(kids) == (1 if mode == ["--engine-process"] else 0), kids
             results[mode[-1]] = await workload(url)
+            if kids:  # the HTTP process loads no model: torch is the child's alone
+                assert not torch_mapped(proc.pid) and torch_mapped(kids[0])
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 60) == 0
             for k in kids:  # no engine process left behind a clean exit
@@ -164,6 +166,10 @@ async def test_process_engine_serves_what_inline_and_thread_serve(tmp_path, mode
     assert inline["n2"][0][:2] == inline["n2"][1][:2]
     assert results["on"] == inline
     assert results["--engine-process"] == inline
+
+
+def torch_mapped(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def _host_args(model: str, *extra: str) -> list[str]:
