@@ -128,13 +128,16 @@ async def test_two_slow_compiles_do_not_blame_an_innocent(inline_server):
 async def test_an_ambiguous_grammar_ends_on_its_budget(server, n):
     """Row 4: each token of this grammar costs more than the last (a second a token by
     800); the request ends with a 4xx once a token passes the per-token budget, and the
-    other streams never wait for it (was: /health 2-6.7 s, a 500 after 72 s)."""
+    other streams never wait for it (was: /health 2-6.7 s, a 500 after 72 s).  n samples
+    share the budget (with one each, n = 2 / 4 / 8 took 14 / 27 / 50 s to end, every step
+    meanwhile up to n times the budget)."""
     body = _completion(guided_grammar=AMBIGUOUS, max_tokens=1500, min_tokens=1500, n=n)
     async with Watch(server.url) as w:
         status, obj, took, _ = await post(server.url, "/v1/completions", body, timeout=120)
         assert 400 <= status < 500, obj
         assert obj is not None and "too ambiguous" in obj["error"]["message"], obj
         assert obj["error"]["param"] == "guided_grammar", obj
+        assert (f"over the request's {n} samples" in obj["error"]["message"]) == (n > 1), obj
     w.check(f"ambiguous grammar, n={n} ({took:.1f} s)")
     server.assert_alive()
     await normal_chat(server.url)

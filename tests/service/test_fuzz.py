@@ -161,7 +161,7 @@ def test_fuzz_websocket(server, schemas):
             pong, deadline = False, time.monotonic() + 60
             while time.monotonic() < deadline:
                 try:
-                    reply = json.loads(ws.recv(timeout=1 if pong else 30))
+                    reply = json.loads(ws.recv(timeout=0.4 if pong else 30))
                 except TimeoutError:
                     assert pong, "no pong within 30 s"
                     break

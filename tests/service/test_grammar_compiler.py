@@ -232,16 +232,19 @@ def test_an_ambiguous_grammar_trips_its_token_budget(compiler):
     assert worst < 10 * st.TOKEN_BUDGET_S, worst
 
 
-def test_batch_over_budget_makes_suspects_timed_alone(compiler, monkeypatch):
-    import service.structured as st
+def test_batch_over_budget_makes_suspects_timed_alone(compiler):
+    from service.structured import TOKEN_BUDGET_S
 
     c, _ = compiler
     c.compile(SMALL)
     ms = c.matchers(SMALL, 3)
-    monkeypatch.setattr(st, "TOKEN_BUDGET_S", -1.0)  # every batch is over budget
+    assert all(m.budget == TOKEN_BUDGET_S / 3 for m in ms)  # the samples share it
+    for m in ms:
+        m.budget = -1.0  # every batch is over budget
     LLGuidanceMatcher.batch_bitmasks(ms)
     assert all(m.suspect for m in ms) and all(m.over is None for m in ms)
-    monkeypatch.setattr(st, "TOKEN_BUDGET_S", 1.0)
+    for m in ms:
+        m.budget = 1.0
     masks = LLGuidanceMatcher.batch_bitmasks(ms)  # one by one now, and cleared
     assert all(mk is not None for mk in masks) and not any(m.suspect for m in ms)
 
