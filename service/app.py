@@ -8,7 +8,6 @@ import ctypes
 import gc
 import hmac
 import logging
-import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from scheduler.engine_core import (
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service import utility_api
-from service.async_engine import AsyncEngine, RequestFailed
+from service.async_engine import AsyncEngine, RequestFailed, rss_bytes
 from service.http_util import SPEC_FIELD, TENANT_SALT, error_response, json_response, salted
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
@@ -504,11 +503,6 @@ async def metrics_handler(request: web.Request) -> web.Response:
     )
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 async def debug_state(request: web.Request) -> web.Response:
     """What is running, waiting and held, for operators and the reliability tests:
     after a storm every count here but the baselines must be back to zero."""
@@ -518,7 +512,7 @@ async def debug_state(request: web.Request) -> web.Response:
         "inflight": state.inflight,
         "websockets": len(state.websockets),
         "asyncio_tasks": len(asyncio.all_tasks()),
-        "rss_bytes": _rss_bytes() if os.path.exists("/proc/self/statm") else None,
+        "rss_bytes": rss_bytes(),
     }
     if (
         request.query.get("gc") == "1"
@@ -528,8 +522,11 @@ async def debug_state(request: web.Request) -> web.Response:
         # a new one is no growth.
         body["gc_objects"] = len(gc.get_objects()) + gc.get_freeze_count()
     if engine is not None:
-        body |= await engine.debug_counts()
+        counts = await engine.debug_counts()
+        engine_rss = counts.pop("process_rss_bytes", None)
+        body |= counts
         if engine.in_child:
+            body["engine_rss_bytes"] = engine_rss  # the child's memory: rss_bytes is ours
             # This side of the boundary: streams still delivered into here, and adds the
             # engine's process has not taken (a leak on either side shows).
             core = engine.core

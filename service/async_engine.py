@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 import time
 import uuid
@@ -110,6 +111,15 @@ def async_scheduling_default(config: EngineConfig, runner: object) -> bool:
         return config.device.async_scheduling
     device = getattr(runner, "device", None)
     return getattr(device, "type", "cpu") == "cuda"
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
 
 
 class MaxTokensTooLarge(RequestRejected):
@@ -395,6 +405,8 @@ class AsyncEngine:
             "runner_requests": len(getattr(self.runner, "requests", ())),
             "num_preemptions": sched.num_preemptions,
             "hook_errors": self.core.hook_errors,
+            # The engine's process (/debug/state shows it apart where that is a child).
+            "process_rss_bytes": rss_bytes(),
         }
 
     @property

@@ -95,7 +95,9 @@ class LLGuidanceMatcher:
         if self.spent > self.budget and self.over is None:
             limit = f"{TOKEN_BUDGET_S * 1e3:.0f} ms"
             if self.n > 1:
-                limit += f" a token over the request's {self.n} samples, {self.budget * 1e3:.1f} each"
+                limit += (
+                    f" a token over the request's {self.n} samples, {self.budget * 1e3:.1f} each"
+                )
             self.over = (
                 f"the grammar needed {self.spent * 1e3:.1f} ms for one token (the limit is "
                 f"{limit}): it is too ambiguous"

@@ -174,8 +174,13 @@ async def test_storm_with_slow_reader_and_hostile_requests(storm_server):
     assert after["engine_dead"] is None and not after["hook_errors"]
     # One storm may grow the process by the caches it fills once (oneDNN primitives, capped
     # by --onednn-cache-capacity; allocator pools); nothing near the 600 MB of a leak.
-    grown = (after["rss_bytes"] - before["rss_bytes"]) / 2**20
+    grown = (rss(after) - rss(before)) / 2**20
     assert grown < 200, f"RSS grew {grown:.0f} MB in one storm"
+
+
+def rss(state: dict[str, Any]) -> int:
+    """The server's resident memory and, with the engine in a child, the child's."""
+    return int(state["rss_bytes"]) + int(state.get("engine_rss_bytes") or 0)
 
 
 async def test_soak_memory_objects_and_tasks_return_to_baseline(server):
@@ -186,18 +191,18 @@ async def test_soak_memory_objects_and_tasks_return_to_baseline(server):
     base = server.wait_quiet()
     time.sleep(3)  # the server trims its allocator once idle for 2 s
     base_gc = server.settled_state()
-    rounds, requests, rss = 4, 0, []
+    rounds, requests, rounds_mb = 4, 0, []
     for k in range(rounds):
         res = await storm(server.url, sse_streams=SSE_STREAMS, seed=101 + k)
         check_storm(res)
         requests += res.requests
-        rss.append(server.wait_quiet()["rss_bytes"] >> 20)
+        rounds_mb.append(rss(server.wait_quiet()) >> 20)
     time.sleep(3)  # the server trims its allocator once idle for 2 s
     end = server.settled_state()
-    grown_mb = (end["rss_bytes"] - base_gc["rss_bytes"]) / 2**20
+    grown_mb = (rss(end) - rss(base_gc)) / 2**20
     per_1000 = grown_mb * 1000 / requests
-    print(f"soak: {requests} requests, RSS {base_gc['rss_bytes'] >> 20} -> "
-          f"{end['rss_bytes'] >> 20} MB ({per_1000:+.2f} MB per 1000 requests; rounds {rss}), "
+    print(f"soak: {requests} requests, RSS {rss(base_gc) >> 20} -> "
+          f"{rss(end) >> 20} MB ({per_1000:+.2f} MB per 1000 requests; rounds {rounds_mb}), "
           f"objects {base_gc['gc_objects']} -> {end['gc_objects']}, "
           f"tasks {base['asyncio_tasks']} -> {end['asyncio_tasks']}")  # fmt: skip
     # < 5 MB per 1000 requests, plus the resolution of one idle-to-idle RSS comparison:

@@ -156,6 +156,9 @@ async def test_process_engine_serves_what_inline_and_thread_serve(tmp_path, mode
             results[mode[-1]] = await workload(url)
             if kids:  # the HTTP process loads no model: torch is the child's alone
                 assert not torch_mapped(proc.pid) and torch_mapped(kids[0])
+                with urllib.request.urlopen(url + "/debug/state", timeout=10) as r:
+                    state = json.load(r)
+                assert state["engine_rss_bytes"] > 2 * state["rss_bytes"] > 0, state
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 60) == 0
             for k in kids:  # no engine process left behind a clean exit
