@@ -45,7 +45,8 @@ class Request:
         "block_hashes", "fork_ids", "registered", "num_preemptions", "finish_reason",
         "stop_token_id", "arrival_time", "publish_prefix", "remote_start",
         "remote_payloads", "grammar", "prompt_logprobs", "prompt_logprobs_sent",
-        "spec_accepted", "spec_trials", "tenant", "conversation", "priority", "__weakref__",
+        "spec_accepted", "spec_trials", "tenant", "conversation", "priority",
+        "grammar_share", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -104,6 +105,9 @@ class Request:
         self.remote_payloads: list[bytes] = []
         # Constrained decoding: this sample's own matcher, advanced with every output token.
         self.grammar = grammar
+        # How many prompts of one API request (a completions body's prompt list) share its
+        # grammar's time budget with this one's n samples (service/structured.py).
+        self.grammar_share = 1
         self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked)
         self.prompt_logprobs_sent = False
         # Speculative decoding: moving averages of accepted drafts and of acceptance trials

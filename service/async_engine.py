@@ -467,12 +467,14 @@ class AsyncEngine:
         tenant: str | None = None,
         conversation: str | None = None,
         priority: int = 0,
+        grammar_share: int = 1,
     ) -> list[Request]:
         """The request's n samples.  tenant: whose share of the shared prefix tier the
         blocks it publishes count against (see scheduler.prefix_tier; None: no share),
         and of the waiting queue (scheduler.fair_queue); conversation: the key its KV is
         pinned under when it ends (scheduler.pins); priority: its place in its tenant's
-        line, lower first."""
+        line, lower first; grammar_share: the prompts of the API request it is one of
+        (their samples split the grammar's per-token budget)."""
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
         if bad is not None:
@@ -481,11 +483,13 @@ class AsyncEngine:
         # In an engine process the child makes the matchers (the spec is checked here).
         if params.structured_outputs is not None and not self.in_child:
             try:
-                grammars = self.grammars.matchers(params.structured_outputs, params.n)
+                grammars = self.grammars.matchers(
+                    params.structured_outputs, params.n, grammar_share
+                )
             except GrammarError as e:
                 raise RequestRejected(f"structured_outputs: {e}") from e
         now = time.monotonic()
-        return [
+        group = [
             Request(
                 request_id if i == 0 else f"{request_id}#{i}",
                 prompt_ids,
@@ -504,6 +508,9 @@ class AsyncEngine:
             )
             for i in range(params.n)
         ]
+        for r in group:  # (what an engine process needs to make the matchers alike)
+            r.grammar_share = grammar_share
+        return group
 
     def submit(
         self,
@@ -544,7 +551,8 @@ class AsyncEngine:
     ) -> list[Submitted]:
         """Several (request id, prompt ids) as one: all validated and admitted against the
         waiting bound before any is queued (tenant, conversation, priority: `build_group`)."""
-        kw = {"tenant": tenant, "conversation": conversation, "priority": priority}
+        kw = {"tenant": tenant, "conversation": conversation, "priority": priority,
+              "grammar_share": len(prompts)}  # fmt: skip
         groups = [self.build_group(rid, ids, params, cache_salt, **kw) for rid, ids in prompts]
         for g in groups:
             self.core.validate(g)

@@ -88,6 +88,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     conversation: str | None
     priority: int
     arrival_time: float
+    grammar_share: int
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -374,7 +375,7 @@ class ProcessCore:
         self.idle.clear()
         self._send(
             Add(sid, gid, p.token_ids, p.params, p.cache_salt, p.publish_prefix, p.tenant,
-                p.conversation, p.priority, p.arrival_time)
+                p.conversation, p.priority, p.arrival_time, p.grammar_share)
         )  # fmt: skip
         return stream
 
@@ -663,6 +664,7 @@ class ChildCore(EngineCore):
             group = self._engine.build_group(
                 msg.request_id, msg.prompt_ids, msg.params, msg.cache_salt, msg.publish_prefix,
                 tenant=msg.tenant, conversation=msg.conversation, priority=msg.priority,
+                grammar_share=msg.grammar_share,
             )  # fmt: skip
         except Exception as e:
             self._handled.append(msg.sid)

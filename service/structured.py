@@ -74,10 +74,10 @@ class LLGuidanceMatcher:
     batch; a batch over the budget makes its matchers suspects, timed one by one next
     token, so one costly grammar cannot hide behind, or be blamed on, its neighbours.
 
-    The n samples of one request share the budget (each gets TOKEN_BUDGET_S / n): they
-    advance together, so a step pays for all of them, and with a budget each an n = 8
-    request held every step at up to 8x the budget for 8x as long (50 s here) before its
-    4xx."""
+    The samples of one API request (n of them for each of its prompts) share the budget
+    (each gets TOKEN_BUDGET_S / n): they advance together, so a step pays for all of
+    them, and with a budget each an n = 8 request held every step at up to 8x the budget
+    for 8x as long (50 s here) before its 4xx."""
 
     __slots__ = ("budget", "m", "n", "over", "spent", "suspect", "words")
 
@@ -249,13 +249,17 @@ class GrammarCompiler:
                 del self._cache[spec]
                 excess -= 1
 
-    def matchers(self, spec: StructuredOutputsParams, n: int) -> list[GrammarMatcher]:
-        """Fresh matchers for the n samples of a request; `compile(spec)` must have run."""
+    def matchers(
+        self, spec: StructuredOutputsParams, n: int, share: int = 1
+    ) -> list[GrammarMatcher]:
+        """Fresh matchers for the n samples of a request; `compile(spec)` must have run.
+        share: the prompts of the API request this one is part of, whose n x share
+        samples split the per-token budget."""
         hit = self._cache.get(spec)
         if hit is None:  # only past MAX_CACHED distinct specs within PIN_S
             raise GrammarError(f"the {spec.kind} was evicted by newer grammars; send it again")
         words = (self.tokenizer().vocab_size + 31) // 32
-        return [LLGuidanceMatcher(hit[0].deep_copy(), words, n) for _ in range(n)]
+        return [LLGuidanceMatcher(hit[0].deep_copy(), words, n * share) for _ in range(n)]
 
     def shutdown(self) -> None:
         self.workers.close()

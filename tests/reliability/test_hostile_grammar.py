@@ -123,15 +123,22 @@ async def test_two_slow_compiles_do_not_blame_an_innocent(inline_server):
 
 
 @pytest.mark.parametrize(
-    ("server", "n"), [("inline", 1), ("inline", 4), ("engine-process", 1)], indirect=["server"]
-)
-async def test_an_ambiguous_grammar_ends_on_its_budget(server, n):
+    ("server", "n", "prompts"),
+    [("inline", 1, 1), ("inline", 4, 1), ("inline", 1, 3), ("engine-process", 1, 1),
+     ("engine-process", 2, 2)],
+    indirect=["server"],
+)  # fmt: skip
+async def test_an_ambiguous_grammar_ends_on_its_budget(server, n, prompts):
     """Row 4: each token of this grammar costs more than the last (a second a token by
     800); the request ends with a 4xx once a token passes the per-token budget, and the
-    other streams never wait for it (was: /health 2-6.7 s, a 500 after 72 s).  n samples
-    share the budget (with one each, n = 2 / 4 / 8 took 14 / 27 / 50 s to end, every step
-    meanwhile up to n times the budget)."""
-    body = _completion(guided_grammar=AMBIGUOUS, max_tokens=1500, min_tokens=1500, n=n)
+    other streams never wait for it (was: /health 2-6.7 s, a 500 after 72 s).  The
+    samples of one request (n for each of its prompts) share the budget (with one each,
+    n = 2 / 4 / 8 took 14 / 27 / 50 s to end, every step meanwhile up to n times the
+    budget)."""
+    prompt = "hi" if prompts == 1 else [f"hi {i}" for i in range(prompts)]
+    body = _completion(guided_grammar=AMBIGUOUS, max_tokens=1500, min_tokens=1500, n=n,
+                       prompt=prompt)  # fmt: skip
+    n *= prompts
     async with Watch(server.url) as w:
         status, obj, took, _ = await post(server.url, "/v1/completions", body, timeout=120)
         assert 400 <= status < 500, obj
