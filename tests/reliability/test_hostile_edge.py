@@ -169,3 +169,21 @@ async def test_row11_out_of_vocabulary_logit_bias_names_logit_bias(server):
         await normal_chat(server.url)
         w.check("row 11")
     server.assert_alive()
+
+
+async def test_row12_whole_vocabulary_bias_and_stop_ids_at_n_64_are_cheap_per_step(server):
+    """A logit_bias over the whole vocabulary and as many stop_token_ids held back by
+    min_tokens, at n = 64: each sample's lists become tensors once, not every step (they
+    were rebuilt in Python per step: this request took 3.8 s instead of 0.2 s, and a
+    plain request beside it 3.3 s instead of 0.05 s)."""
+    vocab = range(3, 2000)
+    body = {"prompt": "hi", "n": 64, "max_tokens": 64, "min_tokens": 64, "ignore_eos": True,
+            "logit_bias": {str(t): -1.0 for t in vocab}, "stop_token_ids": list(vocab)}  # fmt: skip
+    async with Watch(server.url) as w:
+        status, obj, took, _ = await post(server.url, "/v1/completions", body)
+        assert status == 200, obj
+        assert len(obj["choices"]) == 64 and took < REPLY_BUDGET_S / 2, f"{took:.2f} s"
+        assert all(len(c["text"]) for c in obj["choices"])
+        await normal_chat(server.url)
+        w.check("row 12")
+    server.assert_alive()
