@@ -130,9 +130,7 @@ class RequestSamplingState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
 
-    def bias_tensors(
-        self, vocab: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def bias_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """logit_bias as (token ids, values) on `device`, ids past `vocab` (a padded head)
         left out; built once."""
         if self._bias is None or self._bias[0].device != device:
