@@ -426,3 +426,39 @@ def test_logit_bias_shifts_only_its_rows():
     assert out.token_ids == [9, 5, 12]
     assert not rows[0].plain_greedy and rows[1].plain_greedy
     assert torch.all(logits[:, 5] == 1.0)  # the caller's logits are not written
+
+
+def test_output_tensor_follows_the_tokens_through_growth_and_a_shorter_rebuild():
+    """Penalties read each row's output ids as a tensor kept up to date incrementally."""
+    st = make_state(outputs=[9], repetition_penalty=1.2)
+    assert st.output_tensor().tolist() == [9]
+    for t in range(40):  # past the first capacities
+        st.append(t)
+        assert st.output_tensor().tolist() == [9, *range(t + 1)]
+    del st.token_ids[-5:]  # a state whose list was cut back (a rebuilt one)
+    st.append(99)
+    assert st.output_tensor().tolist() == [9, *range(35), 99]
+    assert st.output_tensor().dtype == torch.long
+
+
+def test_penalties_equal_the_list_built_reference_after_many_steps():
+    a = make_state(outputs=[], repetition_penalty=1.3, frequency_penalty=0.4,
+                   presence_penalty=0.2)  # fmt: skip
+    b = make_state(prompt=[1, 2], outputs=[], frequency_penalty=0.7)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        for st in (a, b):
+            st.append(int(torch.randint(3, 40, (1,), generator=gen)))
+        logits = torch.randn(2, 48, generator=gen)
+        got = apply_penalties(logits.clone(), [a, b])
+        want = logits.clone()
+        for i, st in enumerate((a, b)):
+            p = st.params
+            seen = set(st.token_ids)
+            for tok in seen if p.repetition_penalty != 1.0 else ():
+                v = want[i, tok]
+                want[i, tok] = v * (1 / p.repetition_penalty) if v > 0 else v * p.repetition_penalty
+            out = st.token_ids[st.prompt_len :]
+            for tok in set(out):
+                want[i, tok] -= p.frequency_penalty * out.count(tok) + p.presence_penalty
+        torch.testing.assert_close(got, want)
