@@ -187,10 +187,12 @@ class RequestSamplingState:
 def _rows_and_cols(
     rows: list[int], cols: list[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, column) pairs for index_put_: row rows[j] with each id of cols[j]."""
-    lens = torch.tensor([len(c) for c in cols], dtype=torch.long, device=device)
-    r_t = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device), lens)
-    return r_t, torch.cat(cols)
+    """(row index, column) pairs for index_put_: row rows[j] with each id of cols[j].
+    The row indices are expanded on the host (their counts are host ints: on a GPU a
+    device-side repeat_interleave would wait for the device to learn its output size)."""
+    lens = torch.tensor([len(c) for c in cols], dtype=torch.long)
+    r_t = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lens)
+    return r_t.to(device), torch.cat(cols)
 
 
 @dataclass(slots=True)
