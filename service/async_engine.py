@@ -23,7 +23,7 @@ from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
 from scheduler.prefix_tier import PrefixTier
-from scheduler.request import Request
+from scheduler.request import Request, stop_set
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.scheduler_types import SchedulerStats
@@ -489,6 +489,7 @@ class AsyncEngine:
             except GrammarError as e:
                 raise RequestRejected(f"structured_outputs: {e}") from e
         now = time.monotonic()
+        stop_ids = stop_set(params, self.eos_token_ids)
         group = [
             Request(
                 request_id if i == 0 else f"{request_id}#{i}",
@@ -505,6 +506,7 @@ class AsyncEngine:
                 tenant=tenant,
                 conversation=conversation,
                 priority=priority,
+                stop_ids=stop_ids,
             )
             for i in range(params.n)
         ]

@@ -187,3 +187,16 @@ async def test_row12_whole_vocabulary_bias_and_stop_ids_at_n_64_are_cheap_per_st
         await normal_chat(server.url)
         w.check("row 12")
     server.assert_alive()
+
+
+async def test_row13_a_megabyte_of_stop_token_ids_at_n_64_is_one_set(server):
+    """300,000 stop_token_ids (a 1.8 MB body) at n = 64: one set for the request's samples,
+    made once (64 of them held the event loop 0.3 s: /health waited as long)."""
+    body = {"prompt": "hi", "n": 64, "max_tokens": 4, "stop_token_ids": list(range(3, 2003)) * 150}
+    async with Watch(server.url) as w:
+        status, obj, took, _ = await post(server.url, "/v1/completions", body)
+        assert status == 200, obj
+        assert len(obj["choices"]) == 64 and took < REPLY_BUDGET_S, f"{took:.2f} s"
+        w.check("row 13")
+    assert w.health_max < 0.15, f"/health took {w.health_max:.2f} s"
+    server.assert_alive()
