@@ -13,7 +13,10 @@ guarded so one failing part still leaves the others' rows in the table:
 3. e2e      decode tokens/s of a random ~1B Llama-shaped model through gpu.model_runner at
             batch 1 and 64, eager and (when the runner offers them) with CUDA graphs,
             against the roofline of reading the weights (+ KV) once per step; a prefill
-            step and a mixed step (decodes beside a new prompt) per mode.
+            step and a mixed step (decodes beside a new prompt) per mode; then a batch-64
+            decode step's period through the whole engine (`LLM`, the served bench's 1B
+            checkpoint) with async scheduling and without, beside the decode graph's
+            replay (issue 47's bar: within 10%).
 4. engine   pytest on the engine's parity with transformers and the server's API tests
             (OpenAI client, WebSocket, structured output, speculation, quantization) with
             the engine on the device; one row per file.  Needs the test extras (openai,

@@ -42,8 +42,12 @@ def test_dry_run_e2e_rows(tmp_path):
         "decode b3, eager, torch norm/rope, 0.00B Llama bf16",
         "mixed step, 3 decodes + a 8-token prompt, eager, torch norm/rope",
         "prefill step, 3 x 8 tokens, eager, torch norm/rope",
+        "engine decode b3, async scheduling, eager, 0.00B Llama",
+        "engine decode b3, synchronous, eager, 0.00B Llama",
     ]
-    assert all("tok/s" in r for r in rows if "mixed" not in r) and "FAILED" not in md
+    engine = [r for r in rows if "engine decode" in r]
+    assert all("tok/s" in r for r in rows if "mixed" not in r and r not in engine)
+    assert all(" ms/step |" in r for r in engine) and "FAILED" not in md
     assert "dry run" in md
 
 
