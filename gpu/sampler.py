@@ -20,8 +20,10 @@ logprobs is a single argmax.  The caller's logits tensor is never written to.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +31,8 @@ import torch
 from gpu.cpu import kernels as cpu_kernels
 from scheduler.contract import NewRequestData, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 # vLLM raises temperatures in (0, 0.01) to 0.01: smaller ones blow logits / T up towards inf.
 _MIN_TEMPERATURE = 1e-2
@@ -66,10 +70,9 @@ class RequestSamplingState:
         "_out",
         "_out_n",
         "_prompt_ids",
-        "bias_ids",
-        "bias_values",
         "generator",
         "greedy",
+        "has_bias",
         "needs_penalties",
         "params",
         "plain_greedy",
@@ -92,8 +95,7 @@ class RequestSamplingState:
         self.greedy = params.greedy
         self.needs_penalties = params.needs_penalties
         bias = params.logit_bias or {}
-        self.bias_ids = list(bias)
-        self.bias_values = list(bias.values())
+        self.has_bias = bool(bias)
         # Rows that can take the batch-wide argmax fast path whatever their state.
         self.plain_greedy = (
             self.greedy
@@ -157,12 +159,17 @@ class RequestSamplingState:
 
     def bias_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """logit_bias as (token ids, values) on `device`, ids past `vocab` (a padded head)
-        left out; built once."""
+        left out; built once for all the samples of a request (they share its params)."""
         if self._bias is None or self._bias[0].device != device:
-            keep = [(t, v) for t, v in zip(self.bias_ids, self.bias_values) if t < vocab]
-            ids = torch.tensor([t for t, _ in keep], dtype=torch.long, device=device)
-            vals = torch.tensor([v for _, v in keep], dtype=torch.float32, device=device)
-            self._bias = (ids, vals)
+
+            def build() -> tuple[torch.Tensor, torch.Tensor]:
+                bias = self.params.logit_bias or {}
+                keep = [(t, v) for t, v in bias.items() if t < vocab]
+                ids = torch.tensor([t for t, _ in keep], dtype=torch.long, device=device)
+                vals = torch.tensor([v for _, v in keep], dtype=torch.float32, device=device)
+                return ids, vals
+
+            self._bias = _per_params(("bias", vocab, device), self.params, build)
         return self._bias
 
     def min_tokens_mask(
@@ -171,9 +178,14 @@ class RequestSamplingState:
         """The ids min_tokens holds back (the model's eos, even under ignore_eos, as vLLM
         does, and the request's stop_token_ids); built once."""
         if self._min_mask is None or self._min_mask.device != device:
-            stop = [t for t in self.params.stop_token_ids if 0 <= t < vocab]
-            ids = list(dict.fromkeys([*eos_token_ids, *stop]))
-            self._min_mask = torch.tensor(ids, dtype=torch.long, device=device)
+
+            def build() -> torch.Tensor:
+                stop = [t for t in self.params.stop_token_ids if 0 <= t < vocab]
+                ids = list(dict.fromkeys([*eos_token_ids, *stop]))
+                return torch.tensor(ids, dtype=torch.long, device=device)
+
+            key = ("min", tuple(eos_token_ids), vocab, device)
+            self._min_mask = _per_params(key, self.params, build)
         return self._min_mask
 
     def prompt_id_tensor(self, device: torch.device) -> torch.Tensor:
@@ -182,6 +194,27 @@ class RequestSamplingState:
             ids = torch.tensor(self.token_ids[: self.prompt_len], dtype=torch.long, device=device)
             self._prompt_ids = torch.unique(ids)
         return self._prompt_ids
+
+
+# Tensors made from one request's params, shared by its n samples (they hold the same
+# params object): a whole-vocabulary logit_bias made 64 times was ~0.5 s of one step.
+# Keyed by the params' identity (the entry keeps the object, so the id is not reused);
+# the most recent few are kept.
+_PER_PARAMS: OrderedDict[tuple[Any, ...], tuple[SamplingParams, Any]] = OrderedDict()
+_PER_PARAMS_KEEP = 16
+
+
+def _per_params(key: tuple[Any, ...], params: SamplingParams, build: Callable[[], T]) -> T:
+    k = (id(params), *key)
+    hit = _PER_PARAMS.get(k)
+    if hit is not None and hit[0] is params:
+        _PER_PARAMS.move_to_end(k)
+        return hit[1]
+    value = build()
+    _PER_PARAMS[k] = (params, value)
+    while len(_PER_PARAMS) > _PER_PARAMS_KEEP:
+        _PER_PARAMS.popitem(last=False)
+    return value
 
 
 def _rows_and_cols(
@@ -499,7 +532,7 @@ class Sampler:
             p = r.params
             if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
                 min_tok.append(i)
-            if r.bias_ids:
+            if r.has_bias:
                 biased.append(i)
             if r.needs_penalties:
                 penal.append(i)

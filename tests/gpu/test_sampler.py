@@ -462,3 +462,19 @@ def test_penalties_equal_the_list_built_reference_after_many_steps():
             for tok in set(out):
                 want[i, tok] -= p.frequency_penalty * out.count(tok) + p.presence_penalty
         torch.testing.assert_close(got, want)
+
+
+def test_a_requests_samples_share_their_bias_and_held_back_ids_tensors():
+    """n samples hold one params object: the tensors made from it are made once."""
+    params = SamplingParams(logit_bias={3: 1.0, 4: -2.0, 10_000: 5.0}, min_tokens=2,
+                            stop_token_ids=[7, 8])  # fmt: skip
+    states = [
+        RequestSamplingState(params, 3, [5, 6, 7]),
+        RequestSamplingState(params, 3, [5, 6, 7]),
+    ]
+    (ia, va), (ib, vb) = (st.bias_tensors(100, CPU) for st in states)
+    assert ia is ib and va is vb and ia.tolist() == [3, 4] and va.tolist() == [1.0, -2.0]
+    ma, mb = (st.min_tokens_mask([EOS], 100, CPU) for st in states)
+    assert ma is mb and ma.tolist() == [EOS, 7, 8]
+    other = RequestSamplingState(SamplingParams(logit_bias={3: 1.0, 4: -2.0}), 3, [5, 6, 7])
+    assert other.bias_tensors(100, CPU)[0] is not ia  # equal params, another request
