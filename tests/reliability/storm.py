@@ -96,10 +96,13 @@ async def _sse(
             line = raw.strip()
             if not line.startswith(b"data: "):
                 continue
-            if drop:
-                r.connection.transport.abort()  # type: ignore[union-attr]
+            conn = r.connection
+            if drop and conn is not None and conn.transport is not None:
+                conn.transport.abort()
                 res.sse_dropped += 1
                 return
+            # (A short answer may have arrived whole already: aiohttp has released its
+            # connection, there is nothing left to drop, and it is read as a finished one.)
             if line == b"data: [DONE]":
                 break
             obj = json.loads(line[6:])
