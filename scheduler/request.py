@@ -74,6 +74,7 @@ class Request:
         conversation: str | None = None,
         priority: int = 0,
         stop_ids: frozenset[int] | None = None,
+        grammar_share: int = 1,
     ) -> None:
         """stop_ids: the set below, made once for a request's samples (a stop_token_ids
         list may be a megabyte long: 64 copies of its set held the event loop 0.3 s)."""
@@ -117,7 +118,7 @@ class Request:
         self.grammar = grammar
         # How many prompts of one API request (a completions body's prompt list) share its
         # grammar's time budget with this one's n samples (service/structured.py).
-        self.grammar_share = 1
+        self.grammar_share = grammar_share
         self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked)
         self.prompt_logprobs_sent = False
         # Speculative decoding: moving averages of accepted drafts and of acceptance trials

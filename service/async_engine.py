@@ -490,7 +490,7 @@ class AsyncEngine:
                 raise RequestRejected(f"structured_outputs: {e}") from e
         now = time.monotonic()
         stop_ids = stop_set(params, self.eos_token_ids)
-        group = [
+        return [
             Request(
                 request_id if i == 0 else f"{request_id}#{i}",
                 prompt_ids,
@@ -507,12 +507,10 @@ class AsyncEngine:
                 conversation=conversation,
                 priority=priority,
                 stop_ids=stop_ids,
+                grammar_share=grammar_share,  # (an engine process makes its matchers alike)
             )
             for i in range(params.n)
         ]
-        for r in group:  # (what an engine process needs to make the matchers alike)
-            r.grammar_share = grammar_share
-        return group
 
     def submit(
         self,

@@ -12,14 +12,13 @@ import time
 import pytest
 import websockets
 
-from tests.checkpoints import tiny_checkpoint
 from tests.reliability.watch import (
     REPLY_BUDGET_S,
     Watch,
     assert_client_error,
     normal_chat,
     post,
-    serve_process,
+    tiny_server,
 )
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -27,8 +26,7 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = str(tiny_checkpoint("llama"))
-    with serve_process(model, log_dir=tmp_path_factory.mktemp("hostile-edge")) as s:
+    with tiny_server(tmp_path_factory, "hostile-edge") as s:
         yield s
 
 
@@ -128,9 +126,7 @@ async def test_row8_deep_nesting_anywhere_is_a_400(server):
 
 @pytest.fixture(scope="module")
 def process_server(tmp_path_factory):
-    model = str(tiny_checkpoint("llama"))
-    log_dir = tmp_path_factory.mktemp("hostile-edge-proc")
-    with serve_process(model, "--engine-process", "on", log_dir=log_dir) as s:
+    with tiny_server(tmp_path_factory, "hostile-edge-proc", "--engine-process", "on") as s:
         yield s
 
 

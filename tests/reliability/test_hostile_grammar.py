@@ -10,14 +10,13 @@ import json
 
 import pytest
 
-from tests.checkpoints import tiny_checkpoint
 from tests.reliability.watch import (
     REPLY_BUDGET_S,
     Watch,
     assert_client_error,
     normal_chat,
     post,
-    serve_process,
+    tiny_server,
 )
 from tests.service.test_grammar_compiler import chain_grammar, ref_chain_schema, slow_schema
 
@@ -26,16 +25,13 @@ AMBIGUOUS = 'start: a\na: a a a | a a | "x" | "xx"\n'
 
 @pytest.fixture(scope="module")
 def inline_server(tmp_path_factory):
-    model = str(tiny_checkpoint("llama"))
-    with serve_process(model, log_dir=tmp_path_factory.mktemp("hostile-grammar")) as s:
+    with tiny_server(tmp_path_factory, "hostile-grammar") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def process_server(tmp_path_factory):
-    model = str(tiny_checkpoint("llama"))
-    log_dir = tmp_path_factory.mktemp("hostile-grammar-proc")
-    with serve_process(model, "--engine-process", "on", log_dir=log_dir) as s:
+    with tiny_server(tmp_path_factory, "hostile-grammar-proc", "--engine-process", "on") as s:
         yield s
 
 

@@ -40,14 +40,13 @@ from hypothesis import strategies as st
 
 from service.json_depth import MAX_JSON_DEPTH
 from service.structured import COMPILE_TIMEOUT_S, TOKEN_BUDGET_S
-from tests.checkpoints import tiny_checkpoint
 from tests.reliability.watch import (
     GAP_BUDGET_S,
     HEALTH_BUDGET_S,
     REPLY_BUDGET_S,
     Watch,
     normal_chat,
-    serve_process,
+    tiny_server,
 )
 
 MAX_TOKENS = 8  # every generated request asks for at most this many tokens a choice
@@ -1179,8 +1178,7 @@ prefix_bodies = hostile_body(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = str(tiny_checkpoint("llama"))
-    with serve_process(model, log_dir=tmp_path_factory.mktemp("hostile-property")) as s:
+    with tiny_server(tmp_path_factory, "hostile-property") as s:
         yield s
 
 

@@ -30,6 +30,7 @@ from tests.reliability.watch import (
     normal_chat,
     post,
     serve_process,
+    tiny_server,
 )
 
 HUGE = 3_900_000  # under --max-request-bytes (4 MiB) with the JSON around it
@@ -52,8 +53,7 @@ def utf8(body: dict) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = str(tiny_checkpoint("llama"))
-    with serve_process(model, log_dir=tmp_path_factory.mktemp("hostile-tokenize")) as s:
+    with tiny_server(tmp_path_factory, "hostile-tokenize") as s:
         yield s
 
 

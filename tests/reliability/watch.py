@@ -86,6 +86,16 @@ def serve_process(model: str, *args: str, log_dir: Path, **kw: Any) -> Iterator[
         server.stop()
 
 
+def tiny_server(tmp_path_factory: Any, name: str, *args: str) -> Any:
+    """serve_process on the tiny test checkpoint, its log in a fresh directory `name`
+    (a module fixture's server: `with tiny_server(...) as s: yield s`)."""
+    from tests.checkpoints import tiny_checkpoint
+
+    return serve_process(
+        str(tiny_checkpoint("llama")), *args, log_dir=tmp_path_factory.mktemp(name)
+    )
+
+
 class Watch:
     """Beside whatever runs inside `async with Watch(url)`: one SSE completion after another
     (each long, ignore_eos) whose inter-chunk gaps are recorded, and `/health` every 0.1 s
