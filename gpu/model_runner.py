@@ -31,6 +31,7 @@ from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
 from gpu.step_rows import PromptRows, SampleRows, StepInputs
 from gpu.tp import TPGroup, check_tp_config, gather_kv_heads, kv_heads, local_config
+from scheduler import envs
 from scheduler.config import EngineConfig
 from scheduler.contract import (
     DecodeColumns,
@@ -46,7 +47,6 @@ from scheduler.faults import FaultPlan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on CPU unless told otherwise
 DEFAULT_GPU_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
 
 
@@ -321,7 +321,7 @@ class ModelRunner:
                 free, _total = torch.cuda.mem_get_info(self.device)
                 kv_cache_bytes = int(free * DEFAULT_GPU_MEMORY_FRACTION)
             else:
-                kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+                kv_cache_bytes = envs.PAGESTREAM_CPU_KVCACHE_SPACE
         n = kv_cache_bytes // self.kv_bytes_per_block
         if n < 2:
             raise ModelLoadError(

@@ -37,6 +37,17 @@ def _on(value: str | None) -> bool:
     return value != "0"
 
 
+def _gib(value: str | None) -> int:
+    """A size in GiB (a decimal number above 0) as bytes."""
+    try:
+        gib = float(value or "")
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise ValueError(f"a size in GiB must be a number above 0, not {value!r}")
+    return int(gib * (1 << 30))
+
+
 _VARS = [
     # --------------------------------------------------------------- serving defaults
     EnvVar("PAGESTREAM_MODEL", None, "default of `serve --model`: checkpoint directory"),
@@ -56,6 +67,14 @@ _VARS = [
         None,
         "fault-injection rules for tests (scheduler/faults.py `FaultPlan.parse`); unset in "
         "normal serving",
+    ),
+    EnvVar(
+        "PAGESTREAM_CPU_KVCACHE_SPACE",
+        "2",
+        "GiB of KV cache on a CPU when neither --kv-cache-memory nor --num-kv-blocks is "
+        "given (vLLM's VLLM_CPU_KVCACHE_SPACE); the whole cache is faulted in, on huge "
+        "pages, at start-up (tests set 0.25)",
+        parse=_gib,
     ),
     # --------------------------------------------------------------- where things live
     EnvVar(
@@ -246,6 +265,7 @@ if TYPE_CHECKING:
     PAGESTREAM_ALLOWED_HOSTS: str | None
     FORWARDED_ALLOW_IPS: str | None
     PAGESTREAM_FAULT_INJECTION: str | None
+    PAGESTREAM_CPU_KVCACHE_SPACE: int
     PAGESTREAM_CACHE: str | None
     XDG_CACHE_HOME: str | None
     PAGESTREAM_CPU_MARCH: str

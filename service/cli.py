@@ -96,7 +96,7 @@ def _add_kv_cache_args(g: Group) -> None:
         type=float,
         default=None,
         metavar="GiB",
-        help="KV cache size (default: 2 GiB on CPU, 85%% of free memory on CUDA)",
+        help="KV cache size (default: 2 GiB on CPU, or PAGESTREAM_CPU_KVCACHE_SPACE; 85%% of free memory on CUDA)",
     )
 
 

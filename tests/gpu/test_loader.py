@@ -157,3 +157,22 @@ def test_the_loaded_model_does_not_keep_the_file_mapped(ckpt):
     maps = Path("/proc/self/maps").read_text()
     assert str(ckpt / "model.safetensors") not in maps
     assert runner is not None
+
+
+def test_cpu_kv_cache_size_follows_the_environment(monkeypatch):
+    """Without --kv-cache-memory / --num-kv-blocks a CPU cache takes
+    PAGESTREAM_CPU_KVCACHE_SPACE GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); a bad value is an
+    error naming the variable's rule, not a silent default."""
+    ck = tiny_checkpoint("llama")
+    monkeypatch.setenv("PAGESTREAM_CPU_KVCACHE_SPACE", "0.0625")
+    r = ModelRunner(ck, dtype="float32", device="cpu")
+    assert r.num_kv_blocks == (1 << 26) // r.kv_bytes_per_block
+    assert r.kv_caches[0][0].shape[0] == r.num_kv_blocks
+    monkeypatch.delenv("PAGESTREAM_CPU_KVCACHE_SPACE")
+    from scheduler import envs
+
+    assert envs.PAGESTREAM_CPU_KVCACHE_SPACE == 2 << 30
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv("PAGESTREAM_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="a size in GiB must be a number above 0"):
+            ModelRunner(ck, dtype="float32", device="cpu")
