@@ -52,7 +52,7 @@ REQUEST_PATH = [
     "gpu/attention/torch_backend.py",
     "gpu/attention/triton_backend.py",
     "gpu/cpu/kernels/__init__.py",
-    "gpu/cpu/kernels/paged_decode.cpp",
+    "gpu/cpu/kernels/paged_decode.h",
     "gpu/cpu/kernels/paged_prefill.cpp",
     "gpu/kernels/kv_cache.py",
     "gpu/kernels/attention.py",

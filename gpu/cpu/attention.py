@@ -1,4 +1,4 @@
-"""The CPU attention backend: the compiled paged kernels (gpu/cpu/kernels/paged_decode.cpp,
+"""The CPU attention backend: the compiled paged kernels (gpu/cpu/kernels/paged_decode.h,
 paged_prefill.cpp) for what they cover, the torch path for the rest."""
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ _SRCS = [
     Path(__file__).with_name(n)
     for n in (
         "paged_decode.cpp",
+        "paged_decode_int8.cpp",
+        "paged_decode_fp8.cpp",
         "paged_prefill.cpp",
         "elementwise.cpp",
         "int8_gemv.cpp",
