@@ -107,14 +107,16 @@ def compile_shared(
         objs = [str(Path(tmp) / f"{src.stem}.o") for src in srcs]
         # Compiled side by side: the two cores of a CI machine halve a cold build.
         cmds = [[cxx, *flags, "-c", str(src), "-o", obj] for src, obj in zip(srcs, objs)]
-        procs = [subprocess.Popen(c, stderr=subprocess.PIPE, text=True) for c in cmds]
+        env = envs.without_preload()
+        procs = [subprocess.Popen(c, stderr=subprocess.PIPE, text=True, env=env) for c in cmds]
         errors = [p.communicate()[1] for p in procs]
         failed = [src.name for src, p in zip(srcs, procs) if p.returncode != 0]
         if failed:
             raise subprocess.CalledProcessError(1, [cxx, *failed], stderr="".join(errors))
         subprocess.run(
-            [cxx, *objs, *link, "-o", str(out)], check=True, capture_output=True, text=True
-        )
+            [cxx, *objs, *link, "-o", str(out)], check=True, capture_output=True, text=True,
+            env=env,
+        )  # fmt: skip
 
 
 def _cpu_id() -> str:
