@@ -26,3 +26,52 @@ if not os.environ.get("PAGESTREAM_NO_TRITON_INTERPRET"):
         _has_cuda = False
     if not _has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _memoize_interpreter_builtins() -> None:
+    """Triton's interpreter patches triton.language's builtins around every kernel launch:
+    it finds them with inspect.getmembers over the language modules and wraps each anew,
+    ~15% of an interpreted test's time (the suite runs ~200 s of interpreted kernels).
+    Both come out the same every launch, so they are made once, here, by the
+    interpreter's own _patch_attr, before any kernel has patched the modules (a list taken
+    mid-launch would hold patched members); each launch then only sets and restores them
+    in its scope, as before.  Other packages, or another Triton, keep the original."""
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(interpreter, "_patch_builtin", None)
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    if original is None or patch_attr is None:  # pragma: no cover - another Triton
+        return
+
+    class Record:  # a patch scope that keeps what it is given
+        def __init__(self) -> None:
+            self.attrs: list[tuple[object, str, object]] = []
+
+        def set_attr(self, obj: object, name: str, value: object) -> None:
+            self.attrs.append((obj, name, value))
+
+    wrapped: dict[int, list[tuple[object, str, object]]] = {}
+    for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+        record = Record()
+        for name, member in inspect.getmembers(pkg):
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, interpreter.interpreter_builder, record)
+        wrapped[id(pkg)] = record.attrs
+
+    def patch_builtin(pkg, builder, scope):
+        attrs = wrapped.get(id(pkg))
+        if attrs is None:
+            return original(pkg, builder, scope)
+        for obj, name, value in attrs:
+            scope.set_attr(obj, name, value)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _memoize_interpreter_builtins()
