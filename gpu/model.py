@@ -58,6 +58,14 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        if torch.empty(0).is_meta:
+            # Built on the meta device (the loader's first pass, which rebuilds this module
+            # for real): shapes only.  Arithmetic on meta tensors runs torch's Python
+            # references, whose first call imports torch._dynamo (~0.9 s of a start-up).
+            shape = (max_positions, config.head_dim // 2)
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin", torch.empty(shape), persistent=False)
+            return
         inv_freq = config.inv_freq()  # [D/2] float32
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
@@ -257,7 +265,11 @@ class CausalLM(nn.Module):
         vocab = config.vocab_size
         if pp is not None and not (pp.first or (pp.last and config.tie_word_embeddings)):
             vocab = 0
-        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        # Its weight given, not drawn: the checkpoint overwrites it, and nn.Embedding's own
+        # normal_ init imports torch._dynamo (~0.9 s of every process's start-up).
+        self.embed_tokens = nn.Embedding(
+            vocab, config.hidden_size, _weight=torch.empty(vocab, config.hidden_size)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, tp) for _ in range(config.num_layers)
         )

@@ -176,3 +176,25 @@ def test_cpu_kv_cache_size_follows_the_environment(monkeypatch):
         monkeypatch.setenv("PAGESTREAM_CPU_KVCACHE_SPACE", bad)
         with pytest.raises(ValueError, match="a size in GiB must be a number above 0"):
             ModelRunner(ck, dtype="float32", device="cpu")
+
+
+def test_loading_a_model_does_not_import_torch_dynamo():
+    """~0.9 s of every server, engine process and rank start-up: nn.Embedding's own random
+    init and arithmetic on the meta device (the loader's first pass) both import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from gpu.model_runner import ModelRunner\n"
+        f"r = ModelRunner({str(tiny_checkpoint('llama'))!r}, dtype='float32', device='cpu',"
+        " num_kv_blocks=16)\n"
+        "assert r.model.rotary.cos.is_meta is False\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "False"
