@@ -58,7 +58,7 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        if torch.empty(0).is_meta:
+        if torch.get_default_device().type == "meta":
             # Built on the meta device (the loader's first pass, which rebuilds this module
             # for real): shapes only.  Arithmetic on meta tensors runs torch's Python
             # references, whose first call imports torch._dynamo (~0.9 s of a start-up).

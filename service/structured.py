@@ -75,7 +75,7 @@ class LLGuidanceMatcher:
     token, so one costly grammar cannot hide behind, or be blamed on, its neighbours.
 
     The samples of one API request (n of them for each of its prompts) share the budget
-    (each gets TOKEN_BUDGET_S / n): they advance together, so a step pays for all of
+    (each gets TOKEN_BUDGET_S / their count, the `n` given here): they advance together, so a step pays for all of
     them, and with a budget each an n = 8 request held every step at up to 8x the budget
     for 8x as long (50 s here) before its 4xx."""
 
@@ -84,7 +84,7 @@ class LLGuidanceMatcher:
     def __init__(self, m: llguidance.LLMatcher, words: int, n: int = 1) -> None:
         self.m = m
         self.words = words  # int32 words in a mask
-        self.n = n  # the request's samples, which share TOKEN_BUDGET_S
+        self.n = n  # the API request's samples (over all its prompts): they share the budget
         self.budget = TOKEN_BUDGET_S / n
         self.spent = 0.0  # seconds on the current token: its advance, then its mask
         self.suspect = False
