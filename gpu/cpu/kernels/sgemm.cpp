@@ -9,8 +9,8 @@
 // step.  This is the BLIS layout: the weight packed once at load into panels of 16 columns
 // (kKC rows of k at a time, each row of a panel one 64-byte line), a 6 x 16 register tile
 // of accumulators (12 of the 16 ymm registers) fed by two panel loads and six broadcasts per
-// k, each panel kept in L1 while every 6-row tile of x passes over it, and the next panel
-// prefetched into L2 while the first tile computes.  Panels are split over threads (a share of
+// k, each panel kept in L1 while every 6-row tile of x passes over it, and the next block
+// prefetched a share under each tile (below).  Panels are split over threads (a share of
 // the first three quarters each, the rest claimed in chunks: ps::share_items); each thread
 // finishes all of k for a panel before the next, so its output tile never leaves L1.
 // With 1-3 rows a tile spans 2-4 panels instead, so enough independent FMAs are in flight
@@ -68,16 +68,13 @@ inline __m256 load8(const uint16_t* p) {
 }
 
 // MR rows x NP consecutive panels over kc values of k; c is read back unless `first`
-// (then it starts from the bias, or zero).  pf: NP panels to prefetch, one line per k
-// (float32 weights) or every other k (bf16: two k rows to a line), into L2: the next
-// 16 KB block pulled into L1 beside the one the tiles reread and their x (16 + 16 + 6 KB
-// against a 32 KB L1) evicted the current block under the later tiles, and each miss to
-// memory held an L1 fill buffer for its whole trip.  On a 2-core Zen 4 EPYC (this kernel,
-// float32, the `mid` projections streaming): 1.16-1.32x at 4-32 rows, 1.11-1.19x at 38-64,
-// 1.17x at 128, level to 1.08x at 512-2,048.
+// (then it starts from the bias, or zero).  Prefetch (PF): wide tiles (NP > 1) pull in NP
+// panels, one line per k (float32 weights) or every other k (bf16: two k rows to a line);
+// a one-panel tile pulls in npf consecutive lines from pf, one a k, its share of the next
+// block (see gemm).  The hint asks for L2; Zen 2 and Zen 3 fill L1 with it as well.
 template <typename WT, int MR, int NP, bool PF, bool PACKED>
 void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int64_t cs,
-                 bool first, const float* bias, const WT* pf) {
+                 bool first, const float* bias, const WT* pf, int npf) {
   // x row r at k: a[r * as + kk]; packed (see pack_rows): a[kk * MR + r], one contiguous
   // stream, so no row of x shares an L1 set with the others (rows k floats apart alias).
   const int64_t rs = PACKED ? 1 : as, ks = PACKED ? MR : 1;
@@ -92,7 +89,10 @@ void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int6
   }
 #pragma GCC unroll 4
   for (int kk = 0; kk < kc; ++kk) {
-    if (PF && (sizeof(WT) == 4 || kk % 2 == 0)) {
+    if constexpr (PF && NP == 1) {
+      if (kk < npf)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + kk * (64 / sizeof(WT))), _MM_HINT_T1);
+    } else if (PF && (sizeof(WT) == 4 || kk % 2 == 0)) {
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(pf + j * ps + kk * kNR), _MM_HINT_T1);
@@ -119,7 +119,7 @@ void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int6
 
 template <typename WT>
 using Kernel = void (*)(int, const float*, int64_t, const WT*, float*, int64_t, bool,
-                        const float*, const WT*);
+                        const float*, const WT*, int);
 
 template <typename WT>
 struct Kernels {
@@ -151,11 +151,11 @@ constexpr int kWidePanels[4] = {0, 4, 3, 2};
 template <typename WT>
 void run_tile(Kernel<WT> kern, int mr, int np, int kc, const float* a, int64_t as, const WT* b,
               float* y, int64_t ys, int64_t col, int64_t n, bool first, const float* bias,
-              const WT* pf) {
+              const WT* pf, int npf = 0) {
   const int tw = np * kNR;
   const int64_t w = std::min<int64_t>(tw, n - col);
   if (w == tw) {
-    kern(kc, a, as, b, y + col, ys, first, bias ? bias + col : nullptr, pf);
+    kern(kc, a, as, b, y + col, ys, first, bias ? bias + col : nullptr, pf, npf);
     return;
   }
   alignas(32) float tmp[kMR * 4 * kNR];
@@ -164,7 +164,7 @@ void run_tile(Kernel<WT> kern, int mr, int np, int kc, const float* a, int64_t a
     for (int j = 0; j < tw; ++j) btmp[j] = j < w ? bias[col + j] : 0.0f;
   if (!first)
     for (int r = 0; r < mr; ++r) std::memcpy(tmp + r * tw, y + r * ys + col, 4 * w);
-  kern(kc, a, as, b, tmp, tw, first, bias ? btmp : nullptr, pf);
+  kern(kc, a, as, b, tmp, tw, first, bias ? btmp : nullptr, pf, npf);
   for (int r = 0; r < mr; ++r) std::memcpy(y + r * ys + col, tmp + r * tw, 4 * w);
 }
 
@@ -272,10 +272,11 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
     }
     return;
   }
-  // Rows in blocks of at most kMC, as even as they come: one block's packed x per k block
-  // (kMC x kKC floats) stays in L2 while every panel of the thread passes over it.
+  // Rows in blocks of at most kMC, as even as they come in whole register tiles: one
+  // block's packed x per k block (kMC x kKC floats) stays in L2 while every panel of the
+  // thread passes over it.
   const int64_t nblk = (m + kMC - 1) / kMC;
-  const int64_t mc = std::min<int64_t>(m, (m + nblk - 1) / nblk);
+  const int64_t mc = std::min<int64_t>(m, ((m + nblk - 1) / nblk + kMR - 1) / kMR * kMR);
   float* ap = scratch(xbuf, mc * k);
   // Gated: whole (gate, up) pairs of panels an item.
   const int64_t unit = gated ? 2 : 1, units = np / unit;
@@ -294,24 +295,43 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
                                                  tiles[i][0], mb, k, ap);
       // Panel p of the weight over all of k; `next`: the panel this thread runs after it.
       auto panel = [&](int64_t p, int64_t next) {
+        // Up to 16 rows (decode batches), a block runs in sub-blocks of 64 k, each passed
+        // over by every tile before the next: the tiles after the first reread 4 KB of
+        // weights from L1 while the prefetched lines arrive, where a 16 KB block was
+        // partly evicted by them.  On a 2-core Zen 3 EPYC (the llama1b projections,
+        // float32, weights streaming; with the prefetch split below): 1.22x at 8 rows,
+        // 1.19x at 12, 1.14x at 16; from 24 rows whole blocks were as fast or faster.
+        const int sub = mb <= 16 ? 64 : kKC;
         for (int64_t k0 = 0; k0 < k; k0 += kKC) {
           const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
           const WT* b = block(k0, p);
           // The next block of this panel, else the first of the next panel.
           const WT* pf = k0 + kKC < k ? block(k0 + kKC, p) : next >= 0 ? block(0, next)
                                                                          : nullptr;
-          for (int i = 0; i < ntiles; ++i) {
-            const int r0 = tiles[i][0], mr = tiles[i][1];
-            // The first tile pulls the next block in; the others find this one in L1.
-            const WT* tpf = i == 0 ? pf : nullptr;
-            const Kernel<WT> kern = Kernels<WT>::narrow[mr][tpf != nullptr];
-            const float* a = ap + k0 * mb + r0 * kc;
-            if (gated)
-              run_tile<WT>(kern, mr, 1, kc, a, 0, b, gu + r0 * 2 * kNR, 2 * kNR, (p % 2) * kNR,
-                           2 * kNR, k0 == 0, nullptr, tpf);
-            else
-              run_tile<WT>(kern, mr, 1, kc, a, 0, b, y + (m0 + r0) * ys, ys, p * kNR, n, k0 == 0,
-                           bias, tpf);
+          const int nsub = (kc + sub - 1) / sub, units = nsub * ntiles;
+          constexpr int per_line = 64 / sizeof(WT);
+          const int lines = kc * kNR / per_line;
+          for (int h = 0; h < nsub; ++h) {
+            const int h0 = h * sub, hc = std::min(sub, kc - h0);
+            for (int i = 0; i < ntiles; ++i) {
+              const int r0 = tiles[i][0], mr = tiles[i][1];
+              // Each tile (and sub-block) pulls in its share of the next block's lines,
+              // one a k, so the memory is busy under every tile's FMAs, not only the
+              // first's: 1.08-1.11x at 20-48 rows and 1.03x at 512 on the Zen 3.
+              const int u = h * ntiles + i;
+              const int lo = lines * u / units, hi = lines * (u + 1) / units;
+              const WT* tpf = pf && hi > lo ? pf + lo * per_line : nullptr;
+              const Kernel<WT> kern = Kernels<WT>::narrow[mr][tpf != nullptr];
+              const float* a = ap + k0 * mb + r0 * kc + h0 * mr;
+              const WT* bh = b + h0 * kNR;
+              const bool first = k0 == 0 && h == 0;
+              if (gated)
+                run_tile<WT>(kern, mr, 1, hc, a, 0, bh, gu + r0 * 2 * kNR, 2 * kNR,
+                             (p % 2) * kNR, 2 * kNR, first, nullptr, tpf, hi - lo);
+              else
+                run_tile<WT>(kern, mr, 1, hc, a, 0, bh, y + (m0 + r0) * ys, ys, p * kNR, n,
+                             first, bias, tpf, hi - lo);
+            }
           }
         }
         if (gated && p % 2 == 1)
