@@ -68,11 +68,12 @@ inline __m256 load8(const uint16_t* p) {
 }
 
 // MR rows x NP consecutive panels over kc values of k; c is read back unless `first`
-// (then it starts from the bias, or zero).  Prefetch (PF): wide tiles (NP > 1) pull in NP
-// panels, one line per k (float32 weights) or every other k (bf16: two k rows to a line);
-// a one-panel tile pulls in npf consecutive lines from pf, one a k, its share of the next
-// block (see gemm).  The hint asks for L2; Zen 2 and Zen 3 fill L1 with it as well.
-template <typename WT, int MR, int NP, bool PF, bool PACKED>
+// (then it starts from the bias, or zero).  Prefetch: wide tiles (NP > 1, PF 1) pull in
+// NP panels from pf, one line per k (float32 weights) or every other k (bf16: two k rows
+// to a line); a one-panel tile pulls in npf consecutive lines from pf, its share of the
+// next block (see gemm), one a k from the first k (PF 1) or spread evenly over its kc
+// (PF 2; npf <= kc).  The hint asks for L2; Zen 2 and Zen 3 fill L1 with it as well.
+template <typename WT, int MR, int NP, int PF, bool PACKED>
 void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int64_t cs,
                  bool first, const float* bias, const WT* pf, int npf) {
   // x row r at k: a[r * as + kk]; packed (see pack_rows): a[kk * MR + r], one contiguous
@@ -87,12 +88,21 @@ void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int6
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) acc[r][j] = first ? init : _mm256_loadu_ps(c + r * cs + col);
   }
+  constexpr int per_line = 64 / sizeof(WT);
+  int spread = kc - 1;  // PF 2: the first line at the first k, npf of them by the last
+  const WT* pfl = pf;
 #pragma GCC unroll 4
   for (int kk = 0; kk < kc; ++kk) {
-    if constexpr (PF && NP == 1) {
-      if (kk < npf)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + kk * (64 / sizeof(WT))), _MM_HINT_T1);
-    } else if (PF && (sizeof(WT) == 4 || kk % 2 == 0)) {
+    if constexpr (PF == 2) {
+      spread += npf;
+      if (spread >= kc) {
+        spread -= kc;
+        _mm_prefetch(reinterpret_cast<const char*>(pfl), _MM_HINT_T1);
+        pfl += per_line;
+      }
+    } else if constexpr (PF == 1 && NP == 1) {
+      if (kk < npf) _mm_prefetch(reinterpret_cast<const char*>(pf + kk * per_line), _MM_HINT_T1);
+    } else if (PF == 1 && (sizeof(WT) == 4 || kk % 2 == 0)) {
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(pf + j * ps + kk * kNR), _MM_HINT_T1);
@@ -123,27 +133,24 @@ using Kernel = void (*)(int, const float*, int64_t, const WT*, float*, int64_t, 
 
 template <typename WT>
 struct Kernels {
-  // [rows][prefetch]: one panel per tile, x packed.
-  static constexpr Kernel<WT> narrow[kMR + 1][2] = {
-      {nullptr, nullptr},
-      {tile_kernel<WT, 1, 1, false, true>, tile_kernel<WT, 1, 1, true, true>},
-      {tile_kernel<WT, 2, 1, false, true>, tile_kernel<WT, 2, 1, true, true>},
-      {tile_kernel<WT, 3, 1, false, true>, tile_kernel<WT, 3, 1, true, true>},
-      {tile_kernel<WT, 4, 1, false, true>, tile_kernel<WT, 4, 1, true, true>},
-      {tile_kernel<WT, 5, 1, false, true>, tile_kernel<WT, 5, 1, true, true>},
-      {tile_kernel<WT, 6, 1, false, true>, tile_kernel<WT, 6, 1, true, true>},
-  };
+  // [rows][prefetch: none, one a k, spread]: one panel per tile, x packed.
+#define PS_NARROW(r) \
+  {tile_kernel<WT, r, 1, 0, true>, tile_kernel<WT, r, 1, 1, true>, tile_kernel<WT, r, 1, 2, true>}
+  static constexpr Kernel<WT> narrow[kMR + 1][3] = {
+      {nullptr, nullptr, nullptr}, PS_NARROW(1), PS_NARROW(2), PS_NARROW(3),
+      PS_NARROW(4),                PS_NARROW(5), PS_NARROW(6)};
+#undef PS_NARROW
   // 1-3 rows: 4, 3, 2 panels per tile (8-12 accumulators), x read in place.
   static constexpr Kernel<WT> wide[4][2] = {
       {nullptr, nullptr},
-      {tile_kernel<WT, 1, 4, false, false>, tile_kernel<WT, 1, 4, true, false>},
-      {tile_kernel<WT, 2, 3, false, false>, tile_kernel<WT, 2, 3, true, false>},
-      {tile_kernel<WT, 3, 2, false, false>, tile_kernel<WT, 3, 2, true, false>},
+      {tile_kernel<WT, 1, 4, 0, false>, tile_kernel<WT, 1, 4, 1, false>},
+      {tile_kernel<WT, 2, 3, 0, false>, tile_kernel<WT, 2, 3, 1, false>},
+      {tile_kernel<WT, 3, 2, 0, false>, tile_kernel<WT, 3, 2, 1, false>},
   };
   // The last few panels of a wide product, one at a time.
   static constexpr Kernel<WT> narrow_rows[4] = {
-      nullptr, tile_kernel<WT, 1, 1, false, false>, tile_kernel<WT, 2, 1, false, false>,
-      tile_kernel<WT, 3, 1, false, false>};
+      nullptr, tile_kernel<WT, 1, 1, 0, false>, tile_kernel<WT, 2, 1, 0, false>,
+      tile_kernel<WT, 3, 1, 0, false>};
 };
 constexpr int kWidePanels[4] = {0, 4, 3, 2};
 
@@ -302,6 +309,10 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
         // float32, weights streaming; with the prefetch split below): 1.22x at 8 rows,
         // 1.19x at 12, 1.14x at 16; from 24 rows whole blocks were as fast or faster.
         const int sub = mb <= 16 ? 64 : kKC;
+        // Up to 32 rows a tile's share of prefetches is spread over its k instead of
+        // issued one a k from the start: 1.05-1.12x at 8-12 and 24 rows on the Zen 3
+        // (0.98x at 16); front-loaded was as fast or faster from 48 rows.
+        const int pfmode = mb <= 32 ? 2 : 1;
         for (int64_t k0 = 0; k0 < k; k0 += kKC) {
           const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
           const WT* b = block(k0, p);
@@ -321,7 +332,7 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
               const int u = h * ntiles + i;
               const int lo = lines * u / units, hi = lines * (u + 1) / units;
               const WT* tpf = pf && hi > lo ? pf + lo * per_line : nullptr;
-              const Kernel<WT> kern = Kernels<WT>::narrow[mr][tpf != nullptr];
+              const Kernel<WT> kern = Kernels<WT>::narrow[mr][tpf ? pfmode : 0];
               const float* a = ap + k0 * mb + r0 * kc + h0 * mr;
               const WT* bh = b + h0 * kNR;
               const bool first = k0 == 0 && h == 0;
