@@ -75,9 +75,9 @@ class LLGuidanceMatcher:
     token, so one costly grammar cannot hide behind, or be blamed on, its neighbours.
 
     The samples of one API request (n of them for each of its prompts) share the budget
-    (each gets TOKEN_BUDGET_S / their count, the `n` given here): they advance together, so a step pays for all of
-    them, and with a budget each an n = 8 request held every step at up to 8x the budget
-    for 8x as long (50 s here) before its 4xx."""
+    (each gets TOKEN_BUDGET_S / their count, the `n` given here): they advance together,
+    so a step pays for all of them, and with a budget each an n = 8 request held every
+    step at up to 8x the budget for 8x as long before its 4xx."""
 
     __slots__ = ("budget", "m", "n", "over", "spent", "suspect", "words")
 

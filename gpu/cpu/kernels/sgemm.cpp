@@ -58,6 +58,9 @@ constexpr int kMC = 120;  // rows per block of packed x: 120 x kKC floats, 120 K
 
 inline int64_t panels(int64_t n) { return (n + kNR - 1) / kNR; }
 
+template <typename WT>
+constexpr int kPerLine = 64 / sizeof(WT);  // weights to a cache line
+
 #if PS_SGEMM
 
 // Eight weights as floats: bf16 is the high half of a float32.
@@ -88,7 +91,6 @@ void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int6
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) acc[r][j] = first ? init : _mm256_loadu_ps(c + r * cs + col);
   }
-  constexpr int per_line = 64 / sizeof(WT);
   int spread = kc - 1;  // PF 2: the first line at the first k, npf of them by the last
   const WT* pfl = pf;
 #pragma GCC unroll 4
@@ -98,10 +100,11 @@ void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int6
       if (spread >= kc) {
         spread -= kc;
         _mm_prefetch(reinterpret_cast<const char*>(pfl), _MM_HINT_T1);
-        pfl += per_line;
+        pfl += kPerLine<WT>;
       }
     } else if constexpr (PF == 1 && NP == 1) {
-      if (kk < npf) _mm_prefetch(reinterpret_cast<const char*>(pf + kk * per_line), _MM_HINT_T1);
+      if (kk < npf)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + kk * kPerLine<WT>), _MM_HINT_T1);
     } else if (PF == 1 && (sizeof(WT) == 4 || kk % 2 == 0)) {
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j)
@@ -305,13 +308,12 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
         // Up to 16 rows (decode batches), a block runs in sub-blocks of 64 k, each passed
         // over by every tile before the next: the tiles after the first reread 4 KB of
         // weights from L1 while the prefetched lines arrive, where a 16 KB block was
-        // partly evicted by them.  On a 2-core Zen 3 EPYC (the llama1b projections,
-        // float32, weights streaming; with the prefetch split below): 1.22x at 8 rows,
-        // 1.19x at 12, 1.14x at 16; from 24 rows whole blocks were as fast or faster.
+        // partly evicted by them.  From 24 rows (compute-bound) whole blocks were as fast
+        // or faster (docs/PERFORMANCE.md, the Zen 3 section, has the figures).
         const int sub = mb <= 16 ? 64 : kKC;
-        // Up to 32 rows a tile's share of prefetches is spread over its k instead of
-        // issued one a k from the start: 1.05-1.12x at 8-12 and 24 rows on the Zen 3
-        // (0.98x at 16); front-loaded was as fast or faster from 48 rows.
+        // Up to 32 rows a tile's share of prefetches is spread over its k, which keeps
+        // the memory busy under the whole of a short tile; from 48 rows issuing them one
+        // a k from the start was as fast or faster.
         const int pfmode = mb <= 32 ? 2 : 1;
         for (int64_t k0 = 0; k0 < k; k0 += kKC) {
           const int kc = static_cast<int>(std::min<int64_t>(kKC, k - k0));
@@ -320,18 +322,16 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
           const WT* pf = k0 + kKC < k ? block(k0 + kKC, p) : next >= 0 ? block(0, next)
                                                                          : nullptr;
           const int nsub = (kc + sub - 1) / sub, units = nsub * ntiles;
-          constexpr int per_line = 64 / sizeof(WT);
-          const int lines = kc * kNR / per_line;
+          const int lines = kc * kNR / kPerLine<WT>;
           for (int h = 0; h < nsub; ++h) {
             const int h0 = h * sub, hc = std::min(sub, kc - h0);
             for (int i = 0; i < ntiles; ++i) {
               const int r0 = tiles[i][0], mr = tiles[i][1];
               // Each tile (and sub-block) pulls in its share of the next block's lines,
-              // one a k, so the memory is busy under every tile's FMAs, not only the
-              // first's: 1.08-1.11x at 20-48 rows and 1.03x at 512 on the Zen 3.
+              // so the memory is busy under every tile's FMAs, not only the first's.
               const int u = h * ntiles + i;
               const int lo = lines * u / units, hi = lines * (u + 1) / units;
-              const WT* tpf = pf && hi > lo ? pf + lo * per_line : nullptr;
+              const WT* tpf = pf && hi > lo ? pf + lo * kPerLine<WT> : nullptr;
               const Kernel<WT> kern = Kernels<WT>::narrow[mr][tpf ? pfmode : 0];
               const float* a = ap + k0 * mb + r0 * kc + h0 * mr;
               const WT* bh = b + h0 * kNR;
