@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from scheduler.config import EngineConfig
 from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
@@ -633,6 +635,15 @@ class AsyncEngine:
                     seq = seqs[u.sample_index]
                     if seq.done:
                         continue
+                    if u.error is not None and u.new_token_ids and not final_only:
+                        # A slow consumer's merged update may hold tokens sampled before
+                        # the failure: the client sees them, then hears of the failure.
+                        tokens = msgspec.structs.replace(u, error=None, finish_reason=None)
+                        self._take_update(seq, out, metrics, tokens, now)
+                        yield out
+                        for s in seqs:
+                            s.clear_delta()
+                        u = msgspec.structs.replace(u, new_token_ids=[], logprobs=None)
                     self._take_update(seq, out, metrics, u, now)
                     if seq.done:
                         live -= 1
