@@ -159,7 +159,7 @@ _VARS = [
     EnvVar(
         "PAGESTREAM_PREFILL_GEMM",
         "auto",
-        "float32 prompt-sized GEMMs: auto, mkl or onednn",
+        "prompt-sized GEMMs: auto, mkl (float32) or onednn",
         choices=("auto", "mkl", "onednn"),
     ),
     EnvVar(

@@ -7,8 +7,8 @@ and in the server every return from C takes the GIL back from the event loop.
 order, from C: the same bits, one crossing a step.
 
 It takes a model only where every projection runs on one of pagestream's packed kernels
-(vdpbf16ps or, up to AMX_MAX_ROWS rows, AMX in bf16; the AVX-512 or AVX2 sgemm in
-float32) with the gate_up's SiLU·up as its epilogue, attention on the compiled kernels, an
+(vdpbf16ps or AMX in bf16, AMX up to AMX_MAX_ROWS rows under
+PAGESTREAM_PREFILL_GEMM=onednn; the AVX-512 or AVX2 sgemm in float32) with the gate_up's SiLU·up as its epilogue, attention on the compiled kernels, an
 unquantized K/V cache, no per-head q/k norm and no tensor or pipeline parallelism; and a
 step with prompt rows only where the backend gives every chunk to the compiled prefill
 kernel (not SDPA).  Anything else keeps the Python path.  PAGESTREAM_LAYER_STACK=0 turns it off.
@@ -26,7 +26,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.cpu import kernels as cpu_kernels
 from gpu.cpu.attention import CpuAttentionBackend
 from gpu.cpu.kernels import bindings
-from gpu.cpu.linear import AMX_MAX_ROWS, PackedLinear
+from gpu.cpu.linear import PackedLinear, amx_max_rows
 from scheduler import envs
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class LayerStack:
         self.kind = KINDS[kind]
         self.amx = kind == "amx"
         # PackedLinear.forward leaves AMX past this many rows.
-        self.max_rows = AMX_MAX_ROWS if self.amx else None
+        self.max_rows = amx_max_rows() if self.amx else None
         cfg = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.hidden = cfg.hidden_size

@@ -23,14 +23,18 @@ which packs the weight and runs its products.  Why each family runs where it doe
   size, for float32 on any AVX-512 CPU (AMX has no float32 product).
 - `Dpbf16Linear`: the `vdpbf16ps` kernel (same file) at every size, for bf16 on
   AVX512-BF16 CPUs without AMX.
-- `AmxLinear`: the AMX kernel (gpu/cpu/kernels/amx_gemm.cpp) up to AMX_MAX_ROWS rows (ahead
-  of oneDNN's own AMX kernel at decode and mixed-step sizes), oneDNN above: two copies of
-  the weight, made only where they fit AMX_COPY_MEMORY_SHARE of the memory.
+- `AmxLinear`: the AMX kernel (gpu/cpu/kernels/amx_gemm.cpp) at every size, one copy of
+  the weight: ahead of oneDNN's own AMX kernel at decode and mixed-step sizes, and on an
+  Emerald Rapids Xeon at prompt sizes too; a row's result does not depend on its batch, so
+  a prompt's KV is the same whether it came in one step or in chunks.  Under
+  PAGESTREAM_PREFILL_GEMM=onednn products above AMX_MAX_ROWS rows run on oneDNN from a
+  second copy of the weight (ahead at prompt sizes on another AMX Xeon, a measurement of
+  an earlier kernel), made only where it fits AMX_COPY_MEMORY_SHARE of the memory.
 
 An MLP's gate_up is packed for `PackedLinear.silu_mul` where the family allows: SiLU(gate)
 * up as the product's epilogue (the bits of the separate pass, and no [rows, 2 x inter]
-tensor); on AMX for decode-sized rows, prefill-sized ones as oneDNN post-ops
-(`gated_linear`).
+tensor); on AMX at every size (under PAGESTREAM_PREFILL_GEMM=onednn, prompt-sized rows as
+oneDNN post-ops, `gated_linear`).
 """
 
 from __future__ import annotations
@@ -105,10 +109,16 @@ def _bucketed(x: torch.Tensor) -> torch.Tensor:
 # level below it, MKL ahead above (an AVX2-only CPU's measurement; docs/PERFORMANCE.md).
 MKL_FROM_ROWS = 512
 
-# Rows up to which the AMX kernel runs a bf16 product: ahead of oneDNN's own AMX kernel at
-# decode and mixed-step sizes, level around this size, behind at prefill sizes (measured
-# per row count on an AMX Xeon; docs/PERFORMANCE.md).
+# Under PAGESTREAM_PREFILL_GEMM=onednn, rows up to which the AMX kernel runs a bf16 product
+# (oneDNN's AMX kernel above): where the two were level on the AMX Xeon that measured
+# oneDNN ahead at prompt sizes (docs/PERFORMANCE.md).
 AMX_MAX_ROWS = 192
+
+
+def amx_max_rows() -> int | None:
+    """Rows up to which the AMX kernel runs a bf16 product; None: every size (one copy of
+    each weight).  PAGESTREAM_PREFILL_GEMM=onednn: AMX_MAX_ROWS, oneDNN's kernel above."""
+    return AMX_MAX_ROWS if envs.PAGESTREAM_PREFILL_GEMM == "onednn" else None
 
 
 def mkl_from_rows(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> int | None:
@@ -148,8 +158,8 @@ def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 
 
 def use_amx(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
-    """PAGESTREAM_DECODE_GEMM lets the AMX kernel take bf16 products of up to AMX_MAX_ROWS
-    rows: auto or amx (where the CPU has AMX and the kernel is built), sgemm / dpbf16 /
+    """PAGESTREAM_DECODE_GEMM lets the AMX kernel take bf16 products (of up to
+    amx_max_rows() rows): auto or amx (where the CPU has AMX and the kernel is built), sgemm / dpbf16 /
     onednn (never)."""
     choice = _decode_gemm()
     if dtype != torch.bfloat16 or choice in ("onednn", "sgemm", "dpbf16"):
@@ -392,41 +402,50 @@ class Dpbf16Linear(_EverySize):
 
 
 class AmxLinear(LinearStrategy):
-    """bf16 on the AMX kernel up to AMX_MAX_ROWS rows, from its own copy (`amx`); oneDNN
-    above, from `packed` or, for a gated gate_up, the gate and up halves packed apart
-    (`halves`: gated_linear's operands)."""
+    """bf16 on the AMX kernel from its own copy (`amx`), at every size; under
+    PAGESTREAM_PREFILL_GEMM=onednn only up to AMX_MAX_ROWS rows, oneDNN above from `packed`
+    or, for a gated gate_up, the gate and up halves packed apart (`halves`: gated_linear's
+    operands)."""
 
     family = kernel = "amx"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: Choice) -> None:
         super().__init__(weight, bias, choice)
         inter = self.gated_inter
+        self.max_rows = amx_max_rows()
         self.halves: tuple[torch.Tensor, torch.Tensor] | None = None
+        onednn = self.max_rows is not None
         if inter is None:
-            self.packed = pack_weight(weight)
+            self.packed = pack_weight(weight) if onednn else None
             self.amx = cpu_kernels.amx_pack(weight)
         else:
-            self.halves = (pack_weight(weight[:inter]), pack_weight(weight[inter:]))
+            if onednn:
+                self.halves = (pack_weight(weight[:inter]), pack_weight(weight[inter:]))
             self.amx = cpu_kernels.amx_gated_pack(weight, inter)
+
+    def _on_onednn(self, rows: int) -> bool:
+        return self.max_rows is not None and rows > self.max_rows
 
     def forward(self, x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
         n = self.out_features
-        if x.dtype != torch.bfloat16 or x.numel() > AMX_MAX_ROWS * self.in_features:
+        x2 = x.reshape(-1, self.in_features)
+        if self._on_onednn(x2.shape[0]):
             if self.halves is not None:  # a gated gate_up's prefill-sized plain product
                 return torch.cat([packed_linear(x, h, None) for h in self.halves], dim=-1)
             return packed_linear(x, self.packed, self.bias)
-        x2 = x.reshape(-1, self.in_features)
-        if self.halves is not None:
+        x2 = x2.to(torch.bfloat16)
+        if self.gated_inter is not None:
             y = cpu_kernels.amx_gemm(x2, self.amx, n, None)
             y = _checkpoint_order(y, cpu_kernels.AMX_GATED_GROUP)
         else:
             y = cpu_kernels.amx_gemm(x2, self.amx, n, self.bias_f32)
-        return y.view(*x.shape[:-1], n)
+        return y.view(*x.shape[:-1], n).to(x.dtype)
 
     def silu_mul(self, x2: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
         inter = self.gated_inter
-        assert inter is not None and self.halves is not None
-        if x2.shape[0] > AMX_MAX_ROWS:
+        assert inter is not None
+        if self._on_onednn(x2.shape[0]):
+            assert self.halves is not None
             return gated_linear(x2, *self.halves)
         out = _take(scratch, x2.shape[0], inter, x2.dtype)
         return cpu_kernels.amx_silu(x2, self.amx, inter, out)
@@ -435,12 +454,12 @@ class AmxLinear(LinearStrategy):
         return self.amx
 
     def onednn_rows(self) -> tuple[int, int | None] | None:
-        return AMX_MAX_ROWS + 1, None
+        return None if self.max_rows is None else (self.max_rows + 1, None)
 
     def warm(self, x: torch.Tensor) -> None:
         if self.halves is not None:
             gated_linear(x, *self.halves)  # what its MLP runs
-        else:
+        elif self.packed is not None:
             packed_linear(x, self.packed, self.bias)
 
 
@@ -568,9 +587,10 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and _ops_available() and _probe(dtype)
 
 
-# Under PAGESTREAM_DECODE_GEMM=auto the AMX copy of the weights is made only when it takes
-# at most this share of the memory available at load: it doubles the projections' memory,
-# and a replica sized for one copy must not run out of memory for a faster decode.
+# Under PAGESTREAM_PREFILL_GEMM=onednn (two copies) and PAGESTREAM_DECODE_GEMM=auto the AMX
+# copy of the weights is made only when it takes at most this share of the memory available
+# at load: it doubles the projections' memory, and a replica sized for one copy must not run
+# out of memory for a faster decode.
 AMX_COPY_MEMORY_SHARE = 0.25
 
 
@@ -606,11 +626,13 @@ def amx_copy_bytes(model: nn.Module, extra: int = 0) -> int:
 
 
 def decode_on_amx(model: nn.Module, dtype: torch.dtype, extra_bytes: int = 0) -> bool:
-    """Whether `model`'s bf16 decode products take the AMX kernel: use_amx, and its copy of
-    the linears (plus `extra_bytes`, the lm_head's) fits the memory (amx_copy_fits); a
-    refusal for memory is logged as a warning."""
+    """Whether `model`'s bf16 products take the AMX kernel: use_amx, and, where the AMX
+    copy is a second one (amx_max_rows), the copy of the linears (plus `extra_bytes`, the
+    lm_head's) fits the memory (amx_copy_fits); a refusal for memory is logged as a warning."""
     if not use_amx(dtype):
         return False
+    if amx_max_rows() is None:  # the AMX layout is the weights' only copy
+        return True
     need = amx_copy_bytes(model, extra_bytes)
     if amx_copy_fits(need):
         return True

@@ -367,13 +367,18 @@ def test_amx_rows_do_not_depend_on_the_batch(k):
 
 
 @needs_amx
+@pytest.mark.parametrize("prefill", ["auto", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_on_amx_up_to_max_rows(monkeypatch, bias):
+def test_packed_linear_on_amx_at_every_size_or_up_to_max_rows(monkeypatch, bias, prefill):
+    """auto: every product on AMX, one copy of the weight; PAGESTREAM_PREFILL_GEMM=onednn:
+    up to AMX_MAX_ROWS rows, oneDNN's copy above."""
+    monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", prefill)
     torch.manual_seed(2)
     lin = nn.Linear(64, 48, bias=bias).bfloat16()
     layer = PackedLinear(lin, Choice("amx"))
     amx = layer.strategy
-    assert amx.amx is not None and amx.packed is not None  # oneDNN's copy for prefill
+    assert amx.amx is not None and (amx.packed is not None) == (prefill == "onednn")
+    assert amx.onednn_rows() == (None if prefill == "auto" else (AMX_MAX_ROWS + 1, None))
     calls = []
     real = cpu_kernels.amx_gemm
     monkeypatch.setattr(
@@ -385,7 +390,9 @@ def test_packed_linear_on_amx_up_to_max_rows(monkeypatch, bias):
             x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
         )
         torch.testing.assert_close(layer(x).float(), ref, atol=2e-2, rtol=2**-7)
-    assert calls == [1, AMX_MAX_ROWS, 6]  # the 3-d input as 6 rows; 97 rows on oneDNN
+    # The 3-d input as 6 rows; AMX_MAX_ROWS + 1 on oneDNN under onednn.
+    big = [AMX_MAX_ROWS + 1] if prefill == "auto" else []
+    assert calls == [1, AMX_MAX_ROWS, *big, 6]
     assert cpu_linear.pack_head(lin.weight, amx_copy=True).strategy.amx is not None
     assert choose(torch.bfloat16, (16, 40)).family == "onednn"  # k not a multiple of 32
     assert choose(torch.float32, (48, 64)).family != "amx"  # float32: never
@@ -428,6 +435,12 @@ def test_bf16_model_keeps_one_copy_when_the_amx_copy_does_not_fit(monkeypatch, c
     from tests.checkpoints import tiny_checkpoint
 
     monkeypatch.setattr(cpu_linear, "_mem_available", lambda: 1024)
+    # Under auto the AMX layout is the only copy: no memory for a second one needed.
+    r = ModelRunner(tiny_checkpoint("llama"), dtype="bfloat16", device="cpu", num_kv_blocks=16)
+    layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.choice.family == "amx" for m in layers)
+    assert all(m.strategy.packed is None and m.strategy.halves is None for m in layers)
+    monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", "onednn")
     with caplog.at_level("WARNING"):
         r = ModelRunner(tiny_checkpoint("llama"), dtype="bfloat16", device="cpu", num_kv_blocks=16)
     layers = [m for m in r.model.layers.modules() if isinstance(m, PackedLinear)]
@@ -639,6 +652,34 @@ def _check_gated_model(monkeypatch, kernel: str, group: str, prompt: list[int], 
 
 
 @needs_amx
+def test_bf16_prompt_on_amx_gets_the_same_bits_in_one_step_as_in_chunks(monkeypatch):
+    """Under auto every product is on AMX, whose rows do not depend on their batch: a
+    300-token prompt prefilled in one step (the kernel's prompt-sized path) and in chunks
+    of 48 gives the same greedy tokens with the same logprobs, bit for bit."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+    from tests.checkpoints import tiny_checkpoint
+
+    monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", "auto")
+    monkeypatch.setenv("PAGESTREAM_PREFILL_ATTENTION", "kernel")
+    rng = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 2000, (300,), generator=rng).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    got = {}
+    for budget in (512, 48):
+        llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", num_kv_blocks=64, threads=2,
+                  max_num_batched_tokens=budget)  # fmt: skip
+        try:
+            layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+            assert layers and all(m.choice.family == "amx" for m in layers)
+            out = llm.generate([prompt], params)[0].outputs[0]
+            got[budget] = (out.token_ids, [lp.logprob for lp in out.logprobs])
+        finally:
+            llm.shutdown()
+    assert got[512] == got[48]
+
+
+@needs_amx
 @pytest.mark.parametrize("inter", [16, 48, 2816])
 @pytest.mark.parametrize("k", [32, 224, 1024])
 def test_amx_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
@@ -650,17 +691,21 @@ def test_amx_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
 
 
 @needs_amx
-def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
-    """Decode-sized rows run the gated AMX epilogue (the bits of the product + silu_mul);
-    prefill-sized ones gated_linear, oneDNN's products of the gate and up halves with SiLU
-    and the multiply fused (close: SiLU of the float32 sums); forward() gives [gate; up]."""
+@pytest.mark.parametrize("prefill", ["auto", "onednn"])
+def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch, prefill):
+    """Rows on AMX run the gated AMX epilogue (the bits of the product + silu_mul): every
+    size under auto; under PAGESTREAM_PREFILL_GEMM=onednn, prefill-sized ones gated_linear,
+    oneDNN's products of the gate and up halves with SiLU and the multiply fused (close:
+    SiLU of the float32 sums); forward() gives [gate; up]."""
+    monkeypatch.setenv("PAGESTREAM_PREFILL_GEMM", prefill)
     torch.manual_seed(8)
     lin = nn.Linear(64, 2 * 96, bias=False).bfloat16()
     layer = PackedLinear(lin, Choice("amx", gated_inter=96))
     ungated = PackedLinear(lin, Choice("amx"))
     assert layer.gated_inter == 96 and ungated.gated_inter is None
     gated = layer.strategy
-    assert gated.halves is not None and gated.packed is None  # no [gate; up] oneDNN copy
+    assert gated.packed is None  # no [gate; up] oneDNN copy
+    assert (gated.halves is not None) == (prefill == "onednn")
     calls = []
     real = cpu_kernels.amx_silu
     monkeypatch.setattr(
@@ -669,7 +714,7 @@ def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
     for rows in (1, 9, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 64).bfloat16()
         gate, up = F.linear(x.float(), lin.weight.float()).split(96, dim=-1)
-        if rows <= AMX_MAX_ROWS:
+        if rows <= AMX_MAX_ROWS or prefill == "auto":
             assert torch.equal(layer(x), ungated(x))
             assert torch.equal(layer.silu_mul(x), cpu_kernels.silu_mul(ungated(x)))
         else:
@@ -677,7 +722,7 @@ def test_packed_gate_up_on_amx_takes_the_gated_layout_where_it_can(monkeypatch):
             got = layer.silu_mul(x)
             assert got.shape == (rows, 96)
             torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=3e-2, rtol=2**-6)
-    assert calls == [1, 9, AMX_MAX_ROWS]
+    assert calls == [1, 9, AMX_MAX_ROWS, *([AMX_MAX_ROWS + 1, 300] if prefill == "auto" else [])]
     assert layer.silu_mul(torch.randn(3, 3, 64).bfloat16()).shape == (3, 3, 96)
 
     # A bias, an inter that does not tile by 16, or no AMX copy: the plain layout.

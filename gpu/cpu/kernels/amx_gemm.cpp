@@ -21,8 +21,8 @@
 // through the panels once, k in chunks, the C tiles of the idle pair parked in L1; from four
 // row tiles, further passes over the same panels find them in L2.  Panels are split over
 // threads; a thread does all of k for a panel group before the next.  From 128 rows the
-// rows go in blocks instead (amx_gemm_large); past ~192 rows oneDNN's blocking wins (the
-// caller routes those to it).
+// rows go in blocks instead (amx_gemm_large), which the caller runs at prompt sizes too
+// (gpu/cpu/linear.py: oneDNN's AMX kernel only under PAGESTREAM_PREFILL_GEMM=onednn).
 //
 // Every output element is the same sum over k in the same order whatever m is and
 // wherever its row falls in a tile: a row's result does not depend on its batch.
@@ -250,11 +250,10 @@ PassFn pass_for(int mt, int nb) {
 // toward L2 meanwhile.  Each C tile sums k in the same order as the passes above, so a row
 // gets the same bits here as in a decode-sized call.
 //
-// Measured on a 2-core Xeon with AMX over the `mid` model's projections (8 layers, cold):
-// 1.14-1.15x oneDNN's packed kernel at 100-160 rows, ~1.03x at 192-256, 0.83-0.95x at
-// 2,048 (so the caller keeps oneDNN there).  What bounds it: every tile store waits for
-// the whole queue of tile products before it (~250 ns a block of 32 k tiles), and the A
-// and B tiles come from L2 (~35 ns a k step of 4 loads and 4 products; ~26 from L1).
+// Against oneDNN's packed AMX kernel: ahead just past decode sizes; at prompt sizes ahead on
+// one AMX Xeon and behind on another (docs/PERFORMANCE.md).  What bounds it: every tile
+// store waits for the whole queue of tile products before it, and the A and B tiles come
+// from L2, not L1.
 constexpr int64_t kLargeFrom = 128;  // the passes above are level with this at 97-127 rows
 constexpr int64_t kLargeRows = 256;  // 128 and 512 measured the same
 
