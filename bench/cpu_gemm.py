@@ -4,6 +4,7 @@ or (--ceilings) each projection against the machine's memory and compute ceiling
     python -m bench.cpu_gemm --baseline REV [--kernel amx|dpbf16|sgemm512|sgemm] [--preset mid]
                              [--rows 16,38,64] [--rounds 15] [--no-lm-head] [--threads 2]
     python -m bench.cpu_gemm --ceilings [--preset llama1b] [--rows 1,16,64,512]
+    python -m bench.cpu_gemm --vs-onednn [--kernel amx] [--preset llama1b] [--rows 512,2048]
 
 --ceilings: per kind of projection (qkv, o, gate_up, down, lm_head; every layer's, in
 sequence, so the weights stream from memory as in a step) the median time, the weight
@@ -22,6 +23,11 @@ numerics change shows as "no").  REV must pack weights as this tree does and hav
 entry points.  For prefill sizes (--rows 512,2048) pass --no-lm-head: a step computes logits
 for the last rows only.
 
+--vs-onednn: the kernel against oneDNN's packed product (what `PackedLinear` runs where no
+kernel of ours is chosen; a gated gate_up as oneDNN's two fused products, `gated_linear`)
+over the same projections, alternated round by round: the measurement behind a routing
+choice (PAGESTREAM_PREFILL_GEMM=onednn on AMX), to be taken on the machine at hand.
+
 The shared 2-core machines are noisy: a ratio means something over many rounds, and a
 whole-run check (`make bench`'s offline section) still decides.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +47,7 @@ import torch
 
 from bench.kernel_rev import compile_revision
 from gpu.cpu import kernels as cpu_kernels
+from gpu.cpu import linear as cpu_linear
 from modelkit.make_model import PRESETS
 
 
@@ -89,9 +97,10 @@ class Proj:
     gated: bool
     packed: torch.Tensor
     kind: str = ""
+    onednn: tuple[torch.Tensor, ...] = ()  # oneDNN's packed weight (gated: gate, up halves)
 
 
-def projections(kernel: str, preset: str, lm_head: bool) -> list[Proj]:
+def projections(kernel: str, preset: str, lm_head: bool, onednn: bool = False) -> list[Proj]:
     cfg = PRESETS[preset]
     dtype = KERNELS[kernel].dtype
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -109,8 +118,55 @@ def projections(kernel: str, preset: str, lm_head: bool) -> list[Proj]:
     out = []
     for n, k, gated, kind in shapes:
         w = (torch.randn(n, k) * 0.02).to(dtype)
-        out.append(Proj(n, k, gated, gated_pack(w, n // 2) if gated else pack(w), kind))
+        pr = Proj(n, k, gated, gated_pack(w, n // 2) if gated else pack(w), kind)
+        if onednn:
+            halves = (w[: n // 2], w[n // 2 :]) if gated else (w,)
+            pr.onednn = tuple(cpu_linear.pack_weight(h.contiguous()) for h in halves)
+        out.append(pr)
     return out
+
+
+def run_onednn(projs: list[Proj], xs) -> None:
+    for pr, x in zip(projs, xs, strict=True):
+        if pr.gated:
+            cpu_linear.gated_linear(x, *pr.onednn)
+        else:
+            cpu_linear.packed_linear(x, pr.onednn[0], None)
+
+
+def vs_onednn(args: argparse.Namespace) -> None:
+    kernel = args.kernel
+    lib = cpu_kernels.load()
+    assert lib is not None
+    _bind(lib, kernel)
+    projs = projections(kernel, args.preset, not args.no_lm_head, onednn=True)
+    dtype = KERNELS[kernel].dtype
+    print(
+        f"\n{kernel} vs oneDNN ({dtype}), preset {args.preset}: {len(projs)} projections in "
+        f"sequence, {args.threads} threads, median of {args.rounds} alternated rounds\n"
+    )
+    print("| rows | oneDNN ms (GFLOP/s) | kernel ms (GFLOP/s) | speed-up |")
+    print("|---|---|---|---|")
+    flops_per_row = sum(2 * p.n * p.k for p in projs)
+    for m in args.rows:
+        xs = [torch.randn(m, p.k).to(dtype) for p in projs]
+        ys = [torch.empty(m, p.n // 2 if p.gated else p.n, dtype=dtype) for p in projs]
+        runs = {
+            "onednn": functools.partial(run_onednn, projs, xs),
+            "kernel": functools.partial(run_sequence, lib, kernel, projs, xs, ys, args.threads),
+        }
+        for fn in runs.values():  # warm-up (oneDNN builds its kernel per shape)
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(args.rounds):
+            for name in ("onednn", "kernel") if r % 2 == 0 else ("kernel", "onednn"):
+                t = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t)
+        o, k = (statistics.median(times[n]) for n in ("onednn", "kernel"))
+        gf = flops_per_row * m / 1e9
+        print(f"| {m} | {o * 1e3:.2f} ({gf / o:.0f}) | {k * 1e3:.2f} ({gf / k:.0f}) | {o / k:.3f}x |",
+              flush=True)  # fmt: skip
 
 
 def run_sequence(lib: ctypes.CDLL, kernel: str, projs: list[Proj], xs, ys, threads: int):
@@ -228,6 +284,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="git revision to time")
     ap.add_argument("--ceilings", action="store_true", help="vs the machine's ceilings")
+    ap.add_argument("--vs-onednn", action="store_true", help="vs oneDNN's packed product")
     ap.add_argument(
         "--kernel", choices=sorted(KERNELS), help="default: the widest built (amx where it runs)"
     )
@@ -246,10 +303,12 @@ def main() -> None:
         raise SystemExit(f"{args.kernel} is not built on this CPU")
     if args.ceilings:
         ceilings(args)
+    elif args.vs_onednn:
+        vs_onednn(args)
     elif args.baseline:
         bench(args)
     else:
-        ap.error("give --baseline REV or --ceilings")
+        ap.error("give --baseline REV, --ceilings or --vs-onednn")
 
 
 if __name__ == "__main__":

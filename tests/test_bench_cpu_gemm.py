@@ -104,3 +104,25 @@ def test_cpu_gemm_runs_the_amx_kernel_both_ways():
         ["git", "diff", "--quiet", "HEAD", "--", "gpu/cpu/kernels"], cwd=ROOT
     ).returncode:
         assert rows[0].rstrip().endswith("| yes |"), rows
+
+
+def test_cpu_gemm_times_the_kernel_against_onednn():
+    """--vs-onednn: the CPU's default kernel against oneDNN's packed product over the same
+    projections (the gate_up as oneDNN's two fused products), one row a row count."""
+    from bench.cpu_gemm import KERNELS, default_kernel
+    from gpu.cpu import linear as cpu_linear
+
+    kernel = default_kernel()
+    if not KERNELS[kernel].available() or not cpu_linear.packing_available(KERNELS[kernel].dtype):
+        pytest.skip("no built kernel with a packed oneDNN product beside it")
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.cpu_gemm", "--vs-onednn", "--kernel", kernel,
+         "--preset", "tiny", "--rows", "3,40", "--rounds", "2", "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| 3 |")
+            or ln.startswith("| 40 |")]  # fmt: skip
+    assert len(rows) == 2, r.stdout
+    assert all(float(c[3].strip(" x")) > 0 for c in rows), rows
