@@ -8,6 +8,10 @@ float32 CPU without AVX-512).  `choose` picks what the flag chains it replaced p
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -345,6 +349,20 @@ def test_amx_matches_float64_at_every_tile_shape(n, k):
             ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
             # float32 accumulation, one bf16 rounding of the result (2^-8 relative)
             torch.testing.assert_close(got.double(), ref, atol=1e-4 * k**0.5, rtol=2**-8)
+
+
+@needs_amx
+def test_amx_product_in_a_process_that_never_asked_for_the_tiles():
+    """The kernel asks the OS for the tile registers itself: a process whose first AMX call
+    is a product (no amx_available() before it) gets the product, not SIGILL."""
+    code = (
+        "import torch; from gpu.cpu import kernels as ck; w = torch.randn(48, 64).bfloat16(); "
+        "x = torch.randn(5, 64).bfloat16(); y = ck.amx_gemm(x, ck.amx_pack(w), 48); "
+        "assert torch.allclose(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
 
 
 @needs_amx

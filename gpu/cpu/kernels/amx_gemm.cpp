@@ -345,6 +345,9 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
 void amx_gemm(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
               int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads, bool gated) {
   if (m <= 0 || n <= 0) return;
+  // A process that never asked (ps_amx_available) would die of SIGILL at the first tile
+  // instruction; asking is once per process.
+  amx_permitted();
   if (m >= kLargeFrom) {
     amx_gemm_large(x, xs, m, k, wp, n, bias, y, ys, nthreads, gated);
     return;
