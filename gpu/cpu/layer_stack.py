@@ -8,10 +8,11 @@ order, from C: the same bits, one crossing a step.
 
 It takes a model only where every projection runs on one of pagestream's packed kernels
 (vdpbf16ps or AMX in bf16, AMX up to AMX_MAX_ROWS rows under
-PAGESTREAM_PREFILL_GEMM=onednn; the AVX-512 or AVX2 sgemm in float32) with the gate_up's SiLU·up as its epilogue, attention on the compiled kernels, an
-unquantized K/V cache, no per-head q/k norm and no tensor or pipeline parallelism; and a
-step with prompt rows only where the backend gives every chunk to the compiled prefill
-kernel (not SDPA).  Anything else keeps the Python path.  PAGESTREAM_LAYER_STACK=0 turns it off.
+PAGESTREAM_PREFILL_GEMM=onednn; the AVX-512 or AVX2 sgemm in float32) with the gate_up's
+SiLU·up as its epilogue, attention on the compiled kernels, an unquantized K/V cache, no
+per-head q/k norm and no tensor or pipeline parallelism; and a step with prompt rows only
+where the backend gives every chunk to the compiled prefill kernel (not SDPA).  Anything
+else keeps the Python path.  PAGESTREAM_LAYER_STACK=0 turns it off.
 """
 
 from __future__ import annotations

@@ -159,8 +159,8 @@ def use_sgemm(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
 
 def use_amx(dtype: torch.dtype, cpu: CpuFeatures | None = None) -> bool:
     """PAGESTREAM_DECODE_GEMM lets the AMX kernel take bf16 products (of up to
-    amx_max_rows() rows): auto or amx (where the CPU has AMX and the kernel is built), sgemm / dpbf16 /
-    onednn (never)."""
+    amx_max_rows() rows): auto or amx (where the CPU has AMX and the kernel is built),
+    sgemm / dpbf16 / onednn (never)."""
     choice = _decode_gemm()
     if dtype != torch.bfloat16 or choice in ("onednn", "sgemm", "dpbf16"):
         return False
@@ -433,13 +433,12 @@ class AmxLinear(LinearStrategy):
             if self.halves is not None:  # a gated gate_up's prefill-sized plain product
                 return torch.cat([packed_linear(x, h, None) for h in self.halves], dim=-1)
             return packed_linear(x, self.packed, self.bias)
-        x2 = x2.to(torch.bfloat16)
         if self.gated_inter is not None:
             y = cpu_kernels.amx_gemm(x2, self.amx, n, None)
             y = _checkpoint_order(y, cpu_kernels.AMX_GATED_GROUP)
         else:
             y = cpu_kernels.amx_gemm(x2, self.amx, n, self.bias_f32)
-        return y.view(*x.shape[:-1], n).to(x.dtype)
+        return y.view(*x.shape[:-1], n)
 
     def silu_mul(self, x2: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
         inter = self.gated_inter
