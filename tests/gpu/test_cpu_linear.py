@@ -331,13 +331,13 @@ def _bf16(*shape: int, g: torch.Generator) -> torch.Tensor:
 
 @needs_amx
 @pytest.mark.parametrize("n", [16, 37, 100, 1000])
-@pytest.mark.parametrize("k", [32, 96, 1024])
+@pytest.mark.parametrize("k", [32, 96, 1024, 2144])
 def test_amx_matches_float64_at_every_tile_shape(n, k):
     """1 row tile takes four panels a pass, 2+ two (three row tiles in one pass, k in
     chunks of 4 tiles; four in two passes), 128+ rows in blocks of row pairs read in place
     (the last m % 32 through a padded copy, 300 rows: two blocks); rows not a multiple of
     16 end in a padded tile, columns in a partial panel; an odd panel count ends in a
-    one-panel pass."""
+    one-panel pass; k past 2,048 in the row blocks goes in two passes, C parked between."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = _bf16(n, k, g=g)
     b = torch.randn(n, generator=g)
@@ -366,15 +366,16 @@ def test_amx_product_in_a_process_that_never_asked_for_the_tiles():
 
 
 @needs_amx
-@pytest.mark.parametrize("k", [512, 224])
+@pytest.mark.parametrize("k", [512, 224, 2144])
 def test_amx_rows_do_not_depend_on_the_batch(k):
     """A row's output is the same bit for bit whatever rows share its call (three row tiles,
-    k in chunks, a last chunk short at k = 224, against the others' passes), and reads x and
-    writes y at their row strides (views into wider tensors)."""
+    k in chunks, a last chunk short at k = 224, against the others' passes; the row blocks'
+    two passes over k = 2,144), and reads x and writes y at their row strides (views into
+    wider tensors)."""
     g = torch.Generator().manual_seed(3)
     w = _bf16(200, k, g=g)
     packed = cpu_kernels.amx_pack(w)
-    x = _bf16(300, 600, g=g)[:, 40 : 40 + k]  # row stride 600
+    x = _bf16(300, k + 88, g=g)[:, 40 : 40 + k]  # row stride k + 88
     full = cpu_kernels.amx_gemm(x, packed, 200)
     spans = ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (20, 68), (0, 70), (1, 129), (7, 300))
     for lo, hi in spans:  # the last two on the row-blocked path (128+ rows)
@@ -699,7 +700,7 @@ def test_bf16_prompt_on_amx_gets_the_same_bits_in_one_step_as_in_chunks(monkeypa
 
 @needs_amx
 @pytest.mark.parametrize("inter", [16, 48, 2816])
-@pytest.mark.parametrize("k", [32, 224, 1024])
+@pytest.mark.parametrize("k", [32, 224, 1024, 2144])
 def test_amx_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
     """The AMX kernel's gated epilogue gives the bits of gate_up through amx_gemm followed
     by the compiled silu_mul: at 1-6 row tiles (3: the one-pass chunked k), panel counts

@@ -104,6 +104,7 @@ inline void store_tile(const float* c, int rows, int cols, const float* bias, ui
 // as amx_gemm + silu_mul round them: gate and up to bf16 (the product's rounding), silu
 // through the library's one silu16 (elementwise.cpp's bits), rounded, times up, rounded.
 inline void store_gated(const float* cg, const float* cu, int rows, uint16_t* y, int64_t ys) {
+  if (rows <= 0) return;  // (gcc 12 would warn that g may be read uninitialized)
   alignas(64) float g[256], sg[256];
   for (int r = 0; r < rows; ++r)
     _mm512_store_ps(g + r * kN, round_bf16(_mm512_load_ps(cg + r * kN)));
@@ -245,27 +246,45 @@ PassFn pass_for(int mt, int nb) {
 }
 
 // Prefill-sized products (kLargeFrom rows and more): rows in blocks of kLargeRows, whose x
-// rows stay in L2 while the thread's panel pairs go by; per row pair, 2 x 2 C tiles over all
-// of k with the A tiles loaded straight from x's rows, and the next panel pair pulled
-// toward L2 meanwhile.  Each C tile sums k in the same order as the passes above, so a row
-// gets the same bits here as in a decode-sized call.
+// rows stay in L2 while the thread's panel pairs go by; per row pair, 2 x 2 C tiles over
+// k with the A tiles loaded straight from x's rows, and the next panel pair pulled toward
+// L2 meanwhile.  k goes in passes of kLargeK tiles, so a block's k range (256 rows x 2,048
+// values, 1 MB) stays in L2; between passes the C tiles wait in memory (fp32, exact).  Each
+// C tile sums k in the same order as the passes above, so a row gets the same bits here as
+// in a decode-sized call.
 //
-// Against oneDNN's packed AMX kernel: ahead just past decode sizes; at prompt sizes ahead on
-// one AMX Xeon and behind on another (docs/PERFORMANCE.md).  What bounds it: every tile
-// store waits for the whole queue of tile products before it, and the A and B tiles come
-// from L2, not L1.
+// What bounds it (a standalone copy of the loop on a 2-core AMX Xeon, random bf16 data):
+// a 2 x 2 block with one operand's tiles in L1 runs at ~2.7 TFLOP/s a core (3.2 on zeros:
+// the tiles' rate depends on the data), with both from L2 at ~40% of that, and the weights
+// streaming in from memory take ~25-35% more (the prefetched lines hold the L1 fill buffers
+// the A tile loads need).  Splitting k to keep the panel pair's chunk in L1 costs more in
+// C tile stores and reloads than it saves.  Against oneDNN's packed AMX kernel: 1.02-1.25x
+// over the 1B shape's projections at 256-2,048 rows on both AMX kinds measured.
 constexpr int64_t kLargeFrom = 128;  // the passes above are level with this at 97-127 rows
 constexpr int64_t kLargeRows = 256;  // 128 and 512 measured the same
+// A longer k (the MLP's down, 8,192: a 4 MB block, from L3 for every panel pair) in passes
+// of 2,048: down 1.31x, the 1B shape's projections 1.10-1.16x; passes of 1,024: 0.91-0.97x.
+constexpr int64_t kLargeK = 64;
 
-inline void block22(const uint16_t* a0, int64_t as, const uint16_t* b, int64_t ps, int64_t kt,
-                    float* c, const char* pf, int pfl) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+// A row pair x a panel pair over k tiles [t0, t1): the four C tiles start at zero (t0 == 0)
+// or from c, and end in c.  pf / pfl: the next panel pair's lines pulled toward L2, pfl a
+// k step.
+inline void block22(const uint16_t* a0, int64_t as, const uint16_t* b, int64_t ps, int64_t t0,
+                    int64_t t1, float* c, const char* pf, int pfl) {
+  if (t0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, 64);
+    _tile_loadd(1, c + 256, 64);
+    _tile_loadd(2, c + 512, 64);
+    _tile_loadd(3, c + 768, 64);
+  }
   const uint16_t* a1 = a0 + 16 * as;
-  for (int64_t t = 0; t < kt; ++t) {
-    for (int l = 0; l < pfl; ++l) _mm_prefetch(pf + (t * pfl + l) * 64, _MM_HINT_T1);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int l = 0; l < pfl; ++l) _mm_prefetch(pf + ((t - t0) * pfl + l) * 64, _MM_HINT_T1);
     _tile_loadd(4, a0 + t * kK, as * 2);
     _tile_loadd(6, b + t * kTile, 64);
     _tile_loadd(5, a1 + t * kK, as * 2);
@@ -288,6 +307,7 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
   const int64_t pairs = (np + 1) / 2;  // a gated weight's pair is one gate and its up panel
   const int64_t full = m / 32 * 32;    // rows read in place; the rest from a padded copy
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, pairs)));
+  const int64_t passes = (kt + kLargeK - 1) / kLargeK;
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num();
@@ -304,34 +324,53 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
         std::memcpy(tw + (r - full) * k, x + r * xs, k * sizeof(uint16_t));
       tx = tw;
     }
-    alignas(64) float c[4 * 256];
+    // The C tiles of a row pair (4 x 1 KB); with several passes over k, of every row pair
+    // and panel pair of the thread's share.
+    thread_local std::vector<float> parked;
+    const int64_t rps = kLargeRows / 32;
+    parked.resize(((passes > 1 ? (q1 - q0) * rps : 1) * 1024) + 16);
+    float* const cp = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(parked.data()) + 63) & ~uintptr_t(63));
     for (int64_t m0 = 0; m0 < m; m0 += kLargeRows) {
       const int64_t nrp = (std::min(m, m0 + kLargeRows) - m0 + 31) / 32;
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t p = 2 * q;
-        const bool two = p + 1 < np;
-        // The next pair's 2 panels, spread over this pair's row pairs and their k steps.
-        const char* next = reinterpret_cast<const char*>(wp + (p + 2) * ps);
-        const int64_t per = q + 1 < q1 ? (2 * ps * 2 / 64 + nrp - 1) / nrp : 0;
-        const int pfl = static_cast<int>((per + kt - 1) / kt);
-        for (int64_t rp = 0; rp < nrp; ++rp) {
-          const int64_t r0 = m0 + rp * 32;
-          const bool direct = r0 < full;
-          block22(direct ? x + r0 * xs : tx, direct ? xs : k, wp + p * ps, two ? ps : 0, kt, c,
-                  next + rp * per * 64, pfl);
-          const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
-          const int rows1 = static_cast<int>(std::clamp<int64_t>(m - r0 - 16, 0, 16));
-          if (gated) {
-            store_gated(c, c + 512, rows0, y + r0 * ys + q * kN, ys);
-            if (rows1) store_gated(c + 256, c + 768, rows1, y + (r0 + 16) * ys + q * kN, ys);
-            continue;
-          }
-          for (int ni = 0; ni < (two ? 2 : 1); ++ni) {
-            const int64_t col = (p + ni) * kN;
-            const int cols = static_cast<int>(std::min<int64_t>(kN, n - col));
-            const float* bc = bias ? bias + col : nullptr;
-            store_tile(c + ni * 512, rows0, cols, bc, y + r0 * ys + col, ys);
-            if (rows1) store_tile(c + ni * 512 + 256, rows1, cols, bc, y + (r0 + 16) * ys + col, ys);
+      for (int64_t s = 0; s < passes; ++s) {
+        const int64_t t0 = s * kLargeK, t1 = std::min(kt, t0 + kLargeK);
+        const bool last = s + 1 == passes;
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t p = 2 * q;
+          const bool two = p + 1 < np;
+          // The next pair's 2 panels (this pass's k range), spread over this pair's row
+          // pairs and their k steps.
+          const char* next = reinterpret_cast<const char*>(wp + (p + 2) * ps + t0 * kTile);
+          const int64_t lines = 2 * (t1 - t0) * kTile * 2 / 64;
+          const int64_t per = q + 1 < q1 ? (lines + nrp - 1) / nrp : 0;
+          const int pfl = static_cast<int>((per + (t1 - t0) - 1) / (t1 - t0));
+          for (int64_t rp = 0; rp < nrp; ++rp) {
+            const int64_t r0 = m0 + rp * 32;
+            const bool direct = r0 < full;
+            float* c = cp + (passes > 1 ? ((q - q0) * rps + rp) * 1024 : 0);
+            // The next panel's stream: its second half starts ps values on (one panel
+            // of the pair at a time, like the C tiles' columns).
+            block22(direct ? x + r0 * xs : tx, direct ? xs : k, wp + p * ps, two ? ps : 0, t0,
+                    t1, c, rp * per < lines / 2 ? next + rp * per * 64
+                                                : next + (ps - (t1 - t0) * kTile) * 2 +
+                                                      rp * per * 64,
+                    pfl);
+            if (!last) continue;
+            const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
+            const int rows1 = static_cast<int>(std::clamp<int64_t>(m - r0 - 16, 0, 16));
+            if (gated) {
+              store_gated(c, c + 512, rows0, y + r0 * ys + q * kN, ys);
+              if (rows1) store_gated(c + 256, c + 768, rows1, y + (r0 + 16) * ys + q * kN, ys);
+              continue;
+            }
+            for (int ni = 0; ni < (two ? 2 : 1); ++ni) {
+              const int64_t col = (p + ni) * kN;
+              const int cols = static_cast<int>(std::min<int64_t>(kN, n - col));
+              const float* bc = bias ? bias + col : nullptr;
+              store_tile(c + ni * 512, rows0, cols, bc, y + r0 * ys + col, ys);
+              if (rows1) store_tile(c + ni * 512 + 256, rows1, cols, bc, y + (r0 + 16) * ys + col, ys);
+            }
           }
         }
       }
