@@ -87,34 +87,45 @@ void configure_tiles() {
 
 inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
+// One output row of a tile: 16 float32 plus the bias, rounded to bf16, the first cols
+// (mask) stored.
+inline void store_row(const float* c, __m512 bias, __mmask16 mask, uint16_t* y) {
+  const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c), bias);
+  _mm256_mask_storeu_epi16(y, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+inline __mmask16 col_mask(int cols) {
+  return cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+}
+
+inline __m512 bias_row(const float* bias, __mmask16 mask) {
+  return bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+}
+
 // Adds the bias and rounds rows [0, rows) of a 16 x 16 float32 tile into y (columns
 // [0, cols) of the panel).
 inline void store_tile(const float* c, int rows, int cols, const float* bias, uint16_t* y,
                        int64_t ys) {
-  const __mmask16 mask = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * kN), b);
-    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-    _mm256_mask_storeu_epi16(y + r * ys, mask, h);
-  }
+  const __mmask16 mask = col_mask(cols);
+  const __m512 b = bias_row(bias, mask);
+  for (int r = 0; r < rows; ++r) store_row(c + r * kN, b, mask, y + r * ys);
 }
 
-// silu(gate) * up of rows [0, rows) of a gate and an up tile into 16 outputs of y, rounded
-// as amx_gemm + silu_mul round them: gate and up to bf16 (the product's rounding), silu
+// silu(gate) * up of one row of a gate and an up tile into 16 outputs of y, rounded as
+// amx_gemm + silu_mul round them: gate and up to bf16 (the product's rounding), silu
 // through the library's one silu16 (elementwise.cpp's bits), rounded, times up, rounded.
+inline void gated_row(const float* cg, const float* cu, uint16_t* y) {
+  alignas(64) float g[16], sg[16];
+  _mm512_store_ps(g, round_bf16(_mm512_load_ps(cg)));
+  ps::silu16(g, sg, 16);
+  const __m512 v = _mm512_mul_ps(round_bf16(_mm512_load_ps(sg)), round_bf16(_mm512_load_ps(cu)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// gated_row for rows [0, rows) of a gate and an up tile.
 inline void store_gated(const float* cg, const float* cu, int rows, uint16_t* y, int64_t ys) {
-  if (rows <= 0) return;  // (gcc 12 would warn that g may be read uninitialized)
-  alignas(64) float g[256], sg[256];
-  for (int r = 0; r < rows; ++r)
-    _mm512_store_ps(g + r * kN, round_bf16(_mm512_load_ps(cg + r * kN)));
-  ps::silu16(g, sg, rows * kN);
-  for (int r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_mul_ps(round_bf16(_mm512_load_ps(sg + r * kN)),
-                                   round_bf16(_mm512_load_ps(cu + r * kN)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-  }
+  for (int r = 0; r < rows; ++r) gated_row(cg + r * kN, cu + r * kN, y + r * ys);
 }
 
 // One pass: MT row tiles of packed x (a, tile t of k at a + t * kTile, the next row tile
@@ -266,11 +277,50 @@ constexpr int64_t kLargeRows = 256;  // 128 and 512 measured the same
 // of 2,048: down 1.31x, the 1B shape's projections 1.10-1.16x; passes of 1,024: 0.91-0.97x.
 constexpr int64_t kLargeK = 64;
 
+// The outputs of one row pair x panel pair (its C tiles at c, as block22 leaves them),
+// written a row at a time between the next block's tile products, where the tiles do not
+// wait for them: after the block, the rounding and stores took ~17% of a prompt GEMM's
+// time (gate_up's SiLU epilogue ~27%).  Units in order: plain, (row tile, panel, row);
+// gated, (row tile, row).  Each row gets the same instructions as store_tile/store_gated.
+struct Epilogue {
+  const float* c = nullptr;  // null: nothing pending
+  int rows[2] = {0, 0};      // rows of the two row tiles
+  int npan = 1;              // plain: panels (1 or 2)
+  __mmask16 mask[2] = {0, 0};
+  __m512 bias[2];
+  uint16_t* y = nullptr;  // the row pair's first row: the pair's first column (gated: its
+                          // 16 outputs)
+  int64_t ys = 0;
+  bool gated = false;
+  int units = 0, done = 0;
+
+  void unit(int i) const {
+    if (gated) {
+      const int h = i / 16, r = i % 16;
+      if (r < rows[h])
+        gated_row(c + h * 256 + r * kN, c + 512 + h * 256 + r * kN, y + (h * 16 + r) * ys);
+      return;
+    }
+    const int h = i / (16 * npan), ni = i / 16 % npan, r = i % 16;
+    if (r < rows[h])
+      store_row(c + ni * 512 + h * 256 + r * kN, bias[ni], mask[ni], y + (h * 16 + r) * ys + ni * kN);
+  }
+  // Units [done, upto).
+  void run(int upto) {
+    for (; done < std::min(upto, units); ++done) unit(done);
+  }
+  void finish() {
+    run(units);
+    c = nullptr;
+    units = done = 0;
+  }
+};
+
 // A row pair x a panel pair over k tiles [t0, t1): the four C tiles start at zero (t0 == 0)
-// or from c, and end in c.  pf / pfl: the next panel pair's lines pulled toward L2, pfl a
-// k step.
+// or from c, and end in c; ep's pending rows are written along the way.  pf / pfl: the
+// next panel pair's lines pulled toward L2, pfl a k step.
 inline void block22(const uint16_t* a0, int64_t as, const uint16_t* b, int64_t ps, int64_t t0,
-                    int64_t t1, float* c, const char* pf, int pfl) {
+                    int64_t t1, float* c, const char* pf, int pfl, Epilogue& ep) {
   if (t0 == 0) {
     _tile_zero(0);
     _tile_zero(1);
@@ -283,6 +333,7 @@ inline void block22(const uint16_t* a0, int64_t as, const uint16_t* b, int64_t p
     _tile_loadd(3, c + 768, 64);
   }
   const uint16_t* a1 = a0 + 16 * as;
+  const int64_t steps = t1 - t0;
   for (int64_t t = t0; t < t1; ++t) {
     for (int l = 0; l < pfl; ++l) _mm_prefetch(pf + ((t - t0) * pfl + l) * 64, _MM_HINT_T1);
     _tile_loadd(4, a0 + t * kK, as * 2);
@@ -293,7 +344,9 @@ inline void block22(const uint16_t* a0, int64_t as, const uint16_t* b, int64_t p
     _tile_dpbf16ps(1, 5, 6);
     _tile_dpbf16ps(2, 4, 7);
     _tile_dpbf16ps(3, 5, 7);
+    if (ep.c) ep.run(static_cast<int>(((t - t0 + 1) * ep.units + steps - 1) / steps));
   }
+  if (ep.c) ep.finish();  // before the stores: with one C buffer, c may be ep's
   _tile_stored(0, c, 64);
   _tile_stored(1, c + 256, 64);
   _tile_stored(2, c + 512, 64);
@@ -324,13 +377,16 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
         std::memcpy(tw + (r - full) * k, x + r * xs, k * sizeof(uint16_t));
       tx = tw;
     }
-    // The C tiles of a row pair (4 x 1 KB); with several passes over k, of every row pair
-    // and panel pair of the thread's share.
+    // The C tiles of a row pair (4 x 1 KB): two, one written while the other's outputs are;
+    // with several passes over k, those of every row pair and panel pair of the thread's
+    // share.
     thread_local std::vector<float> parked;
     const int64_t rps = kLargeRows / 32;
-    parked.resize(((passes > 1 ? (q1 - q0) * rps : 1) * 1024) + 16);
+    parked.resize(((passes > 1 ? (q1 - q0) * rps : 2) * 1024) + 16);
     float* const cp = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(parked.data()) + 63) & ~uintptr_t(63));
+    Epilogue ep;
+    int64_t blocks = 0;
     for (int64_t m0 = 0; m0 < m; m0 += kLargeRows) {
       const int64_t nrp = (std::min(m, m0 + kLargeRows) - m0 + 31) / 32;
       for (int64_t s = 0; s < passes; ++s) {
@@ -348,33 +404,39 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
           for (int64_t rp = 0; rp < nrp; ++rp) {
             const int64_t r0 = m0 + rp * 32;
             const bool direct = r0 < full;
-            float* c = cp + (passes > 1 ? ((q - q0) * rps + rp) * 1024 : 0);
+            float* c = cp + (passes > 1 ? ((q - q0) * rps + rp) : (blocks++ & 1)) * 1024;
             // The next panel's stream: its second half starts ps values on (one panel
             // of the pair at a time, like the C tiles' columns).
             block22(direct ? x + r0 * xs : tx, direct ? xs : k, wp + p * ps, two ? ps : 0, t0,
                     t1, c, rp * per < lines / 2 ? next + rp * per * 64
                                                 : next + (ps - (t1 - t0) * kTile) * 2 +
                                                       rp * per * 64,
-                    pfl);
+                    pfl, ep);
             if (!last) continue;
-            const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
-            const int rows1 = static_cast<int>(std::clamp<int64_t>(m - r0 - 16, 0, 16));
+            ep.c = c;
+            ep.rows[0] = static_cast<int>(std::min<int64_t>(16, m - r0));
+            ep.rows[1] = static_cast<int>(std::clamp<int64_t>(m - r0 - 16, 0, 16));
+            ep.gated = gated;
             if (gated) {
-              store_gated(c, c + 512, rows0, y + r0 * ys + q * kN, ys);
-              if (rows1) store_gated(c + 256, c + 768, rows1, y + (r0 + 16) * ys + q * kN, ys);
-              continue;
+              ep.y = y + r0 * ys + q * kN;
+              ep.units = 32;
+            } else {
+              ep.npan = two ? 2 : 1;
+              ep.y = y + r0 * ys + p * kN;
+              for (int ni = 0; ni < ep.npan; ++ni) {
+                const int64_t col = (p + ni) * kN;
+                ep.mask[ni] = col_mask(static_cast<int>(std::min<int64_t>(kN, n - col)));
+                ep.bias[ni] = bias_row(bias ? bias + col : nullptr, ep.mask[ni]);
+              }
+              ep.units = 32 * ep.npan;
             }
-            for (int ni = 0; ni < (two ? 2 : 1); ++ni) {
-              const int64_t col = (p + ni) * kN;
-              const int cols = static_cast<int>(std::min<int64_t>(kN, n - col));
-              const float* bc = bias ? bias + col : nullptr;
-              store_tile(c + ni * 512, rows0, cols, bc, y + r0 * ys + col, ys);
-              if (rows1) store_tile(c + ni * 512 + 256, rows1, cols, bc, y + (r0 + 16) * ys + col, ys);
-            }
+            ep.ys = ys;
+            ep.done = 0;
           }
         }
       }
     }
+    ep.finish();
     _tile_release();
   }
 }
