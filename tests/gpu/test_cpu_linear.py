@@ -334,7 +334,7 @@ def _bf16(*shape: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("k", [32, 96, 1024, 2144])
 def test_amx_matches_float64_at_every_tile_shape(n, k):
     """1 row tile takes four panels a pass, 2+ two (three row tiles in one pass, k in
-    chunks of 4 tiles; four in two passes), 128+ rows in blocks of row pairs read in place
+    chunks of 4 tiles; four in two passes), 80+ rows in blocks of row pairs read in place
     (the last m % 32 through a padded copy, 300 rows: two blocks); rows not a multiple of
     16 end in a padded tile, columns in a partial panel; an odd panel count ends in a
     one-panel pass; k past 2,048 in the row blocks goes in two passes, C parked between."""
@@ -378,7 +378,7 @@ def test_amx_rows_do_not_depend_on_the_batch(k):
     x = _bf16(300, k + 88, g=g)[:, 40 : 40 + k]  # row stride k + 88
     full = cpu_kernels.amx_gemm(x, packed, 200)
     spans = ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (20, 68), (0, 70), (1, 129), (7, 300))
-    for lo, hi in spans:  # the last two on the row-blocked path (128+ rows)
+    for lo, hi in spans:  # the last two on the row-blocked path (80+ rows)
         out = torch.full((hi - lo, 210), -1.0, dtype=torch.bfloat16)
         got = cpu_kernels.amx_gemm(x[lo:hi], packed, 200, out=out[:, 5:205])
         assert torch.equal(got, full[lo:hi])

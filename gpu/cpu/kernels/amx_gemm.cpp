@@ -20,7 +20,7 @@
 // 0-3, A 4-5, B 6-7), so several tile products are always independent; three row tiles go
 // through the panels once, k in chunks, the C tiles of the idle pair parked in L1; from four
 // row tiles, further passes over the same panels find them in L2.  Panels are split over
-// threads; a thread does all of k for a panel group before the next.  From 128 rows the
+// threads; a thread does all of k for a panel group before the next.  From 80 rows the
 // rows go in blocks instead (amx_gemm_large), which the caller runs at prompt sizes too
 // (gpu/cpu/linear.py: oneDNN's AMX kernel only under PAGESTREAM_PREFILL_GEMM=onednn).
 //
@@ -271,7 +271,9 @@ PassFn pass_for(int mt, int nb) {
 // the A tile loads need).  Splitting k to keep the panel pair's chunk in L1 costs more in
 // C tile stores and reloads than it saves.  Against oneDNN's packed AMX kernel: 1.02-1.25x
 // over the 1B shape's projections at 256-2,048 rows on both AMX kinds measured.
-constexpr int64_t kLargeFrom = 128;  // the passes above are level with this at 97-127 rows
+// The row blocks against the passes above (the 1B shape's and mid's projections): 0.86x at
+// 33-48 rows, level at 56-80, 1.10-1.16x from 96.
+constexpr int64_t kLargeFrom = 80;
 constexpr int64_t kLargeRows = 256;  // 128 and 512 measured the same
 // A longer k (the MLP's down, 8,192: a 4 MB block, from L3 for every panel pair) in passes
 // of 2,048: down 1.31x, the 1B shape's projections 1.10-1.16x; passes of 1,024: 0.91-0.97x.
