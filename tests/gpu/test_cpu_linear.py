@@ -377,8 +377,9 @@ def test_amx_rows_do_not_depend_on_the_batch(k):
     packed = cpu_kernels.amx_pack(w)
     x = _bf16(300, k + 88, g=g)[:, 40 : 40 + k]  # row stride k + 88
     full = cpu_kernels.amx_gemm(x, packed, 200)
-    spans = ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (20, 68), (0, 70), (1, 129), (7, 300))
-    for lo, hi in spans:  # the last two on the row-blocked path (80+ rows)
+    spans = ((0, 1), (5, 7), (9, 12), (2, 18), (3, 40), (20, 68), (0, 70), (10, 110), (1, 129),
+             (7, 300))  # fmt: skip
+    for lo, hi in spans:  # the last three on the row-blocked path (80+ rows)
         out = torch.full((hi - lo, 210), -1.0, dtype=torch.bfloat16)
         got = cpu_kernels.amx_gemm(x[lo:hi], packed, 200, out=out[:, 5:205])
         assert torch.equal(got, full[lo:hi])

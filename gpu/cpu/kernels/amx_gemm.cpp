@@ -276,7 +276,7 @@ PassFn pass_for(int mt, int nb) {
 constexpr int64_t kLargeFrom = 80;
 constexpr int64_t kLargeRows = 256;  // 128 and 512 measured the same
 // A longer k (the MLP's down, 8,192: a 4 MB block, from L3 for every panel pair) in passes
-// of 2,048: down 1.31x, the 1B shape's projections 1.10-1.16x; passes of 1,024: 0.91-0.97x.
+// of 2,048: down 1.31x, the 1B shape's projections 1.06-1.16x; passes of 1,024: 0.91-0.97x.
 constexpr int64_t kLargeK = 64;
 
 // The outputs of one row pair x panel pair (its C tiles at c, as block22 leaves them),
@@ -388,6 +388,8 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
     float* const cp = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(parked.data()) + 63) & ~uintptr_t(63));
     Epilogue ep;
+    ep.gated = gated;
+    ep.ys = ys;
     int64_t blocks = 0;
     for (int64_t m0 = 0; m0 < m; m0 += kLargeRows) {
       const int64_t nrp = (std::min(m, m0 + kLargeRows) - m0 + 31) / 32;
@@ -397,28 +399,25 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
         for (int64_t q = q0; q < q1; ++q) {
           const int64_t p = 2 * q;
           const bool two = p + 1 < np;
-          // The next pair's 2 panels (this pass's k range), spread over this pair's row
-          // pairs and their k steps.
+          // The next pair's 2 panels (this pass's k range: two runs of `lines / 2`, `gap`
+          // bytes apart; none with one pass), spread over this pair's row pairs and their
+          // k steps.
           const char* next = reinterpret_cast<const char*>(wp + (p + 2) * ps + t0 * kTile);
           const int64_t lines = 2 * (t1 - t0) * kTile * 2 / 64;
+          const int64_t gap = (ps - (t1 - t0) * kTile) * 2;
           const int64_t per = q + 1 < q1 ? (lines + nrp - 1) / nrp : 0;
           const int pfl = static_cast<int>((per + (t1 - t0) - 1) / (t1 - t0));
           for (int64_t rp = 0; rp < nrp; ++rp) {
             const int64_t r0 = m0 + rp * 32;
             const bool direct = r0 < full;
             float* c = cp + (passes > 1 ? ((q - q0) * rps + rp) : (blocks++ & 1)) * 1024;
-            // The next panel's stream: its second half starts ps values on (one panel
-            // of the pair at a time, like the C tiles' columns).
+            const char* pf = next + rp * per * 64 + (rp * per < lines / 2 ? 0 : gap);
             block22(direct ? x + r0 * xs : tx, direct ? xs : k, wp + p * ps, two ? ps : 0, t0,
-                    t1, c, rp * per < lines / 2 ? next + rp * per * 64
-                                                : next + (ps - (t1 - t0) * kTile) * 2 +
-                                                      rp * per * 64,
-                    pfl, ep);
+                    t1, c, pf, pfl, ep);
             if (!last) continue;
             ep.c = c;
             ep.rows[0] = static_cast<int>(std::min<int64_t>(16, m - r0));
             ep.rows[1] = static_cast<int>(std::clamp<int64_t>(m - r0 - 16, 0, 16));
-            ep.gated = gated;
             if (gated) {
               ep.y = y + r0 * ys + q * kN;
               ep.units = 32;
@@ -432,7 +431,6 @@ void amx_gemm_large(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const u
               }
               ep.units = 32 * ep.npan;
             }
-            ep.ys = ys;
             ep.done = 0;
           }
         }
