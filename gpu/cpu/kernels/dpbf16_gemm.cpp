@@ -65,6 +65,16 @@ constexpr int kNR = 16;   // columns per panel: one zmm of float32
 constexpr int kNP = 4;    // panels per register tile (64 columns)
 constexpr int kKC = 256;  // k per block: a group's block is 4 x 128 pairs x 64 B = 32 KB
                           // (float32: 128 values of k, the same 128 words)
+// Words of k per block where the product is split by columns (decode sizes) and L1 is 32 KB
+// (Zen 4): a 32 KB weight block beside the tiles' x words (24 rows: 12 KB) does not fit, so
+// every row tile after the first read part of it back from L2.  Half-sized blocks fit, at
+// the cost of a partial-sum round trip per 64 pairs instead of 128.  Measured on a 2-core
+// Zen 4 EPYC (two runs): the 1B shape's projections 1.04-1.09x at 8-16 rows, 1.00-1.02x at
+// 24-48, level at 4 and 64-128; `mid`'s 1.02-1.06x at 8-64; float32 level to 1.04x.  The
+// row split (prefill) keeps kKC: 0.94x with half.
+// The packed weight is the same either way (a group's k pairs in order, however a pass
+// cuts them into blocks).
+constexpr int kKWNarrow = 64;
 constexpr int kMR = 6;    // rows per register tile
 constexpr int kMC = 120;  // rows per block of packed x: 120 x kKC bf16, 60 KB of L2
 
@@ -236,13 +246,13 @@ inline uint32_t pair_at(const uint16_t* row, int64_t i, int64_t k) {
 // is one memcpy a row, not a transpose (which cost 4-6% of the narrow projections' time).
 // f32: x is float32 and a word is one value.
 void pack_rows(const void* xv, int64_t xs, int mr, int r0, int64_t mb, int64_t k,
-               uint32_t* ap, bool f32) {
+               uint32_t* ap, bool f32, int64_t kw_block) {
   // Words with all their values in x (an odd bf16 k's last pair has one).
   const int64_t kpt = words(k, f32), whole = f32 ? k : k / 2;
   const int esz = f32 ? 4 : 2;
   const char* x = static_cast<const char*>(xv);
-  for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
-    const int64_t kp = std::min<int64_t>(kKC / 2, kpt - q0);
+  for (int64_t q0 = 0; q0 < kpt; q0 += kw_block) {
+    const int64_t kp = std::min<int64_t>(kw_block, kpt - q0);
     const int64_t kw = std::max<int64_t>(0, std::min<int64_t>(kp, whole - q0));
     uint32_t* dst = ap + q0 * mb + r0 * kp;
     for (int r = 0; r < mr; ++r) {
@@ -287,6 +297,7 @@ struct Pass {
   // products 1.02-1.09x at 512-2,048 rows.
   enum class Prefetch { kNone, kL1, kL2 };
   Prefetch pf;
+  int64_t kb;  // words of k per block: kKC / 2, or kKWNarrow
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
   // a thread's groups are one sequential stream.
   const uint32_t* block(int64_t q0, int64_t g) const {
@@ -305,10 +316,10 @@ struct Pass {
       const int64_t col = p * kNR;
       const int w = static_cast<int>(std::min<int64_t>(kNP * kNR, n - col));
       const int64_t ycol = gated ? col / 2 : col;  // a gated group writes 32 outputs
-      for (int64_t q0 = 0; q0 < kpt; q0 += kKC / 2) {
-        const int kp = static_cast<int>(std::min<int64_t>(kKC / 2, kpt - q0));
+      for (int64_t q0 = 0; q0 < kpt; q0 += kb) {
+        const int kp = static_cast<int>(std::min<int64_t>(kb, kpt - q0));
         const uint32_t* b = block(q0, g);
-        const bool first = q0 == 0, last = q0 + kKC / 2 >= kpt;
+        const bool first = q0 == 0, last = q0 + kb >= kpt;
         // What follows this block in memory is what the thread reads next: the tiles
         // prefetch the next block, each its share of its lines, up to the end of the
         // thread's groups (at decode sizes on a Zen 5, two blocks ahead measured level
@@ -348,7 +359,8 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
   const bool by_rows = nthreads > 1 && nblk >= 2 * nthreads;
   using PF = Pass::Prefetch;
   const PF pf = ps::wide_l1() ? PF::kL1 : !by_rows ? PF::kL2 : f32 ? PF::kL1 : PF::kNone;
-  const Pass pass{wp, n, np, kpt, bias, ys, gated, f32, pf};
+  const int64_t kb = by_rows || ps::wide_l1() ? kKC / 2 : kKWNarrow;
+  const Pass pass{wp, n, np, kpt, bias, ys, gated, f32, pf, kb};
   if (by_rows) {
     // As many blocks for every thread (the last may be short).
     const int64_t nb = (nblk + nthreads - 1) / nthreads * nthreads, mcb = (m + nb - 1) / nb;
@@ -372,7 +384,7 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
         const int ntiles = plan_tiles(static_cast<int>(mb), tiles);
         for (int i = 0; i < ntiles; ++i)
           pack_rows(x + (m0 + tiles[i][0]) * xs * esz, xs, tiles[i][1], tiles[i][0], mb, k, ap,
-                    f32);
+                    f32, kb);
         pass.run(ap, mb, tiles, ntiles, 0, ngroups, pass.end_of(ngroups), c,
                  y + m0 * ys * esz);
       }
@@ -395,7 +407,7 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
 #pragma omp for schedule(static)
       for (int i = 0; i < ntiles; ++i)
         pack_rows(x + (m0 + tiles[i][0]) * xs * esz, xs, tiles[i][1], tiles[i][0], mb, k, ap,
-                  f32);
+                  f32, kb);
       pass.run(ap, mb, tiles, ntiles, g0, g1, pass.end_of(g1), c, y + m0 * ys * esz);
 #pragma omp barrier  // every thread is done with ap before the next block packs into it
     }
