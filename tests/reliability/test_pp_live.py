@@ -8,12 +8,14 @@ fails the engine at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import aiohttp
@@ -48,35 +50,64 @@ def _port_pair() -> int:
 
 
 def _serve(model: str, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--model", model, "--dtype", "float32",
-         "--num-kv-blocks", "64", "--pipeline-parallel-size", "2", "--nnodes", "2",
-         "--master-addr", "127.0.0.1", "--tensor-parallel-timeout", "30", *extra],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    with log.open("w") as out:  # the child has its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--model", model, "--dtype",
+             "float32", "--num-kv-blocks", "64", "--pipeline-parallel-size", "2", "--nnodes",
+             "2", "--master-addr", "127.0.0.1", "--tensor-parallel-timeout", "30", *extra],
+            stdout=out, stderr=subprocess.STDOUT, text=True,
+            # faulthandler: a SIGABRT (_stacks) writes every thread's stack to the log.
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+        )  # fmt: skip
 
 
-def _two_nodes(model: str, tmp_path: Path) -> tuple[subprocess.Popen, subprocess.Popen, str]:
-    """Node 1, then node 0; returns once node 0's /health and node 1's answer 200."""
-    master, http, http1 = _port_pair(), free_port(), free_port()
-    url = f"http://127.0.0.1:{http}"
-    logs = tmp_path / "node0.log", tmp_path / "node1.log"
-    # Node 1 first: its ranks wait for node 0 (as on hosts that start in any order).  It
-    # serves no API, only /health and /live for the probes of a shared pod template.
-    node1 = _serve(model, logs[1], "--node-rank", "1", "--master-port", str(master),
-                   "--port", str(http1))  # fmt: skip
-    node0 = _serve(model, logs[0], "--node-rank", "0", "--master-port", str(master),
-                   "--port", str(http))  # fmt: skip
-    try:
-        _wait_health(url, node0, timeout=240)
-        _wait_health(f"http://127.0.0.1:{http1}", node1, timeout=10)
-    except (TimeoutError, RuntimeError) as e:
-        for p in (node0, node1):
-            p.kill()
-            p.wait()
-        raise AssertionError(logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]) from e
-    return node0, node1, url
+def _stacks(nodes: tuple[subprocess.Popen, ...], logs: tuple[Path, ...]) -> str:
+    """Every process of both trees aborted with its stacks written to its node's log; the
+    logs' tails (what a start that never finished was waiting on)."""
+    pids = [p.pid for p in nodes if p.poll() is None]
+    for pid in [*pids, *(w for node in pids for w in tp_workers(node))]:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGABRT)
+    time.sleep(2)
+    for p in nodes:
+        p.kill()
+        p.wait()
+
+    def tail(log: Path) -> str:  # without the probes' access lines
+        lines = [ln for ln in log.read_text().splitlines() if "pagestream.access" not in ln]
+        return "\n".join(lines)[-8000:]
+
+    return "".join(f"--- {log.name}\n{tail(log)}\n" for log in logs)
+
+
+def _two_nodes(model: str, tmp_path: Path) -> tuple[subprocess.Popen, subprocess.Popen, str, Path]:
+    """Node 1, then node 0; returns once node 0's /health and node 1's answer 200 (and node
+    0's log).  A start that hangs is retried once on fresh ports, every process's stacks
+    kept as a warning: one hung in ~1 of 4 runs of this file right after a heavy job on a
+    2-core machine (node 0's /health 503 for minutes, node 1 past spawning its rank), the
+    cause not yet known."""
+    for attempt in range(2):
+        master, http, http1 = _port_pair(), free_port(), free_port()
+        url = f"http://127.0.0.1:{http}"
+        logs = tmp_path / f"node0.{attempt}.log", tmp_path / f"node1.{attempt}.log"
+        # Node 1 first: its ranks wait for node 0 (as on hosts that start in any order).  It
+        # serves no API, only /health and /live for the probes of a shared pod template.
+        node1 = _serve(model, logs[1], "--node-rank", "1", "--master-port", str(master),
+                       "--port", str(http1))  # fmt: skip
+        node0 = _serve(model, logs[0], "--node-rank", "0", "--master-port", str(master),
+                       "--port", str(http))  # fmt: skip
+        try:
+            _wait_health(url, node0, timeout=120 if attempt == 0 else 240)
+            _wait_health(f"http://127.0.0.1:{http1}", node1, timeout=10)
+        except (TimeoutError, RuntimeError) as e:
+            stacks = _stacks((node0, node1), logs)
+            if attempt == 1:
+                raise AssertionError(stacks) from e
+            warnings.warn(f"two-node start hung ({e}); retrying on fresh ports:\n{stacks}",
+                          stacklevel=2)  # fmt: skip
+            continue
+        return node0, node1, url, logs[0]
+    raise AssertionError("unreachable")
 
 
 def _ended_with_engine_failure(node0: subprocess.Popen, node1: subprocess.Popen, log: Path):
@@ -97,7 +128,7 @@ async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both
     with LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]  # fmt: skip
-    node0, node1, url = _two_nodes(model, tmp_path)
+    node0, node1, url, log0 = _two_nodes(model, tmp_path)
     try:
         assert tp_workers(node0.pid) == []  # node 0 runs rank 0 in the server only
         (rank1,) = tp_workers(node1.pid)
@@ -111,22 +142,22 @@ async def test_two_nodes_serve_through_node0_then_a_killed_remote_rank_ends_both
             assert seen.status == 200 and seen.token_ids, seen
             assert seen.error is not None and seen.error["code"] == 503 and not seen.finish, seen
     finally:
-        _ended_with_engine_failure(node0, node1, tmp_path / "node0.log")
+        _ended_with_engine_failure(node0, node1, log0)
 
 
 @pytest.mark.slow
 def test_remote_rank_exiting_while_idle_ends_both_at_once(model, tmp_path):
     """No request in flight: node 0 sees the remote rank's step connection close."""
-    node0, node1, _url = _two_nodes(model, tmp_path)
+    node0, node1, _url, log0 = _two_nodes(model, tmp_path)
     try:
         (rank1,) = tp_workers(node1.pid)
         os.kill(rank1, signal.SIGKILL)
         t0 = time.monotonic()
         node0.wait(30)
         assert time.monotonic() - t0 < 30
-        assert "closed its connection" in (tmp_path / "node0.log").read_text()
+        assert "closed its connection" in log0.read_text()
     finally:
-        _ended_with_engine_failure(node0, node1, tmp_path / "node0.log")
+        _ended_with_engine_failure(node0, node1, log0)
 
 
 @pytest.mark.slow
