@@ -487,11 +487,12 @@ def test_dpbf16_for_bf16_on_avx512_bf16_cpus_without_amx_unless_turned_off(monke
 
 @needs_dpbf16
 @pytest.mark.parametrize("n", [1, 16, 37, 100, 1000])
-@pytest.mark.parametrize("k", [1, 9, 256, 600])
+@pytest.mark.parametrize("k", [1, 9, 256, 600, 2144])
 def test_dpbf16_matches_float64_at_every_tile_shape(n, k):
     """Row tiles of 6 (the last two 4 + 3 or 4 + 4 where 1-2 rows are left), groups of 1-4
     panels at the end of n, columns in a partial panel, an odd k's padded pair, k past one
-    block (256), rows past one packed block (120)."""
+    block (128 values up to 16 rows on a 32 KB L1, else 256 or 2,048), rows past one packed
+    block (120)."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = _bf16(n, k, g=g)
     b = torch.randn(n, generator=g)
@@ -574,7 +575,7 @@ def test_bf16_model_on_dpbf16_matches_onednn(monkeypatch):
 
 @needs_dpbf16
 @pytest.mark.parametrize("inter", [32, 96, 2816])
-@pytest.mark.parametrize("k", [9, 256, 600])
+@pytest.mark.parametrize("k", [9, 256, 600, 2144])
 def test_dpbf16_silu_is_the_gemm_then_silu_mul_bit_for_bit(inter, k):
     """The gated epilogue gives the bits of gate_up through the plain kernel followed by the
     compiled silu_mul: at every row-tile shape, k past a block, odd k, and x and out as
@@ -905,10 +906,10 @@ def test_sgemm512_for_float32_on_avx512_cpus_unless_turned_off(monkeypatch):
 
 @needs_sgemm512
 @pytest.mark.parametrize("n", [1, 16, 37, 100, 1000])
-@pytest.mark.parametrize("k", [1, 9, 128, 300])
+@pytest.mark.parametrize("k", [1, 9, 128, 300, 1100])
 def test_sgemm512_matches_float64_at_every_tile_shape(n, k):
     """The bf16 kernel's tiles and groups with a float32 word per value of k: k past one
-    block (128 values), rows past one packed block (120)."""
+    block (128 values, or 1,024 on a 32 KB L1), rows past one packed block (120)."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)

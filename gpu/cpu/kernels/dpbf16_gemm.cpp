@@ -65,16 +65,21 @@ constexpr int kNR = 16;   // columns per panel: one zmm of float32
 constexpr int kNP = 4;    // panels per register tile (64 columns)
 constexpr int kKC = 256;  // k per block: a group's block is 4 x 128 pairs x 64 B = 32 KB
                           // (float32: 128 values of k, the same 128 words)
-// Words of k per block where the product is split by columns (decode sizes) and L1 is 32 KB
-// (Zen 4): a 32 KB weight block beside the tiles' x words (24 rows: 12 KB) does not fit, so
-// every row tile after the first read part of it back from L2.  Half-sized blocks fit, at
-// the cost of a partial-sum round trip per 64 pairs instead of 128.  Measured on a 2-core
-// Zen 4 EPYC (two runs): the 1B shape's projections 1.04-1.09x at 8-16 rows, 1.00-1.02x at
-// 24-48, level at 4 and 64-128; `mid`'s 1.02-1.06x at 8-64; float32 level to 1.04x.  The
-// row split (prefill) keeps kKC: 0.94x with half.
-// The packed weight is the same either way (a group's k pairs in order, however a pass
-// cuts them into blocks).
+// Words of k per block where L1 is 32 KB (Zen 4; ps::wide_l1 CPUs keep kKC / 2, not yet
+// measured otherwise).  Long blocks (kKWLong: all of a 2,048-wide k) keep a tile's
+// accumulators in registers across k and its x rows (6 x 4 KB) in L1 while the weight
+// streams through from L2 in order; with kKC / 2 the 32 KB weight block every tile re-reads
+// and the tiles' x competed for the 32 KB L1, and partial sums went through memory every
+// 128 words.  Measured on a 2-core Zen 4 EPYC, the projections in sequence, alternated,
+// against kKC / 2: the 1B shape 1.07-1.13x at 20-256 rows (split by columns), 1.08-1.12x at
+// 512-1,024 (by rows); `mid` 1.04-1.10x and 1.03-1.05x; float32 1.02-1.08x.  Except bf16
+// products of up to 16 rows, whose weight comes from memory and is re-read by at most 3
+// tiles: there half-sized blocks (kKWNarrow, the weight block and x fit in L1 together) are
+// best, 1.04-1.09x at 8-16 rows at the 1B shape; long blocks 0.97-1.00x there.  Same bits
+// whatever the block: the packed weight is a group's k pairs in order, however a pass cuts
+// it into blocks, and each sum still runs over k in order.
 constexpr int kKWNarrow = 64;
+constexpr int kKWLong = 1024;
 constexpr int kMR = 6;    // rows per register tile
 constexpr int kMC = 120;  // rows per block of packed x: 120 x kKC bf16, 60 KB of L2
 
@@ -297,7 +302,7 @@ struct Pass {
   // products 1.02-1.09x at 512-2,048 rows.
   enum class Prefetch { kNone, kL1, kL2 };
   Prefetch pf;
-  int64_t kb;  // words of k per block: kKC / 2, or kKWNarrow
+  int64_t kb;  // words of k per block: kKC / 2, kKWNarrow or kKWLong
   // Where block q0 (in pairs) of group g starts: a group's blocks follow one another, so
   // a thread's groups are one sequential stream.
   const uint32_t* block(int64_t q0, int64_t g) const {
@@ -359,7 +364,9 @@ void gemm(const void* xv, int64_t xs, int64_t m, int64_t k, const uint32_t* wp, 
   const bool by_rows = nthreads > 1 && nblk >= 2 * nthreads;
   using PF = Pass::Prefetch;
   const PF pf = ps::wide_l1() ? PF::kL1 : !by_rows ? PF::kL2 : f32 ? PF::kL1 : PF::kNone;
-  const int64_t kb = by_rows || ps::wide_l1() ? kKC / 2 : kKWNarrow;
+  const int64_t kb = ps::wide_l1()                    ? kKC / 2
+                     : !by_rows && !f32 && m <= 16 ? kKWNarrow
+                                                   : kKWLong;
   const Pass pass{wp, n, np, kpt, bias, ys, gated, f32, pf, kb};
   if (by_rows) {
     // As many blocks for every thread (the last may be short).
