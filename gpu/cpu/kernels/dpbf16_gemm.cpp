@@ -19,12 +19,11 @@
 // 4-panel register tile holds 24 zmm accumulators fed per k pair by 4 panel loads and 6
 // broadcasts of x pairs.  A thread runs every row tile of a block of x over a group's k
 // block (32 KB; on a 32 KB L1 16 or 256 KB, see kKWLong) while it sits in L1 (or L2), and
-// every tile prefetches its share of the next
-// block (where and whether: see Pass::pf), spread over its k pairs: a burst of
-// prefetches from the first tile alone overflows the core's outstanding misses and left
-// the stream 15-30% slower at 16-64 rows.  Partial sums between k blocks live in a
-// per-thread float32 tile buffer, and the last k block rounds straight to bf16 into y, so
-// no float32 y is written and read back.
+// every tile prefetches its share of the next block (where and whether: see Pass::pf),
+// spread over its k pairs: a burst of prefetches from the first tile alone overflows the
+// core's outstanding misses and left the stream 15-30% slower at 16-64 rows.  Partial sums
+// between k blocks live in a per-thread float32 tile buffer, and the last k block rounds
+// straight to bf16 into y, so no float32 y is written and read back.
 //
 // Every output element is the bias plus one sequential sum over the k pairs, whatever m is
 // and wherever its row falls in a tile: a row's result does not depend on its batch.
