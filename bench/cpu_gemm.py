@@ -1,8 +1,9 @@
 """CPU projection GEMMs: a model's projections in sequence, this tree against a git revision,
 or (--ceilings) each projection against the machine's memory and compute ceilings.
 
-    python -m bench.cpu_gemm --baseline REV [--kernel amx|dpbf16|sgemm512|sgemm] [--preset mid]
-                             [--rows 16,38,64] [--rounds 15] [--no-lm-head] [--threads 2]
+    python -m bench.cpu_gemm --baseline REV [--kernel amx|dpbf16|sgemm512|sgemm|sgemm_w16]
+                             [--preset mid] [--rows 16,38,64] [--rounds 15] [--no-lm-head]
+                             [--threads 2]
     python -m bench.cpu_gemm --ceilings [--preset llama1b] [--rows 1,16,64,512]
     python -m bench.cpu_gemm --vs-onednn [--kernel amx] [--preset llama1b] [--rows 512,2048]
 
@@ -70,6 +71,8 @@ KERNELS = {
     "dpbf16": Kernel("dpbf16_gemm.cpp", torch.bfloat16, cpu_kernels.dpbf16_available),
     "sgemm512": Kernel("dpbf16_gemm.cpp", torch.float32, cpu_kernels.sgemm512_available),
     "sgemm": Kernel("sgemm.cpp", torch.float32, cpu_kernels.sgemm_available),
+    # The same kernel over float32 weights held in bf16 (a bf16 checkpoint run in float32).
+    "sgemm_w16": Kernel("sgemm.cpp", torch.float32, cpu_kernels.sgemm_available),
 }
 
 
@@ -117,7 +120,8 @@ def projections(kernel: str, preset: str, lm_head: bool, onednn: bool = False) -
     )
     out = []
     for n, k, gated, kind in shapes:
-        w = (torch.randn(n, k) * 0.02).to(dtype)
+        # bf16 values, as a checkpoint's: every kernel takes them, sgemm_w16 needs them.
+        w = (torch.randn(n, k) * 0.02).to(torch.bfloat16).to(dtype)
         pr = Proj(n, k, gated, gated_pack(w, n // 2) if gated else pack(w), kind)
         if onednn:
             halves = (w[: n // 2], w[n // 2 :]) if gated else (w,)

@@ -139,6 +139,12 @@ _VARS = [
         parse=_on,
     ),
     EnvVar(
+        "PAGESTREAM_BF16_WEIGHTS",
+        "1",
+        "0: float32 weights stay float32 where all their values are bf16 ones (AVX2 sgemm)",
+        parse=_on,
+    ),
+    EnvVar(
         "PAGESTREAM_HUGE_PAGES",
         "1",
         "0: no transparent huge pages for the packed weights",
@@ -185,6 +191,7 @@ KERNEL_CHOICES = (
     "PAGESTREAM_CPU_FUSED",
     "PAGESTREAM_LAYER_STACK",
     "PAGESTREAM_PACK_LINEAR",
+    "PAGESTREAM_BF16_WEIGHTS",
     "PAGESTREAM_HUGE_PAGES",
     "PAGESTREAM_TRITON_ELEMENTWISE",
     "PAGESTREAM_PREFILL_ATTENTION",
@@ -283,6 +290,7 @@ if TYPE_CHECKING:
     PAGESTREAM_CPU_FUSED: bool
     PAGESTREAM_LAYER_STACK: bool
     PAGESTREAM_PACK_LINEAR: bool
+    PAGESTREAM_BF16_WEIGHTS: bool
     PAGESTREAM_HUGE_PAGES: bool
     PAGESTREAM_TRITON_ELEMENTWISE: bool
     PAGESTREAM_PREFILL_ATTENTION: str

@@ -38,7 +38,7 @@ _Step = bindings.structure("PsStep")
 
 
 # The packed kernels a stack runs on (layer_stack.cpp's Step::kind).
-KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2, "amx": 3}
+KINDS = {"dpbf16": 0, "sgemm512": 1, "sgemm": 2, "amx": 3, "sgemm_w16": 4}
 
 
 def linear_kind(lin: nn.Module) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu.cpu import kernels as cpu_kernels
-from gpu.cpu.layer_stack import LayerStack
+from gpu.cpu.layer_stack import KINDS, LayerStack
 
 if not cpu_kernels.available():
     if os.environ.get("CI") == "true":
@@ -73,6 +73,32 @@ def test_layer_stack_gives_the_python_paths_bits(kernel, monkeypatch):
     # AMX bf16), then 19 steps of decodes only, all taken.
     assert used == [stack.prefill] + [True] * 19, used
     assert on == off
+
+
+def test_layer_stack_on_weights_held_in_bf16(monkeypatch):
+    """A bf16 checkpoint in float32 on the AVX2 sgemm holds its weights in bf16: the stack
+    runs them (kind sgemm_w16) and gives the bits of the float32-held weights, with and
+    without the stack."""
+    from scheduler.sampling_params import SamplingParams
+    from tests.checkpoints import tiny_checkpoint
+
+    if not cpu_kernels.sgemm_available():
+        pytest.skip("the sgemm kernel is not built on this CPU")
+    monkeypatch.setenv("PAGESTREAM_DECODE_GEMM", "sgemm")
+    model = str(tiny_checkpoint("llama", dtype="bfloat16"))
+    prompts = [[5, 6, 7], list(range(40, 90)), [9] * 18]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    runs = {}
+    for held in ("1", "0"):
+        monkeypatch.setenv("PAGESTREAM_BF16_WEIGHTS", held)
+        for stack in ("1", "0"):
+            got, built, used = run_llm(model, "float32", stack, prompts, params, monkeypatch)
+            runs[held, stack] = got
+            if stack == "1":
+                assert built.kind == KINDS["sgemm_w16" if held == "1" else "sgemm"]
+                assert all(used)
+    want = runs["0", "0"]
+    assert all(got == want for got in runs.values())
 
 
 @pytest.mark.parametrize("prefill", ["kernel", "sdpa"])

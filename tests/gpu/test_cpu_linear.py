@@ -1036,6 +1036,79 @@ def test_sgemm_gates_only_float32_without_mkl(monkeypatch):
     assert gated() == (None if torch.backends.mkl.is_available() else 96)
 
 
+def test_bf16_exact_is_every_value_a_bf16_one():
+    g = torch.Generator().manual_seed(3)
+    w = _bf16(40, 24, g=g).float()
+    assert cpu_kernels.bf16_exact(w) and cpu_kernels.bf16_exact(w[:, 1:5])
+    w[7, 3] = torch.nextafter(w[7, 3], torch.tensor(1.0))  # one value off the bf16 grid
+    assert not cpu_kernels.bf16_exact(w)
+    assert not cpu_kernels.bf16_exact(_bf16(4, 4, g=g))  # bf16 itself: not this case
+
+
+@needs_sgemm
+@pytest.mark.parametrize("n", [1, 16, 37, 100])
+@pytest.mark.parametrize("k", [9, 256, 600])
+def test_sgemm_w16_is_sgemm_bit_for_bit(n, k):
+    """The weight held in bf16 and widened as it loads gives the float32 weight's bits:
+    wide tiles (1-3 rows), 6-row tiles with partial ones, more than one block of rows, a
+    partial last panel (its zero columns too), k across the 256-deep blocks, a bias."""
+    g = torch.Generator().manual_seed(n * 100 + k)
+    w = _bf16(n, k, g=g).float()
+    b = torch.randn(n, generator=g)
+    f32, w16 = cpu_kernels.sgemm_pack(w), cpu_kernels.sgemm_w16_pack(w)
+    assert w16.dtype == torch.bfloat16 and w16.numel() == f32.numel()
+    wide = torch.randn(250, k + 5, generator=g)
+    for m in (1, 2, 3, 4, 7, 8, 13, 40, 121, 250):
+        x = wide[:m, 2 : 2 + k]
+        for bias in (None, b):
+            assert torch.equal(
+                cpu_kernels.sgemm_w16(x, w16, n, bias), cpu_kernels.sgemm(x, f32, n, bias)
+            )
+
+
+@needs_sgemm
+@pytest.mark.parametrize("inter", [16, 96])
+@pytest.mark.parametrize("k", [9, 300])
+def test_sgemm_w16_silu_is_sgemm_silu_bit_for_bit(inter, k):
+    g = torch.Generator().manual_seed(inter + k)
+    w = _bf16(2 * inter, k, g=g).float()
+    f32 = cpu_kernels.sgemm_gated_pack(w, inter)
+    w16 = cpu_kernels.sgemm_w16_gated_pack(w, inter)
+    for m in (1, 3, 4, 13, 121):
+        x = torch.randn(m, k, generator=g)
+        want = cpu_kernels.sgemm_silu(x, f32, inter)
+        assert torch.equal(cpu_kernels.sgemm_w16_silu(x, w16, inter), want)
+
+
+@needs_sgemm
+def test_packed_linear_holds_bf16_valued_float32_weights_in_bf16(monkeypatch):
+    """A float32 weight of bf16 values goes on sgemm_w16 (half the bytes, the same bits);
+    one value off the grid, MKL's plain copy for the prefill rows, or
+    PAGESTREAM_BF16_WEIGHTS=0 keep float32."""
+    g = torch.Generator().manual_seed(11)
+    lin = nn.Linear(64, 2 * 96, bias=False)
+    lin.weight.data = _bf16(2 * 96, 64, g=g).float()
+
+    def layer(choice: Choice | None = None):
+        return PackedLinear(lin, choice or Choice("sgemm"))
+
+    held, gated = layer(), layer(Choice("sgemm", gated_inter=96))
+    assert held.strategy.kernel == gated.strategy.kernel == "sgemm_w16"
+    assert held.strategy.packed.dtype == torch.bfloat16
+    assert gated.strategy.gated == cpu_kernels.gated_kernel("sgemm_w16")
+    monkeypatch.setenv("PAGESTREAM_BF16_WEIGHTS", "0")
+    plain, plain_gated = layer(), layer(Choice("sgemm", gated_inter=96))
+    assert plain.strategy.kernel == "sgemm" and plain.strategy.packed.dtype == torch.float32
+    for rows in (1, 9, 300):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.equal(held(x), plain(x))
+        assert torch.equal(gated.silu_mul(x), plain_gated.silu_mul(x))
+    monkeypatch.delenv("PAGESTREAM_BF16_WEIGHTS")
+    assert layer(Choice("sgemm", cpu_linear.MKL_FROM_ROWS)).strategy.kernel is None
+    lin.weight.data[5, 5] += 1e-6
+    assert layer().strategy.kernel == "sgemm"
+
+
 # What the flag chains the strategies replaced chose (PackedLinear's six flags sorted out in
 # its __init__ from pack_model_linears' use_* calls; issue 49), recorded by running that
 # code for every combination below before the change.  First a plain projection's family

@@ -32,6 +32,8 @@ CASES = {
     "llama-mqa": ("llama", {"num_key_value_heads": 1}),
     "llama-mha": ("llama", {"num_key_value_heads": 4}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    # A bf16 checkpoint run in float32: on the AVX2 sgemm its weights stay in bf16.
+    "llama-bf16-weights": ("llama", {"dtype": "bfloat16"}),
 }
 
 _hf_cache: dict[str, object] = {}

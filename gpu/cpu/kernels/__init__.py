@@ -479,6 +479,33 @@ def sgemm(
     return _packed_gemm(_sgemm_kernel(x.dtype), x.dtype, x, packed, n, bias, out)
 
 
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Every value of a float32 tensor is a bf16 one (the low 16 bits of each are zero): a
+    bf16 checkpoint's weight run in float32."""
+    if weight.dtype != torch.float32:
+        return False
+    low = weight.detach().contiguous().view(torch.int16)[..., 0::2]  # little-endian
+    return not bool(low.any())
+
+
+def sgemm_w16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16_exact float32 weight [N, K] -> sgemm_w16's layout: its values in bf16."""
+    return _pack("sgemm_w16", weight.to(torch.bfloat16), torch.bfloat16)
+
+
+def sgemm_w16(
+    x: torch.Tensor,  # [M, K] float32, unit column stride
+    packed: torch.Tensor,  # sgemm_w16_pack(weight)
+    n: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+    out: torch.Tensor | None = None,  # [M, N] float32, unit column stride
+) -> torch.Tensor:
+    """sgemm over the float32 weight, bit for bit, from half its bytes (each weight
+    widened as it loads)."""
+    assert packed.dtype == torch.bfloat16, packed.dtype
+    return _packed_gemm("sgemm_w16", torch.float32, x, packed, n, bias, out)
+
+
 def amx_available() -> bool:
     """The bf16 AMX GEMM (amx_gemm.cpp) is built and the kernel lets this process use the
     tile registers."""
@@ -607,6 +634,21 @@ def sgemm_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
     return _pack("sgemm", _gated_rows(weight, inter, SGEMM_GATED_GROUP), torch.float32)
 
 
+def sgemm_w16_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
+    """sgemm_gated_pack's layout for a bf16_exact float32 weight, in bf16."""
+    return sgemm_w16_pack(_gated_rows(weight, inter, SGEMM_GATED_GROUP))
+
+
+def sgemm_w16_silu(
+    x: torch.Tensor,  # [M, K] float32, unit column stride
+    packed: torch.Tensor,  # sgemm_w16_gated_pack(gate_up weight, inter)
+    inter: int,
+    out: torch.Tensor | None = None,  # [M, inter] float32, unit column stride
+) -> torch.Tensor:
+    """sgemm_silu's bits from the weight held in bf16."""
+    return _gated_gemm("sgemm_w16", x, packed, inter, out)
+
+
 def sgemm_silu(
     x: torch.Tensor,  # [M, K] float32, unit column stride
     packed: torch.Tensor,  # sgemm_gated_pack(gate_up weight, inter)
@@ -630,11 +672,14 @@ class GatedKernel(NamedTuple):
 
 
 def gated_kernel(kernel: str) -> GatedKernel:
-    """ "dpbf16", "sgemm512" or "sgemm"."""
+    """ "dpbf16", "sgemm512", "sgemm" or "sgemm_w16"."""
     return {
         "dpbf16": GatedKernel(dpbf16_gated_pack, dpbf16_silu, dpbf16_gemm, GATED_GROUP),
         "sgemm512": GatedKernel(sgemm512_gated_pack, sgemm512_silu, sgemm512, GATED_GROUP),
         "sgemm": GatedKernel(sgemm_gated_pack, sgemm_silu, sgemm, SGEMM_GATED_GROUP),
+        "sgemm_w16": GatedKernel(
+            sgemm_w16_gated_pack, sgemm_w16_silu, sgemm_w16, SGEMM_GATED_GROUP
+        ),
     }[kernel]
 
 
@@ -650,7 +695,7 @@ def _gated_gemm(
     """ps_{kernel}_silu: x [M, K] (bf16; sgemm512 and sgemm: float32) -> silu(x @ gate.T)
     * (x @ up.T) [M, inter]."""
     lib = load()
-    dtype = torch.float32 if kernel in ("sgemm512", "sgemm") else torch.bfloat16
+    dtype = torch.float32 if kernel in ("sgemm512", "sgemm", "sgemm_w16") else torch.bfloat16
     assert lib is not None and x.dtype == dtype and x.dim() == 2
     if x.stride(1) != 1:
         x = x.contiguous()

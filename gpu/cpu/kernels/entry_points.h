@@ -36,7 +36,8 @@ struct PsLayer {
 
 // One step: its shapes, metadata and buffers.
 struct PsStep {
-  int kind;  // 0: vdpbf16ps (bf16), 1: AVX-512 sgemm (float32), 2: AVX2 sgemm (float32), 3: AMX (bf16)
+  int kind;  // 0: vdpbf16ps (bf16), 1: AVX-512 sgemm (float32), 2: AVX2 sgemm (float32), 3: AMX
+            // (bf16), 4: AVX2 sgemm (float32, bf16 weights)
   int rows;
   int hidden;
   int heads;
@@ -157,6 +158,13 @@ int64_t ps_sgemm_bf16_packed_size(int64_t n, int64_t k);
 void ps_sgemm_bf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads);
 void ps_sgemm_bf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                    int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads);
+
+int64_t ps_sgemm_w16_packed_size(int64_t n, int64_t k);
+void ps_sgemm_w16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads);
+void ps_sgemm_w16(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                  int64_t n, const float* bias, float* y, int64_t ys, int nthreads);
+int ps_sgemm_w16_silu(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                      int64_t n, float* y, int64_t ys, int nthreads);
 
 int ps_amx_available();
 int64_t ps_amx_gemm_packed_size(int64_t n, int64_t k);

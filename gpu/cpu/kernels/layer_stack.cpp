@@ -14,9 +14,9 @@
 // served alone at 8 req/s 1.10x the tokens with p50 TTFT 0.72x.
 //
 // Only pagestream's packed GEMMs, each with its gated form (vdpbf16ps in bf16, the AVX-512
-// and AVX2 float32 sgemms, AMX up to the rows it takes), an unquantized cache, every prompt
-// chunk on the compiled prefill kernel and no per-head q/k norm; gpu/cpu/layer_stack.py
-// decides when a step may come here.
+// and AVX2 float32 sgemms, the latter also over weights held in bf16, AMX up to the rows
+// it takes), an unquantized cache, every prompt chunk on the compiled prefill kernel and
+// no per-head q/k norm; gpu/cpu/layer_stack.py decides when a step may come here.
 
 #include <cstdint>
 #include <cstring>
@@ -49,6 +49,10 @@ void gemm(const Step& s, const void* x, int64_t xs, int64_t k, const void* w, in
                   static_cast<const uint16_t*>(w), n, bias, static_cast<uint16_t*>(y), n,
                   s.nthreads);
       return;
+    case 4:
+      ps_sgemm_w16(static_cast<const float*>(x), xs, s.rows, k, static_cast<const uint16_t*>(w),
+                   n, bias, static_cast<float*>(y), n, s.nthreads);
+      return;
     default:
       ps_sgemm(static_cast<const float*>(x), xs, s.rows, k, static_cast<const float*>(w), n,
                bias, static_cast<float*>(y), n, s.nthreads);
@@ -71,6 +75,10 @@ bool gated(const Step& s, const void* x, const void* w, void* y) {
       return ps_amx_silu(static_cast<const uint16_t*>(x), s.hidden, s.rows, s.hidden,
                          static_cast<const uint16_t*>(w), n, static_cast<uint16_t*>(y), s.inter,
                          s.nthreads) != 0;
+    case 4:
+      return ps_sgemm_w16_silu(static_cast<const float*>(x), s.hidden, s.rows, s.hidden,
+                               static_cast<const uint16_t*>(w), n, static_cast<float*>(y),
+                               s.inter, s.nthreads) != 0;
     default:
       return ps_sgemm_silu(static_cast<const float*>(x), s.hidden, s.rows, s.hidden,
                            static_cast<const float*>(w), n, static_cast<float*>(y), s.inter,

@@ -1,7 +1,9 @@
 // float32 GEMM on AVX2 CPUs: y = x . w^T (+ bias), x [m, k], w [n, k] (nn.Linear), from one
 // row (decode) to thousands (prefill).  A bfloat16 variant (ps_sgemm_bf16) reads bf16
 // weights and x, computes in float32 and rounds y to bf16: on CPUs without AVX512-BF16 or
-// AMX, oneDNN's bf16 product is emulated and runs several times slower than float32.
+// AMX, oneDNN's bf16 product is emulated and runs several times slower than float32.  And
+// ps_sgemm_w16 runs float32 x and y over a float32 weight held in bf16 (all its values are
+// bf16 ones, as a bf16 checkpoint's are): ps_sgemm's bits from half the weight bytes.
 //
 // Why by hand: on an AVX2-only AMD EPYC (Zen 3) oneDNN's packed float32 kernel reaches
 // ~100 GFLOP/s of the two cores' ~190 at 32-64 rows, and 5-6 GFLOP/s (a third of the
@@ -63,11 +65,19 @@ constexpr int kPerLine = 64 / sizeof(WT);  // weights to a cache line
 
 #if PS_SGEMM
 
-// Eight weights as floats: bf16 is the high half of a float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// A panel row's 16 weights as floats: columns 0-7 in lo, 8-15 in hi.  bf16 is the high
+// half of a float32, so interleaving zeros below each word widens it; the interleave works
+// within 128-bit lanes, so a bf16 row is packed with its middle two quarters swapped
+// (packed_col) and comes out in column order: one load and two shuffles for 16 weights.
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
 }
 
 // MR rows x NP consecutive panels over kc values of k; c is read back unless `first`
@@ -112,10 +122,7 @@ void tile_kernel(int kc, const float* a, int64_t as, const WT* b, float* c, int6
     }
     __m256 bv[2 * NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      bv[2 * j] = load8(b + j * ps + kk * kNR);
-      bv[2 * j + 1] = load8(b + j * ps + kk * kNR + 8);
-    }
+    for (int j = 0; j < NP; ++j) load16(b + j * ps + kk * kNR, bv[2 * j], bv[2 * j + 1]);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       const __m256 ar = _mm256_broadcast_ss(a + r * rs + kk * ks);
@@ -359,6 +366,14 @@ void gemm(const XT* x, int64_t xs, int64_t m, int64_t k, const WT* wp, int64_t n
 }
 
 
+// Where column j of a panel row sits in the packed row: float32 in order, bf16 with the
+// middle quarters swapped (load16).
+template <typename WT>
+constexpr int packed_col(int j) {
+  if constexpr (sizeof(WT) == 4) return j;
+  return (j & 3) | ((j & 4) << 1) | ((j & 8) >> 1);
+}
+
 template <typename WT>
 void pack(const WT* w, int64_t n, int64_t k, WT* out, int nthreads) {
   const int64_t np = panels(n);
@@ -370,7 +385,7 @@ void pack(const WT* w, int64_t n, int64_t k, WT* out, int nthreads) {
       for (int64_t kk = 0; kk < kc; ++kk)
         for (int j = 0; j < kNR; ++j) {
           const int64_t col = p * kNR + j;
-          blk[(p * kc + kk) * kNR + j] = col < n ? w[col * k + k0 + kk] : WT(0);
+          blk[(p * kc + kk) * kNR + packed_col<WT>(j)] = col < n ? w[col * k + k0 + kk] : WT(0);
         }
   }
 }
@@ -423,6 +438,39 @@ void ps_sgemm(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp,
 // I % 16 != 0).
 int ps_sgemm_silu(const float* x, int64_t xs, int64_t m, int64_t k, const float* wp, int64_t n,
                   float* y, int64_t ys, int nthreads) {
+#if PS_SGEMM
+  if (n % (2 * kNR) != 0) return 0;
+  gemm(x, xs, m, k, wp, n, nullptr, y, ys, nthreads, true);
+  return 1;
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)ys, (void)nthreads;
+  return 0;
+#endif
+}
+
+// Float32 x and y over a weight held in bf16: a bf16 checkpoint run in float32, whose
+// float32 weights are bf16 values exactly.  Each weight is widened as it loads, so the
+// sums are ps_sgemm's over the float32 weight, bit for bit, from half the bytes: decode
+// steps stream the weights from memory, and this halves what they read.
+int64_t ps_sgemm_w16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * k; }
+
+void ps_sgemm_w16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
+  ps_sgemm_bf16_pack(w, n, k, out, nthreads);
+}
+
+void ps_sgemm_w16(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                  int64_t n, const float* bias, float* y, int64_t ys, int nthreads) {
+#if PS_SGEMM
+  gemm(x, xs, m, k, wp, n, bias, y, ys, nthreads);
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ys,
+      (void)nthreads;
+#endif
+}
+
+// Gated, as ps_sgemm_silu (the weight ps_sgemm_w16_pack of the gated rows).
+int ps_sgemm_w16_silu(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
+                      int64_t n, float* y, int64_t ys, int nthreads) {
 #if PS_SGEMM
   if (n % (2 * kNR) != 0) return 0;
   gemm(x, xs, m, k, wp, n, nullptr, y, ys, nthreads, true);
