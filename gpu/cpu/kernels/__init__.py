@@ -489,8 +489,9 @@ def bf16_exact(weight: torch.Tensor) -> bool:
 
 
 def sgemm_w16_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16_exact float32 weight [N, K] -> sgemm_w16's layout: its values in bf16."""
-    return _pack("sgemm_w16", weight.to(torch.bfloat16), torch.bfloat16)
+    """A bf16_exact float32 weight [N, K] -> sgemm_w16's layout: the bf16 sgemm's, of its
+    values in bf16."""
+    return sgemm_pack(weight.to(torch.bfloat16))
 
 
 def sgemm_w16(
@@ -635,8 +636,9 @@ def sgemm_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
 
 
 def sgemm_w16_gated_pack(weight: torch.Tensor, inter: int) -> torch.Tensor:
-    """sgemm_gated_pack's layout for a bf16_exact float32 weight, in bf16."""
-    return sgemm_w16_pack(_gated_rows(weight, inter, SGEMM_GATED_GROUP))
+    """sgemm_gated_pack's layout for a bf16_exact float32 weight, in bf16 (narrowed before
+    the rows are reordered: half the copy)."""
+    return sgemm_pack(_gated_rows(weight.to(torch.bfloat16), inter, SGEMM_GATED_GROUP))
 
 
 def sgemm_w16_silu(

@@ -160,7 +160,6 @@ void ps_sgemm_bf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const ui
                    int64_t n, const float* bias, uint16_t* y, int64_t ys, int nthreads);
 
 int64_t ps_sgemm_w16_packed_size(int64_t n, int64_t k);
-void ps_sgemm_w16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads);
 void ps_sgemm_w16(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                   int64_t n, const float* bias, float* y, int64_t ys, int nthreads);
 int ps_sgemm_w16_silu(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,

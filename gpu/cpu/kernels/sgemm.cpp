@@ -451,12 +451,9 @@ int ps_sgemm_silu(const float* x, int64_t xs, int64_t m, int64_t k, const float*
 // Float32 x and y over a weight held in bf16: a bf16 checkpoint run in float32, whose
 // float32 weights are bf16 values exactly.  Each weight is widened as it loads, so the
 // sums are ps_sgemm's over the float32 weight, bit for bit, from half the bytes: decode
-// steps stream the weights from memory, and this halves what they read.
+// steps stream the weights from memory, and this halves what they read.  The weight is
+// ps_sgemm_bf16_pack's layout.
 int64_t ps_sgemm_w16_packed_size(int64_t n, int64_t k) { return panels(n) * kNR * k; }
-
-void ps_sgemm_w16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
-  ps_sgemm_bf16_pack(w, n, k, out, nthreads);
-}
 
 void ps_sgemm_w16(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                   int64_t n, const float* bias, float* y, int64_t ys, int nthreads) {
@@ -468,7 +465,7 @@ void ps_sgemm_w16(const float* x, int64_t xs, int64_t m, int64_t k, const uint16
 #endif
 }
 
-// Gated, as ps_sgemm_silu (the weight ps_sgemm_w16_pack of the gated rows).
+// Gated, as ps_sgemm_silu (the weight ps_sgemm_bf16_pack of the gated rows).
 int ps_sgemm_w16_silu(const float* x, int64_t xs, int64_t m, int64_t k, const uint16_t* wp,
                       int64_t n, float* y, int64_t ys, int nthreads) {
 #if PS_SGEMM
