@@ -68,6 +68,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling (OpenAI's logit_bias, [-100, 100]).
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these ids may be sampled (every other logit -inf).
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -115,6 +117,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 bad("logit_bias", f"token id {tok} is negative")
             if not -100.0 <= bias <= 100.0:
                 bad("logit_bias", f"bias {bias} for token {tok} is outside [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty")
+            if min(self.allowed_token_ids) < 0:
+                bad("allowed_token_ids", f"token id {min(self.allowed_token_ids)} is negative")
 
     @property
     def greedy(self) -> bool:

@@ -478,9 +478,13 @@ class AsyncEngine:
         line, lower first; grammar_share: the prompts of the API request it is one of
         (their samples split the grammar's per-token budget)."""
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
-        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(f"logit_bias: token id {bad} is outside the vocabulary")
+        for field, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise RequestRejected(f"{field}: token id {bad} is outside the vocabulary")
         grammars: list = [None] * params.n
         # In an engine process the child makes the matchers (the spec is checked here).
         if params.structured_outputs is not None and not self.in_child:

@@ -183,6 +183,27 @@ def _message_content(content: Any) -> Any:
     raise ValueError(f"message content must be a string or a list of parts, not {type(content)}")
 
 
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """`text` cut just after the last place the final message's content appears (as
+    transformers' continue_final_message: its trailing whitespace kept only where the
+    template kept it)."""
+    content = messages[-1].get("content") if messages else None
+    stripped = content.strip() if isinstance(content, str) else ""
+    if not stripped:
+        raise TemplateError(
+            "continue_final_message needs a final message with text to continue", "messages"
+        )
+    at = text.rfind(stripped)
+    if at < 0:
+        raise TemplateError(
+            "continue_final_message: the final message's content does not appear in the "
+            "rendered chat template, so there is no place to continue it from",
+            "messages",
+        )
+    whole = text[at : at + len(content)] == content
+    return text[: at + (len(content) if whole else len(stripped))]
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
@@ -270,19 +291,24 @@ class ChatTemplates:
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """The prompt text, as transformers' apply_chat_template renders it (`tokenize=
         False`).  Extra kwargs become template variables.  Raises ValueError when there is
-        no template, the template rejects the conversation, or it breaks a sandbox limit."""
+        no template, the template rejects the conversation, or it breaks a sandbox limit.
+        continue_final_message: the text ends with the final message's content, whatever
+        the template writes after it (its end of turn), so the model carries that message
+        on."""
         template, _ = self.compile(self.select(chat_template))
         variables = {**self.special_tokens, **kwargs}
         cap = self.max_output_chars
         param = "chat_template" if chat_template else "messages"
+        normalized = normalize_messages(messages)
         try:
             parts, size = [], 0
             for piece in template.generate(
-                messages=normalize_messages(messages),
+                messages=normalized,
                 tools=tools,
                 documents=documents,
                 add_generation_prompt=add_generation_prompt,
@@ -294,10 +320,11 @@ class ChatTemplates:
                         f"the rendered chat template exceeds {cap} characters", param
                     )
                 parts.append(piece)
-            return "".join(parts)
+            text = "".join(parts)
         except SecurityError as e:
             raise TemplateError(f"chat template refused by the sandbox: {e}", param) from e
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e.message or e}") from e
         except (TypeError, OverflowError) as e:  # e.g. a non-string role added to a string
             raise ValueError(f"chat template: {e}") from e
+        return _open_final_message(text, normalized) if continue_final_message else text

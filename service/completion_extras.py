@@ -64,15 +64,25 @@ def prompt_logprobs_json(
     return out
 
 
+def token_id_label(tid: int) -> str:
+    """vLLM's return_tokens_as_token_ids name of a token in logprobs."""
+    return f"token_id:{tid}"
+
+
 def echo_logprobs(
-    plp: list[TokenLogprobs | None], text: Callable[[int], str], prompt_ids: list[int]
+    plp: list[TokenLogprobs | None],
+    text: Callable[[int], str],
+    prompt_ids: list[int],
+    label: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
     """The prompt's part of a completion's logprobs object when echo is on (the first
-    token has none, as in OpenAI's legacy API)."""
+    token has none, as in OpenAI's legacy API).  label: how tokens are named (default
+    their text); offsets count the text either way."""
+    label = label or text
     tokens, lps, tops, offsets, pos = [], [], [], [], 0
     for tid, lp in zip(prompt_ids, plp, strict=True):
         t = text(tid)
-        tokens.append(t)
+        tokens.append(label(tid))
         offsets.append(pos)
         pos += len(t)
         if lp is None:
@@ -81,7 +91,10 @@ def echo_logprobs(
         else:
             lps.append(finite(lp.logprob))
             tops.append(
-                {text(i): finite(v) for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+                {
+                    label(i): finite(v)
+                    for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                }
             )
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -91,8 +104,10 @@ class PromptLogprobs:
     by all its choices (n choices of one prompt carry the same values; `join_logprobs`
     copies, never mutates, what it is given)."""
 
-    def __init__(self, text: Callable[[int], str]) -> None:
-        self.text = text
+    def __init__(
+        self, text: Callable[[int], str], label: Callable[[int], str] | None = None
+    ) -> None:
+        self.text, self.label = text, label
         self._echo: dict[int, dict[str, Any]] = {}
         self._vllm: dict[int, list[dict[str, Any] | None]] = {}
 
@@ -101,7 +116,7 @@ class PromptLogprobs:
     ) -> dict[str, Any]:
         hit = self._echo.get(i)
         if hit is None:
-            hit = self._echo[i] = echo_logprobs(plp, self.text, prompt_ids)
+            hit = self._echo[i] = echo_logprobs(plp, self.text, prompt_ids, self.label)
         return hit
 
     def vllm(self, i: int, plp: list[TokenLogprobs | None] | None) -> list[Any] | None:

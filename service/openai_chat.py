@@ -15,7 +15,12 @@ from aiohttp import web
 
 from scheduler.contract import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
-from service.completion_extras import OFF_LOOP_LOGPROB_ENTRIES, finite, prompt_logprobs_json
+from service.completion_extras import (
+    OFF_LOOP_LOGPROB_ENTRIES,
+    finite,
+    prompt_logprobs_json,
+    token_id_label,
+)
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
 from service.outputs import RequestOutput
@@ -35,12 +40,16 @@ from service.tool_calls import (
 
 
 class ChatServing(ServingBase):
-    def chat_logprobs(self, lps: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+    def chat_logprobs(
+        self, lps: list[TokenLogprobs] | None, as_ids: bool = False
+    ) -> dict[str, Any] | None:
+        """as_ids: tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
         if lps is None:
             return None
+        label = token_id_label if as_ids else self.token_text
         content = []
         for lp in lps:
-            tok = self.token_text(lp.token_id)
+            tok = label(lp.token_id)
             content.append(
                 {
                     "token": tok,
@@ -48,7 +57,7 @@ class ChatServing(ServingBase):
                     "bytes": list(tok.encode()),
                     "top_logprobs": [
                         {
-                            "token": (t := self.token_text(i)),
+                            "token": (t := label(i)),
                             "logprob": finite(v),
                             "bytes": list(t.encode()),
                         }
@@ -64,7 +73,7 @@ class ChatServing(ServingBase):
         check_messages(req.messages)
         params = req.to_sampling_params()
         self.limits.check_sampling(params, logprobs_field="top_logprobs")
-        self.prep.check_logit_bias(params)
+        self.prep.check_vocab_ids(params)
         mode = tool_mode(req, self.tool_call_parser)
         spec = req.structured()
         if (tc := constraint(req, mode)) is not None:
@@ -85,6 +94,8 @@ class ChatServing(ServingBase):
             template_param=template_field,
             kwargs=kwargs,
             tools=template_tools(req) if req.tools else None,
+            truncate=req.truncation(self.engine.max_model_len),
+            continue_final_message=req.continue_final_message,
         )
         if req.prompt_logprobs is not None:  # once per response on chat
             self.limits.check_prompt_logprobs(
@@ -98,6 +109,7 @@ class ChatServing(ServingBase):
         gens, subs = self._start(
             engine_rid, [ids], [None], params, salt, field,
             tenant=tenant, conversation=conversation, priority=req.priority,
+            prompt_field="messages",
         )  # fmt: skip
         model = req.model or self.names[0]
         try:
@@ -138,7 +150,7 @@ class ChatServing(ServingBase):
             choice: dict[str, Any] = {
                 "index": o.index,
                 "message": message,
-                "logprobs": self.chat_logprobs(o.logprobs),
+                "logprobs": self.chat_logprobs(o.logprobs, req.return_tokens_as_token_ids),
                 "finish_reason": finish,
                 "stop_reason": o.stop_reason,
             }
@@ -246,7 +258,7 @@ class ChatServing(ServingBase):
         c: dict[str, Any] = {
             "index": d.index,
             "delta": delta,
-            "logprobs": self.chat_logprobs(d.logprobs),
+            "logprobs": self.chat_logprobs(d.logprobs, req.return_tokens_as_token_ids),
             "finish_reason": finish,
         }
         if d.finish_reason is not None:

@@ -270,6 +270,7 @@ class ServingBase:
         tenant: str | None = None,
         conversation: str | None = None,
         priority: int = 0,
+        prompt_field: str = "prompt",
     ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
         """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
         when the queue is full), so errors come before the response starts.  The caller
@@ -288,7 +289,7 @@ class ServingBase:
         except MaxTokensTooLarge as e:
             raise BadRequest(str(e), max_tokens_field) from e
         except RequestRejected as e:
-            raise BadRequest(str(e), "messages" if texts == [None] else "prompt") from e
+            raise BadRequest(str(e), prompt_field) from e
         gens = [
             self.engine.generate(text or "", submitted=sub)
             for sub, text in zip(subs, texts, strict=True)

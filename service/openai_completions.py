@@ -21,6 +21,7 @@ from service.completion_extras import (
     best_of,
     finite,
     join_logprobs,
+    token_id_label,
 )
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
@@ -45,6 +46,11 @@ def _logprob_entries(
     return entries
 
 
+def _label(req: CompletionRequest) -> Any:
+    """How logprobs name tokens: by id (return_tokens_as_token_ids), else None (text)."""
+    return token_id_label if req.return_tokens_as_token_ids else None
+
+
 async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Run every prompt's generator to its end, concurrently; one failing fails the request
     (the TaskGroup aborts the others)."""
@@ -66,18 +72,20 @@ async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[Reques
 
 class CompletionServing(ServingBase):
     def completion_logprobs(
-        self, lps: list[TokenLogprobs] | None, offset: int
+        self, lps: list[TokenLogprobs] | None, offset: int, as_ids: bool = False
     ) -> tuple[dict[str, Any] | None, int]:
+        """as_ids: tokens named "token_id:<id>" (offsets still count their text)."""
         if lps is None:
             return None, offset
+        label = token_id_label if as_ids else self.token_text
         tokens, token_lps, tops, offsets = [], [], [], []
         for lp in lps:
             tok = self.token_text(lp.token_id)
-            tokens.append(tok)
+            tokens.append(label(lp.token_id))
             token_lps.append(finite(lp.logprob))
             tops.append(
                 {
-                    self.token_text(i): finite(v)
+                    label(i): finite(v)
                     for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
                 }
             )
@@ -102,8 +110,9 @@ class CompletionServing(ServingBase):
         raw = req.prompts()
         self.limits.check_prompt_count(len(raw))
         self.limits.check_sampling(params, prompts=len(raw))
-        self.prep.check_logit_bias(params)
-        prompts = await self.prep.prompt_ids(raw)
+        self.prep.check_vocab_ids(params)
+        truncate = req.truncation(self.engine.max_model_len)
+        prompts = await self.prep.prompt_ids(raw, truncate=truncate)
         self._check_prompt_logprobs(req, prompts)
         texts = [p if isinstance(p, str) else None for p in raw]
         rid, engine_rid = request_id(request, req.request_id, "cmpl")
@@ -118,7 +127,9 @@ class CompletionServing(ServingBase):
         )  # fmt: skip
         model = req.model or self.names[0]
         try:
-            echo = await self._echo_texts(texts, prompts) if req.echo else None
+            # A truncated prompt's echo is the text of the tokens kept (decoded from them).
+            shown = texts if truncate is None else [None] * len(texts)
+            echo = await self._echo_texts(shown, prompts) if req.echo else None
             if req.stream:
                 stream = self._completion_stream(
                     request, req, rid, model, prompts, gens, params, echo
@@ -161,7 +172,7 @@ class CompletionServing(ServingBase):
             choices = []
             completion = 0
             cached = 0
-            shared = PromptLogprobs(self.token_text)
+            shared = PromptLogprobs(self.token_text, _label(req))
             for i, out in enumerate(finals):
                 cached += out.num_cached_tokens
                 if not req.echo_only:
@@ -201,7 +212,9 @@ class CompletionServing(ServingBase):
         """Choice `o` of prompt `i`, whole."""
         head = "" if echo is None else echo[i]
         only = req.echo_only
-        lp, _ = self.completion_logprobs(None if only else o.logprobs, len(head))
+        lp, _ = self.completion_logprobs(
+            None if only else o.logprobs, len(head), req.return_tokens_as_token_ids
+        )
         if echo is not None and req.logprobs is not None and out.prompt_logprobs:
             lp = join_logprobs(shared.echo(i, out.prompt_logprobs, prompt), lp)
         choice: dict[str, Any] = {
@@ -255,7 +268,7 @@ class CompletionServing(ServingBase):
         if head and req.logprobs is not None and out.prompt_logprobs:
             pre = shared.echo(pi, out.prompt_logprobs, prompt)
         lp, offsets[d.index] = self.completion_logprobs(
-            d.logprobs, offsets.get(d.index, 0) + len(head)
+            d.logprobs, offsets.get(d.index, 0) + len(head), req.return_tokens_as_token_ids
         )
         c: dict[str, Any] = {
             "index": d.index,
@@ -292,7 +305,7 @@ class _CompletionChunks:
         self.n, self.echo, self.usage = n, echo, usage
         self.offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         self.cached: dict[str, int] = {}  # per prompt (engine request id): cached tokens
-        self.shared = PromptLogprobs(serving.token_text)
+        self.shared = PromptLogprobs(serving.token_text, _label(req))
         # Nothing but text in a choice's middle chunks: those are built inline.
         plain = echo is None and not req.echo_only and not req.return_token_ids
         self.plain = plain and req.logprobs is None and req.prompt_logprobs is None

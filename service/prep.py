@@ -82,15 +82,25 @@ class Preprocessor:
         kwargs: dict[str, Any] | None = None,
         param: str = "messages",
         tools: list[dict[str, Any]] | None = None,
+        truncate: int | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Render the conversation and tokenize it."""
+        """Render the conversation and tokenize it; `truncate`: keep its last so many
+        tokens (vLLM's truncate_prompt_tokens)."""
         if chat_template is not None and not self.limits.trust_request_chat_template:
             raise BadRequest(
                 "a request may not supply its own chat template on this server (the operator "
                 "can allow it with --trust-request-chat-template)",
                 template_param,
             )
-        job = RenderJob(messages, add_generation_prompt, chat_template, dict(kwargs or {}), tools)
+        job = RenderJob(
+            messages,
+            add_generation_prompt,
+            chat_template,
+            dict(kwargs or {}),
+            tools,
+            continue_final_message,
+        )
         try:
             text = await self.pool.render(job)
         except TemplateError as e:
@@ -100,28 +110,41 @@ class Preprocessor:
             raise BadRequest(str(e), where) from e
         except RenderBusy as e:
             raise EngineOverloaded(f"the server is overloaded: {e}") from e
-        (ids,) = await self.encode([text], add_special_tokens=False, param=param)
-        return ids
+        (ids,) = await self.encode(
+            [text], add_special_tokens=False, param=param, bounded=truncate is None
+        )
+        return ids[-truncate:] if truncate else ids
 
     async def prompt_ids(
-        self, prompts: list[str | list[int]], param: str = "prompt"
+        self, prompts: list[str | list[int]], param: str = "prompt", truncate: int | None = None
     ) -> list[list[int]]:
-        """Text prompts tokenized, token-id prompts range-checked; each non-empty."""
+        """Text prompts tokenized, token-id prompts range-checked; each non-empty;
+        `truncate`: each keeps its last so many tokens (vLLM's truncate_prompt_tokens)."""
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(await self.encode(texts, param=param)) if texts else iter(())
+        encoded = (
+            iter(await self.encode(texts, param=param, bounded=truncate is None))
+            if texts
+            else iter(())
+        )
         out = []
         for p in prompts:
             ids = next(encoded) if isinstance(p, str) else self._checked(list(p), param)
             if not ids:
                 raise BadRequest("the prompt encodes to no tokens", param)
-            out.append(ids)
+            out.append(ids[-truncate:] if truncate else ids)
         return out
 
     async def encode(
-        self, texts: list[str], add_special_tokens: bool = True, param: str = "prompt"
+        self,
+        texts: list[str],
+        add_special_tokens: bool = True,
+        param: str = "prompt",
+        bounded: bool = True,
     ) -> list[list[int]]:
-        """Token ids of each text, checked against the model's vocabulary."""
-        for t in texts:
+        """Token ids of each text, checked against the model's vocabulary.  bounded=False
+        (a prompt to be truncated): no refusal by length, which the request size cap and
+        the pool's timeouts and worker processes still bound."""
+        for t in texts if bounded else ():
             self._check_length(t, param)
         try:
             return await self.tokens.encode(
@@ -166,15 +189,25 @@ class Preprocessor:
                 param,
             )
 
-    def check_logit_bias(self, params: SamplingParams, param: str = "logit_bias") -> None:
-        """logit_bias keys are token ids of this model: one outside its vocabulary is a 400
-        naming `logit_bias` (the engine's own check cannot say which field it was)."""
+    def check_vocab_ids(self, params: SamplingParams, prefix: str = "") -> None:
+        """logit_bias keys and allowed_token_ids are token ids of this model: one outside
+        its vocabulary is a 400 naming the field (the engine's own check cannot say which
+        field it was).  An allowed list longer than the vocabulary repeats ids: refused
+        before the sampler builds its mask from it."""
         vocab = self.engine.vocab_size
-        bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab), None)
-        if bad is not None:
+        allowed = params.allowed_token_ids or ()
+        if len(allowed) > vocab:
             raise BadRequest(
-                f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})", param
+                f"allowed_token_ids: {len(allowed)} ids, more than the vocabulary's {vocab}",
+                prefix + "allowed_token_ids",
             )
+        for field, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", allowed)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadRequest(
+                    f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                    prefix + field,
+                )
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         try:

@@ -56,6 +56,9 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     metadata: dict[str, str] | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
+    allowed_token_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
+    # Keep only the prompt's last so many tokens (-1: max_model_len's worth).
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Unit | None = None
     repetition_penalty: RepetitionPenalty | None = None
@@ -78,17 +81,16 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     guided_decoding_backend: str | None = None
     # Documented by vLLM, refused here (check_unsupported says so by name).
     guided_whitespace_pattern: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
-    return_tokens_as_token_ids: Any = None
+    # Logprobs name tokens "token_id:<id>" (for tokens whose text is not valid UTF-8 alone).
+    return_tokens_as_token_ids: bool = False
     # Order within the API key's waiting line, lower first (vLLM's; scheduler/fair_queue.py).
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
     # The conversation this turn belongs to: its KV stays pinned for the next turn
@@ -98,15 +100,12 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
 
     _REFUSED = (
         "guided_whitespace_pattern",
-        "allowed_token_ids",
         "bad_words",
         "logits_processors",
-        "truncate_prompt_tokens",
         "use_beam_search",
         "length_penalty",
         "kv_transfer_params",
         "vllm_xargs",
-        "return_tokens_as_token_ids",
     )
 
     def check_unsupported(self) -> None:
@@ -131,6 +130,23 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+
+    def truncation(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens to keep (None: all), or a 400."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k == 0:
+            raise BadRequest(
+                "truncate_prompt_tokens must be >= 1, or -1 for max_model_len's worth",
+                "truncate_prompt_tokens",
+            )
+        if k > max_model_len:
+            raise BadRequest(
+                f"truncate_prompt_tokens ({k}) is larger than max_model_len ({max_model_len})",
+                "truncate_prompt_tokens",
+            )
+        return max_model_len if k == -1 else k
 
     def structured(self) -> tuple[StructuredOutputsParams, str] | None:
         guided = {
@@ -178,6 +194,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=bias,
+                allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=spec[0] if spec else None,
                 prompt_logprobs=extra.pop("prompt_logprobs", self.prompt_logprobs),
             )
@@ -260,11 +277,16 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
                 "prompt_logprobs on a streamed chat completion is not supported",
                 "prompt_logprobs",
             )
-        for name in ("continue_final_message", "echo"):
-            if getattr(self, name):
-                raise BadRequest(
-                    f"{name} is not supported on chat completions by this server", name
-                )
+        if self.echo:
+            raise BadRequest("echo is not supported on chat completions by this server", "echo")
+        if self.continue_final_message and self.add_generation_prompt:
+            # vLLM's rule: add_generation_prompt defaults to true, so a client that
+            # continues a message says add_generation_prompt=false.
+            raise BadRequest(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false)",
+                "continue_final_message",
+            )
         if self.tool_choice not in (None, "none") and not self.tools:
             raise BadRequest("tool_choice needs tools", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tools:

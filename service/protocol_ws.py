@@ -47,6 +47,7 @@ class WSParams(Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 

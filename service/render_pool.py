@@ -39,6 +39,7 @@ class RenderJob:
     chat_template: str | None = None  # a request-supplied template (trusted by the caller)
     kwargs: dict[str, Any] = field(default_factory=dict)  # client chat_template_kwargs
     tools: list[dict[str, Any]] | None = None  # the request's tools, as HF templates read them
+    continue_final_message: bool = False  # end on the final message's content, left open
 
 
 class RenderBusy(RuntimeError):
@@ -96,6 +97,7 @@ def render_job(templates: ChatTemplates, job: RenderJob) -> str:
         job.add_generation_prompt,
         chat_template=job.chat_template,
         tools=job.tools,
+        continue_final_message=job.continue_final_message,
         **kwargs,
     )
 

@@ -306,7 +306,7 @@ class WSSession:
         assert engine is not None and prep is not None
         params = frame.params.to_sampling_params()
         prep.limits.check_sampling(params, prefix="params.")
-        prep.check_logit_bias(params, "params.logit_bias")
+        prep.check_vocab_ids(params, "params.")
         spec = frame.params.structured()
         try:
             await engine.compile_grammar(params)

@@ -428,6 +428,53 @@ def test_logit_bias_shifts_only_its_rows():
     assert torch.all(logits[:, 5] == 1.0)  # the caller's logits are not written
 
 
+def test_allowed_token_ids_confine_greedy_and_random_rows_and_keep_raw_logprobs():
+    vocab = 64
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, vocab, generator=gen)
+    logits[:, 40] = 10.0  # the favourite, forbidden to the confined rows
+    allowed = [3, 17, 60]
+    rows = [
+        make_state(temperature=0.0, allowed_token_ids=allowed, logprobs=2),
+        make_state(temperature=0.0),
+        make_state(temperature=1.5, allowed_token_ids=allowed, seed=4),
+    ]
+    assert not rows[0].plain_greedy and rows[1].plain_greedy
+    sampler = Sampler(vocab, [EOS], CPU)
+    out = sampler(logits, rows)
+    best = max(allowed, key=lambda t: logits[0, t].item())
+    assert out.token_ids[:2] == [best, 40]
+    # Logprobs are the raw distribution's (vLLM's default), as for logit_bias and grammars.
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs[0].logprob == pytest.approx(raw[best].item(), abs=1e-5)
+    assert out.logprobs[0].top_token_ids[0] == 40
+    draws = {sampler(logits[2:], [make_state(temperature=1.5, allowed_token_ids=allowed, seed=s)])
+             .token_ids[0] for s in range(40)}  # fmt: skip
+    assert draws <= set(allowed) and len(draws) > 1
+    assert out.token_ids[2] in allowed
+    assert torch.all(logits[:, 40] == 10.0)  # the caller's logits are not written
+
+
+def test_allowed_token_ids_with_a_bias_and_held_back_ids_still_pick_an_allowed_token():
+    vocab = 32
+    logits = torch.zeros(1, vocab)
+    logits[0, 7] = 3.0
+    st = make_state(temperature=0.0, allowed_token_ids=[EOS, 7, 9], logit_bias={9: 5.0},
+                    min_tokens=1, stop_token_ids=[9])  # fmt: skip
+    # min_tokens holds back eos and 9; the bias on 9 cannot bring it back; 7 is left.
+    assert Sampler(vocab, [EOS], CPU)(logits, [st]).token_ids == [7]
+    # The mask is built once for a request's samples, and ids past the vocabulary stay out.
+    params = SamplingParams(allowed_token_ids=[2, 5, 1_000])
+    a, b = (RequestSamplingState(params, 1, [0]).allowed_mask(vocab, CPU) for _ in range(2))
+    assert a is b and (~a).nonzero().flatten().tolist() == [2, 5]
+
+
+def test_allowed_token_ids_must_be_a_nonempty_list_of_ids():
+    for bad in ([], [3, -1]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 def test_output_tensor_follows_the_tokens_through_growth_and_a_shorter_rebuild():
     """Penalties read each row's output ids as a tensor kept up to date incrementally."""
     st = make_state(outputs=[9], repetition_penalty=1.2)

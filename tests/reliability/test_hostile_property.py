@@ -865,6 +865,9 @@ SAMPLING = {
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "return_token_ids": st.booleans(),
+    "allowed_token_ids": st.lists(token_ids, min_size=1, max_size=8),
+    "truncate_prompt_tokens": st.just(-1) | st.integers(1, 64),
+    "return_tokens_as_token_ids": st.booleans(),
     "cache_salt": words,
     "request_id": words,
     "user": text,
@@ -879,9 +882,8 @@ SAMPLING = {
     "prompt_logprobs": st.integers(0, 20),
 }
 REFUSED_VLLM = [
-    "allowed_token_ids", "bad_words", "logits_processors", "truncate_prompt_tokens",
-    "use_beam_search", "length_penalty", "kv_transfer_params", "vllm_xargs",
-    "return_tokens_as_token_ids", "guided_whitespace_pattern",
+    "bad_words", "logits_processors", "use_beam_search", "length_penalty",
+    "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern",
 ]  # fmt: skip
 HOSTILE_SAMPLING = {
     "n": st.sampled_from([0, -1, 65, 257, 10**9]),
@@ -900,6 +902,11 @@ HOSTILE_SAMPLING = {
     "prompt_logprobs": st.sampled_from([21, -1, 10**6]),
     "cache_salt": st.sampled_from(["", "s" * 300]),
     "request_id": st.sampled_from(["", "r" * 300]),
+    # Empty, out of range, or more ids than the vocabulary holds (a mask built from it).
+    "allowed_token_ids": st.sampled_from([[], [-1], [VOCAB], [2**70], "1", [1.5]])
+    | huge_list(token_ids, 200_000),
+    "truncate_prompt_tokens": st.sampled_from([0, -2, 10**9, 2**70, 1.5, "4"]),
+    "return_tokens_as_token_ids": st.sampled_from([1, "yes", [True]]),
     **{name: json_values for name in REFUSED_VLLM},
 }
 CHAT = {

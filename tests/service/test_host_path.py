@@ -181,7 +181,7 @@ def test_plain_completion_chunk_is_the_dicts_event() -> None:
 
     serving = SimpleNamespace(token_text=None, _chunk=functools.partial(ServingBase._chunk, None))
     req = SimpleNamespace(echo_only=False, return_token_ids=False, logprobs=None,
-                          prompt_logprobs=None)  # fmt: skip
+                          prompt_logprobs=None, return_tokens_as_token_ids=False)  # fmt: skip
     base = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": 'm"x'}
     usage = StreamUsage(3, include=True, continuous=False)
     chunks = _CompletionChunks(serving, req, base, [[1, 2, 3]], 1, None, usage)  # type: ignore[arg-type]

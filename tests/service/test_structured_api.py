@@ -375,19 +375,15 @@ REFUSED_CHAT = {
     "documents": [{"text": "x"}],
     # chat_template: refused unless the operator trusts request templates (test_request_limits)
     "mm_processor_kwargs": {},
-    "continue_final_message": True,
     "echo": True,
     "add_special_tokens": True,
     "guided_whitespace_pattern": " ",
-    "allowed_token_ids": [1, 2],
     "bad_words": ["x"],
     "logits_processors": ["x"],
-    "truncate_prompt_tokens": 3,
     "use_beam_search": True,
     "length_penalty": 0.5,
     "kv_transfer_params": {},
     "vllm_xargs": {"a": 1},
-    "return_tokens_as_token_ids": True,
     "spaces_between_special_tokens": False,
 }
 REFUSED_COMPLETIONS = {"suffix": "x", "prompt_embeds": "AAAA", "add_special_tokens": False}
