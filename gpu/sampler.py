@@ -1,6 +1,6 @@
 """Batched token sampler: one call per step turns the logits of every sampling row into a token.
 
-Per row, in vLLM's order: raw logits -> allowed_token_ids and min_tokens masking ->
+Per row, in vLLM's order: raw logits -> allowed_token_ids, bad_words and min_tokens masking ->
 logit_bias -> repetition / frequency / presence penalties -> (greedy rows: argmax) ->
 temperature -> top-k -> top-p -> min-p -> sample.
 
@@ -67,6 +67,7 @@ class RequestSamplingState:
 
     __slots__ = (
         "_allowed",
+        "_bad",
         "_bias",
         "_min_mask",
         "_out",
@@ -75,6 +76,7 @@ class RequestSamplingState:
         "generator",
         "greedy",
         "has_allowed",
+        "has_bad_words",
         "has_bias",
         "needs_penalties",
         "params",
@@ -100,6 +102,7 @@ class RequestSamplingState:
         bias = params.logit_bias or {}
         self.has_bias = bool(bias)
         self.has_allowed = params.allowed_token_ids is not None
+        self.has_bad_words = bool(params.bad_words_token_ids)
         # Rows that can take the batch-wide argmax fast path whatever their state.
         self.plain_greedy = (
             self.greedy
@@ -108,6 +111,7 @@ class RequestSamplingState:
             and params.min_tokens == 0
             and not bias
             and not self.has_allowed
+            and not self.has_bad_words
         )
         self._prompt_ids: torch.Tensor | None = None
         # Built once a request: a logit_bias or stop_token_ids list may hold the whole
@@ -115,6 +119,7 @@ class RequestSamplingState:
         # for seconds (n = 64 x 2,000 entries: 80x slower steps for everyone).
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
         self._allowed: torch.Tensor | None = None
+        self._bad: tuple[list[int], dict[int, list[tuple[list[int], int]]]] | None = None
         self._min_mask: torch.Tensor | None = None
         # The output ids as an int64 tensor, grown as tokens come (penalties count them
         # every step: rebuilt in Python per step, n = 64 samples 1,900 tokens long took
@@ -191,6 +196,34 @@ class RequestSamplingState:
 
             self._allowed = _per_params(("allowed", vocab, device), self.params, build)
         return self._allowed
+
+    def banned_now(self, vocab: int) -> list[int]:
+        """The ids bad_words bans at this step: every one-token word's, and the last token
+        of each longer sequence the output so far ends with the rest of (the sequences
+        indexed once a request by the token before the banned one, so a step checks only
+        those the last output token can complete)."""
+        if self._bad is None:
+
+            def build() -> tuple[list[int], dict[int, list[tuple[list[int], int]]]]:
+                singles, by_last = [], {}
+                for seq in self.params.bad_words_token_ids or ():
+                    if seq[-1] >= vocab:
+                        continue
+                    if len(seq) == 1:
+                        singles.append(seq[0])
+                    else:
+                        by_last.setdefault(seq[-2], []).append((seq[:-1], seq[-1]))
+                return singles, by_last
+
+            self._bad = _per_params(("bad", vocab), self.params, build)
+        singles, by_last = self._bad
+        out_len = len(self.token_ids) - self.prompt_len
+        if not out_len or not (cands := by_last.get(self.token_ids[-1])):
+            return singles
+        ids = self.token_ids
+        hits = [last for prefix, last in cands
+                if len(prefix) <= out_len and ids[len(ids) - len(prefix):] == prefix]  # fmt: skip
+        return singles + hits if hits else singles
 
     def min_tokens_mask(
         self, eos_token_ids: Sequence[int], vocab: int, device: torch.device
@@ -549,10 +582,13 @@ class Sampler:
         biased: list[int] = []
         penal: list[int] = []
         allowed: list[int] = []
+        banned: list[tuple[int, list[int]]] = []
         for i, r in enumerate(rows):
             p = r.params
             if r.has_allowed:
                 allowed.append(i)
+            if r.has_bad_words and (ids := r.banned_now(vocab)):
+                banned.append((i, ids))
             if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
                 min_tok.append(i)
             if r.has_bias:
@@ -564,6 +600,12 @@ class Sampler:
             x = x.clone()
             for i in allowed:
                 x[i].masked_fill_(rows[i].allowed_mask(vocab, dev), -torch.inf)
+        if banned:
+            if x is logits:
+                x = x.clone()
+            r_t = torch.tensor([i for i, ids in banned for _ in ids], device=dev)
+            c_t = torch.tensor([t for _, ids in banned for t in ids], device=dev)
+            x[r_t, c_t] = -torch.inf
         if min_tok:
             if x is logits:
                 x = x.clone()

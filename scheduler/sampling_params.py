@@ -70,6 +70,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: only these ids may be sampled (every other logit -inf).
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, and the token sequences they ban (service/bad_words.py: the engine
+    # derives these from the words where the caller has not).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -122,6 +126,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 bad("allowed_token_ids", "must not be empty")
             if min(self.allowed_token_ids) < 0:
                 bad("allowed_token_ids", f"token id {min(self.allowed_token_ids)} is negative")
+        for seq in self.bad_words_token_ids or ():
+            if not seq or min(seq) < 0:
+                bad("bad_words", f"a banned sequence must be non-empty token ids, got {seq}")
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,7 @@ from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.scheduler_types import SchedulerStats
 from scheduler.spec import SpecDecoder
 from scheduler.stream import RequestStream
+from service.bad_words import encode_words
 from service.detokenizer import IncrementalDetokenizer, StopChecker
 from service.engine_setup import build_prefix_tier, ensure_default_model, tp_executor
 from service.outputs import CompletionOutput, RequestMetrics, RequestOutput, Submitted
@@ -478,6 +479,19 @@ class AsyncEngine:
         line, lower first; grammar_share: the prompts of the API request it is one of
         (their samples split the grammar's per-token budget)."""
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            # The offline engine's callers pass words; the server tokenizes them off its
+            # event loop first (service/prep.py), so this never runs on it.
+            try:
+                seqs = encode_words(
+                    params.bad_words,
+                    lambda texts: [
+                        self.tokenizer.encode(t, add_special_tokens=False) for t in texts
+                    ],
+                )
+            except ValueError as e:
+                raise RequestRejected(str(e)) from e
+            params = msgspec.structs.replace(params, bad_words_token_ids=seqs)
         for field, ids in (
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),

@@ -74,6 +74,7 @@ class ChatServing(ServingBase):
         params = req.to_sampling_params()
         self.limits.check_sampling(params, logprobs_field="top_logprobs")
         self.prep.check_vocab_ids(params)
+        params = await self.prep.with_bad_words(params)
         mode = tool_mode(req, self.tool_call_parser)
         spec = req.structured()
         if (tc := constraint(req, mode)) is not None:

@@ -111,6 +111,7 @@ class CompletionServing(ServingBase):
         self.limits.check_prompt_count(len(raw))
         self.limits.check_sampling(params, prompts=len(raw))
         self.prep.check_vocab_ids(params)
+        params = await self.prep.with_bad_words(params)
         truncate = req.truncation(self.engine.max_model_len)
         prompts = await self.prep.prompt_ids(raw, truncate=truncate)
         self._check_prompt_logprobs(req, prompts)

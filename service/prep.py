@@ -16,10 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from scheduler.engine_core import EngineOverloaded
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine
+from service.bad_words import check_words, spellings, token_sequences
 from service.chat_template import TemplateError
 from service.limits import Limits
 from service.protocol import BadRequest
@@ -188,6 +191,22 @@ class Preprocessor:
                 f"it has more than max_model_len ({self.engine.max_model_len}) tokens",
                 param,
             )
+
+    async def with_bad_words(
+        self, params: SamplingParams, param: str = "bad_words"
+    ) -> SamplingParams:
+        """params with its bad_words tokenized (off the event loop, as prompts are), or a
+        400 naming the field."""
+        words = params.bad_words
+        if not words:
+            return params
+        try:
+            check_words(words)
+            encoded = await self.encode(spellings(words), add_special_tokens=False, param=param)
+            seqs = token_sequences(words, encoded)
+        except ValueError as e:
+            raise BadRequest(str(e), param) from e
+        return msgspec.structs.replace(params, bad_words_token_ids=seqs)
 
     def check_vocab_ids(self, params: SamplingParams, prefix: str = "") -> None:
         """logit_bias keys and allowed_token_ids are token ids of this model: one outside

@@ -57,6 +57,8 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
     allowed_token_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
+    # Token sequences never generated (service/bad_words.py).
+    bad_words: list[Annotated[str, Meta(max_length=1024)]] | None = None
     # Keep only the prompt's last so many tokens (-1: max_model_len's worth).
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
@@ -81,7 +83,6 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     guided_decoding_backend: str | None = None
     # Documented by vLLM, refused here (check_unsupported says so by name).
     guided_whitespace_pattern: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -100,7 +101,6 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
 
     _REFUSED = (
         "guided_whitespace_pattern",
-        "bad_words",
         "logits_processors",
         "use_beam_search",
         "length_penalty",
@@ -195,6 +195,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=bias,
                 allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words or None,
                 structured_outputs=spec[0] if spec else None,
                 prompt_logprobs=extra.pop("prompt_logprobs", self.prompt_logprobs),
             )

@@ -469,6 +469,39 @@ def test_allowed_token_ids_with_a_bias_and_held_back_ids_still_pick_an_allowed_t
     assert a is b and (~a).nonzero().flatten().tolist() == [2, 5]
 
 
+def test_bad_words_ban_single_tokens_always_and_a_sequences_last_token_after_its_prefix():
+    vocab = 32
+    logits = torch.zeros(1, vocab)
+    logits[0, 9] = 5.0  # favourite
+    logits[0, 4] = 4.0  # runner-up
+    logits[0, 6] = 3.0
+    seqs = [[4], [7, 8, 9], [3, 9]]
+    sampler = Sampler(vocab, [EOS], CPU)
+
+    def greedy(outputs: list[int]) -> int:
+        st = make_state(outputs=outputs, temperature=0.0, bad_words_token_ids=seqs)
+        assert not st.plain_greedy
+        return sampler(logits, [st]).token_ids[0]
+
+    assert greedy([]) == 9  # no sequence's prefix matched; 4 banned but not the favourite
+    assert greedy([7, 8]) == 6  # [7, 8] -> 9 banned; 4 banned outright
+    assert greedy([3]) == 6  # [3] -> 9 banned
+    assert greedy([8]) == 9  # half a prefix bans nothing
+    # Only output tokens count: a prompt ending in the prefix bans nothing.
+    st = make_state(prompt=[5, 7, 8], outputs=[], temperature=0.0, bad_words_token_ids=seqs)
+    assert sampler(logits, [st]).token_ids == [9]
+    # Speculation's views (a request's state plus drafted tokens) see the drafts.
+    base = make_state(outputs=[7], temperature=0.0, bad_words_token_ids=seqs)
+    view = RequestSamplingState(base.params, base.prompt_len, [*base.token_ids, 8])
+    assert sampler.processed_logits(logits, [view])[0, 9] == -torch.inf
+
+
+def test_bad_words_sequences_must_be_nonempty_ids():
+    for bad in ([[]], [[1, -2]]):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words_token_ids=bad)
+
+
 def test_allowed_token_ids_must_be_a_nonempty_list_of_ids():
     for bad in ([], [3, -1]):
         with pytest.raises(ValueError, match="allowed_token_ids"):

@@ -868,6 +868,7 @@ SAMPLING = {
     "allowed_token_ids": st.lists(token_ids, min_size=1, max_size=8),
     "truncate_prompt_tokens": st.just(-1) | st.integers(1, 64),
     "return_tokens_as_token_ids": st.booleans(),
+    "bad_words": st.lists(words, max_size=4),
     "cache_salt": words,
     "request_id": words,
     "user": text,
@@ -882,7 +883,7 @@ SAMPLING = {
     "prompt_logprobs": st.integers(0, 20),
 }
 REFUSED_VLLM = [
-    "bad_words", "logits_processors", "use_beam_search", "length_penalty",
+    "logits_processors", "use_beam_search", "length_penalty",
     "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern",
 ]  # fmt: skip
 HOSTILE_SAMPLING = {
@@ -907,6 +908,10 @@ HOSTILE_SAMPLING = {
     | huge_list(token_ids, 200_000),
     "truncate_prompt_tokens": st.sampled_from([0, -2, 10**9, 2**70, 1.5, "4"]),
     "return_tokens_as_token_ids": st.sampled_from([1, "yes", [True]]),
+    # Blank, too many, too long, or more tokens in all than the cap.
+    "bad_words": st.sampled_from([[" "], [""], [1], "x", ["w" * 1025]])
+    | huge_list(st.just("x"), 2000)
+    | huge_list(st.just("red green blue " * 60), 128),
     **{name: json_values for name in REFUSED_VLLM},
 }
 CHAT = {

@@ -378,7 +378,6 @@ REFUSED_CHAT = {
     "echo": True,
     "add_special_tokens": True,
     "guided_whitespace_pattern": " ",
-    "bad_words": ["x"],
     "logits_processors": ["x"],
     "use_beam_search": True,
     "length_penalty": 0.5,

@@ -238,3 +238,68 @@ async def test_allowed_token_ids_in_websocket_params(server):
     bad = await _ws_generate(server, {"type": "generate", "id": "w2", "prompt": "x",
                                       "params": {"allowed_token_ids": [2048]}})  # fmt: skip
     assert bad[-1]["type"] == "error" and bad[-1]["param"] == "params.allowed_token_ids", bad
+
+
+# --------------------------------------------------------------------------------- bad_words
+def _spelled(server, text: str) -> list[int]:
+    code, obj = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert code == 200, obj
+    return obj["tokens"]
+
+
+def test_bad_words_keep_a_generated_word_out(client, server):
+    """A word the free greedy run generates, banned: the run is the same up to it, then
+    takes another token there and never generates it."""
+    free = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0.0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    text_of = {t: post(server, "/detokenize", {"tokens": [t]})[1]["prompt"] for t in set(free)}
+    # A token that is a whole spelling of its word, so the word bans it outright.
+    found = next(
+        (
+            (p, tok, w)
+            for p, tok in enumerate(free)
+            if (w := text_of[tok].strip())
+            and [tok] in (_spelled(server, w), _spelled(server, " " + w))
+        ),
+        None,
+    )
+    assert found, f"no generated token spells a word: {[text_of[t] for t in free]}"
+    p, tok, word = found
+    out = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0.0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, "bad_words": [word]},
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    assert out[:p] == free[:p] and out[p] != tok and tok not in out, (word, free, out)
+    # chat takes them too
+    chat = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=8, temperature=0.0,
+        extra_body={"bad_words": [word], "return_token_ids": True},
+    )  # fmt: skip
+    assert tok not in chat.choices[0].model_extra["token_ids"]
+
+
+def test_bad_words_refusals_name_the_field(server):
+    for bad in (["  "], [""], ["x"] * 129, ["word " * 600], "x", [3]):
+        refused(server, "/v1/completions", {"prompt": "hi", "bad_words": bad}, "bad_words")
+
+
+def test_offline_llm_takes_bad_words_as_the_server_does(client, model):
+    """`LLM.generate` with SamplingParams(bad_words=...) tokenizes the words in the engine
+    and bans what the server bans for the same request."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+
+    words = ["the", "and"]
+    served = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0.0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, "bad_words": words},
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=words)
+    with LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1,
+             max_model_len=MAX_MODEL_LEN) as llm:  # fmt: skip
+        (out,) = llm.generate("Once upon a time", params)
+        assert list(out.outputs[0].token_ids) == served
+        with pytest.raises(ValueError, match="bad_words"):
+            llm.generate("x", SamplingParams(bad_words=["  "]))
