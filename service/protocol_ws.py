@@ -48,6 +48,7 @@ class WSParams(Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Meta(max_length=1024)]] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 

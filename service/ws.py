@@ -307,6 +307,7 @@ class WSSession:
         params = frame.params.to_sampling_params()
         prep.limits.check_sampling(params, prefix="params.")
         prep.check_vocab_ids(params, "params.")
+        params = await prep.with_bad_words(params, "params.bad_words")
         spec = frame.params.structured()
         try:
             await engine.compile_grammar(params)

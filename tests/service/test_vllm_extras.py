@@ -247,7 +247,7 @@ def _spelled(server, text: str) -> list[int]:
     return obj["tokens"]
 
 
-def test_bad_words_keep_a_generated_word_out(client, server):
+async def test_bad_words_keep_a_generated_word_out(client, server):
     """A word the free greedy run generates, banned: the run is the same up to it, then
     takes another token there and never generates it."""
     free = client.completions.create(
@@ -278,6 +278,16 @@ def test_bad_words_keep_a_generated_word_out(client, server):
         extra_body={"bad_words": [word], "return_token_ids": True},
     )  # fmt: skip
     assert tok not in chat.choices[0].model_extra["token_ids"]
+    # and the WebSocket's params
+    frames = await _ws_generate(server, {
+        "type": "generate", "id": "b1", "prompt": "Once upon a time",
+        "params": {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "bad_words": [word]},
+    })  # fmt: skip
+    ws_ids = [t for f in frames if f["type"] == "delta" for t in f["token_ids"]]
+    assert ws_ids == out, frames[-1]
+    bad = await _ws_generate(server, {"type": "generate", "id": "b2", "prompt": "x",
+                                      "params": {"bad_words": ["  "]}})  # fmt: skip
+    assert bad[-1]["type"] == "error" and bad[-1]["param"] == "params.bad_words", bad
 
 
 def test_bad_words_refusals_name_the_field(server):
