@@ -115,7 +115,8 @@ class CompletionServing(ServingBase):
         truncate = req.truncation(self.engine.max_model_len)
         prompts = await self.prep.prompt_ids(raw, truncate=truncate)
         self._check_prompt_logprobs(req, prompts)
-        texts = [p if isinstance(p, str) else None for p in raw]
+        # A truncated prompt's text is that of the tokens kept (decoded from them for echo).
+        texts = [p if isinstance(p, str) and truncate is None else None for p in raw]
         rid, engine_rid = request_id(request, req.request_id, "cmpl")
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
         tenant, cid = request.get(TENANT), req.conversation_id or req.session_id
@@ -128,9 +129,7 @@ class CompletionServing(ServingBase):
         )  # fmt: skip
         model = req.model or self.names[0]
         try:
-            # A truncated prompt's echo is the text of the tokens kept (decoded from them).
-            shown = texts if truncate is None else [None] * len(texts)
-            echo = await self._echo_texts(shown, prompts) if req.echo else None
+            echo = await self._echo_texts(texts, prompts) if req.echo else None
             if req.stream:
                 stream = self._completion_stream(
                     request, req, rid, model, prompts, gens, params, echo
