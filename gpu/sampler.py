@@ -573,24 +573,27 @@ class Sampler:
     def processed_logits(
         self, logits: torch.Tensor, rows: Sequence[RequestSamplingState]
     ) -> torch.Tensor:
-        """min_tokens masking, logit_bias and penalties: the logits greedy rows take the
-        argmax of.  logits: [R, V] float32; returned as is when no row needs any of them
-        (never written)."""
+        """allowed_token_ids, bad_words and min_tokens masking, logit_bias and penalties:
+        the logits greedy rows take the argmax of.  logits: [R, V] float32; returned as is
+        when no row needs any of them (never written)."""
         vocab = logits.shape[1]
         dev = logits.device
-        min_tok: list[int] = []
+        # (row, ids) set to -inf: bad_words' bans this step and what min_tokens holds back
+        held_rows: list[int] = []
+        held_ids: list[torch.Tensor] = []
         biased: list[int] = []
         penal: list[int] = []
         allowed: list[int] = []
-        banned: list[tuple[int, list[int]]] = []
         for i, r in enumerate(rows):
             p = r.params
             if r.has_allowed:
                 allowed.append(i)
             if r.has_bad_words and (ids := r.banned_now(vocab)):
-                banned.append((i, ids))
+                held_rows.append(i)
+                held_ids.append(torch.tensor(ids, dtype=torch.long, device=dev))
             if p.min_tokens and len(r.token_ids) - r.prompt_len < p.min_tokens:
-                min_tok.append(i)
+                held_rows.append(i)
+                held_ids.append(r.min_tokens_mask(self.eos_token_ids, vocab, dev))
             if r.has_bias:
                 biased.append(i)
             if r.needs_penalties:
@@ -600,17 +603,10 @@ class Sampler:
             x = x.clone()
             for i in allowed:
                 x[i].masked_fill_(rows[i].allowed_mask(vocab, dev), -torch.inf)
-        if banned:
+        if held_rows:
             if x is logits:
                 x = x.clone()
-            r_t = torch.tensor([i for i, ids in banned for _ in ids], device=dev)
-            c_t = torch.tensor([t for _, ids in banned for t in ids], device=dev)
-            x[r_t, c_t] = -torch.inf
-        if min_tok:
-            if x is logits:
-                x = x.clone()
-            masks = [rows[i].min_tokens_mask(self.eos_token_ids, vocab, dev) for i in min_tok]
-            r_t, c_t = _rows_and_cols(min_tok, masks, dev)
+            r_t, c_t = _rows_and_cols(held_rows, held_ids, dev)
             x[r_t, c_t] = -torch.inf
         if biased:
             if x is logits:

@@ -69,6 +69,12 @@ def token_id_label(tid: int) -> str:
     return f"token_id:{tid}"
 
 
+def token_labels(as_ids: bool) -> Callable[[int], str] | None:
+    """How a response's logprobs name tokens: by id (return_tokens_as_token_ids), or
+    None for their text."""
+    return token_id_label if as_ids else None
+
+
 def echo_logprobs(
     plp: list[TokenLogprobs | None],
     text: Callable[[int], str],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -19,7 +19,7 @@ from service.completion_extras import (
     OFF_LOOP_LOGPROB_ENTRIES,
     finite,
     prompt_logprobs_json,
-    token_id_label,
+    token_labels,
 )
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
@@ -41,12 +41,12 @@ from service.tool_calls import (
 
 class ChatServing(ServingBase):
     def chat_logprobs(
-        self, lps: list[TokenLogprobs] | None, as_ids: bool = False
+        self, lps: list[TokenLogprobs] | None, label: Callable[[int], str] | None
     ) -> dict[str, Any] | None:
-        """as_ids: tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        """label: how tokens are named (token_labels; None: their text)."""
         if lps is None:
             return None
-        label = token_id_label if as_ids else self.token_text
+        label = label or self.token_text
         content = []
         for lp in lps:
             tok = label(lp.token_id)
@@ -151,7 +151,9 @@ class ChatServing(ServingBase):
             choice: dict[str, Any] = {
                 "index": o.index,
                 "message": message,
-                "logprobs": self.chat_logprobs(o.logprobs, req.return_tokens_as_token_ids),
+                "logprobs": self.chat_logprobs(
+                    o.logprobs, token_labels(req.return_tokens_as_token_ids)
+                ),
                 "finish_reason": finish,
                 "stop_reason": o.stop_reason,
             }
@@ -259,7 +261,9 @@ class ChatServing(ServingBase):
         c: dict[str, Any] = {
             "index": d.index,
             "delta": delta,
-            "logprobs": self.chat_logprobs(d.logprobs, req.return_tokens_as_token_ids),
+            "logprobs": self.chat_logprobs(
+                d.logprobs, token_labels(req.return_tokens_as_token_ids)
+            ),
             "finish_reason": finish,
         }
         if d.finish_reason is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -21,7 +21,7 @@ from service.completion_extras import (
     best_of,
     finite,
     join_logprobs,
-    token_id_label,
+    token_labels,
 )
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
@@ -46,11 +46,6 @@ def _logprob_entries(
     return entries
 
 
-def _label(req: CompletionRequest) -> Any:
-    """How logprobs name tokens: by id (return_tokens_as_token_ids), else None (text)."""
-    return token_id_label if req.return_tokens_as_token_ids else None
-
-
 async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Run every prompt's generator to its end, concurrently; one failing fails the request
     (the TaskGroup aborts the others)."""
@@ -72,12 +67,13 @@ async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[Reques
 
 class CompletionServing(ServingBase):
     def completion_logprobs(
-        self, lps: list[TokenLogprobs] | None, offset: int, as_ids: bool = False
+        self, lps: list[TokenLogprobs] | None, offset: int, label: Callable[[int], str] | None
     ) -> tuple[dict[str, Any] | None, int]:
-        """as_ids: tokens named "token_id:<id>" (offsets still count their text)."""
+        """label: how tokens are named (token_labels; None: their text); offsets count the
+        text either way."""
         if lps is None:
             return None, offset
-        label = token_id_label if as_ids else self.token_text
+        label = label or self.token_text
         tokens, token_lps, tops, offsets = [], [], [], []
         for lp in lps:
             tok = self.token_text(lp.token_id)
@@ -172,7 +168,7 @@ class CompletionServing(ServingBase):
             choices = []
             completion = 0
             cached = 0
-            shared = PromptLogprobs(self.token_text, _label(req))
+            shared = PromptLogprobs(self.token_text, token_labels(req.return_tokens_as_token_ids))
             for i, out in enumerate(finals):
                 cached += out.num_cached_tokens
                 if not req.echo_only:
@@ -212,9 +208,7 @@ class CompletionServing(ServingBase):
         """Choice `o` of prompt `i`, whole."""
         head = "" if echo is None else echo[i]
         only = req.echo_only
-        lp, _ = self.completion_logprobs(
-            None if only else o.logprobs, len(head), req.return_tokens_as_token_ids
-        )
+        lp, _ = self.completion_logprobs(None if only else o.logprobs, len(head), shared.label)
         if echo is not None and req.logprobs is not None and out.prompt_logprobs:
             lp = join_logprobs(shared.echo(i, out.prompt_logprobs, prompt), lp)
         choice: dict[str, Any] = {
@@ -268,7 +262,7 @@ class CompletionServing(ServingBase):
         if head and req.logprobs is not None and out.prompt_logprobs:
             pre = shared.echo(pi, out.prompt_logprobs, prompt)
         lp, offsets[d.index] = self.completion_logprobs(
-            d.logprobs, offsets.get(d.index, 0) + len(head), req.return_tokens_as_token_ids
+            d.logprobs, offsets.get(d.index, 0) + len(head), shared.label
         )
         c: dict[str, Any] = {
             "index": d.index,
@@ -305,7 +299,9 @@ class _CompletionChunks:
         self.n, self.echo, self.usage = n, echo, usage
         self.offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         self.cached: dict[str, int] = {}  # per prompt (engine request id): cached tokens
-        self.shared = PromptLogprobs(serving.token_text, _label(req))
+        self.shared = PromptLogprobs(
+            serving.token_text, token_labels(req.return_tokens_as_token_ids)
+        )
         # Nothing but text in a choice's middle chunks: those are built inline.
         plain = echo is None and not req.echo_only and not req.return_token_ids
         self.plain = plain and req.logprobs is None and req.prompt_logprobs is None
