@@ -28,6 +28,7 @@ from service.async_engine import AsyncEngine, RequestFailed, rss_bytes
 from service.http_util import SPEC_FIELD, TENANT_SALT, error_response, json_response, salted
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
+from service.openai_responses import ResponseStore
 from service.openapi import openapi_document
 from service.prep import Preprocessor
 from service.protocol import BadRequest, check_messages, decode_prefix
@@ -262,7 +263,7 @@ def _openai_serving(
     prep: Preprocessor,
     metrics: Metrics,
 ) -> OpenAIServing:
-    return OpenAIServing(
+    serving = OpenAIServing(
         engine,
         names,
         prep,
@@ -274,6 +275,9 @@ def _openai_serving(
         tool_call_parser=state.config.tool_call_parser,
         streams=state.streams,
     )
+    cfg = state.config
+    serving.store = ResponseStore(cfg.max_stored_responses, cfg.max_stored_response_bytes)
+    return serving
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)
@@ -365,25 +369,39 @@ def _serving(request: web.Request) -> OpenAIServing:
     return state.serving
 
 
-async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
+async def _generation(request: web.Request, route: str) -> web.StreamResponse:
     serving = _serving(request)
     body = await request.read()
     state = request.app[STATE]
     state.inflight_inc()  # counted so SIGTERM can wait for it to finish
     try:
-        if chat:
+        if route == "chat":
             return await serving.chat(request, body)
+        if route == "responses":
+            return await serving.responses(request, body)
         return await serving.completions(request, body)
     finally:
         state.inflight_dec()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, chat=True)
+    return await _generation(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, chat=False)
+    return await _generation(request, "completions")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "responses")
+
+
+async def get_response(request: web.Request) -> web.Response:
+    return _serving(request).get_response(request)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    return _serving(request).delete_response(request)
 
 
 async def resume_stream(request: web.Request) -> web.StreamResponse:
@@ -565,6 +583,9 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{id}", get_response)
+    app.router.add_delete("/v1/responses/{id}", delete_response)
     app.router.add_get("/v1/streams/{id}", resume_stream)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)

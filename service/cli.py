@@ -684,6 +684,15 @@ def _add_stream_args(s: argparse.ArgumentParser) -> None:
         "autotuning, up to 4 MiB); smaller makes back-pressure act sooner",
     )  # fmt: skip
     s.add_argument(
+        "--max-stored-responses", type=int, default=1024, metavar="N",
+        help="/v1/responses kept in memory (per API key) for GET /v1/responses/{id} and "
+        "previous_response_id, least recently used dropped first; 0: store nothing",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-stored-response-bytes", type=int, default=64 << 20, metavar="BYTES",
+        help="bytes all stored responses and their conversations may take together",
+    )  # fmt: skip
+    s.add_argument(
         "--onednn-cache-capacity", type=int, default=64,
         help="compiled CPU GEMMs kept (oneDNN/ideep primitive caches; each step size "
         "compiles its own); bounds their memory",

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/responses,
+/v1/models.
 
 Streaming responses are server-sent events.  The request is aborted in the engine the
 moment its client goes away: the server runs with handler cancellation, so the handler
@@ -12,13 +13,14 @@ import time
 from aiohttp import web
 
 from service.http_util import json_response
-from service.openai_chat import ChatServing
 from service.openai_completions import CompletionServing
+from service.openai_responses import ResponsesServing
 
 
-class OpenAIServing(ChatServing, CompletionServing):
-    """The OpenAI-compatible routes of one loaded model.  Chat (`service/openai_chat.py`)
-    and completions (`service/openai_completions.py`) share `ServingBase`
+class OpenAIServing(ResponsesServing, CompletionServing):
+    """The OpenAI-compatible routes of one loaded model.  Chat (`service/openai_chat.py`),
+    responses (`service/openai_responses.py`, chat turns answered in the Responses API's
+    shape) and completions (`service/openai_completions.py`) share `ServingBase`
     (`service/openai_common.py`): queueing, bounded SSE writes, usage and logprob text."""
 
     async def models(self, request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ from service.completion_extras import (
 )
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
-from service.outputs import RequestOutput
+from service.outputs import RequestOutput, Submitted
 from service.protocol import BadRequest, check_messages
 from service.protocol_openai import ChatCompletionRequest, decode_chat
 from service.request_ids import TENANT, conversation_key, request_id
@@ -37,6 +38,28 @@ from service.tool_calls import (
     template_tools,
     tool_mode,
 )
+
+
+@dataclass(slots=True)
+class ChatStart:
+    """A chat request validated, rendered and queued (`ChatServing.start_chat`)."""
+
+    rid: str  # the public id
+    model: str
+    ids: list[int]  # the prompt's token ids
+    gen: AsyncIterator[RequestOutput]
+    params: SamplingParams
+    mode: Mode | None  # tool calling (service/tool_calls.py); None: no tools
+    subs: list[Submitted]
+
+    async def last(self) -> RequestOutput:
+        """The whole answer: the generator read to its end."""
+        last: RequestOutput | None = None
+        async with contextlib.aclosing(self.gen):  # type: ignore[type-var]
+            async for out in self.gen:
+                last = out
+        assert last is not None
+        return last
 
 
 class ChatServing(ServingBase):
@@ -69,6 +92,21 @@ class ChatServing(ServingBase):
 
     async def chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
         req: ChatCompletionRequest = decode_chat(body)
+        start = await self.start_chat(request, req, "chatcmpl")
+        try:
+            if req.stream:
+                stream = self._chat_stream(request, req, start)
+                return await self.streamed(request, start.rid, start.subs, stream)
+            return await self._chat_full(req, start)
+        finally:
+            self._release(start.subs)
+
+    async def start_chat(
+        self, request: web.Request, req: ChatCompletionRequest, id_prefix: str
+    ) -> ChatStart:
+        """Everything before the answer: validate, render, queue (all 400s come from
+        here).  The caller must `_release(start.subs)` in a finally.  /v1/responses
+        (service/openai_responses.py) turns its request into a chat one and starts here."""
         self.check_model(req.model)
         check_messages(req.messages)
         params = req.to_sampling_params()
@@ -102,7 +140,7 @@ class ChatServing(ServingBase):
             self.limits.check_prompt_logprobs(
                 {"prompt_logprobs": len(ids) * (req.prompt_logprobs + 1)}
             )
-        rid, engine_rid = request_id(request, req.request_id, "chatcmpl")
+        rid, engine_rid = request_id(request, req.request_id, id_prefix)
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
         tenant = request.get(TENANT)
@@ -113,29 +151,11 @@ class ChatServing(ServingBase):
             prompt_field="messages",
         )  # fmt: skip
         model = req.model or self.names[0]
-        try:
-            if req.stream:
-                stream = self._chat_stream(request, req, rid, model, ids, gens[0], params, mode)
-                return await self.streamed(request, rid, subs, stream)
-            return await self._chat_full(req, rid, model, ids, gens[0], params, mode)
-        finally:
-            self._release(subs)
+        return ChatStart(rid, model, ids, gens[0], params, mode, subs)
 
-    async def _chat_full(
-        self,
-        req: ChatCompletionRequest,
-        rid: str,
-        model: str,
-        ids: list[int],
-        gen: AsyncIterator[RequestOutput],
-        params: SamplingParams,
-        mode: Mode | None,
-    ) -> web.Response:
-        last: RequestOutput | None = None
-        async with contextlib.aclosing(gen):  # type: ignore[type-var]
-            async for out in gen:
-                last = out
-        assert last is not None
+    async def _chat_full(self, req: ChatCompletionRequest, start: ChatStart) -> web.Response:
+        rid, model, ids, mode = start.rid, start.model, start.ids, start.mode
+        last = await start.last()
         parser = make_parser(self.tool_call_parser) if mode == "auto" else None
         choices = []
         for o in last.outputs:
@@ -180,17 +200,10 @@ class ChatServing(ServingBase):
         return json_response(resp)
 
     async def _chat_stream(
-        self,
-        request: web.Request,
-        req: ChatCompletionRequest,
-        rid: str,
-        model: str,
-        ids: list[int],
-        gen: AsyncIterator[RequestOutput],
-        params: SamplingParams,
-        mode: Mode | None,
+        self, request: web.Request, req: ChatCompletionRequest, start: ChatStart
     ) -> web.StreamResponse:
         """The role chunk, then a chunk per step with every choice that moved."""
+        rid, model, ids, params, mode = start.rid, start.model, start.ids, start.params, start.mode
         resp = await self._open_stream(request)
         created = int(time.time())
         parser = make_parser(self.tool_call_parser) if mode == "auto" else None
@@ -214,7 +227,7 @@ class ChatServing(ServingBase):
         def chunks(deltas: list[ChoiceDelta], out: RequestOutput) -> list[dict[str, Any]]:
             return self._chat_chunks(req, base, deltas, out, tools, mode, usage)
 
-        return await self._run_stream(request, resp, [gen], params.n, chunks, base, usage)
+        return await self._run_stream(request, resp, [start.gen], params.n, chunks, base, usage)
 
     def _chat_chunks(
         self,

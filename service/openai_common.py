@@ -374,9 +374,11 @@ class ServingBase:
         chunks_of: ChunksOf,
         base: dict[str, Any],
         usage: StreamUsage,
+        *,
+        done: bool = True,
     ) -> web.StreamResponse:
         """Write the chunks of each output (`chunks_of`) as events, then the usage totals
-        if asked, then [DONE].  A failure after the headers went out becomes an error
+        if asked, then [DONE] (done=False: neither; the chunks said the end themselves).  A failure after the headers went out becomes an error
         event.  One prompt's generator is read here directly (a generator layer between
         would cost every stream a hop every step); several prompts' through `merge`.
         Closed explicitly all the way down: a stream that stops early (a client gone)
@@ -403,10 +405,11 @@ class ServingBase:
             raise
         except Exception as e:
             return await self._stream_error(request, resp, e)
-        if usage.include:
+        if usage.include and done:
             totals = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
             await self.write(request, resp, sse({**base, "choices": [], "usage": totals}))
-        await self.write(request, resp, b"data: [DONE]\n\n")
+        if done:
+            await self.write(request, resp, b"data: [DONE]\n\n")
         await end_stream(resp)
         return resp
 

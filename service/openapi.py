@@ -15,6 +15,7 @@ import msgspec
 
 from service.protocol import PrefixRegistration
 from service.protocol_openai import ChatCompletionRequest, CompletionRequest
+from service.protocol_responses import ResponsesRequest
 from service.protocol_ws import ClientFrame
 
 _REF = "#/components/schemas/{name}"
@@ -62,8 +63,14 @@ def _post(summary: str, schema: dict[str, Any], streams: bool) -> dict[str, Any]
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    (chat, completion, frame, prefix), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ClientFrame, PrefixRegistration],
+    (chat, completion, responses, frame, prefix), components = msgspec.json.schema_components(
+        [
+            ChatCompletionRequest,
+            CompletionRequest,
+            ResponsesRequest,
+            ClientFrame,
+            PrefixRegistration,
+        ],
         ref_template=_REF,
     )
     components["ClientFrame"] = frame
@@ -75,6 +82,11 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _post("Chat completion (OpenAI)", chat, streams=True),
             "/v1/completions": _post("Text completion (OpenAI)", completion, streams=True),
+            "/v1/responses": _post("Response (OpenAI Responses API)", responses, streams=True),
+            "/v1/responses/{id}": {
+                "get": {"summary": "A stored response", "responses": plain},
+                "delete": {"summary": "Delete a stored response", "responses": plain},
+            },
             "/v1/cache/prefixes": _post("Compute and publish a shared prefix", prefix, False),
             "/v1/models": {"get": {"summary": "Served models", "responses": plain}},
             "/health": {"get": {"summary": "200 when serving, 503 otherwise", "responses": plain}},

@@ -132,7 +132,9 @@ def check_http(server, path: str, body: Any) -> None:
         assert isinstance(err["message"], str) and err["type"], err
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/cache/prefixes"])
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/cache/prefixes"]
+)
 def test_fuzz_http(server, schemas, path):
     @FUZZ
     @given(body=body_strategy(schemas, path))

@@ -1,0 +1,471 @@
+"""/v1/responses (OpenAI's Responses API): a response is a chat turn (the request becomes
+a chat request, `ResponsesRequest.to_chat`, and starts as one, `ChatServing.start_chat`),
+answered as a `response` object or as the API's typed stream events (`response.created`,
+`response.output_item.added`, `response.output_text.delta`, ... `response.completed`).
+
+Stored responses (`store`, on by default as OpenAI's) are kept in memory, per API key and
+bounded (`ResponseStore`): `GET /v1/responses/{id}` returns one, `DELETE` drops it, and
+`previous_response_id` continues its conversation (its input and output come before the
+new input; its instructions do not).  A stored chain's KV is pinned between turns under
+the chain's first id, as a `conversation_id` would pin it (scheduler/pins.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from service.http_util import json_response
+from service.openai_chat import ChatServing, ChatStart
+from service.openai_common import ChoiceDelta, StreamUsage
+from service.outputs import RequestOutput
+from service.protocol import BadRequest, ChatMessage, FunctionCall, ToolCall
+from service.protocol_openai import ChatCompletionRequest
+from service.protocol_responses import ResponsesRequest, decode_responses, responses_param
+from service.request_ids import TENANT
+from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
+
+
+@dataclass(slots=True)
+class Stored:
+    response: dict[str, Any]  # as served
+    # The conversation through this turn, instructions left out: what a turn continuing
+    # it starts from.  Earlier turns' messages are shared with their own entries.
+    messages: list[ChatMessage]
+    root: str  # the chain's first response id: its KV pin's key
+    size: int  # bytes this entry adds (its own messages and response, not shared ones)
+
+
+class ResponseStore:
+    """Stored responses, least recently used evicted first past `max_responses` or
+    `max_bytes`; keyed by (API key's tenant, id), so one key never reads another's."""
+
+    def __init__(self, max_responses: int, max_bytes: int) -> None:
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[tuple[str | None, str], Stored] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_responses > 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, tenant: str | None, rid: str) -> Stored | None:
+        item = self._items.get((tenant, rid))
+        if item is not None:
+            self._items.move_to_end((tenant, rid))
+        return item
+
+    def put(self, tenant: str | None, rid: str, item: Stored) -> None:
+        if not self.enabled or item.size > self.max_bytes:
+            return
+        self.delete(tenant, rid)
+        self._items[(tenant, rid)] = item
+        self.bytes += item.size
+        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.bytes -= old.size
+
+    def delete(self, tenant: str | None, rid: str) -> bool:
+        old = self._items.pop((tenant, rid), None)
+        if old is None:
+            return False
+        self.bytes -= old.size
+        return True
+
+
+_STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
+
+
+def _status(finish: str | None) -> str:
+    return _STATUS.get(finish or "", "failed")
+
+
+def _message_item(mid: str, text: str, logprobs: list[Any] | None, status: str) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    part["logprobs"] = logprobs or []
+    return {
+        "type": "message",
+        "id": mid,
+        "status": status,
+        "role": "assistant",
+        "content": [part],
+    }
+
+
+def _call_item(fid: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    fn = call["function"]
+    return {
+        "type": "function_call",
+        "id": fid,
+        "call_id": call["id"],
+        "name": fn["name"],
+        "arguments": fn["arguments"],
+        "status": status,
+    }
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesServing(ChatServing):
+    # Replaced by the app with one sized by --max-stored-responses; this one stores nothing.
+    store: ResponseStore = ResponseStore(0, 0)
+
+    # ------------------------------------------------------------------ routes
+    async def responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        req = decode_responses(body)
+        tenant = request.get(TENANT)
+        history: list[ChatMessage] = []
+        root = uuid.uuid4().hex  # the chain's key: its KV pin's, and its later turns'
+        if req.previous_response_id is not None:
+            prev = self.store.get(tenant, req.previous_response_id)
+            if prev is None:
+                raise BadRequest(
+                    f"previous response {req.previous_response_id!r} not found (never "
+                    "stored, deleted, or evicted from this server's store)",
+                    "previous_response_id",
+                    status=404,
+                )
+            history, root = prev.messages, prev.root
+        try:
+            chat = req.to_chat(history)
+            if (
+                chat.conversation_id is None
+                and self.store.enabled
+                and (req.store or req.previous_response_id)
+            ):
+                # A turn a later one may continue: its KV stays pinned for it.
+                chat.conversation_id = root
+            start = await self.start_chat(request, chat, "resp")
+        except BadRequest as e:
+            e.param = responses_param(e.param)
+            raise
+        try:
+            turn = _Turn(self, req, chat, start, tenant, root, history)
+            if req.stream:
+                return await self.streamed(request, start.rid, start.subs, turn.stream(request))
+            return json_response(await turn.full())
+        finally:
+            self._release(start.subs)
+
+    def get_response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        item = self.store.get(request.get(TENANT), rid)
+        if item is None:
+            raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
+        return json_response(item.response)
+
+    def delete_response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        if not self.store.delete(request.get(TENANT), rid):
+            raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
+        return json_response({"id": rid, "object": "response", "deleted": True})
+
+
+class _Turn:
+    """One response being answered: its output items, its events, what it stores."""
+
+    def __init__(
+        self,
+        serving: ResponsesServing,
+        req: ResponsesRequest,
+        chat: ChatCompletionRequest,
+        start: ChatStart,
+        tenant: str | None,
+        root: str,
+        history: list[ChatMessage],
+    ) -> None:
+        self.s, self.req, self.chat, self.start = serving, req, chat, start
+        self.tenant, self.root, self.history = tenant, root, history
+        self.created = int(time.time())
+        self.seq = 0
+        self.usage = StreamUsage.of(len(start.ids), None)
+
+    # ------------------------------------------------------------- the object
+    def response(
+        self, status: str, output: list[dict[str, Any]], finish: str | None = None
+    ) -> dict[str, Any]:
+        req = self.req
+        u = self.usage
+        tools = [msgspec.to_builtins(t) for t in req.tools or ()]
+        choice: Any = msgspec.to_builtins(req.tool_choice) if req.tool_choice else "auto"
+        text = (
+            {"format": msgspec.to_builtins(req.text.format)}
+            if req.text and req.text.format
+            else None
+        )
+        return {
+            "id": self.start.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.start.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": None,
+            "store": req.store and self.s.store.enabled,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": text or {"format": {"type": "text"}},
+            "tool_choice": choice,
+            "tools": tools,
+            "top_logprobs": req.top_logprobs,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "usage": None
+            if status == "in_progress"
+            else {
+                "input_tokens": u.prompt_tokens,
+                # As on chat: only with --enable-prompt-tokens-details (with a shared
+                # cache, the count tells what others sent).
+                "input_tokens_details": {"cached_tokens": u.cached if self.s.details else 0},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            },
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def _logprobs(self, lps: Any) -> list[Any] | None:
+        if lps is None:
+            return None
+        out = self.s.chat_logprobs(lps, None)
+        return out["content"] if out else None
+
+    def _finish(self, output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
+        """The final object; stored (with the conversation it ends) when asked."""
+        resp = self.response(_status(finish), output, finish)
+        if resp["store"] and resp["status"] in ("completed", "incomplete"):
+            mine = self.chat.messages[1:] if self.req.instructions else self.chat.messages
+            mine = mine[len(self.history) :]
+            reply = _reply_message(output)
+            messages = [*self.history, *mine, *([reply] if reply else [])]
+            size = len(msgspec.json.encode(resp)) + len(msgspec.json.encode(mine))
+            size += len(msgspec.json.encode(reply)) + 8 * len(self.history)
+            self.s.store.put(self.tenant, self.start.rid, Stored(resp, messages, self.root, size))
+        return resp
+
+    # ----------------------------------------------------------- whole answer
+    async def full(self) -> dict[str, Any]:
+        last = await self.start.last()
+        o = last.outputs[0]
+        self.usage.cached = last.num_cached_tokens
+        self.usage.completion_tokens = len(o.token_ids)
+        output: list[dict[str, Any]] = []
+        content: str | None = o.text
+        calls: list[dict[str, Any]] = []
+        if self.start.mode is not None:
+            parser = make_parser(self.s.tool_call_parser) if self.start.mode == "auto" else None
+            content, calls = parse_output(self.start.mode, o.text, parser, self.chat)
+        done = "completed" if o.finish_reason == "stop" else "incomplete"
+        if content or not calls:
+            output.append(
+                _message_item(_new_id("msg"), content or "", self._logprobs(o.logprobs), done)
+            )
+        output += [_call_item(_new_id("fc"), c, done) for c in calls]
+        return self._finish(output, o.finish_reason)
+
+    # ----------------------------------------------------------------- stream
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: %s\ndata: %s\n\n" % (kind.encode(), msgspec.json.encode(body))
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        s = self.s
+        resp = await s._open_stream(request)
+        await s.write(
+            request, resp, self.event("response.created", response=self.response("in_progress", []))
+        )
+        await s.write(
+            request,
+            resp,
+            self.event("response.in_progress", response=self.response("in_progress", [])),
+        )
+        events = _Events(self)
+        mode = self.start.mode
+        tools = (
+            ToolStream(mode, make_parser(s.tool_call_parser) if mode == "auto" else None, self.chat)
+            if mode
+            else None
+        )
+
+        def chunks(deltas: list[ChoiceDelta], out: RequestOutput) -> list[bytes]:
+            self.usage.cached = out.num_cached_tokens
+            frames: list[bytes] = []
+            for d in deltas:
+                self.usage.completion_tokens += len(d.token_ids)
+                frames += events.feed(d, tools)
+            return frames
+
+        # _run_stream ends a chat stream with [DONE]; the Responses stream ends with its
+        # lifecycle event instead, which `_Events.feed` writes with the last delta.
+        return await s._run_stream(
+            request, resp, [self.start.gen], 1, chunks, {}, self.usage, done=False
+        )
+
+
+class _Events:
+    """The typed events of one streamed response, from the choice's deltas."""
+
+    def __init__(self, turn: _Turn) -> None:
+        self.t = turn
+        self.items: list[dict[str, Any]] = []  # output items, as they will be final
+        self.open: dict[str, Any] | None = None  # the item receiving deltas
+
+    def _add(self, item: dict[str, Any]) -> bytes:
+        self.items.append(item)
+        shown = dict(item, status="in_progress")
+        if item["type"] == "message":
+            shown["content"] = []
+        else:
+            shown["arguments"] = ""
+        self.open = item
+        return self.t.event(
+            "response.output_item.added", output_index=len(self.items) - 1, item=shown
+        )
+
+    def _text(self, text: str, lps: list[Any] | None) -> list[bytes]:
+        out = []
+        if self.open is None or self.open["type"] != "message":
+            out += self._close()
+            item = _message_item(_new_id("msg"), "", None, "in_progress")
+            out.append(self._add(item))
+            out.append(
+                self.t.event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    part=dict(item["content"][0]),
+                )
+            )
+        assert self.open is not None
+        part = self.open["content"][0]
+        part["text"] += text
+        part["logprobs"] += lps or []
+        out.append(
+            self.t.event(
+                "response.output_text.delta",
+                item_id=self.open["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=text,
+                logprobs=lps or [],
+            )
+        )
+        return out
+
+    def _call(self, call: dict[str, Any]) -> list[bytes]:
+        """A tool call's delta (OpenAI chat shape): a new call opens an item."""
+        out = []
+        fn = call.get("function", {})
+        if "id" in call:
+            out += self._close()
+            item = _call_item(
+                _new_id("fc"),
+                {"id": call["id"], "function": {"name": fn["name"], "arguments": ""}},
+                "in_progress",
+            )
+            out.append(self._add(item))
+        assert self.open is not None and self.open["type"] == "function_call"
+        if fn.get("arguments"):
+            self.open["arguments"] += fn["arguments"]
+            out.append(
+                self.t.event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.open["id"],
+                    output_index=len(self.items) - 1,
+                    delta=fn["arguments"],
+                )
+            )
+        return out
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        i = len(self.items) - 1
+        item["status"] = status
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            common = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            out.append(
+                self.t.event(
+                    "response.output_text.done",
+                    **common,
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                )
+            )
+            out.append(self.t.event("response.content_part.done", **common, part=part))
+        else:
+            out.append(
+                self.t.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=i,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        out.append(self.t.event("response.output_item.done", output_index=i, item=item))
+        return out
+
+    def feed(self, d: ChoiceDelta, tools: ToolStream | None) -> list[bytes]:
+        out: list[bytes] = []
+        lps = self.t._logprobs(d.logprobs)
+        if tools is None:
+            if d.text or lps:
+                out += self._text(d.text, lps)
+        else:
+            delta = tools.feed(d.text)
+            if d.finish_reason is not None:
+                last, _ = tools.finish()
+                delta = merge_delta(delta, last)
+            if delta.get("content"):
+                out += self._text(delta["content"], lps)
+            for call in delta.get("tool_calls", ()):
+                out += self._call(call)
+        if d.finish_reason is None:
+            return out
+        if not self.items:  # nothing generated: an empty message, as OpenAI's
+            out += self._text("", None)
+        done = "completed" if d.finish_reason == "stop" else "incomplete"
+        out += self._close(done)
+        final = self.t._finish(self.items, d.finish_reason)
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
+        out.append(self.t.event(kind.get(final["status"], "response.failed"), response=final))
+        return out
+
+
+def _reply_message(output: list[dict[str, Any]]) -> ChatMessage | None:
+    """The output items as the assistant turn a continuing turn's template sees."""
+    text = "".join(
+        p["text"] for item in output if item["type"] == "message" for p in item["content"]
+    )
+    calls = [
+        ToolCall(id=i["call_id"], function=FunctionCall(name=i["name"], arguments=i["arguments"]))
+        for i in output
+        if i["type"] == "function_call"
+    ]
+    if not text and not calls:
+        return ChatMessage(role="assistant", content="")
+    return ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)

@@ -1,0 +1,370 @@
+"""The request body of /v1/responses (OpenAI's Responses API) and what it turns into: a
+chat request (`ChatCompletionRequest`), so the template, tools, structured output and
+sampling are the chat route's own (service/openai_responses.py serves it).
+
+Input items are decoded one by one by their `type` (a message's may be left out, as
+OpenAI's "easy" input message leaves it out), so a bad item is a 400 naming `input[i]`.
+Built-in tools (web search, file search, computer use, MCP...), images, files and audio
+are refused by name; so are background responses, stored prompts and conversations."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from service.protocol import (
+    BadRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    NonNegInt,
+    PositiveInt,
+    RepetitionPenalty,
+    RequestId,
+    Temperature,
+    TextPart,
+    Tool,
+    ToolCall,
+    TopP,
+    Unit,
+    decode,
+    field_of,
+)
+from service.protocol_openai import ChatCompletionRequest, ConversationId
+from service.protocol_structured import JsonSchemaFormat, ResponseFormat
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class _Part(Struct, kw_only=True):
+    """A content part: text in (`input_text`), text the model wrote (`output_text`, when
+    a client sends earlier output back) or a refusal; anything else is refused."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class _MessageItem(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[_Part]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+
+class _FunctionCallItem(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function_call"]
+    call_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class _FunctionOutputItem(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    output: str | list[_Part]
+    id: str | None = None
+    status: str | None = None
+
+
+_ITEMS: dict[str, type[Struct]] = {
+    "message": _MessageItem,
+    "function_call": _FunctionCallItem,
+    "function_call_output": _FunctionOutputItem,
+}
+
+
+class FunctionTool(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A tool of the Responses API: a function, flat (no `function` wrapper)."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _ChoiceFunction(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(Struct, forbid_unknown_fields=True, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: Any = None
+
+
+class ResponsesStreamOptions(Struct, forbid_unknown_fields=True, kw_only=True):
+    include_obfuscation: bool | None = None  # no obfuscation padding is ever added
+
+
+class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    input: str | Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _ChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    previous_response_id: Annotated[str, Meta(min_length=1, max_length=300)] | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # accepted: prefixes are cached whatever the key
+    service_tier: str | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    # vLLM's sampling extensions, as its Responses route takes them.
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Unit | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: int | None = None
+    request_id: RequestId | None = None
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    conversation_id: ConversationId | None = None
+    # Refused by name (check_unsupported).
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    max_tool_calls: NonNegInt | None = None
+    context_management: Any = None
+
+    def check_unsupported(self) -> None:
+        if self.background:
+            raise BadRequest("background responses are not supported by this server", "background")
+        for name in ("conversation", "prompt", "context_management"):
+            if getattr(self, name) is not None:
+                raise BadRequest(f"{name} is not supported by this server", name)
+        if self.reasoning not in (None, {}) and not (
+            isinstance(self.reasoning, dict) and all(v is None for v in self.reasoning.values())
+        ):
+            raise BadRequest("reasoning is not supported by this server", "reasoning")
+        if self.max_tool_calls is not None:
+            raise BadRequest("max_tool_calls is not supported by this server", "max_tool_calls")
+        if self.service_tier not in (None, "auto", "default"):
+            raise BadRequest("service_tier is not supported by this server", "service_tier")
+        if self.truncation == "auto":
+            raise BadRequest(
+                'truncation "auto" is not supported by this server (only "disabled")',
+                "truncation",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        for i, inc in enumerate(self.include or ()):
+            if inc != LOGPROBS_INCLUDE:
+                raise BadRequest(
+                    f"include {inc!r} is not supported by this server (only {LOGPROBS_INCLUDE!r})",
+                    f"include[{i}]",
+                )
+
+    @property
+    def logprobs(self) -> bool:
+        """Logprobs come with the text only when `include` asks (`top_logprobs` says how
+        many alternatives then), as OpenAI's."""
+        return LOGPROBS_INCLUDE in (self.include or ())
+
+    def input_messages(self) -> list[ChatMessage]:
+        """The input as chat messages: a string is one user message; function calls
+        join the assistant turn before them (parallel calls are one turn), and their
+        outputs become tool messages."""
+        if isinstance(self.input, str):
+            return [ChatMessage(role="user", content=self.input)]
+        out: list[ChatMessage] = []
+        for i, raw in enumerate(self.input):
+            item = _item(raw, f"input[{i}]")
+            if isinstance(item, _MessageItem):
+                role = item.role
+                text = _text(item.content, f"input[{i}].content", assistant=role == "assistant")
+                out.append(ChatMessage(role=role, content=text))
+            elif isinstance(item, _FunctionCallItem):
+                call = ToolCall(
+                    id=item.call_id,
+                    function=FunctionCall(name=item.name, arguments=item.arguments),
+                )
+                last = out[-1] if out else None
+                if last is not None and last.role == "assistant":
+                    if last.tool_calls is None:
+                        last.tool_calls = []
+                    last.tool_calls.append(call)  # in place: a copy each is quadratic
+                else:
+                    out.append(ChatMessage(role="assistant", tool_calls=[call]))
+            else:
+                assert isinstance(item, _FunctionOutputItem)
+                text = _text(item.output, f"input[{i}].output", assistant=False)
+                out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
+        return out
+
+    def chat_tools(self) -> list[Tool] | None:
+        if not self.tools:
+            return None
+        tools = []
+        for i, t in enumerate(self.tools):
+            if t.type != "function":
+                raise BadRequest(
+                    f"tools[{i}].type {t.type!r} is not supported by this server "
+                    "(only function tools)",
+                    f"tools[{i}].type",
+                )
+            if t.name is None:
+                raise BadRequest(f"tools[{i}].name is required", f"tools[{i}].name")
+            try:
+                fn = msgspec.convert(
+                    {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.parameters,
+                        "strict": t.strict,
+                    },
+                    FunctionDefinition,
+                )
+            except msgspec.ValidationError as e:
+                raise BadRequest(f"tools[{i}]: {e}", f"tools[{i}].{field_of(e) or 'name'}") from e
+            tools.append(Tool(function=fn))
+        return tools
+
+    def response_format(self) -> ResponseFormat | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ResponseFormat(type="json_object")
+        if fmt.schema is None:
+            raise BadRequest("text.format.schema is required for json_schema", "text.format.schema")
+        return ResponseFormat(
+            type="json_schema",
+            json_schema=JsonSchemaFormat(
+                name=fmt.name or "response",
+                description=fmt.description,
+                schema=fmt.schema,
+                strict=fmt.strict,
+            ),
+        )
+
+    def to_chat(self, history: list[ChatMessage]) -> ChatCompletionRequest:
+        """The chat request this turn is: the instructions as a system message (never
+        carried from an earlier turn, as OpenAI's), the stored chain's messages, then this
+        input."""
+        self.check_unsupported()
+        messages = list(history) + self.input_messages()
+        if self.instructions:
+            messages.insert(0, ChatMessage(role="system", content=self.instructions))
+        choice: Any = self.tool_choice
+        if isinstance(choice, _ChoiceFunction):
+            choice = NamedToolChoice(function=NamedFunction(name=choice.name))
+        return ChatCompletionRequest(
+            messages=messages,
+            model=self.model,
+            max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs if self.logprobs else None,
+            tools=self.chat_tools(),
+            tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self.response_format(),
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            request_id=self.request_id,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            conversation_id=self.conversation_id,
+            user=self.user,
+        )
+
+
+def _item(raw: dict[str, Any], where: str) -> Struct:
+    kind = raw.get("type", "message")
+    cls = _ITEMS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise BadRequest(
+            f"{where}.type {kind!r} is not supported by this server (message, "
+            "function_call and function_call_output items are)",
+            f"{where}.type",
+        )
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        sub = field_of(e)
+        missing = re.search(r"missing required field `([^`]+)`", str(e))
+        if missing is not None:
+            sub = f"{sub}.{missing.group(1)}" if sub else missing.group(1)
+        raise BadRequest(f"{where}: {e}", f"{where}.{sub}" if sub else where) from e
+
+
+def _text(content: str | list[_Part], where: str, *, assistant: bool) -> str | list[TextPart]:
+    if isinstance(content, str):
+        return content
+    kinds = ("output_text", "refusal") if assistant else ("input_text",)
+    parts = []
+    for j, p in enumerate(content):
+        if p.type not in kinds:
+            raise BadRequest(
+                f"{where}[{j}].type {p.type!r} is not supported here (this server takes "
+                f"{' and '.join(kinds)} parts{' in assistant messages' if assistant else ''})",
+                f"{where}[{j}].type",
+            )
+        text = p.refusal if p.type == "refusal" else p.text
+        if text is None:
+            raise BadRequest(f"{where}[{j}] has no text", f"{where}[{j}]")
+        parts.append(TextPart(text=text))
+    return parts
+
+
+_decoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+def decode_responses(body: bytes) -> ResponsesRequest:
+    return decode(_decoder, body)
+
+
+# Where a chat-side 400 names a chat field, the Responses request's name for it.
+_RENAMES = (
+    ("messages", "input"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("tool_choice.function.name", "tool_choice.name"),
+)
+
+
+def responses_param(param: str | None) -> str | None:
+    if param is None:
+        return None
+    for chat, ours in _RENAMES:
+        if param == chat or param.startswith((chat + ".", chat + "[")):
+            return ours + param[len(chat) :] if chat != "messages" else ours
+    if param.startswith("tools[") and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    return param
