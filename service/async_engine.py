@@ -31,7 +31,7 @@ from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.scheduler_types import SchedulerStats
 from scheduler.spec import SpecDecoder
 from scheduler.stream import RequestStream
-from service.bad_words import encode_words
+from service.bad_words import encode_words, nothing_allowed
 from service.detokenizer import IncrementalDetokenizer, StopChecker
 from service.engine_setup import build_prefix_tier, ensure_default_model, tp_executor
 from service.outputs import CompletionOutput, RequestMetrics, RequestOutput, Submitted
@@ -492,6 +492,8 @@ class AsyncEngine:
             except ValueError as e:
                 raise RequestRejected(str(e)) from e
             params = msgspec.structs.replace(params, bad_words_token_ids=seqs)
+        if (why := nothing_allowed(params, self.eos_token_ids)) is not None:
+            raise RequestRejected(why)
         for field, ids in (
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),

@@ -14,6 +14,10 @@ sequences every step, and each sample of a request holds them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.sampling_params import SamplingParams
 
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 1024
@@ -62,3 +66,23 @@ def encode_words(
     its event loop and calls token_sequences itself)."""
     check_words(words)
     return token_sequences(words, encode_batch(spellings(words)))
+
+
+def nothing_allowed(params: SamplingParams, eos_token_ids: Sequence[int]) -> str | None:
+    """Why no token could ever be sampled, or None.  allowed_token_ids must leave a token
+    that is neither banned as a one-token bad word nor (with min_tokens) held back as eos
+    or a stop token id.  Masked away entirely, a row would sample id 0 (greedy) or the
+    last id (random), as vLLM's does; this is the part known before the first step
+    (multi-token bans and grammars depend on the text)."""
+    allowed = params.allowed_token_ids
+    if not allowed:
+        return None
+    left = set(allowed) - {s[0] for s in params.bad_words_token_ids or () if len(s) == 1}
+    if not left:
+        return "every id in allowed_token_ids is banned by bad_words: no token could be generated"
+    if params.min_tokens and not left - {*eos_token_ids, *params.stop_token_ids}:
+        return (
+            f"min_tokens ({params.min_tokens}) holds back eos and stop_token_ids, and "
+            "allowed_token_ids allows nothing else: no token could be generated"
+        )
+    return None

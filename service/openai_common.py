@@ -286,8 +286,10 @@ class ServingBase:
             )  # fmt: skip
         except DuplicateRequestId as e:  # never with the ids request_ids.py makes
             raise BadRequest(str(e), "X-Request-Id", status=409) from e
-        except MaxTokensTooLarge as e:
-            raise BadRequest(str(e), max_tokens_field) from e
+        except MaxTokensTooLarge as e:  # the message says the field the client sent
+            raise BadRequest(
+                str(e).replace("max_tokens", max_tokens_field, 1), max_tokens_field
+            ) from e
         except RequestRejected as e:
             raise BadRequest(str(e), prompt_field) from e
         gens = [

@@ -131,7 +131,7 @@ class ResponsesServing(ChatServing):
             prev = self.store.get(tenant, req.previous_response_id)
             if prev is None:
                 raise BadRequest(
-                    f"previous response {req.previous_response_id!r} not found (never "
+                    f"previous_response_id {req.previous_response_id!r} not found (never "
                     "stored, deleted, or evicted from this server's store)",
                     "previous_response_id",
                     status=404,
@@ -148,7 +148,10 @@ class ResponsesServing(ChatServing):
                 chat.conversation_id = root
             start = await self.start_chat(request, chat, "resp")
         except BadRequest as e:
-            e.param = responses_param(e.param)
+            chat_name, e.param = e.param, responses_param(e.param)
+            if chat_name and e.param != chat_name and not chat_name.startswith("messages"):
+                # (a chat message's index is not its input item's: only the field renamed)
+                e.message = e.message.replace(chat_name, e.param or "")
             raise
         try:
             turn = _Turn(self, req, chat, start, tenant, root, history)

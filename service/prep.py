@@ -22,7 +22,7 @@ from scheduler.engine_core import EngineOverloaded
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine
-from service.bad_words import check_words, spellings, token_sequences
+from service.bad_words import check_words, nothing_allowed, spellings, token_sequences
 from service.chat_template import TemplateError
 from service.limits import Limits
 from service.protocol import BadRequest
@@ -196,9 +196,11 @@ class Preprocessor:
         self, params: SamplingParams, param: str = "bad_words"
     ) -> SamplingParams:
         """params with its bad_words tokenized (off the event loop, as prompts are), or a
-        400 naming the field."""
+        400 naming the field; also a 400 when allowed_token_ids leaves no token
+        (`nothing_allowed`)."""
         words = params.bad_words
         if not words:
+            self.check_some_token_allowed(params, param.removesuffix("bad_words"))
             return params
         try:
             check_words(words)
@@ -206,7 +208,14 @@ class Preprocessor:
             seqs = token_sequences(words, encoded)
         except ValueError as e:
             raise BadRequest(str(e), param) from e
-        return msgspec.structs.replace(params, bad_words_token_ids=seqs)
+        params = msgspec.structs.replace(params, bad_words_token_ids=seqs)
+        self.check_some_token_allowed(params, param.removesuffix("bad_words"))
+        return params
+
+    def check_some_token_allowed(self, params: SamplingParams, prefix: str = "") -> None:
+        why = nothing_allowed(params, self.engine.eos_token_ids)
+        if why is not None:
+            raise BadRequest(why, prefix + "allowed_token_ids")
 
     def check_vocab_ids(self, params: SamplingParams, prefix: str = "") -> None:
         """logit_bias keys and allowed_token_ids are token ids of this model: one outside

@@ -389,4 +389,6 @@ def test_store_bounds():
 def test_refusals_name_the_field(server, body, param):
     code, obj = post(server, "/v1/responses", body)
     assert code in (400, 404) and obj["error"]["param"] == param, obj
+    if not param.startswith("input"):
+        assert param.split("[")[0].split(".")[0] in obj["error"]["message"], obj
     server.wait_kv_free(10)

@@ -107,6 +107,37 @@ def test_allowed_token_ids_refusals_name_the_field(server):
     assert code == 200, obj
 
 
+def test_allowed_token_ids_that_leave_no_token_are_refused(server, model):
+    """Every allowed id banned (a one-token bad word), or min_tokens holding back the only
+    allowed ids (eos, a stop token id): no token could be sampled, so a 400 at admission
+    rather than a row that samples whatever the empty mask leaves (id 0)."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+
+    tok = AutoTokenizer.from_pretrained(model)
+    the = tok.encode("the", add_special_tokens=False)
+    eos = tok.eos_token_id
+    cases = [
+        {"allowed_token_ids": [eos, 5], "stop_token_ids": [5], "min_tokens": 2},
+        {"allowed_token_ids": [eos], "min_tokens": 1},
+    ]
+    assert len(the) == 1  # a one-token word: banned whatever came before
+    cases.append({"allowed_token_ids": the, "bad_words": ["the"]})
+    for extra in cases:
+        msg = refused(server, "/v1/completions", {"prompt": "hi", **extra}, "allowed_token_ids")
+        assert "no token could be generated" in msg
+    # Still taken: another allowed id left, or min_tokens without the eos-only list.
+    ok = {"prompt": "hi", "max_tokens": 2, "allowed_token_ids": [eos, 7], "min_tokens": 1}
+    code, obj = post(server, "/v1/completions", ok)
+    assert code == 200 and obj["choices"][0]["text"] is not None, obj
+    with (
+        LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1,
+            max_model_len=MAX_MODEL_LEN) as llm,
+        pytest.raises(ValueError, match="no token could be generated"),
+    ):  # fmt: skip
+        llm.generate("x", SamplingParams(allowed_token_ids=[eos], min_tokens=1))
+
+
 # ---------------------------------------------------------------------- truncate_prompt_tokens
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server):
     prompt = list(range(100, 160))
