@@ -149,6 +149,7 @@ class ChatServing(ServingBase):
             engine_rid, [ids], [None], params, salt, field,
             tenant=tenant, conversation=conversation, priority=req.priority,
             prompt_field="messages",
+            beam=req.beam_spec(req.max_completion_tokens or req.max_tokens),
         )  # fmt: skip
         model = req.model or self.names[0]
         return ChatStart(rid, model, ids, gens[0], params, mode, subs)

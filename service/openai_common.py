@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from scheduler.engine_core import DuplicateRequestId, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestFailed
+from service.beam_search import BeamSearch, BeamSpec
 from service.http_util import (
     SPEC_FIELD,
     SSE_HEADERS,
@@ -40,6 +41,19 @@ from service.resume import STREAM_LOG, SSESink, StreamRegistry, follow
 from service.structured import GrammarError
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _refusals(max_tokens_field: str, prompt_field: str) -> Iterator[None]:
+    """What the engine refuses at submission, as the 4xx naming the field."""
+    try:
+        yield
+    except DuplicateRequestId as e:  # never with the ids request_ids.py makes
+        raise BadRequest(str(e), "X-Request-Id", status=409) from e
+    except MaxTokensTooLarge as e:  # the message says the field the client sent
+        raise BadRequest(str(e).replace("max_tokens", max_tokens_field, 1), max_tokens_field) from e
+    except RequestRejected as e:
+        raise BadRequest(str(e), prompt_field) from e
 
 
 async def end_stream(resp: web.StreamResponse) -> None:
@@ -271,6 +285,7 @@ class ServingBase:
         conversation: str | None = None,
         priority: int = 0,
         prompt_field: str = "prompt",
+        beam: BeamSpec | None = None,
     ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
         """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
         when the queue is full), so errors come before the response starts.  The caller
@@ -279,24 +294,42 @@ class ServingBase:
         conversation: the key its KV is pinned under (request_ids.conversation_key)."""
         suffix = len(prompts) > 1
         rids = [f"{request_id}-{i}" if suffix else request_id for i in range(len(prompts))]
-        try:
+        with _refusals(max_tokens_field, prompt_field):
+            if beam is not None:
+                return self._start_beams(rids, prompts, beam, cache_salt, tenant, priority)
             subs = self.engine.submit_many(
                 list(zip(rids, prompts, strict=True)), params, cache_salt,
                 tenant=tenant, conversation=conversation, priority=priority,
             )  # fmt: skip
-        except DuplicateRequestId as e:  # never with the ids request_ids.py makes
-            raise BadRequest(str(e), "X-Request-Id", status=409) from e
-        except MaxTokensTooLarge as e:  # the message says the field the client sent
-            raise BadRequest(
-                str(e).replace("max_tokens", max_tokens_field, 1), max_tokens_field
-            ) from e
-        except RequestRejected as e:
-            raise BadRequest(str(e), prompt_field) from e
         gens = [
             self.engine.generate(text or "", submitted=sub)
             for sub, text in zip(subs, texts, strict=True)
         ]
         return gens, subs
+
+    def _start_beams(
+        self,
+        rids: list[str],
+        prompts: list[list[int]],
+        beam: BeamSpec,
+        cache_salt: str | None,
+        tenant: str | None,
+        priority: int,
+    ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
+        """`_start` for use_beam_search: each prompt's first step queued now (all or none),
+        each search one generator yielding its n best beams (service/beam_search.py)."""
+        searches = [
+            BeamSearch(self.engine, rid, ids, beam, cache_salt, tenant=tenant, priority=priority)
+            for rid, ids in zip(rids, prompts, strict=True)
+        ]
+        subs: list[Submitted] = []
+        try:
+            for s in searches:
+                subs += s.start()
+        except BaseException:
+            self._release(subs)
+            raise
+        return [s.run() for s in searches], subs
 
     def _release(self, subs: list[Submitted]) -> None:
         for sub in subs:

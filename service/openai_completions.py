@@ -122,6 +122,7 @@ class CompletionServing(ServingBase):
         gens, subs = self._start(
             engine_rid, prompts, texts, params, salt,
             tenant=tenant, conversation=conversation_key(tenant, cid), priority=req.priority,
+            beam=req.beam_spec(req.max_tokens),
         )  # fmt: skip
         model = req.model or self.names[0]
         try:

@@ -7,12 +7,13 @@ request naming them gets a 400 saying so by name, instead of an unknown-field er
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from service.beam_search import MAX_BEAM_WIDTH, BeamSpec
 from service.protocol import (
     BadRequest,
     ChatMessage,
@@ -84,8 +85,10 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     # Documented by vLLM, refused here (check_unsupported says so by name).
     guided_whitespace_pattern: Any = None
     logits_processors: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
+    # Beam search (service/beam_search.py): n is the beam width, and the n best beams
+    # are the choices; length_penalty is the exponent of the length in their ranking.
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Meta(ge=-10.0, le=10.0)] = 1.0
     spaces_between_special_tokens: Any = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     kv_transfer_params: Any = None
@@ -102,8 +105,6 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     _REFUSED = (
         "guided_whitespace_pattern",
         "logits_processors",
-        "use_beam_search",
-        "length_penalty",
         "kv_transfer_params",
         "vllm_xargs",
     )
@@ -130,6 +131,58 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        if self.use_beam_search:
+            self.check_beam_search()
+
+    # What beam search does not take (it ranks beams by the raw logprobs, greedily): a
+    # field set to anything but its default is refused rather than ignored.
+    _NOT_WITH_BEAMS: ClassVar[tuple[tuple[str, tuple[Any, ...]], ...]] = (
+        ("top_p", (None, 1.0)),
+        ("top_k", (None, 0, -1)),
+        ("min_p", (None, 0.0)),
+        ("seed", (None,)),
+        ("stop", (None, [])),
+        ("stop_token_ids", (None, [])),
+        ("min_tokens", (0,)),
+        ("presence_penalty", (0.0,)),
+        ("frequency_penalty", (0.0,)),
+        ("repetition_penalty", (None, 1.0)),
+        ("logit_bias", (None, {})),
+        ("allowed_token_ids", (None,)),
+        ("bad_words", (None, [])),
+        ("prompt_logprobs", (None,)),
+        ("structured_outputs", (None,)),
+        ("guided_json", (None,)),
+        ("guided_regex", (None,)),
+        ("guided_choice", (None,)),
+        ("guided_grammar", (None,)),
+        ("conversation_id", (None,)),
+        ("session_id", (None,)),
+    )
+
+    def check_beam_search(self) -> None:
+        if self.n > MAX_BEAM_WIDTH:
+            raise BadRequest(
+                f"n is the beam width with use_beam_search: at most {MAX_BEAM_WIDTH}", "n"
+            )
+        if self.response_format is not None and self.response_format.type != "text":
+            raise BadRequest("response_format cannot be combined with use_beam_search",
+                             "response_format")  # fmt: skip
+        for name, unset in self._NOT_WITH_BEAMS:
+            if getattr(self, name) not in unset:
+                raise BadRequest(f"{name} cannot be combined with use_beam_search", name)
+
+    def beam_spec(self, max_tokens: int | None) -> BeamSpec | None:
+        if not self.use_beam_search:
+            return None
+        return BeamSpec(
+            width=self.n,
+            max_tokens=max_tokens,
+            length_penalty=self.length_penalty,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
     def truncation(self, max_model_len: int) -> int | None:
         """How many of the prompt's last tokens to keep (None: all), or a 400."""
@@ -300,6 +353,12 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
                 )
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.use_beam_search:
+            for name in ("logprobs", "echo"):
+                if getattr(self, name):
+                    raise BadRequest(f"{name} cannot be combined with use_beam_search", name)
+            if self.tools and self.tool_choice != "none":
+                raise BadRequest("tools cannot be combined with use_beam_search", "tools")
 
     def to_sampling_params(self) -> SamplingParams:
         self.check_unsupported()
@@ -347,6 +406,12 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise BadRequest("best_of > n cannot be streamed", "best_of")
+        if self.use_beam_search:
+            for name in ("logprobs", "best_of"):
+                if getattr(self, name) is not None:
+                    raise BadRequest(f"{name} cannot be combined with use_beam_search", name)
+            if self.echo:
+                raise BadRequest("echo cannot be combined with use_beam_search", "echo")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -866,6 +866,12 @@ SAMPLING = {
     "skip_special_tokens": st.booleans(),
     "return_token_ids": st.booleans(),
     "allowed_token_ids": st.lists(token_ids, min_size=1, max_size=8),
+    # Beam search: refused beside a sampling field it does not take, else a search.
+    "+beams": st.builds(
+        lambda n, lp: {"use_beam_search": True, "n": n, "length_penalty": lp},
+        st.integers(1, 4),
+        floats(-2, 2),
+    ),
     "truncate_prompt_tokens": st.just(-1) | st.integers(1, 64),
     "return_tokens_as_token_ids": st.booleans(),
     "bad_words": st.lists(words, max_size=4),
@@ -883,8 +889,7 @@ SAMPLING = {
     "prompt_logprobs": st.integers(0, 20),
 }
 REFUSED_VLLM = [
-    "logits_processors", "use_beam_search", "length_penalty",
-    "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern",
+    "logits_processors", "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern",
 ]  # fmt: skip
 HOSTILE_SAMPLING = {
     "n": st.sampled_from([0, -1, 65, 257, 10**9]),
@@ -907,6 +912,13 @@ HOSTILE_SAMPLING = {
     "allowed_token_ids": st.sampled_from([[], [-1], [VOCAB], [2**70], "1", [1.5]])
     | huge_list(token_ids, 200_000),
     "truncate_prompt_tokens": st.sampled_from([0, -2, 10**9, 2**70, 1.5, "4"]),
+    # Too wide a beam, a penalty out of range or not a number.
+    "+beams": st.builds(
+        lambda n, lp: {"use_beam_search": True, "n": n, "length_penalty": lp},
+        st.sampled_from([11, 64, 0]),
+        st.sampled_from([1.0, 11, -11, "x", 1e308]),
+    ),
+    "use_beam_search": st.sampled_from([1, "yes", [True]]),
     "return_tokens_as_token_ids": st.sampled_from([1, "yes", [True]]),
     # Blank, too many, too long, or more tokens in all than the cap.
     "bad_words": st.sampled_from([[" "], [""], [1], "x", ["w" * 1025]])

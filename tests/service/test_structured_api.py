@@ -379,8 +379,6 @@ REFUSED_CHAT = {
     "add_special_tokens": True,
     "guided_whitespace_pattern": " ",
     "logits_processors": ["x"],
-    "use_beam_search": True,
-    "length_penalty": 0.5,
     "kv_transfer_params": {},
     "vllm_xargs": {"a": 1},
     "spaces_between_special_tokens": False,

@@ -1,0 +1,170 @@
+"""Beam search (vLLM's `use_beam_search`, `length_penalty`), run as vLLM runs it: above the
+engine, one step at a time.  Each step asks the engine for one token of every live beam
+(its prompt + the beam's tokens, greedy, with the top 2 x width logprobs); the prefix
+cache makes each of those a short prefill of the last, partly filled block.  Of every
+beam's candidates, an end-of-sequence token retires the beam as finished; the rest
+compete, and the `width` best by cumulative logprob go on.  After `max_tokens` steps the
+finished and the live beams are ranked by cumulative logprob / length ** length_penalty
+(length: prompt and output, without the eos) and the `width` best are the choices.
+
+Logprobs are the model's raw ones (before temperature, which therefore changes nothing
+here).  A step's requests are ordinary engine requests: they count in the metrics, wait
+in the queue and can be refused by it (a 429 then ends the search)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from scheduler.engine_core import EngineOverloaded
+from scheduler.sampling_params import SamplingParams
+from service.async_engine import AsyncEngine, RequestFailed
+from service.outputs import CompletionOutput, RequestOutput, Submitted
+
+# The sampler reports at most 20 alternatives a token, and a step needs 2 x width.
+MAX_BEAM_WIDTH = 10
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSpec:
+    width: int
+    max_tokens: int | None
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class _Beam:
+    tokens: list[int] = field(default_factory=list)  # generated so far (not the prompt)
+    cum: float = 0.0  # cumulative logprob
+    finish: str | None = None
+    stop: int | None = None
+
+
+class BeamSearch:
+    """One prompt's search.  `start` queues its first step now, so whatever the engine
+    refuses (too long a prompt, max_tokens past max_model_len, a full queue) is refused
+    before the response starts; `run` yields the finished search as one RequestOutput."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        prompt_ids: list[int],
+        spec: BeamSpec,
+        cache_salt: str | None,
+        *,
+        tenant: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.engine, self.rid, self.prompt, self.spec = engine, request_id, prompt_ids, spec
+        self.salt, self.tenant, self.priority = cache_salt, tenant, priority
+        self.eos = frozenset(engine.eos_token_ids)
+        self.step_params = SamplingParams(
+            n=1,
+            max_tokens=1,
+            temperature=0.0,
+            logprobs=2 * spec.width,
+            ignore_eos=True,
+            skip_special_tokens=spec.skip_special_tokens,
+        )
+        self.max_tokens = 0
+        self.first: list[Submitted] = []
+        self.cached = 0
+
+    def start(self) -> list[Submitted]:
+        probe = SamplingParams(max_tokens=self.spec.max_tokens)
+        self.max_tokens = self.engine.resolve_max_tokens(len(self.prompt), probe)
+        self.first = self._submit(0, [_Beam()])
+        return self.first
+
+    def _submit(self, step: int, beams: list[_Beam]) -> list[Submitted]:
+        return self.engine.submit_many(
+            [(f"{self.rid}~{step}.{i}", self.prompt + b.tokens) for i, b in enumerate(beams)],
+            self.step_params,
+            self.salt,
+            tenant=self.tenant,
+            priority=self.priority,
+        )
+
+    async def _step(self, subs: list[Submitted]) -> list[RequestOutput]:
+        async def last(sub: Submitted) -> RequestOutput:
+            gen = self.engine.generate("", submitted=sub, final_only=True)
+            last = None
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for out in gen:
+                    last = out
+            assert last is not None
+            return last
+
+        try:
+            return list(await asyncio.gather(*(last(s) for s in subs)))
+        finally:
+            for s in subs:
+                self.engine.release(s)
+
+    async def run(self) -> AsyncIterator[RequestOutput]:
+        spec, beams, done = self.spec, [_Beam()], []
+        subs = self.first
+        for step in range(self.max_tokens):
+            if step:
+                try:
+                    subs = self._submit(step, beams)
+                except EngineOverloaded as e:
+                    raise RequestFailed(f"beam search cut short: {e}", status=429) from e
+            outs = await self._step(subs)
+            if step == 0:
+                self.cached = outs[0].num_cached_tokens
+            candidates: list[_Beam] = []
+            for beam, out in zip(beams, outs, strict=True):
+                (lp,) = out.outputs[0].logprobs or ()
+                options = dict(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
+                options.setdefault(lp.token_id, lp.logprob)
+                for tid, value in options.items():
+                    cum = beam.cum + value
+                    if tid in self.eos and not spec.ignore_eos:
+                        kept = [tid] if spec.include_stop_str_in_output else []
+                        done.append(_Beam(beam.tokens + kept, cum, "stop", tid))
+                    else:
+                        candidates.append(_Beam([*beam.tokens, tid], cum))
+            # Stable: equal scores keep the order they were found in.
+            beams = sorted(candidates, key=lambda b: -b.cum)[: spec.width]
+            if not beams:
+                break
+        best = sorted(done + beams, key=self._score, reverse=True)[: spec.width]
+        yield self._output(best)
+
+    def _score(self, b: _Beam) -> float:
+        n = len(self.prompt) + len(b.tokens)
+        if b.tokens and b.tokens[-1] in self.eos and b.finish == "stop":
+            n -= 1
+        return b.cum / (n**self.spec.length_penalty)
+
+    def _output(self, best: list[_Beam]) -> RequestOutput:
+        outputs = []
+        tok = self.engine.tokenizer
+        for i, b in enumerate(best):
+            shown = b.tokens[:-1] if b.finish == "stop" and b.tokens[-1:] == [b.stop] else b.tokens
+            text = tok.decode(shown, skip_special_tokens=self.spec.skip_special_tokens)
+            o = CompletionOutput(
+                index=i,
+                token_ids=b.tokens,
+                finish_reason=b.finish or "length",
+                stop_reason=b.stop,
+                delta_text=text,
+                delta_token_ids=b.tokens,
+            )
+            o.add_text(text)
+            outputs.append(o)
+        return RequestOutput(
+            request_id=self.rid,
+            prompt=None,
+            prompt_token_ids=self.prompt,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=self.cached,
+        )

@@ -1,0 +1,242 @@
+"""Beam search (`use_beam_search`, `length_penalty`) through a live server and the official
+`openai` client, against the oracle: the same search run on HF transformers' float32
+logprobs of the same weights (`reference` below: vLLM's algorithm, written out plainly).
+A stand-in engine with chosen logprobs covers what a random model rarely shows: beams
+ending in eos, with and without the eos kept, and the length penalty's ranking."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import urllib.request
+
+import openai
+import pytest
+import torch
+import transformers
+
+from scheduler.contract import TokenLogprobs
+from service.beam_search import BeamSearch, BeamSpec
+from service.outputs import CompletionOutput, RequestOutput, Submitted
+from tests.checkpoints import tiny_checkpoint
+from tests.service.live_server import live_server
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def hf(model):
+    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with live_server(model, served_model_name="tiny", engine_kwargs={"max_model_len": 256}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@torch.no_grad()
+def reference(hf, prompt, width, max_tokens, length_penalty=1.0, eos=()):
+    """The n best beams (token lists, best first) by vLLM's rule: every step each live
+    beam offers its 2 x width most likely next tokens; eos retires a beam, the width best
+    of the rest by cumulative logprob go on; at the end all are ranked by cumulative
+    logprob / (prompt + output length) ** length_penalty."""
+    beams, done = [([], 0.0)], []
+    for _ in range(max_tokens):
+        cands = []
+        for toks, cum in beams:
+            lp = torch.log_softmax(hf(torch.tensor([prompt + toks])).logits[0, -1], -1)
+            top = torch.topk(lp, 2 * width)
+            for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                (done.append((toks, cum + v)) if t in eos else cands.append(([*toks, t], cum + v)))
+        beams = sorted(cands, key=lambda b: -b[1])[:width]
+    ranked = sorted(
+        done + beams,
+        key=lambda b: b[1] / (len(prompt) + len(b[0])) ** length_penalty,
+        reverse=True,
+    )
+    return [toks for toks, _ in ranked[:width]]
+
+
+def tokens_of(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+# ---------------------------------------------------------------------------- the oracle
+@pytest.mark.parametrize(("width", "length_penalty"), [(3, 1.0), (2, 0.0), (4, 2.0)])
+def test_completion_beams_match_transformers(client, hf, width, length_penalty):
+    r = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=8, n=width, temperature=0,
+        extra_body={"use_beam_search": True, "length_penalty": length_penalty,
+                    "return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    prompt = r.choices[0].model_extra["prompt_token_ids"]
+    assert [tokens_of(c) for c in r.choices] == reference(hf, prompt, width, 8, length_penalty)
+    assert [c.index for c in r.choices] == list(range(width))
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 8 * width
+
+
+def test_chat_beams_match_transformers_streamed_or_not(client, hf, server):
+    body = {
+        "model": "tiny", "messages": [{"role": "user", "content": "Name a colour"}],
+        "max_tokens": 6, "n": 3, "temperature": 0,
+        "extra_body": {"use_beam_search": True, "return_token_ids": True, "ignore_eos": True},
+    }  # fmt: skip
+    r = client.chat.completions.create(**body)
+    prompt = r.model_extra["prompt_token_ids"]
+    want = reference(hf, prompt, 3, 6)
+    assert [c.model_extra["token_ids"] for c in r.choices] == want
+    texts = {c.index: "" for c in r.choices}
+    ids: dict[int, list[int]] = {c.index: [] for c in r.choices}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            ids[c.index] += (c.model_extra or {}).get("token_ids") or []
+    assert [ids[i] for i in range(3)] == want
+    assert [texts[i] for i in range(3)] == [c.message.content for c in r.choices]
+    server.wait_kv_free(10)
+
+
+def test_several_prompts_each_searched(client, hf):
+    r = client.completions.create(
+        model="tiny", prompt=["One two", "Alpha beta gamma"], max_tokens=5, n=2,
+        extra_body={"use_beam_search": True, "return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    assert len(r.choices) == 4
+    for i in range(2):
+        mine = [c for c in r.choices if c.index in (2 * i, 2 * i + 1)]
+        prompt = mine[0].model_extra["prompt_token_ids"]
+        assert [tokens_of(c) for c in mine] == reference(hf, prompt, 2, 5)
+
+
+def test_a_client_gone_mid_search_frees_its_kv(server):
+    quick = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        quick.completions.create(
+            model="tiny", prompt="Long search", max_tokens=200, n=4,
+            extra_body={"use_beam_search": True, "ignore_eos": True},
+        )  # fmt: skip
+    server.wait_kv_free(20)
+    assert server.num_running() == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 11}, "n"),
+        ({"stop": ["x"]}, "stop"),
+        ({"seed": 3}, "seed"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 3, "n": 2}, "best_of"),
+        ({"min_tokens": 2}, "min_tokens"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"length_penalty": "long"}, "length_penalty"),
+        ({"max_tokens": 500}, "max_tokens"),
+    ],
+)
+def test_refusals_name_the_field(server, extra, param):
+    body = {"prompt": "hi", "max_tokens": 4, "use_beam_search": True, **extra}
+    req = urllib.request.Request(
+        server.url + "/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and err["param"] == param, err
+    server.wait_kv_free(10)
+
+
+def test_chat_refuses_what_beams_do_not_take(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, param in (({"logprobs": True}, "logprobs"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="tiny", messages=msgs, n=2, extra_body={"use_beam_search": True, **extra}
+            )
+        assert e.value.body["param"] == param
+
+
+# ------------------------------------------------------------- a stand-in engine: eos
+class FakeEngine:
+    """Answers each one-token step with chosen logprobs: `table(tokens so far)` gives
+    {token: logprob} (the top ones, best first)."""
+
+    eos_token_ids = (0,)
+    max_model_len = 64
+
+    def __init__(self, table):
+        self.table = table
+        self.tokenizer = self
+        self.released = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+    def resolve_max_tokens(self, prompt_len, params):
+        return params.max_tokens
+
+    def submit_many(self, prompts, params, salt, **kw):
+        return [Submitted(rid, ids, params, None, 0.0) for rid, ids in prompts]
+
+    async def generate(self, prompt, submitted, final_only):
+        top = self.table(submitted.prompt_token_ids[2:])  # the prompt is 2 tokens
+        ids, lps = list(top), list(top.values())
+        lp = TokenLogprobs(ids[0], lps[0], ids, lps)
+        o = CompletionOutput(0, [ids[0]], "length", None, [lp])
+        yield RequestOutput(submitted.request_id, None, submitted.prompt_token_ids, [o])
+
+    def release(self, sub):
+        self.released += 1
+
+
+def search(table, spec):
+    engine = FakeEngine(table)
+    bs = BeamSearch(engine, "r", [7, 7], spec, None)
+    bs.start()
+
+    async def run():
+        (out,) = [out async for out in bs.run()]
+        return out
+
+    return asyncio.run(run()), engine
+
+
+def test_eos_retires_a_beam_and_length_penalty_ranks_the_finished():
+    # After token 5, eos (0) is likely: the beam [5, 0] finishes at step 2 with logprob
+    # log(.5) + log(.6); the live beams go on with small steps.
+    def table(toks):
+        if toks == [5]:
+            return {0: math.log(0.6), 9: math.log(0.3), 8: math.log(0.1)}
+        return {5: math.log(0.5), 6: math.log(0.45), 0: math.log(0.05)}
+
+    spec = BeamSpec(width=2, max_tokens=4, length_penalty=1.0)
+    out, engine = search(table, spec)
+    first = out.outputs[0]
+    # The finished beam's eos is not shown (include_stop_str_in_output off) and it ranks
+    # first: its score, (log .5 + log .6) / 3, beats every 4-token beam's.
+    assert first.token_ids == [5] and first.finish_reason == "stop" and first.stop_reason == 0
+    assert out.outputs[1].finish_reason == "length" and len(out.outputs[1].token_ids) == 4
+    assert engine.released == 1 + 2 * 3  # every step's requests: one beam, then two
+    kept, _ = search(table, BeamSpec(width=2, max_tokens=4, include_stop_str_in_output=True))
+    assert kept.outputs[0].token_ids == [5, 0] and kept.outputs[0].text == "5"
+    # A strong length penalty favours the long beams (a negative sum divided by a larger
+    # power of the length): the short finished one drops out.
+    long, _ = search(table, BeamSpec(width=2, max_tokens=4, length_penalty=3.0))
+    assert all(o.finish_reason == "length" for o in long.outputs)
+    # ignore_eos: eos is one more token, never an end.
+    ign, _ = search(table, BeamSpec(width=2, max_tokens=3, ignore_eos=True))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 3 for o in ign.outputs)
