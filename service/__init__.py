@@ -12,9 +12,17 @@ from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from service.async_engine import AsyncEngine, EngineConfig, RequestOutput
+    from service.beam_search import BeamSearchParams
     from service.llm import LLM
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "BeamSearchParams",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from service.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from service.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name in ("AsyncEngine", "EngineConfig", "RequestOutput"):
         from service import async_engine as engine
 

@@ -28,13 +28,40 @@ MAX_BEAM_WIDTH = 10
 
 
 @dataclass(frozen=True, slots=True)
-class BeamSpec:
-    width: int
+class BeamSearchParams:
+    """vLLM's names (its `LLM.beam_search` takes these); `temperature` is taken and
+    changes nothing: the search is greedy on the raw logprobs."""
+
+    beam_width: int
     max_tokens: int | None
-    length_penalty: float = 1.0
     ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width: 1 to {MAX_BEAM_WIDTH}, got {self.beam_width}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens: at least 1, got {self.max_tokens}")
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam, as vLLM's offline beam search gives it: `tokens` are the
+    prompt's and the output's, `text` the output's."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str
+    stop_reason: int | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
 
 
 @dataclass(slots=True)
@@ -55,7 +82,7 @@ class BeamSearch:
         engine: AsyncEngine,
         request_id: str,
         prompt_ids: list[int],
-        spec: BeamSpec,
+        spec: BeamSearchParams,
         cache_salt: str | None,
         *,
         tenant: str | None = None,
@@ -68,7 +95,7 @@ class BeamSearch:
             n=1,
             max_tokens=1,
             temperature=0.0,
-            logprobs=2 * spec.width,
+            logprobs=2 * spec.beam_width,
             ignore_eos=True,
             skip_special_tokens=spec.skip_special_tokens,
         )
@@ -107,7 +134,8 @@ class BeamSearch:
             for s in subs:
                 self.engine.release(s)
 
-    async def run(self) -> AsyncIterator[RequestOutput]:
+    async def best(self) -> list[_Beam]:
+        """The search, run: its width best beams, best first."""
         spec, beams, done = self.spec, [_Beam()], []
         subs = self.first
         for step in range(self.max_tokens):
@@ -132,11 +160,24 @@ class BeamSearch:
                     else:
                         candidates.append(_Beam([*beam.tokens, tid], cum))
             # Stable: equal scores keep the order they were found in.
-            beams = sorted(candidates, key=lambda b: -b.cum)[: spec.width]
+            beams = sorted(candidates, key=lambda b: -b.cum)[: spec.beam_width]
             if not beams:
                 break
-        best = sorted(done + beams, key=self._score, reverse=True)[: spec.width]
-        yield self._output(best)
+        return sorted(done + beams, key=self._score, reverse=True)[: spec.beam_width]
+
+    async def run(self) -> AsyncIterator[RequestOutput]:
+        yield self._output(await self.best())
+
+    async def sequences(self) -> BeamSearchOutput:
+        """`best` as vLLM's offline beam search returns it."""
+        return BeamSearchOutput(
+            [
+                BeamSearchSequence(
+                    self.prompt + b.tokens, self._text(b), b.cum, b.finish or "length", b.stop
+                )
+                for b in await self.best()
+            ]
+        )
 
     def _score(self, b: _Beam) -> float:
         n = len(self.prompt) + len(b.tokens)
@@ -144,12 +185,17 @@ class BeamSearch:
             n -= 1
         return b.cum / (n**self.spec.length_penalty)
 
+    def _text(self, b: _Beam) -> str:
+        """The output's text, a kept eos left out of it."""
+        shown = b.tokens[:-1] if b.finish == "stop" and b.tokens[-1:] == [b.stop] else b.tokens
+        return self.engine.tokenizer.decode(
+            shown, skip_special_tokens=self.spec.skip_special_tokens
+        )
+
     def _output(self, best: list[_Beam]) -> RequestOutput:
         outputs = []
-        tok = self.engine.tokenizer
         for i, b in enumerate(best):
-            shown = b.tokens[:-1] if b.finish == "stop" and b.tokens[-1:] == [b.stop] else b.tokens
-            text = tok.decode(shown, skip_special_tokens=self.spec.skip_special_tokens)
+            text = self._text(b)
             o = CompletionOutput(
                 index=i,
                 token_ids=b.tokens,

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from scheduler.config import EngineConfig
 from scheduler.sampling_params import SamplingParams
 from service.async_engine import AsyncEngine, RequestOutput
+from service.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -95,6 +96,48 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self.engine.render_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params)
+
+    def beam_search(
+        self,
+        prompts: Sequence[str | list[int] | dict[str, Any]],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (text, token ids, or vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}`), as vLLM's `LLM.beam_search`: each output's
+        `sequences` are the beam_width best, best first (service/beam_search.py)."""
+        ids = [self._prompt_ids(p) for p in prompts]
+        return self._run(self._beam_search_all(ids, params))
+
+    def _prompt_ids(self, prompt: str | list[int] | dict[str, Any]) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.engine.encode_prompt(prompt)
+        return list(prompt)
+
+    async def _beam_search_all(
+        self, prompts: list[list[int]], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        searches, started = [], []
+        try:
+            for ids in prompts:
+                self._counter += 1
+                search = BeamSearch(self.engine, f"llm-{self._counter}", ids, params, None)
+                started += search.start()
+                searches.append(search)
+        except BaseException:
+            for sub in started:  # queued before one was refused: aborted, all or none
+                self.engine.release(sub)
+            raise
+        # One failing ends them all (a TaskGroup cancels the rest, which abort their step).
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(s.sequences()) for s in searches]
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        return [t.result() for t in tasks]
 
     async def _generate_all(
         self, prompts: list[str | list[int]], params: list[SamplingParams]

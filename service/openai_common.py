@@ -20,7 +20,7 @@ from scheduler.engine_core import DuplicateRequestId, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestFailed
-from service.beam_search import BeamSearch, BeamSpec
+from service.beam_search import BeamSearch, BeamSearchParams
 from service.http_util import (
     SPEC_FIELD,
     SSE_HEADERS,
@@ -285,7 +285,7 @@ class ServingBase:
         conversation: str | None = None,
         priority: int = 0,
         prompt_field: str = "prompt",
-        beam: BeamSpec | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
         """Queue every prompt now, all or none (400 for a bad one, EngineOverloaded -> 429
         when the queue is full), so errors come before the response starts.  The caller
@@ -311,7 +311,7 @@ class ServingBase:
         self,
         rids: list[str],
         prompts: list[list[int]],
-        beam: BeamSpec,
+        beam: BeamSearchParams,
         cache_salt: str | None,
         tenant: str | None,
         priority: int,

@@ -13,7 +13,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
-from service.beam_search import MAX_BEAM_WIDTH, BeamSpec
+from service.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from service.protocol import (
     BadRequest,
     ChatMessage,
@@ -172,11 +172,11 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
             if getattr(self, name) not in unset:
                 raise BadRequest(f"{name} cannot be combined with use_beam_search", name)
 
-    def beam_spec(self, max_tokens: int | None) -> BeamSpec | None:
+    def beam_spec(self, max_tokens: int | None) -> BeamSearchParams | None:
         if not self.use_beam_search:
             return None
-        return BeamSpec(
-            width=self.n,
+        return BeamSearchParams(
+            beam_width=self.n,
             max_tokens=max_tokens,
             length_penalty=self.length_penalty,
             ignore_eos=self.ignore_eos,

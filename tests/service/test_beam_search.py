@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
+import time
 import urllib.request
 
 import openai
@@ -17,7 +19,7 @@ import torch
 import transformers
 
 from scheduler.contract import TokenLogprobs
-from service.beam_search import BeamSearch, BeamSpec
+from service.beam_search import BeamSearch, BeamSearchParams
 from service.outputs import CompletionOutput, RequestOutput, Submitted
 from tests.checkpoints import tiny_checkpoint
 from tests.service.live_server import live_server
@@ -119,15 +121,71 @@ def test_several_prompts_each_searched(client, hf):
         assert [tokens_of(c) for c in mine] == reference(hf, prompt, 2, 5)
 
 
-def test_a_client_gone_mid_search_frees_its_kv(server):
-    quick = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=0.3)
-    with pytest.raises(openai.APITimeoutError):
-        quick.completions.create(
-            model="tiny", prompt="Long search", max_tokens=200, n=4,
-            extra_body={"use_beam_search": True, "ignore_eos": True},
-        )  # fmt: skip
-    server.wait_kv_free(20)
-    assert server.num_running() == 0
+def test_offline_llm_beam_search_as_vllms(model, hf, client):
+    """`LLM.beam_search(prompts, BeamSearchParams(...))`, vLLM's offline call: the same
+    beams as the server's, each sequence's tokens the prompt's and the output's, and its
+    cumulative logprob the reference's sum."""
+    from service import LLM, BeamSearchParams
+
+    served = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=6, n=3,
+        extra_body={"use_beam_search": True, "return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    prompt = served.choices[0].model_extra["prompt_token_ids"]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    with LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1,
+             max_model_len=256) as llm:  # fmt: skip
+        by_text, by_ids = llm.beam_search(
+            [{"prompt": "The quick brown fox"}, {"prompt_token_ids": prompt}], params
+        )
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.beam_search(["x" * 5000], BeamSearchParams(beam_width=2, max_tokens=4))
+    want = [prompt + tokens_of(c) for c in served.choices]
+    for out in (by_text, by_ids):
+        assert [seq.tokens for seq in out.sequences] == want
+        assert [seq.text for seq in out.sequences] == [c.text for c in served.choices]
+    best = by_ids.sequences[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([best.tokens])).logits[0]
+    lps = torch.log_softmax(logits, -1)
+    ref = sum(lps[i - 1, best.tokens[i]].item() for i in range(len(prompt), len(best.tokens)))
+    assert best.cum_logprob == pytest.approx(ref, abs=1e-3)
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+
+
+def aborted(server) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r'^pagestream_request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)',
+                  text, re.M)  # fmt: skip
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_client_gone_mid_search_ends_it(model):
+    """The client leaves once the search streams its first chunk (the role): the step in
+    flight is aborted (its requests end as "abort"), and the search takes no next step.
+    (Without resume: a resumable stream runs on for its grace period, as any stream.)"""
+    with live_server(model, served_model_name="tiny", resume_grace=0.0) as server:
+        client_gone_mid_search(server)
+
+
+def client_gone_mid_search(server) -> None:
+    before = aborted(server)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Long search"}],
+            "max_tokens": 400, "n": 8, "stream": True, "use_beam_search": True,
+            "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"data: ")  # the role chunk: the search is running
+    deadline = time.monotonic() + 20
+    while server.num_running() or not server.kv_all_free():
+        assert time.monotonic() < deadline, "the search ran on without its client"
+        time.sleep(0.05)
+    assert aborted(server) > before
 
 
 @pytest.mark.parametrize(
@@ -223,7 +281,7 @@ def test_eos_retires_a_beam_and_length_penalty_ranks_the_finished():
             return {0: math.log(0.6), 9: math.log(0.3), 8: math.log(0.1)}
         return {5: math.log(0.5), 6: math.log(0.45), 0: math.log(0.05)}
 
-    spec = BeamSpec(width=2, max_tokens=4, length_penalty=1.0)
+    spec = BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=1.0)
     out, engine = search(table, spec)
     first = out.outputs[0]
     # The finished beam's eos is not shown (include_stop_str_in_output off) and it ranks
@@ -231,12 +289,14 @@ def test_eos_retires_a_beam_and_length_penalty_ranks_the_finished():
     assert first.token_ids == [5] and first.finish_reason == "stop" and first.stop_reason == 0
     assert out.outputs[1].finish_reason == "length" and len(out.outputs[1].token_ids) == 4
     assert engine.released == 1 + 2 * 3  # every step's requests: one beam, then two
-    kept, _ = search(table, BeamSpec(width=2, max_tokens=4, include_stop_str_in_output=True))
+    kept, _ = search(
+        table, BeamSearchParams(beam_width=2, max_tokens=4, include_stop_str_in_output=True)
+    )
     assert kept.outputs[0].token_ids == [5, 0] and kept.outputs[0].text == "5"
     # A strong length penalty favours the long beams (a negative sum divided by a larger
     # power of the length): the short finished one drops out.
-    long, _ = search(table, BeamSpec(width=2, max_tokens=4, length_penalty=3.0))
+    long, _ = search(table, BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=3.0))
     assert all(o.finish_reason == "length" for o in long.outputs)
     # ignore_eos: eos is one more token, never an end.
-    ign, _ = search(table, BeamSpec(width=2, max_tokens=3, ignore_eos=True))
+    ign, _ = search(table, BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
     assert all(o.finish_reason == "length" and len(o.token_ids) == 3 for o in ign.outputs)
