@@ -686,7 +686,8 @@ def _add_stream_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--max-stored-responses", type=int, default=1024, metavar="N",
         help="/v1/responses kept in memory (per API key) for GET /v1/responses/{id} and "
-        "previous_response_id, least recently used dropped first; 0: store nothing",
+        "previous_response_id; past it the key holding the most loses its least recently "
+        "used; 0: store nothing",
     )  # fmt: skip
     s.add_argument(
         "--max-stored-response-bytes", type=int, default=64 << 20, metavar="BYTES",

@@ -41,44 +41,68 @@ class Stored:
     size: int  # bytes this entry adds (its own messages and response, not shared ones)
 
 
+class _Shelf:
+    """One API key's stored responses, least recently used first."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[str, Stored] = OrderedDict()
+        self.bytes = 0
+
+
 class ResponseStore:
-    """Stored responses, least recently used evicted first past `max_responses` or
-    `max_bytes`; keyed by (API key's tenant, id), so one key never reads another's."""
+    """Stored responses, keyed by (API key's tenant, id), so one key never reads another's,
+    within `max_responses` and `max_bytes` in all.  Past either, the key holding the most
+    (its share of either bound) loses its least recently used response: a key that floods
+    the store evicts its own, never a key holding less (with no keys, one LRU)."""
 
     def __init__(self, max_responses: int, max_bytes: int) -> None:
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._items: OrderedDict[tuple[str | None, str], Stored] = OrderedDict()
+        self.count = 0
+        self._shelves: dict[str | None, _Shelf] = {}
 
     @property
     def enabled(self) -> bool:
         return self.max_responses > 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self.count
 
     def get(self, tenant: str | None, rid: str) -> Stored | None:
-        item = self._items.get((tenant, rid))
+        shelf = self._shelves.get(tenant)
+        item = shelf.items.get(rid) if shelf is not None else None
         if item is not None:
-            self._items.move_to_end((tenant, rid))
+            shelf.items.move_to_end(rid)  # type: ignore[union-attr]
         return item
 
     def put(self, tenant: str | None, rid: str, item: Stored) -> None:
         if not self.enabled or item.size > self.max_bytes:
             return
         self.delete(tenant, rid)
-        self._items[(tenant, rid)] = item
+        shelf = self._shelves.setdefault(tenant, _Shelf())
+        shelf.items[rid] = item
+        shelf.bytes += item.size
         self.bytes += item.size
-        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
-            _, old = self._items.popitem(last=False)
-            self.bytes -= old.size
+        self.count += 1
+        while self.count > self.max_responses or self.bytes > self.max_bytes:
+            key = max(self._shelves, key=lambda t: self._load(self._shelves[t]))
+            self.delete(key, next(iter(self._shelves[key].items)))
+
+    def _load(self, shelf: _Shelf) -> float:
+        return max(len(shelf.items) / self.max_responses, shelf.bytes / self.max_bytes)
 
     def delete(self, tenant: str | None, rid: str) -> bool:
-        old = self._items.pop((tenant, rid), None)
+        shelf = self._shelves.get(tenant)
+        old = shelf.items.pop(rid, None) if shelf is not None else None
         if old is None:
             return False
+        assert shelf is not None
+        shelf.bytes -= old.size
         self.bytes -= old.size
+        self.count -= 1
+        if not shelf.items:
+            del self._shelves[tenant]
         return True
 
 

@@ -357,6 +357,17 @@ def test_store_bounds():
     assert store.get("t", "huge") is None and store.bytes == 950
     assert store.get("u", "r1") is None  # another tenant's key
     assert store.delete("t", "r1") and not store.delete("t", "r1") and store.bytes == 850
+    # A key flooding the store evicts its own oldest, not a key that holds less.
+    fair = ResponseStore(max_responses=10, max_bytes=10_000)
+    for i in range(3):
+        fair.put("quiet", f"q{i}", item(100))
+    for i in range(50):
+        fair.put("flood", f"f{i}", item(100))
+    assert all(fair.get("quiet", f"q{i}") for i in range(3)) and len(fair) == 10
+    assert [k for k in range(50) if fair.get("flood", f"f{k}")] == list(range(43, 50))
+    for i in range(20):  # by bytes too: the big holder goes first
+        fair.put("bytes", f"b{i}", item(1500))
+    assert all(fair.get("quiet", f"q{i}") for i in range(3)) and fair.bytes <= 10_000
     off = ResponseStore(0, 1 << 20)
     off.put("t", "a", item(1))
     assert len(off) == 0
