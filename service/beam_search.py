@@ -72,6 +72,33 @@ class _Beam:
     stop: int | None = None
 
 
+def start_searches(
+    engine: AsyncEngine,
+    prompts: list[tuple[str, list[int]]],
+    params: BeamSearchParams,
+    cache_salt: str | None,
+    *,
+    tenant: str | None = None,
+    priority: int = 0,
+) -> tuple[list[BeamSearch], list[Submitted]]:
+    """A search per (request id, prompt ids), each with its first step queued: all or none
+    (one refused aborts the steps queued before it).  The caller releases the returned
+    steps if it never runs the searches."""
+    searches = [
+        BeamSearch(engine, rid, ids, params, cache_salt, tenant=tenant, priority=priority)
+        for rid, ids in prompts
+    ]
+    subs: list[Submitted] = []
+    try:
+        for s in searches:
+            subs += s.start()
+    except BaseException:
+        for sub in subs:
+            engine.release(sub)
+        raise
+    return searches, subs
+
+
 class BeamSearch:
     """One prompt's search.  `start` queues its first step now, so whatever the engine
     refuses (too long a prompt, max_tokens past max_model_len, a full queue) is refused

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from scheduler.config import EngineConfig
 from scheduler.sampling_params import SamplingParams
 from service.async_engine import AsyncEngine, RequestOutput
-from service.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from service.beam_search import BeamSearchOutput, BeamSearchParams, start_searches
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -120,17 +120,13 @@ class LLM:
     async def _beam_search_all(
         self, prompts: list[list[int]], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
-        searches, started = [], []
-        try:
-            for ids in prompts:
-                self._counter += 1
-                search = BeamSearch(self.engine, f"llm-{self._counter}", ids, params, None)
-                started += search.start()
-                searches.append(search)
-        except BaseException:
-            for sub in started:  # queued before one was refused: aborted, all or none
-                self.engine.release(sub)
-            raise
+        rids = []
+        for _ in prompts:
+            self._counter += 1
+            rids.append(f"llm-{self._counter}")
+        searches, _ = start_searches(
+            self.engine, list(zip(rids, prompts, strict=True)), params, None
+        )
         # One failing ends them all (a TaskGroup cancels the rest, which abort their step).
         try:
             async with asyncio.TaskGroup() as tg:

@@ -20,7 +20,7 @@ from scheduler.engine_core import DuplicateRequestId, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestFailed
-from service.beam_search import BeamSearch, BeamSearchParams
+from service.beam_search import BeamSearchParams, start_searches
 from service.http_util import (
     SPEC_FIELD,
     SSE_HEADERS,
@@ -295,8 +295,12 @@ class ServingBase:
         suffix = len(prompts) > 1
         rids = [f"{request_id}-{i}" if suffix else request_id for i in range(len(prompts))]
         with _refusals(max_tokens_field, prompt_field):
-            if beam is not None:
-                return self._start_beams(rids, prompts, beam, cache_salt, tenant, priority)
+            if beam is not None:  # each prompt's first step queued now (service/beam_search.py)
+                searches, subs = start_searches(
+                    self.engine, list(zip(rids, prompts, strict=True)), beam, cache_salt,
+                    tenant=tenant, priority=priority,
+                )  # fmt: skip
+                return [s.run() for s in searches], subs
             subs = self.engine.submit_many(
                 list(zip(rids, prompts, strict=True)), params, cache_salt,
                 tenant=tenant, conversation=conversation, priority=priority,
@@ -306,30 +310,6 @@ class ServingBase:
             for sub, text in zip(subs, texts, strict=True)
         ]
         return gens, subs
-
-    def _start_beams(
-        self,
-        rids: list[str],
-        prompts: list[list[int]],
-        beam: BeamSearchParams,
-        cache_salt: str | None,
-        tenant: str | None,
-        priority: int,
-    ) -> tuple[list[AsyncIterator[RequestOutput]], list[Submitted]]:
-        """`_start` for use_beam_search: each prompt's first step queued now (all or none),
-        each search one generator yielding its n best beams (service/beam_search.py)."""
-        searches = [
-            BeamSearch(self.engine, rid, ids, beam, cache_salt, tenant=tenant, priority=priority)
-            for rid, ids in zip(rids, prompts, strict=True)
-        ]
-        subs: list[Submitted] = []
-        try:
-            for s in searches:
-                subs += s.start()
-        except BaseException:
-            self._release(subs)
-            raise
-        return [s.run() for s in searches], subs
 
     def _release(self, subs: list[Submitted]) -> None:
         for sub in subs:
