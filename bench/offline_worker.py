@@ -2,7 +2,8 @@
 its own, driven like bench/vllm_offline.py: reads one JSON line {"engine", "model",
 "dtype", "threads", "budget", "warm": [[prompt_ids, max_tokens], ...]}, warms up, prints
 `READY {}`, then for every `run [[prompt_ids, max_tokens], ...]` line prints
-`RESULT {"seconds", "tokens", "note"}`; exits at end of input.
+`RESULT {"seconds", "tokens", "note"}`; exits at end of input.  With "beam": w in the spec
+(pagestream only), each run is `LLM.beam_search` of width w, as bench/vllm_offline.py's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,21 @@ class PagestreamEngine:
         self.llm = LLM(
             str(path), dtype=dtype, max_num_batched_tokens=args.budget, threads=args.threads
         )
-        self.llm.generate([w.prompt for w in warm], self._params(warm))
+        self.width = args.beam
+        self.beams: list[list[int]] | None = None
+        if self.width:
+            self._beams(warm)
+        else:
+            self.llm.generate([w.prompt for w in warm], self._params(warm))
+
+    def _beams(self, items: list[Item]) -> list[list[int]]:
+        from service.beam_search import BeamSearchParams
+
+        params = BeamSearchParams(
+            beam_width=self.width, max_tokens=items[0].max_tokens, ignore_eos=True
+        )
+        outs = self.llm.beam_search([w.prompt for w in items], params)
+        return [o.sequences[0].tokens[len(w.prompt) :] for o, w in zip(outs, items, strict=True)]
 
     @staticmethod
     def _params(items: list[Item]):
@@ -42,6 +57,11 @@ class PagestreamEngine:
     def run(self, work: list[Item]) -> tuple[float, int]:
         steps = self.llm.engine.core.num_steps
         t = time.perf_counter()
+        if self.width:
+            self.beams = self._beams(work)
+            dt = time.perf_counter() - t
+            self.note = f"{self.llm.engine.core.num_steps - steps} steps"
+            return dt, sum(map(len, self.beams)) * self.width
         outs = self.llm.generate([w.prompt for w in work], self._params(work))
         dt = time.perf_counter() - t
         got = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -95,7 +115,9 @@ ENGINES = {"pagestream": PagestreamEngine, "transformers": TransformersEngine}
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
     torch.set_num_threads(spec["threads"])
-    args = argparse.Namespace(threads=spec["threads"], budget=spec.get("budget"))
+    args = argparse.Namespace(
+        threads=spec["threads"], budget=spec.get("budget"), beam=spec.get("beam")
+    )
     warm = [Item(p, m) for p, m in spec["warm"]]
     engine = ENGINES[spec["engine"]](Path(spec["model"]), spec["dtype"], args, warm)
     print("READY {}", flush=True)
@@ -104,8 +126,10 @@ def main() -> None:
             break
         work = [Item(p, m) for p, m in json.loads(line[4:])]
         seconds, tokens = engine.run(work)
-        print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens,
-                                      "note": engine.note}), flush=True)  # fmt: skip
+        result = {"seconds": seconds, "tokens": tokens, "note": engine.note}
+        if getattr(engine, "beams", None) is not None:
+            result["beams"] = engine.beams
+        print("RESULT " + json.dumps(result), flush=True)
     engine.close()
 
 

