@@ -10,7 +10,6 @@ before the new input) gives the same prompt tokens and, greedy, the same text.""
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
 
 import jsonschema
@@ -19,9 +18,8 @@ import pydantic
 import pytest
 
 from service.openai_responses import ResponseStore, Stored
-from tests.checkpoints import tiny_checkpoint
 from tests.service.live_server import live_server
-from tests.service.test_structured_api import HERMES_TEMPLATE, SCHEMAS, WEATHER
+from tests.service.test_structured_api import SCHEMAS, WEATHER, hermes_checkpoint
 
 KEYS = ["key-a", "key-b"]
 TOOLS = [
@@ -45,13 +43,7 @@ BOOL_FORMAT = {
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    dst = tmp_path_factory.mktemp("responses") / "model"
-    shutil.copytree(tiny_checkpoint("llama"), dst)
-    cfg_path = dst / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = HERMES_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return str(dst)
+    return hermes_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

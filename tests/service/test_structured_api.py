@@ -67,16 +67,20 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    src = tiny_checkpoint("llama")
+def hermes_checkpoint(tmp_path_factory) -> str:
+    """The tiny checkpoint with HERMES_TEMPLATE as its chat template (a copy)."""
     dst = tmp_path_factory.mktemp("hermes") / "model"
-    shutil.copytree(src, dst)
+    shutil.copytree(tiny_checkpoint("llama"), dst)
     cfg_path = dst / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = HERMES_TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
     return str(dst)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return hermes_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
