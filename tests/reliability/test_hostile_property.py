@@ -1149,6 +1149,76 @@ ws_frames = st.one_of(
 
 chat_bodies = hostile_body({"messages": messages}, CHAT, HOSTILE_CHAT)
 completion_bodies = hostile_body({"prompt": prompts}, COMPLETION, HOSTILE_COMPLETION)
+# /v1/responses: input items (messages, function calls and their outputs), function tools,
+# text formats, the store; hostile: items of types it refuses, huge item lists, unknown
+# stored ids, deep formats.
+response_item = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "developer", "assistant"]), "content": text},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("message"), "role": st.just("user"),
+         "content": st.lists(st.fixed_dictionaries({"type": st.just("input_text"), "text": text}),
+                             max_size=3)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": words, "name": words, "arguments": arguments},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": words, "output": text},
+    ),
+)  # fmt: skip
+RESPONSES = {
+    "instructions": text,
+    "temperature": st.none() | floats(0, 2),
+    "top_p": floats(0.01, 1),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "metadata": st.dictionaries(text, text, max_size=3),
+    "+tools": st.builds(
+        lambda c: {"tools": [{"type": "function", "name": "f",
+                              "parameters": {"type": "object", "properties": {}}}],
+                   "tool_choice": c},
+        st.sampled_from(["none", "required", {"type": "function", "name": "f"}]),
+    ),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+    "+logprobs": st.builds(
+        lambda k: {"include": ["message.output_text.logprobs"], "top_logprobs": k},
+        st.integers(0, 20),
+    ),
+    "top_k": st.integers(-1, 50),
+    "seed": st.integers(0, 2**63 - 1),
+}  # fmt: skip
+HOSTILE_RESPONSES = {
+    "input": st.one_of(
+        huge_list(st.just({"type": "function_call", "call_id": "c", "name": "f",
+                           "arguments": "{}"}), 60_000),
+        huge_list(st.just({"role": "user", "content": "hi"}), 100_000),
+        st.lists(st.fixed_dictionaries({"type": st.sampled_from(
+            ["reasoning", "item_reference", "web_search_call", "", "message"])}), min_size=1),
+        st.just([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+        st.just([]),
+    ),
+    "previous_response_id": st.sampled_from(["resp-nope", "", "r" * 400]),
+    "tools": st.one_of(
+        st.just([{"type": "web_search"}]),
+        huge_list(st.just({"type": "function", "name": "f"}), 2000),
+        st.just([{"type": "function", "name": "bad name"}]),
+    ),
+    "text": st.builds(lambda d: {"format": {"type": "json_schema", "name": "x", "schema": d}},
+                      deep | st.just({"type": "nope"})),
+    "include": st.sampled_from([["file_search_call.results"], "x", [1]]),
+    "background": st.just(True),
+    "reasoning": st.just({"effort": "high"}),
+    "truncation": st.sampled_from(["auto", "x"]),
+    "max_output_tokens": st.sampled_from([0, -1, 10**9]),
+    "top_logprobs": st.sampled_from([21, -1]),
+    "model": odd_text,
+}  # fmt: skip
+responses_bodies = hostile_body(
+    {"input": st.one_of(text, st.lists(response_item, min_size=1, max_size=4))},
+    RESPONSES, HOSTILE_RESPONSES, limit_field="max_output_tokens",
+)  # fmt: skip
 TOKENIZE_HOSTILE = {
     "model": odd_text,
     "chat_template_kwargs": st.dictionaries(text, deep, min_size=1, max_size=2),
@@ -1324,8 +1394,14 @@ def check_http(w: Watched, path: str, body: Any) -> None:
         # Each event is `id: N` (service/resume.py), then its data.
         lines = raw.replace(b"\n\n", b"\n").split(b"\n")
         events = [line[6:] for line in lines if line.startswith(b"data: ")]
-        assert events[-1] == b"[DONE]", context
-        for e in events[:-1]:
+        if path == "/v1/responses" and events[-1] != b"[DONE]":  # [DONE] only after an error
+            # The Responses API's stream ends with its lifecycle event, no [DONE].
+            last = parse(events[-1], context)
+            assert last.get("type") in ("response.completed", "response.incomplete"), context
+        else:
+            assert events[-1] == b"[DONE]", context
+            events = events[:-1]
+        for e in events:
             obj = parse(e, context)
             if "error" in obj:
                 check_error_shape(obj["error"], context)
@@ -1434,6 +1510,7 @@ def test_regexes(server):
     [
         ("/v1/chat/completions", chat_bodies, 120),
         ("/v1/completions", completion_bodies, 120),
+        ("/v1/responses", responses_bodies, 80),
         ("/tokenize", tokenize_bodies, 50),
         ("/detokenize", detokenize_bodies, 30),
         ("/v1/cache/prefixes", prefix_bodies, 20),
