@@ -68,7 +68,7 @@ class BeamSearchOutput:
 class _Beam:
     tokens: list[int] = field(default_factory=list)  # generated so far (not the prompt)
     cum: float = 0.0  # cumulative logprob
-    finish: str | None = None
+    finish: str = "length"  # "stop": ended by an eos
     stop: int | None = None
 
 
@@ -199,16 +199,15 @@ class BeamSearch:
         """`best` as vLLM's offline beam search returns it."""
         return BeamSearchOutput(
             [
-                BeamSearchSequence(
-                    self.prompt + b.tokens, self._text(b), b.cum, b.finish or "length", b.stop
-                )
+                BeamSearchSequence(self.prompt + b.tokens, self._text(b), b.cum, b.finish, b.stop)
                 for b in await self.best()
             ]
         )
 
     def _score(self, b: _Beam) -> float:
+        """vLLM's: an eos at the end (kept, or generated under ignore_eos) not counted."""
         n = len(self.prompt) + len(b.tokens)
-        if b.tokens and b.tokens[-1] in self.eos and b.finish == "stop":
+        if b.tokens and b.tokens[-1] in self.eos:
             n -= 1
         return b.cum / (n**self.spec.length_penalty)
 
@@ -226,7 +225,7 @@ class BeamSearch:
             o = CompletionOutput(
                 index=i,
                 token_ids=b.tokens,
-                finish_reason=b.finish or "length",
+                finish_reason=b.finish,
                 stop_reason=b.stop,
                 delta_text=text,
                 delta_token_ids=b.tokens,

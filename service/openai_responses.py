@@ -282,7 +282,7 @@ class _Turn:
             mine = self.chat.messages[1:] if self.req.instructions else self.chat.messages
             mine = mine[len(self.history) :]
             reply = _reply_message(output)
-            messages = [*self.history, *mine, *([reply] if reply else [])]
+            messages = [*self.history, *mine, reply]
             size = len(msgspec.json.encode(resp)) + len(msgspec.json.encode(mine))
             size += len(msgspec.json.encode(reply)) + 8 * len(self.history)
             self.s.store.put(self.tenant, self.start.rid, Stored(resp, messages, self.root, size))
@@ -355,6 +355,9 @@ class _Events:
         self.t = turn
         self.items: list[dict[str, Any]] = []  # output items, as they will be final
         self.open: dict[str, Any] | None = None  # the item receiving deltas
+        # The open item's text (or arguments) in pieces, joined when it closes: `+=` on
+        # the item's string copied all of it every step (quadratic in a long answer).
+        self.pieces: list[str] = []
 
     def _add(self, item: dict[str, Any]) -> bytes:
         self.items.append(item)
@@ -364,6 +367,7 @@ class _Events:
         else:
             shown["arguments"] = ""
         self.open = item
+        self.pieces = []
         return self.t.event(
             "response.output_item.added", output_index=len(self.items) - 1, item=shown
         )
@@ -384,9 +388,8 @@ class _Events:
                 )
             )
         assert self.open is not None
-        part = self.open["content"][0]
-        part["text"] += text
-        part["logprobs"] += lps or []
+        self.pieces.append(text)
+        self.open["content"][0]["logprobs"] += lps or []
         out.append(
             self.t.event(
                 "response.output_text.delta",
@@ -413,7 +416,7 @@ class _Events:
             out.append(self._add(item))
         assert self.open is not None and self.open["type"] == "function_call"
         if fn.get("arguments"):
-            self.open["arguments"] += fn["arguments"]
+            self.pieces.append(fn["arguments"])
             out.append(
                 self.t.event(
                     "response.function_call_arguments.delta",
@@ -433,6 +436,7 @@ class _Events:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
+            part["text"] = "".join(self.pieces)
             common = {"item_id": item["id"], "output_index": i, "content_index": 0}
             out.append(
                 self.t.event(
@@ -444,6 +448,7 @@ class _Events:
             )
             out.append(self.t.event("response.content_part.done", **common, part=part))
         else:
+            item["arguments"] = "".join(self.pieces)
             out.append(
                 self.t.event(
                     "response.function_call_arguments.done",
@@ -483,7 +488,7 @@ class _Events:
         return out
 
 
-def _reply_message(output: list[dict[str, Any]]) -> ChatMessage | None:
+def _reply_message(output: list[dict[str, Any]]) -> ChatMessage:
     """The output items as the assistant turn a continuing turn's template sees."""
     text = "".join(
         p["text"] for item in output if item["type"] == "message" for p in item["content"]

@@ -81,7 +81,8 @@ class ServerConfig:
     access_log: bool = True
     tool_call_parser: str | None = None  # hermes | llama3_json: parses tool_choice "auto"
     # /v1/responses' store (service/openai_responses.py): responses kept for GET and
-    # previous_response_id, least recently used dropped first; 0 turns storing off.
+    # previous_response_id; past a bound the API key holding the most loses its least
+    # recently used; 0 turns storing off.
     max_stored_responses: int = 1024
     max_stored_response_bytes: int = 64 << 20
 

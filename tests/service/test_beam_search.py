@@ -47,11 +47,14 @@ def client(server):
 
 
 @torch.no_grad()
-def reference(hf, prompt, width, max_tokens, length_penalty=1.0, eos=()):
+def reference(hf, prompt, width, max_tokens, length_penalty=1.0, ignore_eos=True):
     """The n best beams (token lists, best first) by vLLM's rule: every step each live
-    beam offers its 2 x width most likely next tokens; eos retires a beam, the width best
-    of the rest by cumulative logprob go on; at the end all are ranked by cumulative
-    logprob / (prompt + output length) ** length_penalty."""
+    beam offers its 2 x width most likely next tokens; eos retires a beam (unless
+    ignore_eos), the width best of the rest by cumulative logprob go on; at the end all
+    are ranked by cumulative logprob / length ** length_penalty, the length the prompt's
+    and the output's, an eos at its end not counted."""
+    ids = hf.config.eos_token_id
+    eos = set(ids) if isinstance(ids, list) else {ids}
     beams, done = [([], 0.0)], []
     for _ in range(max_tokens):
         cands = []
@@ -59,13 +62,17 @@ def reference(hf, prompt, width, max_tokens, length_penalty=1.0, eos=()):
             lp = torch.log_softmax(hf(torch.tensor([prompt + toks])).logits[0, -1], -1)
             top = torch.topk(lp, 2 * width)
             for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                (done.append((toks, cum + v)) if t in eos else cands.append(([*toks, t], cum + v)))
+                if t in eos and not ignore_eos:
+                    done.append((toks, cum + v))
+                else:
+                    cands.append(([*toks, t], cum + v))
         beams = sorted(cands, key=lambda b: -b[1])[:width]
-    ranked = sorted(
-        done + beams,
-        key=lambda b: b[1] / (len(prompt) + len(b[0])) ** length_penalty,
-        reverse=True,
-    )
+
+    def score(b):
+        n = len(prompt) + len(b[0]) - (1 if b[0] and b[0][-1] in eos else 0)
+        return b[1] / n**length_penalty
+
+    ranked = sorted(done + beams, key=score, reverse=True)
     return [toks for toks, _ in ranked[:width]]
 
 
