@@ -188,6 +188,47 @@ def session_on(sessions: dict[str, str], replica: str) -> str:
     return next(s for s, r in sessions.items() if r == replica)
 
 
+# ----------------------------------------------------------------------------- responses
+async def responses_chain(
+    fleet: Fleet, http: aiohttp.ClientSession, sessions: dict[str, str]
+) -> dict[str, Any]:
+    """A /v1/responses chain whose turns the balancer sends to a different replica each
+    (by X-Session-ID): each turn continues the one before from the shared Redis store,
+    equal to the chat completion of the whole conversation, and any replica reads it."""
+    key = fleet.api_keys[0]
+    names = [r.name for r in fleet.replicas]
+    prev: str | None = None
+    messages: list[dict[str, str]] = []
+    turns = []
+    for i, name in enumerate(names):
+        headers = {"Authorization": f"Bearer {key}", "X-Session-ID": session_on(sessions, name)}
+        body = {"model": SERVED_NAME, "input": f"Turn {i}: {QUESTION}",
+                "max_output_tokens": 4, "temperature": 0, "previous_response_id": prev}  # fmt: skip
+
+        async def one(body: dict[str, Any] = body, h: dict[str, str] = headers) -> Any:
+            async with http.post(fleet.url + "/v1/responses", json=body, headers=h) as r:
+                return r.status, await r.json(content_type=None)
+
+        (status, resp), diff = await served_by(fleet, one)
+        assert status == 200, resp
+        assert _only(diff, 1, f"turn {i}") == name
+        messages.append({"role": "user", "content": body["input"]})
+        text = "".join(p["text"] for o in resp["output"] for p in o.get("content", []))
+        oracle = {"model": SERVED_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
+        async with http.post(fleet.url + "/v1/chat/completions", json=oracle, headers=headers) as r:
+            want = await r.json(content_type=None)
+        assert text == want["choices"][0]["message"]["content"], (text, want)
+        assert resp["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+        messages.append({"role": "assistant", "content": text})
+        turns.append({"replica": name, "input_tokens": resp["usage"]["input_tokens"]})
+        prev = resp["id"]
+    for name in names:  # every replica reads the last turn back
+        h = {"Authorization": f"Bearer {key}", "X-Session-ID": session_on(sessions, name)}
+        async with http.get(f"{fleet.url}/v1/responses/{prev}", headers=h) as r:
+            assert r.status == 200 and (await r.json())["id"] == prev
+    return {"turns": turns}
+
+
 # ----------------------------------------------------------------------------- prefix tier
 async def _published(r: Replica) -> float:
     m = await asyncio.to_thread(r.metrics)
@@ -420,6 +461,7 @@ async def run_all(fleet: Fleet) -> dict[str, Any]:
         report["affinity"] = await affinity(fleet, http)
         sessions = report["affinity"]["sessions"]
         report["prefix"] = await prefix_tier(fleet, http, sessions)
+        report["responses"] = await responses_chain(fleet, http, sessions)
         report["redis"] = await redis_restart(fleet, http, sessions, report["prefix"]["hot"])
         report["failover"] = await failover(fleet, http, sessions)
         report["drain"] = await drain(fleet, http, sessions)
@@ -468,6 +510,12 @@ def format_report(rep: dict[str, Any]) -> str:
         f"({ratio:.2f}x); redis-tier hit tokens {p['redis_hit_tokens']:.0f}; "
         f"cached_tokens {p['cached_tokens']}; greedy output identical",
     ]
+    lines.append(
+        "responses chain across replicas (stored in Redis): "
+        + " -> ".join(
+            f"{t['replica']} ({t['input_tokens']} input tokens)" for t in rep["responses"]["turns"]
+        )
+    )
     for title, key in (("redis killed/restarted under load", "redis"),
                        ("failover timeline", "failover"), ("drain timeline", "drain")):  # fmt: skip
         lines.append(f"{title}:")

@@ -28,11 +28,11 @@ from service.async_engine import AsyncEngine, RequestFailed, rss_bytes
 from service.http_util import SPEC_FIELD, TENANT_SALT, error_response, json_response, salted
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
-from service.openai_responses import ResponseStore
 from service.openapi import openapi_document
 from service.prep import Preprocessor
 from service.protocol import BadRequest, check_messages, decode_prefix
 from service.request_ids import LIVE_IDS, TENANT, echo_request_id, release_request_id
+from service.response_store import make_response_store
 from service.security import AccessLogger, host_refusal
 from service.state import STATE, ServerConfig, ServerState
 from service.ws import websocket_handler
@@ -198,6 +198,8 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await state.engine.shutdown()
     if state.prep is not None:
         await state.prep.close()
+    if state.serving is not None:
+        await state.serving.store.close()
 
 
 async def _load_engine(app: web.Application, state: ServerState) -> None:
@@ -276,7 +278,12 @@ def _openai_serving(
         streams=state.streams,
     )
     cfg = state.config
-    serving.store = ResponseStore(cfg.max_stored_responses, cfg.max_stored_response_bytes)
+    serving.store = make_response_store(
+        cfg.response_store,
+        cfg.engine.prefix_tier.redis_url,
+        cfg.max_stored_responses,
+        cfg.max_stored_response_bytes,
+    )
     return serving
 
 
@@ -397,11 +404,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def get_response(request: web.Request) -> web.Response:
-    return _serving(request).get_response(request)
+    return await _serving(request).get_response(request)
+
+
+async def response_input_items(request: web.Request) -> web.Response:
+    return await _serving(request).input_items(request)
 
 
 async def delete_response(request: web.Request) -> web.Response:
-    return _serving(request).delete_response(request)
+    return await _serving(request).delete_response(request)
 
 
 async def resume_stream(request: web.Request) -> web.StreamResponse:
@@ -586,6 +597,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)
+    app.router.add_get("/v1/responses/{id}/input_items", response_input_items)
     app.router.add_get("/v1/streams/{id}", resume_stream)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)

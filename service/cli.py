@@ -500,6 +500,10 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     hosts = a.allowed_hosts or (
         [_env("PAGESTREAM_ALLOWED_HOSTS")] if _env("PAGESTREAM_ALLOWED_HOSTS") else None
     )
+    if a.response_store == "redis" and not (a.redis_url or "").startswith(
+        ("redis://", "rediss://", "unix://")
+    ):
+        raise SystemExit("--response-store redis needs --redis-url redis://...")
     engine = engine_config(
         a,
         prefix_tier_key_share=key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys))),
@@ -685,9 +689,15 @@ def _add_stream_args(s: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     s.add_argument(
         "--max-stored-responses", type=int, default=1024, metavar="N",
-        help="/v1/responses kept in memory (per API key) for GET /v1/responses/{id} and "
+        help="/v1/responses kept (per API key) for GET /v1/responses/{id} and "
         "previous_response_id; past it the key holding the most loses its least recently "
         "used; 0: store nothing",
+    )  # fmt: skip
+    s.add_argument(
+        "--response-store", choices=("auto", "memory", "redis"), default="auto",
+        help="where stored responses live: this replica's memory, or Redis at --redis-url "
+        "(shared by the fleet: any replica continues a chain, and chains outlive "
+        "restarts); auto: Redis when --redis-url is a Redis URL",
     )  # fmt: skip
     s.add_argument(
         "--max-stored-response-bytes", type=int, default=64 << 20, metavar="BYTES",

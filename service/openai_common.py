@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -390,10 +390,11 @@ class ServingBase:
         base: dict[str, Any],
         usage: StreamUsage,
         *,
-        done: bool = True,
+        tail: Callable[[], Awaitable[list[bytes]]] | None = None,
     ) -> web.StreamResponse:
         """Write the chunks of each output (`chunks_of`) as events, then the usage totals
-        if asked, then [DONE] (done=False: neither; the chunks said the end themselves).  A failure after the headers went out becomes an error
+        if asked, then [DONE]; or, given `tail`, the events it returns instead (a stream
+        that ends on its own event).  A failure after the headers went out becomes an error
         event.  One prompt's generator is read here directly (a generator layer between
         would cost every stream a hop every step); several prompts' through `merge`.
         Closed explicitly all the way down: a stream that stops early (a client gone)
@@ -414,16 +415,18 @@ class ServingBase:
                                 await pending
                         elif not self.send_now(request, resp, data):
                             await self.send(request, resp, data)
+            for data in await tail() if tail is not None else ():
+                await self.write(request, resp, data)
         except SlowClient:
             return resp  # dropped; the request was aborted as its generator closed
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:
             return await self._stream_error(request, resp, e)
-        if usage.include and done:
-            totals = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
-            await self.write(request, resp, sse({**base, "choices": [], "usage": totals}))
-        if done:
+        if tail is None:
+            if usage.include:
+                totals = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
+                await self.write(request, resp, sse({**base, "choices": [], "usage": totals}))
             await self.write(request, resp, b"data: [DONE]\n\n")
         await end_stream(resp)
         return resp

@@ -3,18 +3,19 @@ a chat request, `ResponsesRequest.to_chat`, and starts as one, `ChatServing.star
 answered as a `response` object or as the API's typed stream events (`response.created`,
 `response.output_item.added`, `response.output_text.delta`, ... `response.completed`).
 
-Stored responses (`store`, on by default as OpenAI's) are kept in memory, per API key and
-bounded (`ResponseStore`): `GET /v1/responses/{id}` returns one, `DELETE` drops it, and
+Stored responses (`store`, on by default as OpenAI's) are kept per API key and bounded,
+in memory or in Redis for a fleet (service/response_store.py): `GET /v1/responses/{id}`
+returns one, `DELETE` drops it, and
 `previous_response_id` continues its conversation (its input and output come before the
 new input; its instructions do not).  A stored chain's KV is pinned between turns under
 the chain's first id, as a `conversation_id` would pin it (scheduler/pins.py)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -28,82 +29,10 @@ from service.protocol import BadRequest, ChatMessage, FunctionCall, ToolCall
 from service.protocol_openai import ChatCompletionRequest
 from service.protocol_responses import ResponsesRequest, decode_responses, responses_param
 from service.request_ids import TENANT
+from service.response_store import ResponseStore, ResponseStoreBase, Stored, StoreUnavailable
 from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
 
-
-@dataclass(slots=True)
-class Stored:
-    response: dict[str, Any]  # as served
-    # The conversation through this turn, instructions left out: what a turn continuing
-    # it starts from.  Earlier turns' messages are shared with their own entries.
-    messages: list[ChatMessage]
-    root: str  # the chain's first response id: its KV pin's key
-    size: int  # bytes this entry adds (its own messages and response, not shared ones)
-
-
-class _Shelf:
-    """One API key's stored responses, least recently used first."""
-
-    def __init__(self) -> None:
-        self.items: OrderedDict[str, Stored] = OrderedDict()
-        self.bytes = 0
-
-
-class ResponseStore:
-    """Stored responses, keyed by (API key's tenant, id), so one key never reads another's,
-    within `max_responses` and `max_bytes` in all.  Past either, the key holding the most
-    (its share of either bound) loses its least recently used response: a key that floods
-    the store evicts its own, never a key holding less (with no keys, one LRU)."""
-
-    def __init__(self, max_responses: int, max_bytes: int) -> None:
-        self.max_responses = max_responses
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.count = 0
-        self._shelves: dict[str | None, _Shelf] = {}
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_responses > 0
-
-    def __len__(self) -> int:
-        return self.count
-
-    def get(self, tenant: str | None, rid: str) -> Stored | None:
-        shelf = self._shelves.get(tenant)
-        item = shelf.items.get(rid) if shelf is not None else None
-        if item is not None:
-            shelf.items.move_to_end(rid)  # type: ignore[union-attr]
-        return item
-
-    def put(self, tenant: str | None, rid: str, item: Stored) -> None:
-        if not self.enabled or item.size > self.max_bytes:
-            return
-        self.delete(tenant, rid)
-        shelf = self._shelves.setdefault(tenant, _Shelf())
-        shelf.items[rid] = item
-        shelf.bytes += item.size
-        self.bytes += item.size
-        self.count += 1
-        while self.count > self.max_responses or self.bytes > self.max_bytes:
-            key = max(self._shelves, key=lambda t: self._load(self._shelves[t]))
-            self.delete(key, next(iter(self._shelves[key].items)))
-
-    def _load(self, shelf: _Shelf) -> float:
-        return max(len(shelf.items) / self.max_responses, shelf.bytes / self.max_bytes)
-
-    def delete(self, tenant: str | None, rid: str) -> bool:
-        shelf = self._shelves.get(tenant)
-        old = shelf.items.pop(rid, None) if shelf is not None else None
-        if old is None:
-            return False
-        assert shelf is not None
-        shelf.bytes -= old.size
-        self.bytes -= old.size
-        self.count -= 1
-        if not shelf.items:
-            del self._shelves[tenant]
-        return True
+log = logging.getLogger(__name__)
 
 
 _STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
@@ -143,7 +72,13 @@ def _new_id(prefix: str) -> str:
 
 class ResponsesServing(ChatServing):
     # Replaced by the app with one sized by --max-stored-responses; this one stores nothing.
-    store: ResponseStore = ResponseStore(0, 0)
+    store: ResponseStoreBase = ResponseStore(0, 0)
+
+    async def _stored(self, tenant: str | None, rid: str, param: str) -> Stored | None:
+        try:
+            return await self.store.get(tenant, rid)
+        except StoreUnavailable as e:
+            raise BadRequest(f"{e}; try again", param, status=503) from e
 
     # ------------------------------------------------------------------ routes
     async def responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -152,7 +87,7 @@ class ResponsesServing(ChatServing):
         history: list[ChatMessage] = []
         root = uuid.uuid4().hex  # the chain's key: its KV pin's, and its later turns'
         if req.previous_response_id is not None:
-            prev = self.store.get(tenant, req.previous_response_id)
+            prev = await self._stored(tenant, req.previous_response_id, "previous_response_id")
             if prev is None:
                 raise BadRequest(
                     f"previous_response_id {req.previous_response_id!r} not found (never "
@@ -185,16 +120,66 @@ class ResponsesServing(ChatServing):
         finally:
             self._release(start.subs)
 
-    def get_response(self, request: web.Request) -> web.Response:
+    async def get_response(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        item = self.store.get(request.get(TENANT), rid)
+        item = await self._stored(request.get(TENANT), rid, "response_id")
         if item is None:
             raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
         return json_response(item.response)
 
-    def delete_response(self, request: web.Request) -> web.Response:
+    async def input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items: what the model was given, earlier turns of
+        the chain included (instructions not), as items; paged as OpenAI pages it."""
         rid = request.match_info["id"]
-        if not self.store.delete(request.get(TENANT), rid):
+        q = request.query
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest("order must be 'asc' or 'desc'", "order")
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise BadRequest("limit must be an integer in [1, 100]", "limit")
+        for inc in q.getall("include", []) + q.getall("include[]", []):
+            if inc != "message.output_text.logprobs":
+                raise BadRequest(f"include {inc!r} is not supported", "include")
+        item = await self._stored(request.get(TENANT), rid, "response_id")
+        if item is None:
+            raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
+        items = _as_items(item.messages[:-1], item.root)  # the last message is its reply
+        if order == "desc":
+            items.reverse()
+        ids = [i["id"] for i in items]
+        lo, hi = 0, len(items)
+        for name in ("after", "before"):
+            at = q.get(name)
+            if at is None:
+                continue
+            if at not in ids:
+                raise BadRequest(f"{name}: no input item {at!r} in this response", name)
+            if name == "after":
+                lo = max(lo, ids.index(at) + 1)
+            else:
+                hi = min(hi, ids.index(at))
+        page = items[lo : min(hi, lo + limit)]
+        return json_response(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": lo + limit < hi,
+            }
+        )
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        try:
+            deleted = await self.store.delete(request.get(TENANT), rid)
+        except StoreUnavailable as e:
+            raise BadRequest(f"{e}; try again", "response_id", status=503) from e
+        if not deleted:
             raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
         return json_response({"id": rid, "object": "response", "deleted": True})
 
@@ -275,8 +260,9 @@ class _Turn:
         out = self.s.chat_logprobs(lps, None)
         return out["content"] if out else None
 
-    def _finish(self, output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
-        """The final object; stored (with the conversation it ends) when asked."""
+    async def _finish(self, output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
+        """The final object; stored (with the conversation it ends) when asked, before
+        the client sees it, so a turn that continues it finds it on any replica."""
         resp = self.response(_status(finish), output, finish)
         if resp["store"] and resp["status"] in ("completed", "incomplete"):
             mine = self.chat.messages[1:] if self.req.instructions else self.chat.messages
@@ -285,7 +271,14 @@ class _Turn:
             messages = [*self.history, *mine, reply]
             size = len(msgspec.json.encode(resp)) + len(msgspec.json.encode(mine))
             size += len(msgspec.json.encode(reply)) + 8 * len(self.history)
-            self.s.store.put(self.tenant, self.start.rid, Stored(resp, messages, self.root, size))
+            try:
+                await self.s.store.put(
+                    self.tenant, self.start.rid, Stored(resp, messages, self.root, size)
+                )
+            except StoreUnavailable as e:
+                # Answered all the same; the object says it was not stored.
+                log.warning("response %s not stored: %s", self.start.rid, e)
+                resp["store"] = False
         return resp
 
     # ----------------------------------------------------------- whole answer
@@ -306,7 +299,7 @@ class _Turn:
                 _message_item(_new_id("msg"), content or "", self._logprobs(o.logprobs), done)
             )
         output += [_call_item(_new_id("fc"), c, done) for c in calls]
-        return self._finish(output, o.finish_reason)
+        return await self._finish(output, o.finish_reason)
 
     # ----------------------------------------------------------------- stream
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -342,9 +335,9 @@ class _Turn:
             return frames
 
         # _run_stream ends a chat stream with [DONE]; the Responses stream ends with its
-        # lifecycle event instead, which `_Events.feed` writes with the last delta.
+        # lifecycle event instead, written once the response is stored (`_Events.end`).
         return await s._run_stream(
-            request, resp, [self.start.gen], 1, chunks, {}, self.usage, done=False
+            request, resp, [self.start.gen], 1, chunks, {}, self.usage, tail=events.end
         )
 
 
@@ -358,6 +351,7 @@ class _Events:
         # The open item's text (or arguments) in pieces, joined when it closes: `+=` on
         # the item's string copied all of it every step (quadratic in a long answer).
         self.pieces: list[str] = []
+        self.finish: str | None = None  # the choice's finish reason, once it came
 
     def _add(self, item: dict[str, Any]) -> bytes:
         self.items.append(item)
@@ -482,10 +476,63 @@ class _Events:
             out += self._text("", None)
         done = "completed" if d.finish_reason == "stop" else "incomplete"
         out += self._close(done)
-        final = self.t._finish(self.items, d.finish_reason)
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
-        out.append(self.t.event(kind.get(final["status"], "response.failed"), response=final))
+        self.finish = d.finish_reason
         return out
+
+    async def end(self) -> list[bytes]:
+        """The lifecycle event that ends the stream, once the response is stored."""
+        if self.finish is None:
+            return []
+        final = await self.t._finish(self.items, self.finish)
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
+        return [self.t.event(kind.get(final["status"], "response.failed"), response=final)]
+
+
+def _as_items(messages: list[ChatMessage], root: str) -> list[dict[str, Any]]:
+    """A conversation's messages as Responses items.  An item's id comes from the chain
+    and its place in it, so the same item has the same id in every response of the chain."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        key = hashlib.blake2b(f"{root}:{i}".encode(), digest_size=12).hexdigest()
+        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+        if m.role == "tool":
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "id": f"fco_{key}",
+                    "call_id": m.tool_call_id,
+                    "output": text,
+                    "status": "completed",
+                }
+            )
+            continue
+        if m.role != "assistant" or text or not m.tool_calls:
+            kind = "output_text" if m.role == "assistant" else "input_text"
+            part: dict[str, Any] = {"type": kind, "text": text}
+            if kind == "output_text":
+                part["annotations"] = []
+            out.append(
+                {
+                    "type": "message",
+                    "id": f"msg_{key}",
+                    "role": m.role,
+                    "status": "completed",
+                    "content": [part],
+                }
+            )
+        for j, call in enumerate(m.tool_calls or ()):
+            fn = call.function
+            out.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc_{key}{j:02x}",
+                    "call_id": call.id,
+                    "name": fn.name,
+                    "arguments": fn.arguments,
+                    "status": "completed",
+                }
+            )
+    return out
 
 
 def _reply_message(output: list[dict[str, Any]]) -> ChatMessage:

@@ -87,6 +87,9 @@ def openapi_document() -> dict[str, Any]:
                 "get": {"summary": "A stored response", "responses": plain},
                 "delete": {"summary": "Delete a stored response", "responses": plain},
             },
+            "/v1/responses/{id}/input_items": {
+                "get": {"summary": "A stored response's input items", "responses": plain},
+            },
             "/v1/cache/prefixes": _post("Compute and publish a shared prefix", prefix, False),
             "/v1/models": {"get": {"summary": "Served models", "responses": plain}},
             "/health": {"get": {"summary": "200 when serving, 503 otherwise", "responses": plain}},

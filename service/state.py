@@ -85,6 +85,9 @@ class ServerConfig:
     # recently used; 0 turns storing off.
     max_stored_responses: int = 1024
     max_stored_response_bytes: int = 64 << 20
+    # Where they are kept: memory (this replica's), redis (the fleet's, at the prefix
+    # tier's --redis-url: any replica continues a chain), auto (redis when there is one).
+    response_store: str = "auto"
 
 
 class ServerState:

@@ -77,6 +77,14 @@ def test_shared_prefix_tier(fleet: Fleet) -> None:
     assert min(res["cached_tokens"]) >= res["prompt_tokens_each"] - 16
 
 
+def test_responses_chain_across_replicas(fleet: Fleet) -> None:
+    res = run(fleet, fc.responses_chain, sessions())
+    RESULTS["responses"] = res
+    assert len({t["replica"] for t in res["turns"]}) == len(fleet.replicas)
+    tokens = [t["input_tokens"] for t in res["turns"]]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)  # the chain grows
+
+
 def test_chat_page_through_the_balancer(fleet: Fleet, tmp_path) -> None:
     """The chat page over nginx: the WebSocket passes the Origin check (nginx forwards the
     Host with its port), the key travels as ?api_key= and reaches no log."""
@@ -138,10 +146,10 @@ def test_sigterm_drains(fleet: Fleet) -> None:
 
 def test_report(fleet: Fleet) -> None:
     """What `make fleet` prints, from the results above."""
-    if not {"affinity", "prefix", "redis", "failover", "drain"} <= set(RESULTS):
+    if not {"affinity", "prefix", "responses", "redis", "failover", "drain"} <= set(RESULTS):
         pytest.skip("needs every scenario's results")
     text = fc.format_report({**RESULTS, "requests": fc.balancer_counts(fleet)})
     for r in fleet.replicas:
         assert re.search(rf"^  {r.name}: [1-9]\d*$", text, re.M), text
-    assert "TTFT cold" in text and "Redis hit" in text
+    assert "TTFT cold" in text and "Redis hit" in text and "responses chain" in text
     assert "failover timeline:" in text and "back on" in text

@@ -17,7 +17,6 @@ import openai
 import pydantic
 import pytest
 
-from service.openai_responses import ResponseStore, Stored
 from tests.service.live_server import live_server
 from tests.service.test_structured_api import SCHEMAS, WEATHER, hermes_checkpoint
 
@@ -297,6 +296,63 @@ def test_previous_response_continues_the_conversation(server, client):
     assert server.conversation_pins() == pins + 1
 
 
+def test_input_items_list_the_chain(server, client):
+    """GET /v1/responses/{id}/input_items: every item the model was given (earlier turns'
+    input and output, tool calls and their outputs; not instructions), newest first by
+    default, paged by the SDK's cursor, each item's id the same in every response of the
+    chain."""
+    first = client.responses.create(
+        model="tiny", input="Weather in Paris?", instructions="Be brief.", tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
+        temperature=0,
+    )  # fmt: skip
+    (call,) = first.output
+    second = client.responses.create(
+        model="tiny", previous_response_id=first.id, tools=TOOLS, tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}],
+        max_output_tokens=4, temperature=0,
+    )  # fmt: skip
+    third = client.responses.create(
+        model="tiny", input="Thanks!", previous_response_id=second.id, max_output_tokens=3
+    )
+    (only,) = client.responses.input_items.list(first.id).data
+    assert only.type == "message" and only.role == "user"
+    assert only.content[0].type == "input_text" and only.content[0].text == "Weather in Paris?"
+    items = list(client.responses.input_items.list(third.id, order="asc", limit=1))
+    assert [i.type for i in items] == [
+        "message", "function_call", "function_call_output", "message", "message"
+    ]  # fmt: skip
+    assert items[0].id == only.id  # the same item, the same id, in a later response
+    assert (items[1].call_id, items[1].name, items[1].arguments) == (
+        call.call_id, call.name, call.arguments,
+    )  # fmt: skip
+    assert items[2].call_id == call.call_id and items[2].output == "Sunny"
+    assert items[3].role == "assistant" and items[3].content[0].text == second.output_text
+    assert items[4].role == "user" and items[4].content[0].text == "Thanks!"
+    page = client.responses.input_items.list(third.id, limit=2)  # newest first
+    assert [i.id for i in page.data] == [items[4].id, items[3].id] and page.has_more
+    assert page.first_id == items[4].id and page.last_id == items[3].id
+    rest = client.responses.input_items.list(third.id, after=page.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in items[2::-1]] and not rest.has_more
+    before = client.responses.input_items.list(
+        third.id, order="asc", extra_query={"before": items[2].id}
+    )
+    assert [i.id for i in before.data] == [items[0].id, items[1].id]
+    for query, param in [
+        ("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+        ("after=msg_nope", "after"), ("include=file_search_call.results", "include"),
+    ]:  # fmt: skip
+        req = urllib.request.Request(
+            f"{server.url}/v1/responses/{third.id}/input_items?{query}",
+            headers={"Authorization": f"Bearer {KEYS[0]}"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        make_client(server, KEYS[1]).responses.input_items.list(third.id)
+
+
 def test_stored_streamed_response_is_retrievable(client):
     with client.responses.stream(model="tiny", input="Is it?", text=BOOL_FORMAT) as stream:
         final = stream.get_final_response()
@@ -328,41 +384,6 @@ def test_store_get_delete_and_keys(server, client):
     assert r.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
-
-
-def test_store_bounds():
-    store = ResponseStore(max_responses=3, max_bytes=1000)
-
-    def item(size: int) -> Stored:
-        return Stored({"id": "x"}, [], "root", size)
-
-    for i in range(4):
-        store.put("t", f"r{i}", item(100))
-    assert len(store) == 3 and store.get("t", "r0") is None and store.bytes == 300
-    store.get("t", "r1")  # used: r2 is now the oldest
-    store.put("t", "big", item(700))  # 1,000 bytes but 4 entries: the oldest goes
-    assert store.get("t", "r2") is None and store.bytes == 900 and len(store) == 3
-    store.put("t", "small", item(150))  # 1,050 bytes: r3 goes (r1 was used after it)
-    assert store.get("t", "r3") is None and store.bytes == 950
-    assert all(store.get("t", k) is not None for k in ("r1", "big", "small"))
-    store.put("t", "huge", item(1001))  # larger than the whole store: not kept
-    assert store.get("t", "huge") is None and store.bytes == 950
-    assert store.get("u", "r1") is None  # another tenant's key
-    assert store.delete("t", "r1") and not store.delete("t", "r1") and store.bytes == 850
-    # A key flooding the store evicts its own oldest, not a key that holds less.
-    fair = ResponseStore(max_responses=10, max_bytes=10_000)
-    for i in range(3):
-        fair.put("quiet", f"q{i}", item(100))
-    for i in range(50):
-        fair.put("flood", f"f{i}", item(100))
-    assert all(fair.get("quiet", f"q{i}") for i in range(3)) and len(fair) == 10
-    assert [k for k in range(50) if fair.get("flood", f"f{k}")] == list(range(43, 50))
-    for i in range(20):  # by bytes too: the big holder goes first
-        fair.put("bytes", f"b{i}", item(1500))
-    assert all(fair.get("quiet", f"q{i}") for i in range(3)) and fair.bytes <= 10_000
-    off = ResponseStore(0, 1 << 20)
-    off.put("t", "a", item(1))
-    assert len(off) == 0
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -1,0 +1,309 @@
+"""Where /v1/responses keeps stored responses (service/openai_responses.py): in this
+process (`ResponseStore`), or in Redis (`RedisResponseStore`), where every replica of a
+fleet reads what any of them stored, so a `previous_response_id` chain survives the
+balancer sending a turn elsewhere, a replica restarting, and a rolling deploy.
+
+Both keep responses per API key (its tenant id: a one-way hash of the key, the same on
+every replica), within a count and a byte bound in all, and evict alike: past a bound, the
+key holding the most (its larger share of either bound; ties to the smaller tenant id)
+loses its least recently used response.  A key that floods the store evicts its own.
+
+Redis key schema (under `ps:responses`; stored text does not depend on the model, so
+every model a fleet serves shares it):
+
+    <ns>:clock          STRING  a counter: the order of puts and reads (LRU), fleet-wide
+    <ns>:total          HASH    count, bytes
+    <ns>:tc / <ns>:tb   HASH    tenant -> its count / its bytes
+    <ns>:lru:<t>        ZSET    tenant t's response ids by last use (the clock)
+    <ns>:size:<t>       HASH    tenant t's response id -> its entry's bytes
+    <ns>:r:<t>:<id>     STRING  the entry (msgpack: response, conversation, chain root)
+
+Every operation is one Lua script (one round trip, atomic across replicas).  An entry
+whose bytes Redis itself dropped (maxmemory, FLUSHDB of one key) reads as absent and is
+dropped from the accounting when it comes up for eviction."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from service.protocol import ChatMessage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Stored:
+    response: dict[str, Any]  # as served
+    # The conversation through this turn, instructions left out: what a turn continuing
+    # it starts from.  In memory, earlier turns' messages are shared with their entries.
+    messages: list[ChatMessage]
+    root: str  # the chain's first response id: its KV pin's key
+    # Bytes this entry adds: in memory its own messages and response (not shared ones);
+    # in Redis its whole encoded entry (the store measures it).
+    size: int
+
+
+class StoreUnavailable(Exception):
+    """The store did not answer (Redis down or slow)."""
+
+
+class ResponseStoreBase(Protocol):
+    max_responses: int
+    max_bytes: int
+
+    @property
+    def enabled(self) -> bool: ...
+
+    async def get(self, tenant: str | None, rid: str) -> Stored | None: ...
+
+    async def put(self, tenant: str | None, rid: str, item: Stored) -> None: ...
+
+    async def delete(self, tenant: str | None, rid: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class _Shelf:
+    """One API key's stored responses, least recently used first."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[str, Stored] = OrderedDict()
+        self.bytes = 0
+
+
+def _tenant(tenant: str | None) -> str:
+    # Tenant ids are "t" + hex (service/security.py); unkeyed traffic is "-".
+    return tenant or "-"
+
+
+class ResponseStore:
+    """Stored responses in this process."""
+
+    def __init__(self, max_responses: int, max_bytes: int) -> None:
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.count = 0
+        self._shelves: dict[str, _Shelf] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_responses > 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    async def get(self, tenant: str | None, rid: str) -> Stored | None:
+        shelf = self._shelves.get(_tenant(tenant))
+        item = shelf.items.get(rid) if shelf is not None else None
+        if item is not None:
+            shelf.items.move_to_end(rid)  # type: ignore[union-attr]
+        return item
+
+    async def put(self, tenant: str | None, rid: str, item: Stored) -> None:
+        if not self.enabled or item.size > self.max_bytes:
+            return
+        t = _tenant(tenant)
+        self._drop(t, rid)
+        shelf = self._shelves.setdefault(t, _Shelf())
+        shelf.items[rid] = item
+        shelf.bytes += item.size
+        self.bytes += item.size
+        self.count += 1
+        while self.count > self.max_responses or self.bytes > self.max_bytes:
+            key = min(self._shelves, key=lambda k: (-self._load(self._shelves[k]), k))
+            self._drop(key, next(iter(self._shelves[key].items)))
+
+    def _load(self, shelf: _Shelf) -> float:
+        return max(len(shelf.items) / self.max_responses, shelf.bytes / self.max_bytes)
+
+    async def delete(self, tenant: str | None, rid: str) -> bool:
+        return self._drop(_tenant(tenant), rid)
+
+    def _drop(self, t: str, rid: str) -> bool:
+        shelf = self._shelves.get(t)
+        old = shelf.items.pop(rid, None) if shelf is not None else None
+        if old is None:
+            return False
+        assert shelf is not None
+        shelf.bytes -= old.size
+        self.bytes -= old.size
+        self.count -= 1
+        if not shelf.items:
+            del self._shelves[t]
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+# Shared by the scripts: drop one entry and its accounting (false when it is not there).
+_DROP = """
+local function drop(ns, t, rid)
+  local s = redis.call('HGET', ns .. ':size:' .. t, rid)
+  if not s then return false end
+  s = tonumber(s)
+  redis.call('HDEL', ns .. ':size:' .. t, rid)
+  redis.call('ZREM', ns .. ':lru:' .. t, rid)
+  redis.call('DEL', ns .. ':r:' .. t .. ':' .. rid)
+  if redis.call('HINCRBY', ns .. ':tc', t, -1) <= 0 then
+    redis.call('HDEL', ns .. ':tc', t)
+    redis.call('HDEL', ns .. ':tb', t)
+  else
+    redis.call('HINCRBY', ns .. ':tb', t, -s)
+  end
+  redis.call('HINCRBY', ns .. ':total', 'count', -1)
+  redis.call('HINCRBY', ns .. ':total', 'bytes', -s)
+  return true
+end
+"""
+
+# KEYS: none (every key is under ARGV[1], the namespace; one Redis, not a cluster).
+# ARGV: ns, tenant, id, entry, max count, max bytes.
+_PUT = (
+    _DROP
+    + """
+local ns, t, rid, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local maxc, maxb = tonumber(ARGV[5]), tonumber(ARGV[6])
+local size = #blob
+if maxc <= 0 or size > maxb then return 0 end
+drop(ns, t, rid)
+local clock = redis.call('INCR', ns .. ':clock')
+redis.call('SET', ns .. ':r:' .. t .. ':' .. rid, blob)
+redis.call('HSET', ns .. ':size:' .. t, rid, size)
+redis.call('ZADD', ns .. ':lru:' .. t, clock, rid)
+redis.call('HINCRBY', ns .. ':tc', t, 1)
+redis.call('HINCRBY', ns .. ':tb', t, size)
+local count = redis.call('HINCRBY', ns .. ':total', 'count', 1)
+local bytes = redis.call('HINCRBY', ns .. ':total', 'bytes', size)
+while count > maxc or bytes > maxb do
+  -- The key holding the most of either bound loses its least recently used.
+  local counts = redis.call('HGETALL', ns .. ':tc')
+  local best, load = nil, -1
+  for i = 1, #counts, 2 do
+    local tt = counts[i]
+    local b = tonumber(redis.call('HGET', ns .. ':tb', tt) or '0')
+    local l = math.max(tonumber(counts[i + 1]) / maxc, b / maxb)
+    if l > load or (l == load and tt < best) then best, load = tt, l end
+  end
+  if best == nil then break end
+  local lru = ns .. ':lru:' .. best
+  local oldest = redis.call('ZRANGE', lru, 0, 0)[1]
+  if oldest == nil then
+    -- Counted but nothing listed (keys removed by hand): forget the tenant's counts.
+    local c = tonumber(redis.call('HGET', ns .. ':tc', best))
+    local b = tonumber(redis.call('HGET', ns .. ':tb', best) or '0')
+    redis.call('HINCRBY', ns .. ':total', 'count', -c)
+    redis.call('HINCRBY', ns .. ':total', 'bytes', -b)
+    redis.call('HDEL', ns .. ':tc', best)
+    redis.call('HDEL', ns .. ':tb', best)
+  elseif not drop(ns, best, oldest) then
+    redis.call('ZREM', lru, oldest)  -- listed without its size: not an entry
+  end
+  count = tonumber(redis.call('HGET', ns .. ':total', 'count'))
+  bytes = tonumber(redis.call('HGET', ns .. ':total', 'bytes'))
+end
+return 1
+"""
+)
+
+# ARGV: ns, tenant, id.  The entry, its use recorded; nil when absent.
+_GET = """
+local ns, t, rid = ARGV[1], ARGV[2], ARGV[3]
+local blob = redis.call('GET', ns .. ':r:' .. t .. ':' .. rid)
+if blob then
+  redis.call('ZADD', ns .. ':lru:' .. t, 'XX', redis.call('INCR', ns .. ':clock'), rid)
+end
+return blob
+"""
+
+# ARGV: ns, tenant, id.  1 when it was there.
+_DELETE = (
+    _DROP
+    + """
+local ns, t, rid = ARGV[1], ARGV[2], ARGV[3]
+local there = redis.call('EXISTS', ns .. ':r:' .. t .. ':' .. rid) == 1
+if drop(ns, t, rid) and there then return 1 end
+return 0
+"""
+)
+
+_Entry = tuple[dict[str, Any], list[ChatMessage], str]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(_Entry)
+
+
+def encode_entry(item: Stored) -> bytes:
+    return _ENCODER.encode((item.response, item.messages, item.root))
+
+
+class RedisResponseStore:
+    """Stored responses in Redis, shared by every replica that points at it."""
+
+    NAMESPACE = "ps:responses"
+
+    def __init__(
+        self, url: str, max_responses: int, max_bytes: int, namespace: str = NAMESPACE
+    ) -> None:
+        import redis.asyncio as aioredis
+
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self.ns = namespace
+        self.client = aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._put = self.client.register_script(_PUT)
+        self._get = self.client.register_script(_GET)
+        self._delete = self.client.register_script(_DELETE)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_responses > 0
+
+    async def _call(self, script: Any, *args: Any) -> Any:
+        import redis
+
+        try:
+            return await script(args=[self.ns, *args])
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
+
+    async def get(self, tenant: str | None, rid: str) -> Stored | None:
+        blob = await self._call(self._get, _tenant(tenant), rid)
+        if blob is None:
+            return None
+        try:
+            response, messages, root = _DECODER.decode(blob)
+        except msgspec.DecodeError:
+            log.warning("stored response %s is not an entry this version reads; ignored", rid)
+            return None
+        return Stored(response, messages, root, len(blob))
+
+    async def put(self, tenant: str | None, rid: str, item: Stored) -> None:
+        if not self.enabled:
+            return
+        blob = encode_entry(item)
+        item.size = len(blob)
+        await self._call(self._put, _tenant(tenant), rid, blob, self.max_responses, self.max_bytes)
+
+    async def delete(self, tenant: str | None, rid: str) -> bool:
+        return bool(await self._call(self._delete, _tenant(tenant), rid))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def make_response_store(
+    kind: str, redis_url: str | None, max_responses: int, max_bytes: int
+) -> ResponseStoreBase:
+    """`kind`: memory, redis, or auto (Redis when the server has a redis:// URL)."""
+    shared = (redis_url or "").startswith(("redis://", "rediss://", "unix://"))
+    if kind == "redis" or (kind == "auto" and shared):
+        if not shared:
+            raise ValueError("--response-store redis needs --redis-url redis://...")
+        return RedisResponseStore(redis_url or "", max_responses, max_bytes)
+    return ResponseStore(max_responses, max_bytes)
