@@ -415,6 +415,15 @@ async def delete_response(request: web.Request) -> web.Response:
     return await _serving(request).delete_response(request)
 
 
+def _conversations(method: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of one /v1/conversations route: `OpenAIServing.<method>`."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await getattr(_serving(request), method)(request)  # type: ignore[no-any-return]
+
+    return handler
+
+
 async def resume_stream(request: web.Request) -> web.StreamResponse:
     """GET /v1/streams/{id}: a stream whose connection dropped, from Last-Event-ID on
     (service/resume.py).  Served while draining too: draining waits for such streams."""
@@ -598,6 +607,17 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)
     app.router.add_get("/v1/responses/{id}/input_items", response_input_items)
+    for method, path, name in (
+        ("POST", "/v1/conversations", "create_conversation"),
+        ("GET", "/v1/conversations/{id}", "get_conversation"),
+        ("POST", "/v1/conversations/{id}", "update_conversation"),
+        ("DELETE", "/v1/conversations/{id}", "delete_conversation"),
+        ("POST", "/v1/conversations/{id}/items", "create_items"),
+        ("GET", "/v1/conversations/{id}/items", "list_items"),
+        ("GET", "/v1/conversations/{id}/items/{item_id}", "get_item"),
+        ("DELETE", "/v1/conversations/{id}/items/{item_id}", "delete_item"),
+    ):
+        app.router.add_route(method, path, _conversations(name))
     app.router.add_get("/v1/streams/{id}", resume_stream)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
     app.router.add_get("/v1/ws", websocket_handler)

@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/responses,
-/v1/models.
+/v1/conversations, /v1/models.
 
 Streaming responses are server-sent events.  The request is aborted in the engine the
 moment its client goes away: the server runs with handler cancellation, so the handler
@@ -14,10 +14,11 @@ from aiohttp import web
 
 from service.http_util import json_response
 from service.openai_completions import CompletionServing
+from service.openai_conversations import ConversationsServing
 from service.openai_responses import ResponsesServing
 
 
-class OpenAIServing(ResponsesServing, CompletionServing):
+class OpenAIServing(ResponsesServing, ConversationsServing, CompletionServing):
     """The OpenAI-compatible routes of one loaded model.  Chat (`service/openai_chat.py`),
     responses (`service/openai_responses.py`, chat turns answered in the Responses API's
     shape) and completions (`service/openai_completions.py`) share `ServingBase`

@@ -21,13 +21,20 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from service import openai_conversations as conversations
 from service.http_util import json_response
 from service.openai_chat import ChatServing, ChatStart
 from service.openai_common import ChoiceDelta, StreamUsage
 from service.outputs import RequestOutput
 from service.protocol import BadRequest, ChatMessage, FunctionCall, ToolCall
 from service.protocol_openai import ChatCompletionRequest
-from service.protocol_responses import ResponsesRequest, decode_responses, responses_param
+from service.protocol_responses import (
+    ResponsesRequest,
+    decode_responses,
+    items_to_messages,
+    normalize_item,
+    responses_param,
+)
 from service.request_ids import TENANT
 from service.response_store import ResponseStore, ResponseStoreBase, Stored, StoreUnavailable
 from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
@@ -76,9 +83,11 @@ class ResponsesServing(ChatServing):
 
     async def _stored(self, tenant: str | None, rid: str, param: str) -> Stored | None:
         try:
-            return await self.store.get(tenant, rid)
+            got = await self.store.get(tenant, rid)
         except StoreUnavailable as e:
             raise BadRequest(f"{e}; try again", param, status=503) from e
+        # (conversations share the store: an id of one is no response)
+        return got if got is not None and got.response.get("object") == "response" else None
 
     # ------------------------------------------------------------------ routes
     async def responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -86,6 +95,15 @@ class ResponsesServing(ChatServing):
         tenant = request.get(TENANT)
         history: list[ChatMessage] = []
         root = uuid.uuid4().hex  # the chain's key: its KV pin's, and its later turns'
+        cid = req.conversation_ref
+        additions: list[dict[str, Any]] = []  # this turn's input, for its conversation
+        if cid is not None:
+            conv = await conversations.load(self.store, tenant, cid, "conversation")
+            old = conv.response["items"]
+            history = items_to_messages(old, "conversation.items")
+            root = cid
+            additions = conversations.new_items(req.input_items(), "input")
+            conversations.check_new(additions, old, "input")
         if req.previous_response_id is not None:
             prev = await self._stored(tenant, req.previous_response_id, "previous_response_id")
             if prev is None:
@@ -101,7 +119,7 @@ class ResponsesServing(ChatServing):
             if (
                 chat.conversation_id is None
                 and self.store.enabled
-                and (req.store or req.previous_response_id)
+                and (req.store or req.previous_response_id or cid)
             ):
                 # A turn a later one may continue: its KV stays pinned for it.
                 chat.conversation_id = root
@@ -114,6 +132,7 @@ class ResponsesServing(ChatServing):
             raise
         try:
             turn = _Turn(self, req, chat, start, tenant, root, history)
+            turn.conversation, turn.additions = cid, additions
             if req.stream:
                 return await self.streamed(request, start.rid, start.subs, turn.stream(request))
             return json_response(await turn.full())
@@ -131,47 +150,12 @@ class ResponsesServing(ChatServing):
         """GET /v1/responses/{id}/input_items: what the model was given, earlier turns of
         the chain included (instructions not), as items; paged as OpenAI pages it."""
         rid = request.match_info["id"]
-        q = request.query
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise BadRequest("order must be 'asc' or 'desc'", "order")
-        try:
-            limit = int(q.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise BadRequest("limit must be an integer in [1, 100]", "limit")
-        for inc in q.getall("include", []) + q.getall("include[]", []):
-            if inc != "message.output_text.logprobs":
-                raise BadRequest(f"include {inc!r} is not supported", "include")
+        conversations.page([], request.query)  # a bad query is a 400 before a look-up
         item = await self._stored(request.get(TENANT), rid, "response_id")
         if item is None:
             raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
         items = _as_items(item.messages[:-1], item.root)  # the last message is its reply
-        if order == "desc":
-            items.reverse()
-        ids = [i["id"] for i in items]
-        lo, hi = 0, len(items)
-        for name in ("after", "before"):
-            at = q.get(name)
-            if at is None:
-                continue
-            if at not in ids:
-                raise BadRequest(f"{name}: no input item {at!r} in this response", name)
-            if name == "after":
-                lo = max(lo, ids.index(at) + 1)
-            else:
-                hi = min(hi, ids.index(at))
-        page = items[lo : min(hi, lo + limit)]
-        return json_response(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": lo + limit < hi,
-            }
-        )
+        return json_response(conversations.page(items, request.query))
 
     async def delete_response(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
@@ -200,6 +184,8 @@ class _Turn:
         self.s, self.req, self.chat, self.start = serving, req, chat, start
         self.tenant, self.root, self.history = tenant, root, history
         self.created = int(time.time())
+        self.conversation: str | None = None  # the conversation this turn extends
+        self.additions: list[dict[str, Any]] = []  # its input items for it
         self.seq = 0
         self.usage = StreamUsage.of(len(start.ids), None)
 
@@ -230,6 +216,7 @@ class _Turn:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
+            "conversation": {"id": self.conversation} if self.conversation else None,
             "reasoning": None,
             "store": req.store and self.s.store.enabled,
             "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -279,6 +266,15 @@ class _Turn:
                 # Answered all the same; the object says it was not stored.
                 log.warning("response %s not stored: %s", self.start.rid, e)
                 resp["store"] = False
+        if self.conversation is not None and resp["status"] in ("completed", "incomplete"):
+            out = [normalize_item(o, "output", uuid.uuid4().hex) for o in output]
+            try:
+                await conversations.append(
+                    self.s.store, self.tenant, self.conversation, self.additions + out,
+                    "conversation",
+                )  # fmt: skip
+            except BadRequest as e:  # deleted meanwhile, store down: answered all the same
+                log.warning("conversation %s not extended: %s", self.conversation, e.message)
         return resp
 
     # ----------------------------------------------------------- whole answer

@@ -15,7 +15,12 @@ import msgspec
 
 from service.protocol import PrefixRegistration
 from service.protocol_openai import ChatCompletionRequest, CompletionRequest
-from service.protocol_responses import ResponsesRequest
+from service.protocol_responses import (
+    ConversationCreate,
+    ConversationItemsCreate,
+    ConversationUpdate,
+    ResponsesRequest,
+)
 from service.protocol_ws import ClientFrame
 
 _REF = "#/components/schemas/{name}"
@@ -63,16 +68,20 @@ def _post(summary: str, schema: dict[str, Any], streams: bool) -> dict[str, Any]
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    (chat, completion, responses, frame, prefix), components = msgspec.json.schema_components(
+    schemas, components = msgspec.json.schema_components(
         [
             ChatCompletionRequest,
             CompletionRequest,
             ResponsesRequest,
             ClientFrame,
             PrefixRegistration,
+            ConversationCreate,
+            ConversationUpdate,
+            ConversationItemsCreate,
         ],
         ref_template=_REF,
     )
+    chat, completion, responses, frame, prefix, conv, conv_update, conv_items = schemas
     components["ClientFrame"] = frame
     components["ErrorResponse"] = _ERROR
     plain = {"200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}
@@ -89,6 +98,20 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/responses/{id}/input_items": {
                 "get": {"summary": "A stored response's input items", "responses": plain},
+            },
+            "/v1/conversations": _post("Create a conversation", conv, False),
+            "/v1/conversations/{id}": {
+                "get": {"summary": "A conversation", "responses": plain},
+                **_post("Update a conversation's metadata", conv_update, False),
+                "delete": {"summary": "Delete a conversation", "responses": plain},
+            },
+            "/v1/conversations/{id}/items": {
+                "get": {"summary": "A conversation's items, paged", "responses": plain},
+                **_post("Add items to a conversation", conv_items, False),
+            },
+            "/v1/conversations/{id}/items/{item_id}": {
+                "get": {"summary": "One item of a conversation", "responses": plain},
+                "delete": {"summary": "Delete an item of a conversation", "responses": plain},
             },
             "/v1/cache/prefixes": _post("Compute and publish a shared prefix", prefix, False),
             "/v1/models": {"get": {"summary": "Served models", "responses": plain}},

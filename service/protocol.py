@@ -161,6 +161,7 @@ def field_of(err: msgspec.ValidationError) -> str | None:
     marker = "at `$"
     i = msg.rfind(marker)
     path = msg[i + len(marker) :].rstrip("`").lstrip(".") if i >= 0 else ""
+    path = path.replace("[...]", "")  # (a dict's value: msgspec does not say its key)
     unknown = "unknown field `"
     j = msg.find(unknown)
     if j >= 0:

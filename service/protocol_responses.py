@@ -5,7 +5,7 @@ sampling are the chat route's own (service/openai_responses.py serves it).
 Input items are decoded one by one by their `type` (a message's may be left out, as
 OpenAI's "easy" input message leaves it out), so a bad item is a 400 naming `input[i]`.
 Built-in tools (web search, file search, computer use, MCP...), images, files and audio
-are refused by name; so are background responses, stored prompts and conversations."""
+are refused by name; so are background responses and stored prompts."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     def check_unsupported(self) -> None:
         if self.background:
             raise BadRequest("background responses are not supported by this server", "background")
-        for name in ("conversation", "prompt", "context_management"):
+        for name in ("prompt", "context_management"):
             if getattr(self, name) is not None:
                 raise BadRequest(f"{name} is not supported by this server", name)
         if self.reasoning not in (None, {}) and not (
@@ -192,35 +192,31 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         return LOGPROBS_INCLUDE in (self.include or ())
 
     def input_messages(self) -> list[ChatMessage]:
-        """The input as chat messages: a string is one user message; function calls
-        join the assistant turn before them (parallel calls are one turn), and their
-        outputs become tool messages."""
+        """The input as chat messages (`items_to_messages`)."""
         if isinstance(self.input, str):
             return [ChatMessage(role="user", content=self.input)]
-        out: list[ChatMessage] = []
-        for i, raw in enumerate(self.input):
-            item = _item(raw, f"input[{i}]")
-            if isinstance(item, _MessageItem):
-                role = item.role
-                text = _text(item.content, f"input[{i}].content", assistant=role == "assistant")
-                out.append(ChatMessage(role=role, content=text))
-            elif isinstance(item, _FunctionCallItem):
-                call = ToolCall(
-                    id=item.call_id,
-                    function=FunctionCall(name=item.name, arguments=item.arguments),
-                )
-                last = out[-1] if out else None
-                if last is not None and last.role == "assistant":
-                    if last.tool_calls is None:
-                        last.tool_calls = []
-                    last.tool_calls.append(call)  # in place: a copy each is quadratic
-                else:
-                    out.append(ChatMessage(role="assistant", tool_calls=[call]))
-            else:
-                assert isinstance(item, _FunctionOutputItem)
-                text = _text(item.output, f"input[{i}].output", assistant=False)
-                out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
-        return out
+        return items_to_messages(self.input, "input")
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    @property
+    def conversation_ref(self) -> str | None:
+        """`conversation`: an id, or {"id": ...}."""
+        c = self.conversation
+        if c is None:
+            return None
+        cid = c.get("id") if isinstance(c, dict) else c
+        if not isinstance(cid, str) or not 0 < len(cid) <= 300:
+            raise BadRequest('conversation must be an id or {"id": ...}', "conversation")
+        if self.previous_response_id is not None:
+            raise BadRequest(
+                "conversation and previous_response_id cannot both be given", "conversation"
+            )
+        return cid
 
     def chat_tools(self) -> list[Tool] | None:
         if not self.tools:
@@ -303,7 +299,61 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         )
 
 
-def _item(raw: dict[str, Any], where: str) -> Struct:
+def items_to_messages(items: list[dict[str, Any]], where: str) -> list[ChatMessage]:
+    """Items as chat messages: function calls join the assistant turn before them
+    (parallel calls are one turn), and their outputs become tool messages."""
+    out: list[ChatMessage] = []
+    for i, raw in enumerate(items):
+        item = decode_item(raw, f"{where}[{i}]")
+        if isinstance(item, _MessageItem):
+            role = item.role
+            text = _text(item.content, f"{where}[{i}].content", assistant=role == "assistant")
+            out.append(ChatMessage(role=role, content=text))
+        elif isinstance(item, _FunctionCallItem):
+            call = ToolCall(
+                id=item.call_id,
+                function=FunctionCall(name=item.name, arguments=item.arguments),
+            )
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                if last.tool_calls is None:
+                    last.tool_calls = []
+                last.tool_calls.append(call)  # in place: a copy each is quadratic
+            else:
+                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+        else:
+            assert isinstance(item, _FunctionOutputItem)
+            text = _text(item.output, f"{where}[{i}].output", assistant=False)
+            out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
+    return out
+
+
+def normalize_item(raw: dict[str, Any], where: str, new_id: str) -> dict[str, Any]:
+    """An input item as stored and listed (a conversation's): its type, an id (the
+    client's, else `new_id`'s kind), status, and text content as typed parts."""
+    item = decode_item(raw, where)
+    if isinstance(item, _MessageItem):
+        assistant = item.role == "assistant"
+        text = _text(item.content, f"{where}.content", assistant=assistant)
+        parts = [text] if isinstance(text, str) else [p.text for p in text]
+        kind = "output_text" if assistant else "input_text"
+        content = [
+            {"type": kind, "text": t, **({"annotations": []} if assistant else {})} for t in parts
+        ]
+        return {"type": "message", "id": item.id or f"msg_{new_id}", "status": "completed",
+                "role": item.role, "content": content}  # fmt: skip
+    if isinstance(item, _FunctionCallItem):
+        return {"type": "function_call", "id": item.id or f"fc_{new_id}",
+                "status": "completed", "call_id": item.call_id, "name": item.name,
+                "arguments": item.arguments}  # fmt: skip
+    assert isinstance(item, _FunctionOutputItem)
+    out = _text(item.output, f"{where}.output", assistant=False)
+    return {"type": "function_call_output", "id": item.id or f"fco_{new_id}",
+            "status": "completed", "call_id": item.call_id,
+            "output": out if isinstance(out, str) else "".join(p.text for p in out)}  # fmt: skip
+
+
+def decode_item(raw: dict[str, Any], where: str) -> Struct:
     kind = raw.get("type", "message")
     cls = _ITEMS.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -342,6 +392,26 @@ def _text(content: str | list[_Part], where: str, *, assistant: bool) -> str | l
 
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
+
+# OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+    Meta(max_length=16),
+]
+MAX_ITEMS_PER_REQUEST = 20  # items a conversation takes in one request, as OpenAI's
+
+
+class ConversationCreate(Struct, forbid_unknown_fields=True, kw_only=True):
+    items: Annotated[list[dict[str, Any]], Meta(max_length=MAX_ITEMS_PER_REQUEST)] | None = None
+    metadata: Metadata | None = None
+
+
+class ConversationUpdate(Struct, forbid_unknown_fields=True, kw_only=True):
+    metadata: Metadata
+
+
+class ConversationItemsCreate(Struct, forbid_unknown_fields=True, kw_only=True):
+    items: Annotated[list[dict[str, Any]], Meta(min_length=1, max_length=MAX_ITEMS_PER_REQUEST)]
 
 
 def decode_responses(body: bytes) -> ResponsesRequest:

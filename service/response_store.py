@@ -16,6 +16,7 @@ every model a fleet serves shares it):
     <ns>:tc / <ns>:tb   HASH    tenant -> its count / its bytes
     <ns>:lru:<t>        ZSET    tenant t's response ids by last use (the clock)
     <ns>:size:<t>       HASH    tenant t's response id -> its entry's bytes
+    <ns>:ver:<t>        HASH    tenant t's response id -> its version (puts so far)
     <ns>:r:<t>:<id>     STRING  the entry (msgpack: response, conversation, chain root)
 
 Every operation is one Lua script (one round trip, atomic across replicas).  An entry
@@ -46,10 +47,17 @@ class Stored:
     # Bytes this entry adds: in memory its own messages and response (not shared ones);
     # in Redis its whole encoded entry (the store measures it).
     size: int
+    # How many times this id was put: `put(expect=...)` writes only over the version it
+    # read (a conversation's items are read, extended and written back).
+    version: int = 0
 
 
 class StoreUnavailable(Exception):
     """The store did not answer (Redis down or slow)."""
+
+
+class StoreConflict(Exception):
+    """`put(expect=v)` found another version: someone wrote the entry since it was read."""
 
 
 class ResponseStoreBase(Protocol):
@@ -61,7 +69,9 @@ class ResponseStoreBase(Protocol):
 
     async def get(self, tenant: str | None, rid: str) -> Stored | None: ...
 
-    async def put(self, tenant: str | None, rid: str, item: Stored) -> None: ...
+    async def put(
+        self, tenant: str | None, rid: str, item: Stored, expect: int | None = None
+    ) -> bool: ...
 
     async def delete(self, tenant: str | None, rid: str) -> bool: ...
 
@@ -105,11 +115,21 @@ class ResponseStore:
             shelf.items.move_to_end(rid)  # type: ignore[union-attr]
         return item
 
-    async def put(self, tenant: str | None, rid: str, item: Stored) -> None:
-        if not self.enabled or item.size > self.max_bytes:
-            return
+    async def put(
+        self, tenant: str | None, rid: str, item: Stored, expect: int | None = None
+    ) -> bool:
+        """Keep `item` (False: the store is off or it is larger than the whole store);
+        with `expect`, only over that version of the entry (0: none), else StoreConflict."""
         t = _tenant(tenant)
+        shelf = self._shelves.get(t)
+        old = shelf.items.get(rid) if shelf is not None else None
+        version = old.version if old is not None else 0
+        if expect is not None and expect != version:
+            raise StoreConflict(rid)
+        if not self.enabled or item.size > self.max_bytes:
+            return False
         self._drop(t, rid)
+        item.version = version + 1
         shelf = self._shelves.setdefault(t, _Shelf())
         shelf.items[rid] = item
         shelf.bytes += item.size
@@ -118,6 +138,8 @@ class ResponseStore:
         while self.count > self.max_responses or self.bytes > self.max_bytes:
             key = min(self._shelves, key=lambda k: (-self._load(self._shelves[k]), k))
             self._drop(key, next(iter(self._shelves[key].items)))
+        kept = self._shelves.get(t)
+        return kept is not None and rid in kept.items  # (it may have been the one to go)
 
     def _load(self, shelf: _Shelf) -> float:
         return max(len(shelf.items) / self.max_responses, shelf.bytes / self.max_bytes)
@@ -149,6 +171,7 @@ local function drop(ns, t, rid)
   if not s then return false end
   s = tonumber(s)
   redis.call('HDEL', ns .. ':size:' .. t, rid)
+  redis.call('HDEL', ns .. ':ver:' .. t, rid)
   redis.call('ZREM', ns .. ':lru:' .. t, rid)
   redis.call('DEL', ns .. ':r:' .. t .. ':' .. rid)
   if redis.call('HINCRBY', ns .. ':tc', t, -1) <= 0 then
@@ -164,15 +187,19 @@ end
 """
 
 # KEYS: none (every key is under ARGV[1], the namespace; one Redis, not a cluster).
-# ARGV: ns, tenant, id, entry, max count, max bytes.
+# ARGV: ns, tenant, id, entry, max count, max bytes, expected version ('' for any).
+# Returns the new version, 0 when not kept, -1 on another version.
 _PUT = (
     _DROP
     + """
 local ns, t, rid, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local maxc, maxb = tonumber(ARGV[5]), tonumber(ARGV[6])
+local version = tonumber(redis.call('HGET', ns .. ':ver:' .. t, rid) or '0')
+if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= version then return -1 end
 local size = #blob
 if maxc <= 0 or size > maxb then return 0 end
 drop(ns, t, rid)
+redis.call('HSET', ns .. ':ver:' .. t, rid, version + 1)
 local clock = redis.call('INCR', ns .. ':clock')
 redis.call('SET', ns .. ':r:' .. t .. ':' .. rid, blob)
 redis.call('HSET', ns .. ':size:' .. t, rid, size)
@@ -208,18 +235,18 @@ while count > maxc or bytes > maxb do
   count = tonumber(redis.call('HGET', ns .. ':total', 'count'))
   bytes = tonumber(redis.call('HGET', ns .. ':total', 'bytes'))
 end
-return 1
+if redis.call('EXISTS', ns .. ':r:' .. t .. ':' .. rid) == 0 then return 0 end
+return version + 1
 """
 )
 
-# ARGV: ns, tenant, id.  The entry, its use recorded; nil when absent.
+# ARGV: ns, tenant, id.  {entry, version}, its use recorded; nil when absent.
 _GET = """
 local ns, t, rid = ARGV[1], ARGV[2], ARGV[3]
 local blob = redis.call('GET', ns .. ':r:' .. t .. ':' .. rid)
-if blob then
-  redis.call('ZADD', ns .. ':lru:' .. t, 'XX', redis.call('INCR', ns .. ':clock'), rid)
-end
-return blob
+if not blob then return nil end
+redis.call('ZADD', ns .. ':lru:' .. t, 'XX', redis.call('INCR', ns .. ':clock'), rid)
+return {blob, redis.call('HGET', ns .. ':ver:' .. t, rid) or '0'}
 """
 
 # ARGV: ns, tenant, id.  1 when it was there.
@@ -273,22 +300,35 @@ class RedisResponseStore:
             raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
 
     async def get(self, tenant: str | None, rid: str) -> Stored | None:
-        blob = await self._call(self._get, _tenant(tenant), rid)
-        if blob is None:
+        got = await self._call(self._get, _tenant(tenant), rid)
+        if got is None:
             return None
+        blob, version = got
         try:
             response, messages, root = _DECODER.decode(blob)
         except msgspec.DecodeError:
             log.warning("stored response %s is not an entry this version reads; ignored", rid)
             return None
-        return Stored(response, messages, root, len(blob))
+        return Stored(response, messages, root, len(blob), int(version))
 
-    async def put(self, tenant: str | None, rid: str, item: Stored) -> None:
-        if not self.enabled:
-            return
+    async def put(
+        self, tenant: str | None, rid: str, item: Stored, expect: int | None = None
+    ) -> bool:
         blob = encode_entry(item)
         item.size = len(blob)
-        await self._call(self._put, _tenant(tenant), rid, blob, self.max_responses, self.max_bytes)
+        got = await self._call(
+            self._put,
+            _tenant(tenant),
+            rid,
+            blob,
+            self.max_responses,
+            self.max_bytes,
+            "" if expect is None else expect,
+        )
+        if got == -1:
+            raise StoreConflict(rid)
+        item.version = max(int(got), 0)
+        return got > 0
 
     async def delete(self, tenant: str | None, rid: str) -> bool:
         return bool(await self._call(self._delete, _tenant(tenant), rid))

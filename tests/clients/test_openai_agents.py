@@ -1,7 +1,9 @@
 """The OpenAI Agents SDK, unchanged, against a live server: its Responses-API model
 (`OpenAIResponsesModel`) drives `/v1/responses` as it drives OpenAI's, whole and streamed,
 with a function tool the agent calls and runs, and a conversation carried by
-`previous_response_id`.  Tracing stays off (it would export to OpenAI)."""
+`previous_response_id`, by its `OpenAIConversationsSession` (the Conversations API's
+items) and by a server-side `conversation_id`.  Tracing stays off (it would export to
+OpenAI)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ agents = pytest.importorskip("agents")
 from agents import (  # noqa: E402
     Agent,
     ModelSettings,
+    OpenAIConversationsSession,
     OpenAIResponsesModel,
     Runner,
     function_tool,
@@ -124,3 +127,44 @@ def test_previous_response_id_carries_the_conversation(server):
                {"role": "user", "content": "import sys"}],
     )  # fmt: skip
     assert follow.final_output == direct.output_parsed
+
+
+def test_conversations_carry_the_conversation(server):
+    """The SDK's session on the Conversations API (it lists the items, sends them back as
+    input and adds the turn's new items) and a server-side conversation (`conversation_id`:
+    the server prepends the items and appends the turn) both answer the second turn as the
+    whole conversation sent at once."""
+    settings = ModelSettings(temperature=0.0, max_tokens=80)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    agent = Agent(
+        name="chat", model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        model_settings=settings, output_type=Snippet,
+    )  # fmt: skip
+
+    async def both() -> tuple[Any, Any, list[Any], Any, Any]:
+        session = OpenAIConversationsSession(openai_client=client)
+        first = await Runner.run(agent, "import os", session=session)
+        follow = await Runner.run(agent, "import sys", session=session)
+        kept = await session.get_items()
+        popped = await session.pop_item()
+        conv = await client.conversations.create()
+        server_first = await Runner.run(agent, "import os", conversation_id=conv.id)
+        server_follow = await Runner.run(agent, "import sys", conversation_id=conv.id)
+        assert server_first.final_output == first.final_output
+        items = [i async for i in client.conversations.items.list(conv.id, order="asc")]
+        return follow, server_follow, kept, popped, items
+
+    follow, server_follow, kept, popped, items = asyncio.run(both())
+    first_text = Snippet.model_validate_json(kept[1]["content"][0]["text"])
+    direct = openai.OpenAI(base_url=server.url + "/v1", api_key="x").responses.parse(
+        model=MODEL, temperature=0.0, max_output_tokens=80, text_format=Snippet,
+        input=[{"role": "user", "content": "import os"},
+               {"role": "assistant", "content": first_text.model_dump_json()},
+               {"role": "user", "content": "import sys"}],
+    )  # fmt: skip
+    assert follow.final_output == direct.output_parsed == server_follow.final_output
+    assert [i.get("role") for i in kept] == ["user", "assistant", "user", "assistant"]
+    assert popped == kept[-1]
+    assert [(i.role, i.content[0].text) for i in items][::2] == [
+        ("user", "import os"), ("user", "import sys")
+    ]  # fmt: skip

@@ -1200,6 +1200,7 @@ HOSTILE_RESPONSES = {
         st.just([]),
     ),
     "previous_response_id": st.sampled_from(["resp-nope", "", "r" * 400]),
+    "conversation": st.sampled_from(["conv_nope", "", "c" * 400, {"id": 1}, {"x": "y"}, [1]]),
     "tools": st.one_of(
         st.just([{"type": "web_search"}]),
         huge_list(st.just({"type": "function", "name": "f"}), 2000),
@@ -1259,6 +1260,26 @@ detokenize_bodies = hostile_body(
     },
     limit_field=None,
 )
+# /v1/conversations: items as responses take them, metadata; hostile: item lists past the
+# 20 a request, ids repeated, refused types, megabytes of text, metadata past its bounds.
+conversation_bodies = hostile_body(
+    {},
+    {"items": st.lists(response_item, max_size=5), "metadata": st.dictionaries(words, words,
+                                                                              max_size=3)},
+    {
+        "items": st.one_of(
+            huge_list(st.just({"role": "user", "content": "hi"}), 60_000),
+            st.just([{"id": "a", "role": "user", "content": "x"}] * 2),
+            st.lists(st.fixed_dictionaries({"type": st.sampled_from(
+                ["reasoning", "item_reference", "", "message", "function_call"])}), min_size=1),
+            st.just([{"role": "user", "content": "x" * 3_000_000}]),
+        ),
+        "metadata": st.one_of(
+            st.just({f"k{i}": "v" for i in range(17)}), st.just({"k" * 65: "v"}), deep,
+        ),
+    },
+    limit_field=None,
+)  # fmt: skip
 prefix_bodies = hostile_body(
     {},
     {"+prompt": ws_prompts, "cache_salt": words},
@@ -1514,6 +1535,7 @@ def test_regexes(server):
         ("/tokenize", tokenize_bodies, 50),
         ("/detokenize", detokenize_bodies, 30),
         ("/v1/cache/prefixes", prefix_bodies, 20),
+        ("/v1/conversations", conversation_bodies, 30),
     ],
 )
 def test_http_bodies(server, path, bodies, examples):

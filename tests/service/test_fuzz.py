@@ -133,7 +133,14 @@ def check_http(server, path: str, body: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/cache/prefixes"]
+    "path",
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/cache/prefixes",
+        "/v1/conversations",
+    ],
 )
 def test_fuzz_http(server, schemas, path):
     @FUZZ

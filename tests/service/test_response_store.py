@@ -18,6 +18,7 @@ from service.protocol import ChatMessage, FunctionCall, TextPart, ToolCall
 from service.response_store import (
     RedisResponseStore,
     ResponseStore,
+    StoreConflict,
     Stored,
     StoreUnavailable,
     encode_entry,
@@ -118,13 +119,31 @@ def test_redis_evicts_as_memory_does(redis):
         for _ in range(600):
             op, t, rid = rng.random(), rng.choice(tenants), rng.choice(ids)
             if op < 0.5:
+                # Half of the puts are conditional, on the version read or a stale one.
                 item = rng.choice(sizes)
-                await mem.put(t, rid, Stored(item.response, [], "root", item.size))
-                await red.put(t, rid, Stored(item.response, [], "root", 0))
+                expect = None
+                if rng.random() < 0.5:
+                    seen = await mem.get(t, rid)
+                    assert (seen is None) == (await red.get(t, rid) is None)
+                    expect = (seen.version if seen else 0) - (rng.random() < 0.3)
+                outcome = []
+                for store, size in ((mem, item.size), (red, 0)):
+                    try:
+                        kept = await store.put(
+                            t, rid, Stored(item.response, [], "root", size), expect
+                        )
+                        outcome.append(kept)
+                    except StoreConflict:
+                        outcome.append("conflict")
+                assert outcome[0] == outcome[1], outcome
             elif op < 0.85:
                 a, b = await mem.get(t, rid), await red.get(t, rid)
                 assert (a is None) == (b is None)
-                assert a is None or (a.size == b.size and a.response == b.response)
+                assert a is None or (a.size, a.response, a.version) == (
+                    b.size,
+                    b.response,
+                    b.version,
+                )
             else:
                 assert await mem.delete(t, rid) == await red.delete(t, rid)
         for t in tenants:
@@ -280,3 +299,34 @@ def test_two_replicas_share_chains(tmp_path_factory, redis):
         redis.restart()
         r = ca.responses.create(model="tiny", input="again", max_output_tokens=2)
         assert r.store and cb.responses.retrieve(r.id).id == r.id
+
+
+def test_concurrent_conversation_writers_lose_nothing(redis):
+    """Forty appends to one conversation from two replicas' stores at once: each reads,
+    extends and writes back over the version it read, so every item lands once, and the
+    version counts the writes."""
+    from service import openai_conversations as conversations
+
+    async def main() -> None:
+        a = RedisResponseStore(redis.url, 100, 1 << 20)
+        b = RedisResponseStore(redis.url, 100, 1 << 20)
+        conv = {"id": "conv_x", "object": "conversation", "created_at": 0, "metadata": {}}
+        assert await a.put("tk", "conv_x", conversations._entry(conv, []))
+
+        async def add(store, i: int) -> None:
+            item = conversations.new_items([{"role": "user", "content": f"m{i}"}], "items")
+            await conversations.append(store, "tk", "conv_x", item, "items")
+
+        await asyncio.gather(*(add(a if i % 2 else b, i) for i in range(40)))
+        got = await b.get("tk", "conv_x")
+        texts = sorted(int(i["content"][0]["text"][1:]) for i in got.response["items"])
+        assert texts == list(range(40)) and got.version == 41
+        # The in-memory store under the same writers (one loop: no interleaving to lose).
+        mem = ResponseStore(100, 1 << 20)
+        await mem.put("tk", "conv_x", conversations._entry(conv, []))
+        await asyncio.gather(*(add(mem, i) for i in range(40)))
+        assert len((await mem.get("tk", "conv_x")).response["items"]) == 40
+        for s in (a, b):
+            await s.close()
+
+    asyncio.run(main())
