@@ -151,9 +151,8 @@ async def append(
     await change(store, tenant, cid, param, add)
 
 
-def page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
-    """A list of items paged as OpenAI pages them: `order` desc (default) or asc,
-    `limit` 1-100 (20), cursors `after` and `before` (item ids)."""
+def page_args(query: Any) -> tuple[str, int]:
+    """A list query's `order` and `limit` (and its `include`), checked."""
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise BadRequest("order must be 'asc' or 'desc'", "order")
@@ -166,6 +165,13 @@ def page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
     for inc in query.getall("include", []) + query.getall("include[]", []):
         if inc != LOGPROBS_INCLUDE:
             raise BadRequest(f"include {inc!r} is not supported", "include")
+    return order, limit
+
+
+def page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """A list of items paged as OpenAI pages them: `order` desc (default) or asc,
+    `limit` 1-100 (20), cursors `after` and `before` (item ids)."""
+    order, limit = page_args(query)
     items = items[::-1] if order == "desc" else list(items)
     ids = [i["id"] for i in items]
     lo, hi = 0, len(items)

@@ -150,7 +150,7 @@ class ResponsesServing(ChatServing):
         """GET /v1/responses/{id}/input_items: what the model was given, earlier turns of
         the chain included (instructions not), as items; paged as OpenAI pages it."""
         rid = request.match_info["id"]
-        conversations.page([], request.query)  # a bad query is a 400 before a look-up
+        conversations.page_args(request.query)  # a bad query is a 400 before a look-up
         item = await self._stored(request.get(TENANT), rid, "response_id")
         if item is None:
             raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
