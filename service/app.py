@@ -407,6 +407,10 @@ async def get_response(request: web.Request) -> web.Response:
     return await _serving(request).get_response(request)
 
 
+async def cancel_response(request: web.Request) -> web.Response:
+    return await _serving(request).cancel_response(request)
+
+
 async def response_input_items(request: web.Request) -> web.Response:
     return await _serving(request).input_items(request)
 
@@ -607,6 +611,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)
     app.router.add_get("/v1/responses/{id}/input_items", response_input_items)
+    app.router.add_post("/v1/responses/{id}/cancel", cancel_response)
     for method, path, name in (
         ("POST", "/v1/conversations", "create_conversation"),
         ("GET", "/v1/conversations/{id}", "get_conversation"),

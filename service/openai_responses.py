@@ -8,7 +8,8 @@ in memory or in Redis for a fleet (service/response_store.py): `GET /v1/response
 returns one, `DELETE` drops it, and
 `previous_response_id` continues its conversation (its input and output come before the
 new input; its instructions do not).  A stored chain's KV is pinned between turns under
-the chain's first id, as a `conversation_id` would pin it (scheduler/pins.py)."""
+the chain's first id, as a `conversation_id` would pin it (scheduler/pins.py).
+Background responses run on after their reply (service/responses_background.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,15 @@ from service.protocol_responses import (
     normalize_item,
     responses_param,
 )
-from service.request_ids import TENANT
-from service.response_store import ResponseStore, ResponseStoreBase, Stored, StoreUnavailable
+from service.request_ids import LIVE_IDS, TENANT, take_claim
+from service.response_store import (
+    ResponseStore,
+    ResponseStoreBase,
+    StoreConflict,
+    Stored,
+    StoreUnavailable,
+)
+from service.responses_background import BackgroundResponses
 from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
 
 log = logging.getLogger(__name__)
@@ -113,6 +121,12 @@ class ResponsesServing(ChatServing):
                     "previous_response_id",
                     status=404,
                 )
+            if prev.response["status"] in ("queued", "in_progress"):
+                raise BadRequest(
+                    f"response {req.previous_response_id!r} is still in progress; continue "
+                    "it once it has ended",
+                    "previous_response_id",
+                )
             history, root = prev.messages, prev.root
         try:
             chat = req.to_chat(history)
@@ -133,11 +147,62 @@ class ResponsesServing(ChatServing):
         try:
             turn = _Turn(self, req, chat, start, tenant, root, history)
             turn.conversation, turn.additions = cid, additions
+            if req.background:
+                return json_response(await self._start_background(request, turn, start))
             if req.stream:
                 return await self.streamed(request, start.rid, start.subs, turn.stream(request))
             return json_response(await turn.full())
         finally:
             self._release(start.subs)
+
+    @property
+    def background(self) -> BackgroundResponses:
+        """This server's running background turns (one registry per serving object)."""
+        bg = self.__dict__.get("_background")
+        if bg is None:
+            bg = self.__dict__["_background"] = BackgroundResponses()
+        return bg  # type: ignore[no-any-return]
+
+    async def _start_background(self, request: web.Request, turn: _Turn, start: ChatStart) -> Any:
+        """Store the response queued and run the turn on as its own task, which takes
+        the request's queue slot and client id over."""
+        queued = turn.response("queued", [])
+        item = turn.entry(queued)
+        try:
+            kept = await self.store.put(turn.tenant, start.rid, item)
+        except StoreUnavailable as e:
+            raise BadRequest(f"{e}; try again", "background", status=503) from e
+        if not kept:
+            raise BadRequest("the response does not fit in the response store", "background")
+        turn.version = item.version
+        owned = list(start.subs)
+        start.subs.clear()
+        claim, ids = take_claim(request), request.app[LIVE_IDS]
+
+        def on_exit() -> None:
+            self._release(owned)
+            if claim is not None:
+                ids.release(*claim)
+
+        busy = self.streams.busy if self.streams is not None else None
+        self.background.start(self.store, start.rid, turn, on_exit, busy)
+        return queued
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/{id}/cancel: a background response, stopped."""
+        rid, tenant = request.match_info["id"], request.get(TENANT)
+        item = await self._stored(tenant, rid, "response_id")
+        if item is None:
+            raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
+        if not item.response.get("background"):
+            raise BadRequest("only background responses can be cancelled", "response_id")
+        try:
+            resp = await self.background.cancel(
+                self.store, tenant, rid, item, lambda: self._stored(tenant, rid, "response_id")
+            )
+        except StoreUnavailable as e:
+            raise BadRequest(f"{e}; try again", "response_id", status=503) from e
+        return json_response(resp)
 
     async def get_response(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
@@ -159,6 +224,8 @@ class ResponsesServing(ChatServing):
 
     async def delete_response(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
+        if await self._stored(request.get(TENANT), rid, "response_id") is None:
+            raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
         try:
             deleted = await self.store.delete(request.get(TENANT), rid)
         except StoreUnavailable as e:
@@ -186,6 +253,7 @@ class _Turn:
         self.created = int(time.time())
         self.conversation: str | None = None  # the conversation this turn extends
         self.additions: list[dict[str, Any]] = []  # its input items for it
+        self.version: int | None = None  # a background turn's: its stored entry's version
         self.seq = 0
         self.usage = StreamUsage.of(len(start.ids), None)
 
@@ -216,6 +284,7 @@ class _Turn:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
+            "background": bool(req.background),
             "conversation": {"id": self.conversation} if self.conversation else None,
             "reasoning": None,
             "store": req.store and self.s.store.enabled,
@@ -227,7 +296,7 @@ class _Turn:
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled",
             "usage": None
-            if status == "in_progress"
+            if status in ("queued", "in_progress")
             else {
                 "input_tokens": u.prompt_tokens,
                 # As on chat: only with --enable-prompt-tokens-details (with a shared
@@ -251,21 +320,18 @@ class _Turn:
         """The final object; stored (with the conversation it ends) when asked, before
         the client sees it, so a turn that continues it finds it on any replica."""
         resp = self.response(_status(finish), output, finish)
-        if resp["store"] and resp["status"] in ("completed", "incomplete"):
-            mine = self.chat.messages[1:] if self.req.instructions else self.chat.messages
-            mine = mine[len(self.history) :]
-            reply = _reply_message(output)
-            messages = [*self.history, *mine, reply]
-            size = len(msgspec.json.encode(resp)) + len(msgspec.json.encode(mine))
-            size += len(msgspec.json.encode(reply)) + 8 * len(self.history)
+        # (a background response's every end is stored: its client polls for it)
+        if resp["store"] and (
+            resp["status"] in ("completed", "incomplete") or self.version is not None
+        ):
             try:
-                await self.s.store.put(
-                    self.tenant, self.start.rid, Stored(resp, messages, self.root, size)
-                )
+                await self.store_final(resp)
             except StoreUnavailable as e:
                 # Answered all the same; the object says it was not stored.
                 log.warning("response %s not stored: %s", self.start.rid, e)
                 resp["store"] = False
+            except StoreConflict:  # cancelled meanwhile (a background response)
+                log.info("response %s was cancelled as it ended", self.start.rid)
         if self.conversation is not None and resp["status"] in ("completed", "incomplete"):
             out = [normalize_item(o, "output", uuid.uuid4().hex) for o in output]
             try:
@@ -276,6 +342,23 @@ class _Turn:
             except BadRequest as e:  # deleted meanwhile, store down: answered all the same
                 log.warning("conversation %s not extended: %s", self.conversation, e.message)
         return resp
+
+    def entry(self, resp: dict[str, Any]) -> Stored:
+        """`resp` as stored, with the conversation through it (instructions left out)."""
+        mine = self.chat.messages[1:] if self.req.instructions else self.chat.messages
+        mine = mine[len(self.history) :]
+        reply = _reply_message(resp["output"])
+        messages = [*self.history, *mine, reply]
+        size = len(msgspec.json.encode(resp)) + len(msgspec.json.encode(mine))
+        size += len(msgspec.json.encode(reply)) + 8 * len(self.history)
+        return Stored(resp, messages, self.root, size)
+
+    async def store_final(self, resp: dict[str, Any]) -> None:
+        """Store `resp`; a background turn's only over the version it wrote last."""
+        item = self.entry(resp)
+        await self.s.store.put(self.tenant, self.start.rid, item, expect=self.version)
+        if self.version is not None:
+            self.version = item.version
 
     # ----------------------------------------------------------- whole answer
     async def full(self) -> dict[str, Any]:

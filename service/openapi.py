@@ -99,6 +99,9 @@ def openapi_document() -> dict[str, Any]:
             "/v1/responses/{id}/input_items": {
                 "get": {"summary": "A stored response's input items", "responses": plain},
             },
+            "/v1/responses/{id}/cancel": {
+                "post": {"summary": "Cancel a background response", "responses": plain},
+            },
             "/v1/conversations": _post("Create a conversation", conv, False),
             "/v1/conversations/{id}": {
                 "get": {"summary": "A conversation", "responses": plain},

@@ -5,7 +5,7 @@ sampling are the chat route's own (service/openai_responses.py serves it).
 Input items are decoded one by one by their `type` (a message's may be left out, as
 OpenAI's "easy" input message leaves it out), so a bad item is a 400 naming `input[i]`.
 Built-in tools (web search, file search, computer use, MCP...), images, files and audio
-are refused by name; so are background responses and stored prompts."""
+are refused by name; so are stored prompts."""
 
 from __future__ import annotations
 
@@ -158,8 +158,14 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     context_management: Any = None
 
     def check_unsupported(self) -> None:
-        if self.background:
-            raise BadRequest("background responses are not supported by this server", "background")
+        if self.background and not self.store:
+            raise BadRequest("background responses must be stored (store: true)", "background")
+        if self.background and self.stream:
+            raise BadRequest(
+                "streamed background responses are not supported; poll "
+                "GET /v1/responses/{id} instead",
+                "stream",
+            )
         for name in ("prompt", "context_management"):
             if getattr(self, name) is not None:
                 raise BadRequest(f"{name} is not supported by this server", name)

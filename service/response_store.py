@@ -63,6 +63,7 @@ class StoreConflict(Exception):
 class ResponseStoreBase(Protocol):
     max_responses: int
     max_bytes: int
+    shared: bool  # other replicas read and write it too
 
     @property
     def enabled(self) -> bool: ...
@@ -93,6 +94,8 @@ def _tenant(tenant: str | None) -> str:
 
 class ResponseStore:
     """Stored responses in this process."""
+
+    shared = False
 
     def __init__(self, max_responses: int, max_bytes: int) -> None:
         self.max_responses = max_responses
@@ -273,6 +276,7 @@ class RedisResponseStore:
     """Stored responses in Redis, shared by every replica that points at it."""
 
     NAMESPACE = "ps:responses"
+    shared = True
 
     def __init__(
         self, url: str, max_responses: int, max_bytes: int, namespace: str = NAMESPACE

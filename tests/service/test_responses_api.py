@@ -396,7 +396,7 @@ def test_store_get_delete_and_keys(server, client):
         ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "background": True, "store": False}, "background"),
         ({"input": "hi", "include": ["file_search_call.results"]}, "include[0]"),
         ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),

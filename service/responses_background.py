@@ -1,0 +1,130 @@
+"""Background responses (`background: true` on /v1/responses): the request is answered at
+once with the response `queued` and stored; the turn runs on as its own task, and its
+final state (completed, incomplete, failed, or cancelled) replaces the stored one.
+Clients poll `GET /v1/responses/{id}` and may `POST /v1/responses/{id}/cancel`.
+
+Every write after the first is over the version this replica wrote last
+(`put(expect=...)`), so a cancel wins against a turn finishing at the same moment on
+any replica: a cancel that reaches another replica than the one running the turn marks
+the stored response `cancelled`, and the running replica, which reads it back twice a
+second while the store is shared (Redis), stops the turn.  The turn holds its queue slot,
+its request id and SIGTERM's drain until it ends, as a resumable stream does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from service.response_store import ResponseStoreBase, StoreConflict, Stored, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+WATCH_INTERVAL_S = 0.5
+
+
+class _Turn(Protocol):
+    tenant: str | None
+    version: int  # the stored entry's version this turn wrote last
+
+    def response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]: ...
+
+    async def full(self) -> dict[str, Any]: ...
+
+    async def store_final(self, resp: dict[str, Any]) -> None: ...
+
+
+class BackgroundResponses:
+    def __init__(self) -> None:
+        self.tasks: dict[tuple[str | None, str], asyncio.Task[None]] = {}
+
+    def start(
+        self,
+        store: ResponseStoreBase,
+        rid: str,
+        turn: _Turn,
+        on_exit: Callable[[], None],
+        busy: tuple[Callable[[], None], Callable[[], None]] | None,
+    ) -> None:
+        """Run `turn` to its end as its own task; `on_exit` releases what it holds."""
+        key = (turn.tenant, rid)
+
+        async def run() -> None:
+            watcher = (
+                asyncio.create_task(self._watch(store, rid, turn, task))
+                if getattr(store, "shared", False)
+                else None
+            )
+            try:
+                await turn.full()
+            except asyncio.CancelledError:
+                await _settle(turn, "cancelled", None)
+            except Exception as e:  # the engine failed it: stored as failed, not lost
+                log.warning("background response %s failed: %s", rid, e)
+                await _settle(turn, "failed", {"code": "server_error", "message": str(e)})
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                self.tasks.pop(key, None)
+                on_exit()
+                if busy is not None:
+                    busy[1]()
+
+        if busy is not None:
+            busy[0]()
+        task = self.tasks[key] = asyncio.create_task(run(), name=f"background-{rid}")
+
+    async def _watch(self, store: ResponseStoreBase, rid: str, turn: _Turn, task: Any) -> None:
+        """Stop the turn when another replica marked it cancelled."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            with contextlib.suppress(StoreUnavailable):
+                got = await store.get(turn.tenant, rid)
+                # (the status, not the version: this replica's own final write moves it)
+                if got is not None and got.response.get("status") == "cancelled":
+                    task.cancel()
+                    return
+
+    async def cancel(
+        self,
+        store: ResponseStoreBase,
+        tenant: str | None,
+        rid: str,
+        item: Stored,
+        load: Callable[[], Awaitable[Stored | None]],
+    ) -> dict[str, Any]:
+        """Cancel a background response: here when this replica runs it, else by marking
+        the stored one (its replica stops it).  A finished one is returned as it is."""
+        for _ in range(8):
+            if item.response["status"] in TERMINAL:
+                return item.response
+            task = self.tasks.get((tenant, rid))
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([task])
+            else:
+                resp = {**item.response, "status": "cancelled"}
+                try:
+                    await store.put(
+                        tenant, rid, Stored(resp, item.messages, item.root, item.size),
+                        expect=item.version,
+                    )  # fmt: skip
+                    return resp
+                except StoreConflict:
+                    pass  # it finished (or was cancelled) meanwhile: read it again
+            got = await load()
+            if got is None:
+                break
+            item = got
+        return item.response
+
+
+async def _settle(turn: _Turn, status: str, error: dict[str, Any] | None) -> None:
+    resp = turn.response(status, [])
+    resp["error"] = error
+    with contextlib.suppress(Exception):
+        await turn.store_final(resp)

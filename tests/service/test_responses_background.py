@@ -1,0 +1,171 @@
+"""Background responses (`background: true`): answered `queued` at once, run on as their
+own task, polled with `GET /v1/responses/{id}` to their end, and cancelled with
+`POST /v1/responses/{id}/cancel` on the replica running them or, through a shared Redis
+store, on another one.  The oracle for the answer is the same request run in the
+foreground (greedy)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import openai
+import pytest
+
+from tests.redis_server import RedisServer
+from tests.service.live_server import live_server
+from tests.service.test_responses_api import KEYS, make_client, post
+from tests.service.test_structured_api import hermes_checkpoint
+
+# An answer that takes hundreds of tokens whatever the weights: a string of fixed length.
+LONG = {
+    "format": {
+        "type": "json_schema",
+        "name": "long",
+        "schema": {
+            "type": "object",
+            "properties": {"s": {"type": "string", "minLength": 300, "maxLength": 300}},
+            "required": ["s"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, redis):
+    model = hermes_checkpoint(tmp_path_factory)
+    kw = {
+        "served_model_name": "tiny",
+        "api_keys": KEYS,
+        "engine_kwargs": {"max_model_len": 512, "threads": 1, "redis_url": redis.url},
+    }
+    with live_server(model, **kw) as a, live_server(model, **kw) as b:
+        yield a, b
+
+
+@contextlib.contextmanager
+def slow_steps(server, seconds: float):
+    """Every model step of `server` takes `seconds` longer (a long answer stays running)."""
+    runner = server.engine.core.executor.runner
+    original = runner.execute_model
+
+    def slow(so):
+        time.sleep(seconds)
+        return original(so)
+
+    runner.execute_model = slow
+    try:
+        yield
+    finally:
+        runner.execute_model = original
+
+
+def poll(client, rid: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status not in ("queued", "in_progress"):
+            return r
+        assert time.monotonic() < deadline, f"{rid} still {r.status}"
+        time.sleep(0.05)
+
+
+def test_polled_to_the_foreground_answer(servers):
+    a, b = servers
+    ca, cb = make_client(a), make_client(b)
+    kw = {"model": "tiny", "input": "Tell me about rivers.", "max_output_tokens": 24,
+          "temperature": 0, "instructions": "Be brief."}  # fmt: skip
+    r = ca.responses.create(background=True, **kw)
+    assert r.status == "queued" and r.background and r.output == [] and r.usage is None
+    done = poll(cb, r.id)  # read back on the other replica, through Redis
+    fore = ca.responses.create(**kw)
+    assert done.status == fore.status and done.output_text == fore.output_text
+    assert done.usage.output_tokens == fore.usage.output_tokens and done.background
+    # It continues like any stored response.
+    nxt = cb.responses.create(model="tiny", input="More?", previous_response_id=r.id,
+                              max_output_tokens=4, temperature=0)  # fmt: skip
+    assert nxt.status in ("completed", "incomplete")
+    assert a.wait_kv_free(30) is None and b.wait_kv_free(30) is None
+
+
+@pytest.mark.parametrize("where", ["owner", "other"])
+def test_cancelled_on_either_replica(servers, where):
+    a, b = servers
+    ca, cb = make_client(a), make_client(b)
+    with slow_steps(a, 0.02):
+        r = ca.responses.create(model="tiny", input="Write.", text=LONG, background=True,
+                                max_output_tokens=400)  # fmt: skip
+        # Continuing one still running is refused.
+        code, reply = post(a, "/v1/responses", {"model": "tiny", "input": "x",
+                                                "previous_response_id": r.id})  # fmt: skip
+        assert code == 400 and reply["error"]["param"] == "previous_response_id", reply
+        t0 = time.monotonic()
+        cancelled = (ca if where == "owner" else cb).responses.cancel(r.id)
+        assert cancelled.status == "cancelled"
+        assert poll(ca, r.id).status == "cancelled" == poll(cb, r.id).status
+        # The running replica stopped it: nothing left running, every KV block free.
+        deadline = time.monotonic() + 10
+        while a.num_running() or not a.kv_all_free():
+            assert time.monotonic() < deadline, "the cancelled turn ran on"
+            time.sleep(0.02)
+        assert time.monotonic() - t0 < 10
+    # A finished one is returned as it is; a foreground one cannot be cancelled.
+    assert ca.responses.cancel(r.id).status == "cancelled"
+    fore = ca.responses.create(model="tiny", input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        ca.responses.cancel(fore.id)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"background": True, "store": False}, "background"),
+        ({"background": True, "stream": True}, "stream"),
+    ],
+)
+def test_refusals_name_the_field(servers, body, param):
+    code, reply = post(servers[0], "/v1/responses", {"model": "tiny", "input": "x", **body})
+    assert code == 400 and reply["error"]["param"] == param, reply
+
+
+def test_sigterm_drain_waits_for_background_turns(servers):
+    """A background turn holds SIGTERM's drain as a stream does (it is counted in flight)."""
+    a, _ = servers
+    ca = make_client(a)
+    with slow_steps(a, 0.02):
+        r = ca.responses.create(model="tiny", input="Write.", text=LONG, background=True,
+                                max_output_tokens=400)  # fmt: skip
+        assert a.state.inflight >= 1
+        ca.responses.cancel(r.id)
+    deadline = time.monotonic() + 10
+    while a.state.inflight:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_in_memory_store_too(tmp_path_factory):
+    """Without Redis (one replica, no watcher): polled to its end, cancelled while it runs."""
+    kw = {"served_model_name": "tiny", "engine_kwargs": {"max_model_len": 512, "threads": 1}}
+    with live_server(hermes_checkpoint(tmp_path_factory), **kw) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        r = client.responses.create(model="tiny", input="Hi", max_output_tokens=8, background=True)
+        assert poll(client, r.id).status in ("completed", "incomplete")
+        with slow_steps(s, 0.02):
+            r = client.responses.create(model="tiny", input="Write.", text=LONG, background=True,
+                                        max_output_tokens=400)  # fmt: skip
+            assert client.responses.cancel(r.id).status == "cancelled"
+            deadline = time.monotonic() + 10
+            while s.num_running() or not s.kv_all_free():
+                assert time.monotonic() < deadline, "the cancelled turn ran on"
+                time.sleep(0.02)
