@@ -104,8 +104,7 @@ class BackgroundResponses:
             task = self.tasks.get((tenant, rid))
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([task])
+                await asyncio.wait([task])  # it stores itself cancelled as it ends
             else:
                 resp = {**item.response, "status": "cancelled"}
                 try:
