@@ -92,7 +92,7 @@ class ChatServing(ServingBase):
 
     async def chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
         req: ChatCompletionRequest = decode_chat(body)
-        start = await self.start_chat(request, req, "chatcmpl")
+        start = await self.start_chat(request, req, "chatcmpl-")
         try:
             if req.stream:
                 stream = self._chat_stream(request, req, start)

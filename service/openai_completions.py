@@ -113,7 +113,7 @@ class CompletionServing(ServingBase):
         self._check_prompt_logprobs(req, prompts)
         # A truncated prompt's text is that of the tokens kept (decoded from them for echo).
         texts = [p if isinstance(p, str) and truncate is None else None for p in raw]
-        rid, engine_rid = request_id(request, req.request_id, "cmpl")
+        rid, engine_rid = request_id(request, req.request_id, "cmpl-")
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
         tenant, cid = request.get(TENANT), req.conversation_id or req.session_id
         if cid is not None and len(prompts) > 1:

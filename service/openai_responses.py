@@ -137,7 +137,7 @@ class ResponsesServing(ChatServing):
             ):
                 # A turn a later one may continue: its KV stays pinned for it.
                 chat.conversation_id = root
-            start = await self.start_chat(request, chat, "resp")
+            start = await self.start_chat(request, chat, "resp_")
         except BadRequest as e:
             chat_name, e.param = e.param, responses_param(e.param)
             if chat_name and e.param != chat_name and not chat_name.startswith("messages"):

@@ -62,7 +62,7 @@ LIVE_IDS = web.AppKey("pagestream_live_request_ids", LiveRequestIds)
 
 
 def request_id(request: web.Request, body_id: str | None, prefix: str) -> tuple[str, str]:
-    """(public id, engine id) of a request: the public one is `<prefix>-<client id>`
+    """(public id, engine id) of a request: the public one is `<prefix><client id>`
     (X-Request-Id header, else the body's request_id, else a fresh one), echoed in the
     response; the engine one is unique (see the module docstring).  A client id the same
     tenant has live is a 409.  The id stays held until `release_request_id`."""
@@ -84,7 +84,7 @@ def request_id(request: web.Request, body_id: str | None, prefix: str) -> tuple[
                 status=409,
             )
         request[_CLAIM] = (tenant, given)
-    public = f"{prefix}-{rid}"
+    public = prefix + rid
     return public, ids.engine_id(public)
 
 

@@ -1,10 +1,12 @@
 """LangChain's ChatOpenAI, unchanged, against a live server: structured output by JSON
-schema and by function calling, bound tools, and streaming (text and tool calls)."""
+schema and by function calling, bound tools, and streaming (text and tool calls), on chat
+completions and on the Responses API (`use_responses_api`, `use_previous_response_id`)."""
 
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
@@ -67,3 +69,45 @@ def test_streamed_tool_calls_merge_into_the_invoked_calls(llm):
         (c["name"], c["args"]) for c in whole.tool_calls
     ]
     assert merged.response_metadata["finish_reason"] == "tool_calls"
+
+
+# ---------------------------------------------------------------- on the Responses API
+def on_responses(server, max_tokens: int = 300) -> ChatOpenAI:
+    """The same ChatOpenAI on /v1/responses (`use_responses_api`), continuing a chat by
+    `previous_response_id` (`use_previous_response_id`).  (Its token limit is the
+    constructor's: a bound `max_tokens` is not what it sends as `max_output_tokens`.)"""
+    return ChatOpenAI(
+        model=MODEL, base_url=server.url + "/v1", api_key="x", temperature=0,
+        max_tokens=max_tokens, max_retries=0, timeout=120, use_responses_api=True,
+        use_previous_response_id=True,
+    )  # fmt: skip
+
+
+def test_responses_api_text_is_the_chat_text(llm, server):
+    """The oracle: the same model's chat completion of the same messages."""
+    short, chat = on_responses(server, 24), llm.bind(max_tokens=24)
+    msg = short.invoke(PROMPT)
+    assert msg.text == chat.invoke(PROMPT).content
+    assert msg.response_metadata["id"].startswith("resp")
+    streamed = list(short.stream(PROMPT))
+    assert len(streamed) > 3 and "".join(c.text for c in streamed) == msg.text
+    # A second turn sent with previous_response_id: LangChain sends only the new message.
+    follow = [("human", PROMPT), msg, ("human", "And then?")]
+    second = short.invoke(follow)
+    whole = chat.invoke([("human", PROMPT), ("ai", msg.text), ("human", "And then?")])
+    assert second.text == whole.content
+    stored = openai.OpenAI(base_url=server.url + "/v1", api_key="x").responses.retrieve(
+        second.response_metadata["id"]
+    )
+    assert stored.previous_response_id == msg.response_metadata["id"]
+
+
+def test_responses_api_structured_output_and_tools(server):
+    llm = on_responses(server)
+    out = llm.with_structured_output(Answer, method="json_schema").invoke(PROMPT)
+    assert isinstance(out, Answer)
+    bound = llm.bind_tools(
+        [PlaceOrder, Refund], tool_choice="any", parallel_tool_calls=False, strict=True
+    )
+    (call,) = bound.invoke(PROMPT).tool_calls
+    assert isinstance(MODELS[call["name"]].model_validate(call["args"]), MODELS[call["name"]])

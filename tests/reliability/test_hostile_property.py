@@ -1199,7 +1199,7 @@ HOSTILE_RESPONSES = {
         st.just([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
         st.just([]),
     ),
-    "previous_response_id": st.sampled_from(["resp-nope", "", "r" * 400]),
+    "previous_response_id": st.sampled_from(["resp_nope", "", "r" * 400]),
     "conversation": st.sampled_from(["conv_nope", "", "c" * 400, {"id": 1}, {"x": "y"}, [1]]),
     "tools": st.one_of(
         st.just([{"type": "web_search"}]),

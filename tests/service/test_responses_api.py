@@ -406,7 +406,7 @@ def test_store_get_delete_and_keys(server, client):
         ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
          "tool_choice.name"),
         ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
-        ({"input": "hi", "previous_response_id": "resp-nope"}, "previous_response_id"),
+        ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": []}, "input"),
     ],
 )  # fmt: skip
