@@ -37,7 +37,7 @@ from service.prep import Preprocessor
 from service.protocol import BadRequest
 from service.protocol_openai import StreamOptions
 from service.request_ids import TENANT, take_claim
-from service.resume import STREAM_LOG, SSESink, StreamRegistry, follow
+from service.resume import STREAM_LOG, SSESink, StreamLog, StreamRegistry, follow
 from service.structured import GrammarError
 
 log = logging.getLogger(__name__)
@@ -322,12 +322,15 @@ class ServingBase:
         rid: str,
         subs: list[Submitted],
         stream: Coroutine[Any, Any, web.StreamResponse],
+        started: Callable[[StreamLog], None] | None = None,
     ) -> web.StreamResponse:
         """Serve `stream` (a route's `_..._stream`) so that it outlives its connection:
         it runs as its own task writing into a resume log keyed by the response id, and
         this connection follows the log (service/resume.py).  The producer takes `subs`
         over (the caller's list is emptied: its finally must not abort them).  Without
-        resume (--resume-grace 0) the stream runs here and ends with its connection."""
+        resume (--resume-grace 0) the stream runs here and ends with its connection.
+        `started(log)`: told once the producer runs (a background response's keeps on
+        whether or not anyone reads it)."""
         log = None if self.streams is None else self.streams.open(request.get(TENANT), "sse", rid)
         if log is None:
             return await stream
@@ -337,6 +340,8 @@ class ServingBase:
         owned = list(subs)
         subs.clear()
         self.streams.run(log, stream, lambda: self._release(owned))
+        if started is not None:
+            started(log)
         resp = await self._prepare_sse(request)
         if await follow(log, self._sink(request, resp), 0):
             await end_stream(resp)

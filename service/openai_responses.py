@@ -25,7 +25,7 @@ from aiohttp import web
 from service import openai_conversations as conversations
 from service.http_util import json_response
 from service.openai_chat import ChatServing, ChatStart
-from service.openai_common import ChoiceDelta, StreamUsage
+from service.openai_common import ChoiceDelta, StreamUsage, end_stream
 from service.outputs import RequestOutput
 from service.protocol import BadRequest, ChatMessage, FunctionCall, ToolCall
 from service.protocol_openai import ChatCompletionRequest
@@ -44,7 +44,8 @@ from service.response_store import (
     Stored,
     StoreUnavailable,
 )
-from service.responses_background import BackgroundResponses
+from service.responses_background import BackgroundResponses, settled
+from service.resume import follow, parse_position
 from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class ResponsesServing(ChatServing):
         try:
             turn = _Turn(self, req, chat, start, tenant, root, history)
             turn.conversation, turn.additions = cid, additions
+            if req.background and req.stream:
+                return await self._stream_background(request, turn, start)
             if req.background:
                 return json_response(await self._start_background(request, turn, start))
             if req.stream:
@@ -163,9 +166,7 @@ class ResponsesServing(ChatServing):
             bg = self.__dict__["_background"] = BackgroundResponses()
         return bg  # type: ignore[no-any-return]
 
-    async def _start_background(self, request: web.Request, turn: _Turn, start: ChatStart) -> Any:
-        """Store the response queued and run the turn on as its own task, which takes
-        the request's queue slot and client id over."""
+    async def _store_queued(self, turn: _Turn, start: ChatStart) -> dict[str, Any]:
         queued = turn.response("queued", [])
         item = turn.entry(queued)
         try:
@@ -175,6 +176,32 @@ class ResponsesServing(ChatServing):
         if not kept:
             raise BadRequest("the response does not fit in the response store", "background")
         turn.version = item.version
+        return queued
+
+    async def _stream_background(
+        self, request: web.Request, turn: _Turn, start: ChatStart
+    ) -> web.StreamResponse:
+        """Stored queued, then streamed as any response, but the turn runs to its end
+        whether or not a connection reads it (`GET /v1/responses/{id}?stream=true&
+        starting_after=n` picks the stream up again while the log keeps it)."""
+        if self.streams is None or not self.streams.enabled:
+            raise BadRequest(
+                "streamed background responses need resumable streams (--resume-grace > 0)",
+                "stream",
+            )
+        await self._store_queued(turn, start)
+
+        def started(log: Any) -> None:
+            log.background = True
+            self.background.adopt(self.store, start.rid, turn, log.producer)
+
+        produce = settled(turn, turn.stream(request))
+        return await self.streamed(request, start.rid, start.subs, produce, started)
+
+    async def _start_background(self, request: web.Request, turn: _Turn, start: ChatStart) -> Any:
+        """Store the response queued and run the turn on as its own task, which takes
+        the request's queue slot and client id over."""
+        queued = await self._store_queued(turn, start)
         owned = list(start.subs)
         start.subs.clear()
         claim, ids = take_claim(request), request.app[LIVE_IDS]
@@ -204,12 +231,39 @@ class ResponsesServing(ChatServing):
             raise BadRequest(f"{e}; try again", "response_id", status=503) from e
         return json_response(resp)
 
-    async def get_response(self, request: web.Request) -> web.Response:
+    async def get_response(self, request: web.Request) -> web.StreamResponse:
         rid = request.match_info["id"]
+        if request.query.get("stream", "").lower() in ("true", "1"):
+            return await self._resume(request, rid)
         item = await self._stored(request.get(TENANT), rid, "response_id")
         if item is None:
             raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
         return json_response(item.response)
+
+    async def _resume(self, request: web.Request, rid: str) -> web.StreamResponse:
+        """`GET /v1/responses/{id}?stream=true&starting_after=n`: a streamed response's
+        events after sequence number n (all without it), then the live tail; while its
+        log is kept (a background response's: until it ends, then --resume-grace)."""
+        raw = request.query.get("starting_after")
+        after = 0 if raw is None else parse_position(raw, "starting_after") + 1
+        log = self.streams.find(request.get(TENANT), "sse", rid) if self.streams else None
+        if log is None:
+            raise BadRequest(
+                f"no stream of response {rid!r} to resume: it was not streamed, ended more "
+                "than --resume-grace seconds ago, or belongs to another API key",
+                "response_id",
+                status=404,
+            )
+        if after > log.last:
+            raise BadRequest(
+                f"starting_after {after - 1} is past the stream's last event ({log.last - 1})",
+                "starting_after",
+            )
+        log.check(after, "starting_after")
+        resp = await self._prepare_sse(request)
+        if await follow(log, self._sink(request, resp), after):
+            await end_stream(resp)
+        return resp
 
     async def input_items(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{id}/input_items: what the model was given, earlier turns of
@@ -254,6 +308,7 @@ class _Turn:
         self.conversation: str | None = None  # the conversation this turn extends
         self.additions: list[dict[str, Any]] = []  # its input items for it
         self.version: int | None = None  # a background turn's: its stored entry's version
+        self.ended = False  # `_finish` reached
         self.seq = 0
         self.usage = StreamUsage.of(len(start.ids), None)
 
@@ -319,6 +374,7 @@ class _Turn:
     async def _finish(self, output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
         """The final object; stored (with the conversation it ends) when asked, before
         the client sees it, so a turn that continues it finds it on any replica."""
+        self.ended = True
         resp = self.response(_status(finish), output, finish)
         # (a background response's every end is stored: its client polls for it)
         if resp["store"] and (

@@ -160,12 +160,6 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     def check_unsupported(self) -> None:
         if self.background and not self.store:
             raise BadRequest("background responses must be stored (store: true)", "background")
-        if self.background and self.stream:
-            raise BadRequest(
-                "streamed background responses are not supported; poll "
-                "GET /v1/responses/{id} instead",
-                "stream",
-            )
         for name in ("prompt", "context_management"):
             if getattr(self, name) is not None:
                 raise BadRequest(f"{name} is not supported by this server", name)

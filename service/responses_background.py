@@ -29,6 +29,7 @@ WATCH_INTERVAL_S = 0.5
 class _Turn(Protocol):
     tenant: str | None
     version: int  # the stored entry's version this turn wrote last
+    ended: bool  # its end was reached (and stored, if it could be)
 
     def response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]: ...
 
@@ -50,14 +51,8 @@ class BackgroundResponses:
         busy: tuple[Callable[[], None], Callable[[], None]] | None,
     ) -> None:
         """Run `turn` to its end as its own task; `on_exit` releases what it holds."""
-        key = (turn.tenant, rid)
 
         async def run() -> None:
-            watcher = (
-                asyncio.create_task(self._watch(store, rid, turn, task))
-                if getattr(store, "shared", False)
-                else None
-            )
             try:
                 await turn.full()
             except asyncio.CancelledError:
@@ -66,16 +61,32 @@ class BackgroundResponses:
                 log.warning("background response %s failed: %s", rid, e)
                 await _settle(turn, "failed", {"code": "server_error", "message": str(e)})
             finally:
-                if watcher is not None:
-                    watcher.cancel()
-                self.tasks.pop(key, None)
                 on_exit()
                 if busy is not None:
                     busy[1]()
 
         if busy is not None:
             busy[0]()
-        task = self.tasks[key] = asyncio.create_task(run(), name=f"background-{rid}")
+        self.adopt(store, rid, turn, asyncio.create_task(run(), name=f"background-{rid}"))
+
+    def adopt(self, store: ResponseStoreBase, rid: str, turn: _Turn, task: Any) -> None:
+        """`task` runs `turn`: a cancel finds it here, and while the store is shared
+        a watcher stops it when another replica marks it cancelled."""
+        key = (turn.tenant, rid)
+        self.tasks[key] = task
+        watcher = (
+            asyncio.create_task(self._watch(store, rid, turn, task))
+            if getattr(store, "shared", False)
+            else None
+        )
+
+        def done(_: Any) -> None:
+            if self.tasks.get(key) is task:
+                del self.tasks[key]
+            if watcher is not None:
+                watcher.cancel()
+
+        task.add_done_callback(done)
 
     async def _watch(self, store: ResponseStoreBase, rid: str, turn: _Turn, task: Any) -> None:
         """Stop the turn when another replica marked it cancelled."""
@@ -120,6 +131,19 @@ class BackgroundResponses:
                 break
             item = got
         return item.response
+
+
+async def settled(turn: _Turn, produce: Awaitable[Any]) -> Any:
+    """A background turn's stream: stored cancelled when cancelled, failed when it ended
+    without storing its end (its stream carried the error)."""
+    try:
+        result = await produce
+    except asyncio.CancelledError:
+        await _settle(turn, "cancelled", None)
+        raise
+    if not turn.ended:
+        await _settle(turn, "failed", {"code": "server_error", "message": "generation failed"})
+    return result
 
 
 async def _settle(turn: _Turn, status: str, error: dict[str, Any] | None) -> None:

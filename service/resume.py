@@ -91,6 +91,9 @@ class StreamLog:
         self.producer: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.claim: tuple[str | None, str] | None = None  # request_ids claim to release
+        # A background response's stream (service/responses_background.py): its
+        # generation runs to its end whoever reads it; a resume may still find it gone.
+        self.background = False
 
     @property
     def token(self) -> str:
@@ -172,7 +175,7 @@ class StreamLog:
         cap = registry.cap if why == "buffer" else registry.total_cap
         log.info("stream %s: over %d bytes buffered with no reader (%s); aborted",
                  self.key[2], cap, why)  # fmt: skip
-        if running:
+        if running and not self.background:
             self.producer.cancel()  # aborts the request: its KV blocks are freed
 
     # ------------------------------------------------------------ the readers' side
@@ -416,6 +419,8 @@ class StreamRegistry:
         if stream.owner is not None:
             return  # held again (take() disarms; kept for safety): release() re-arms
         running = stream.producer is not None and not stream.producer.done()
+        if running and stream.background:
+            return  # it runs on, resumable; its end arms the grace period again
         if not stream.lost and (running or stream.written < stream.last):
             self.expired["grace"] += 1
         if running:

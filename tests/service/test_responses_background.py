@@ -7,7 +7,10 @@ foreground (greedy)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -49,6 +52,7 @@ def servers(tmp_path_factory, redis):
         "served_model_name": "tiny",
         "api_keys": KEYS,
         "engine_kwargs": {"max_model_len": 512, "threads": 1, "redis_url": redis.url},
+        "resume_grace": 1.0,
     }
     with live_server(model, **kw) as a, live_server(model, **kw) as b:
         yield a, b
@@ -69,6 +73,15 @@ def slow_steps(server, seconds: float):
         yield
     finally:
         runner.execute_model = original
+
+
+def get(server, path: str) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + path, headers={"Authorization": f"Bearer {KEYS[0]}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def poll(client, rid: str, timeout: float = 60.0):
@@ -131,7 +144,6 @@ def test_cancelled_on_either_replica(servers, where):
     ("body", "param"),
     [
         ({"background": True, "store": False}, "background"),
-        ({"background": True, "stream": True}, "stream"),
     ],
 )
 def test_refusals_name_the_field(servers, body, param):
@@ -169,3 +181,84 @@ def test_in_memory_store_too(tmp_path_factory):
             while s.num_running() or not s.kv_all_free():
                 assert time.monotonic() < deadline, "the cancelled turn ran on"
                 time.sleep(0.02)
+
+
+def sse_events(server, body: dict, n: int) -> tuple[list[dict], str]:
+    """POST a streamed response, read its first `n` events, and drop the connection."""
+    req = urllib.request.Request(
+        server.url + "/v1/responses",
+        json.dumps({"model": "tiny", "stream": True, **body}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEYS[0]}"},
+    )
+    events: list[dict] = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == n:
+                    break
+    return events, events[0]["response"]["id"]
+
+
+def text_of(events) -> str:
+    return "".join(
+        (e["delta"] if isinstance(e, dict) else e.delta)
+        for e in events
+        if (e["type"] if isinstance(e, dict) else e.type) == "response.output_text.delta"
+    )
+
+
+def test_a_dropped_stream_resumed_by_sequence_number(servers):
+    """`GET /v1/responses/{id}?stream=true&starting_after=n` (the SDK's
+    `responses.retrieve(id, stream=True, starting_after=n)`): the events after n, then the
+    live tail, so the two parts make the whole answer."""
+    a, _ = servers
+    ca = make_client(a)
+    with slow_steps(a, 0.02):
+        first, rid = sse_events(a, {"input": "Write.", "text": LONG, "max_output_tokens": 400}, 6)
+        k = first[-1]["sequence_number"]
+        rest = list(ca.responses.retrieve(rid, stream=True, starting_after=k))
+    assert rest[0].sequence_number == k + 1
+    assert [e.sequence_number for e in rest] == list(range(k + 1, k + 1 + len(rest)))
+    final = rest[-1].response
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    assert text_of(first) + text_of(rest) == final.output_text
+    for query, param in [
+        ("starting_after=x", "starting_after"),
+        ("starting_after=9999", "starting_after"),
+    ]:
+        code, reply = get(a, f"/v1/responses/{rid}?stream=true&{query}")
+        assert code == 400 and reply["error"]["param"] == param, reply
+    code, reply = get(a, "/v1/responses/resp_nope?stream=true")
+    assert code == 404 and reply["error"]["param"] == "response_id", reply
+
+
+def test_a_background_stream_outlives_its_readers(servers):
+    """A streamed background response runs on after its connection drops and the grace
+    period passes; its stream is picked up again later, and polling gives its end."""
+    a, b = servers
+    ca, cb = make_client(a), make_client(b)
+    with slow_steps(a, 0.02):
+        first, rid = sse_events(
+            a, {"input": "Write.", "text": LONG, "max_output_tokens": 400, "background": True}, 4
+        )
+        assert first[0]["response"]["background"] is True
+        assert cb.responses.retrieve(rid).status == "queued"  # stored, read on the other
+        time.sleep(a.state.config.resume_grace + 0.5)
+        assert a.num_running() == 1  # past the grace, and still running
+        k = first[-1]["sequence_number"]
+        rest = list(ca.responses.retrieve(rid, stream=True, starting_after=k))
+    final = poll(cb, rid)
+    assert final.status in ("completed", "incomplete") and final.background
+    assert text_of(first) + text_of(rest) == final.output_text
+    # Cancelled while streamed: the stream ends and the stored response says so.
+    with slow_steps(a, 0.02):
+        first, rid = sse_events(
+            a, {"input": "Write.", "text": LONG, "max_output_tokens": 400, "background": True}, 2
+        )
+        assert cb.responses.cancel(rid).status == "cancelled"
+        assert poll(ca, rid).status == "cancelled"
+        deadline = time.monotonic() + 10
+        while a.num_running() or not a.kv_all_free():
+            assert time.monotonic() < deadline, "the cancelled turn ran on"
+            time.sleep(0.02)
