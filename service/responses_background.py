@@ -1,7 +1,9 @@
-"""Background responses (`background: true` on /v1/responses): the request is answered at
-once with the response `queued` and stored; the turn runs on as its own task, and its
-final state (completed, incomplete, failed, or cancelled) replaces the stored one.
-Clients poll `GET /v1/responses/{id}` and may `POST /v1/responses/{id}/cancel`.
+"""Background responses (`background: true` on /v1/responses): the response is stored
+`queued` and the request answered at once with it (streamed: its events, as any stream's);
+the turn runs on as its own task whoever reads it, and its final state (completed,
+incomplete, failed, or cancelled) replaces the stored one.  Clients poll
+`GET /v1/responses/{id}`, pick a stream up again by sequence number, and may
+`POST /v1/responses/{id}/cancel`.
 
 Every write after the first is over the version this replica wrote last
 (`put(expect=...)`), so a cancel wins against a turn finishing at the same moment on

@@ -173,8 +173,10 @@ class StreamLog:
         self.events.clear()
         self.nbytes = 0
         cap = registry.cap if why == "buffer" else registry.total_cap
-        log.info("stream %s: over %d bytes buffered with no reader (%s); aborted",
-                 self.key[2], cap, why)  # fmt: skip
+        log.info("stream %s: over %d bytes buffered with no reader (%s); %s",
+                 self.key[2], cap, why,
+                 "its events dropped (a background response runs on)" if self.background
+                 else "aborted")  # fmt: skip
         if running and not self.background:
             self.producer.cancel()  # aborts the request: its KV blocks are freed
 
