@@ -75,6 +75,12 @@ class RedisServer:
 
         return redis.Redis(host="127.0.0.1", port=self.port)
 
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

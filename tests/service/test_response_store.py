@@ -31,11 +31,8 @@ from tests.service.test_structured_api import hermes_checkpoint
 
 @pytest.fixture
 def redis():
-    server = RedisServer()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def sized(size: int, tag: str = "") -> Stored:

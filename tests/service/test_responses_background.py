@@ -38,11 +38,8 @@ LONG = {
 
 @pytest.fixture(scope="module")
 def redis():
-    server = RedisServer()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

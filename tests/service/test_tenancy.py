@@ -193,11 +193,8 @@ async def test_one_tenant_cannot_evict_the_others(store_factory, share) -> None:
 # ============================================================== in-process server, two keys
 @pytest.fixture(scope="module")
 def redis_tier() -> Iterator[RedisServer]:
-    server = RedisServer()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
