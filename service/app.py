@@ -222,6 +222,7 @@ async def _load_engine(app: web.Application, state: ServerState) -> None:
         task.add_done_callback(lambda t: _on_engine_done(state, t))
         state.metrics = metrics
         state.serving = _openai_serving(state, engine, names, prep, metrics)
+        metrics.watch_responses(state.serving)
         state.engine = engine
         if state.config.exit_on_engine_failure:  # this process is the server (run_server)
             _freeze_startup_heap()

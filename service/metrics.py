@@ -418,8 +418,38 @@ class Metrics:
         """Expose the resumable streams' state (service/resume.py), read at scrape time."""
         self.registry.register(_StreamsCollector(streams, self.model_name))
 
+    def watch_responses(self, serving: Any) -> None:
+        """Expose the Responses store's failures and the background turns running
+        (service/openai_responses.py), read at scrape time."""
+        self.registry.register(_ResponsesCollector(serving, self.model_name))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ResponsesCollector(Collector):
+    def __init__(self, serving: Any, model_name: str) -> None:
+        self.serving = serving
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        m = [self.model_name]
+        g = GaugeMetricFamily(
+            "pagestream_background_responses_running",
+            "Background /v1/responses turns this replica runs now.",
+            labels=["model_name"],
+        )
+        g.add_metric(m, len(self.serving.background.tasks))
+        yield g
+        c = CounterMetricFamily(
+            "pagestream_response_store_errors",
+            "Response store (Redis) calls that failed or timed out, by operation: reads "
+            "answered 503, responses answered but not stored.",
+            labels=["model_name", "op"],
+        )
+        for op, n in self.serving.store.errors.items():
+            c.add_metric([*m, op], n)
+        yield c
 
 
 class _StreamsCollector(Collector):

@@ -64,6 +64,7 @@ class ResponseStoreBase(Protocol):
     max_responses: int
     max_bytes: int
     shared: bool  # other replicas read and write it too
+    errors: dict[str, int]  # failed calls by operation (get, put, delete)
 
     @property
     def enabled(self) -> bool: ...
@@ -103,6 +104,7 @@ class ResponseStore:
         self.bytes = 0
         self.count = 0
         self._shelves: dict[str, _Shelf] = {}
+        self.errors: dict[str, int] = {}  # (nothing here fails)
 
     @property
     def enabled(self) -> bool:
@@ -287,6 +289,7 @@ class RedisResponseStore:
         self.max_bytes = max_bytes
         self.ns = namespace
         self.client = aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.errors = dict.fromkeys(("get", "put", "delete"), 0)
         self._put = self.client.register_script(_PUT)
         self._get = self.client.register_script(_GET)
         self._delete = self.client.register_script(_DELETE)
@@ -295,16 +298,17 @@ class RedisResponseStore:
     def enabled(self) -> bool:
         return self.max_responses > 0
 
-    async def _call(self, script: Any, *args: Any) -> Any:
+    async def _call(self, op: str, script: Any, *args: Any) -> Any:
         import redis
 
         try:
             return await script(args=[self.ns, *args])
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            self.errors[op] += 1
             raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
 
     async def get(self, tenant: str | None, rid: str) -> Stored | None:
-        got = await self._call(self._get, _tenant(tenant), rid)
+        got = await self._call("get", self._get, _tenant(tenant), rid)
         if got is None:
             return None
         blob, version = got
@@ -321,6 +325,7 @@ class RedisResponseStore:
         blob = encode_entry(item)
         item.size = len(blob)
         got = await self._call(
+            "put",
             self._put,
             _tenant(tenant),
             rid,
@@ -335,7 +340,7 @@ class RedisResponseStore:
         return got > 0
 
     async def delete(self, tenant: str | None, rid: str) -> bool:
-        return bool(await self._call(self._delete, _tenant(tenant), rid))
+        return bool(await self._call("delete", self._delete, _tenant(tenant), rid))
 
     async def close(self) -> None:
         await self.client.aclose()

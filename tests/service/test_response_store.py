@@ -292,6 +292,12 @@ def test_two_replicas_share_chains(tmp_path_factory, redis):
         with pytest.raises(openai.InternalServerError) as e:
             ca.responses.retrieve(final.id)
         assert e.value.status_code == 503
+        with urllib.request.urlopen(a.url + "/metrics", timeout=10) as m:
+            scrape = m.read().decode()
+        for op, at_least in (("get", 2), ("put", 2)):
+            line = f'pagestream_response_store_errors_total{{model_name="tiny",op="{op}"}}'
+            (value,) = [float(x.split()[-1]) for x in scrape.splitlines() if x.startswith(line)]
+            assert value >= at_least, scrape
         # Back (empty, as a Redis without persistence restarts): storing works again.
         redis.restart()
         r = ca.responses.create(model="tiny", input="again", max_output_tokens=2)

@@ -156,6 +156,10 @@ def test_sigterm_drain_waits_for_background_turns(servers):
         r = ca.responses.create(model="tiny", input="Write.", text=LONG, background=True,
                                 max_output_tokens=400)  # fmt: skip
         assert a.state.inflight >= 1
+        with urllib.request.urlopen(a.url + "/metrics", timeout=10) as m:
+            assert 'pagestream_background_responses_running{model_name="tiny"} 1.0' in (
+                m.read().decode()
+            )
         ca.responses.cancel(r.id)
     deadline = time.monotonic() + 10
     while a.state.inflight:
