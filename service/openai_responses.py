@@ -44,7 +44,12 @@ from service.response_store import (
     Stored,
     StoreUnavailable,
 )
-from service.responses_background import BackgroundResponses, settled
+from service.responses_background import (
+    HEARTBEAT_TTL_S,
+    BackgroundResponses,
+    orphan_checked,
+    settled,
+)
 from service.resume import follow, parse_position
 from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
 
@@ -96,7 +101,12 @@ class ResponsesServing(ChatServing):
         except StoreUnavailable as e:
             raise BadRequest(f"{e}; try again", param, status=503) from e
         # (conversations share the store: an id of one is no response)
-        return got if got is not None and got.response.get("object") == "response" else None
+        if got is None or got.response.get("object") != "response":
+            return None
+        try:
+            return await orphan_checked(self.store, tenant, rid, got)
+        except StoreUnavailable as e:
+            raise BadRequest(f"{e}; try again", param, status=503) from e
 
     # ------------------------------------------------------------------ routes
     async def responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -176,6 +186,11 @@ class ResponsesServing(ChatServing):
         if not kept:
             raise BadRequest("the response does not fit in the response store", "background")
         turn.version = item.version
+        if self.store.shared:  # before anyone knows its id: no reader finds it unbeaten
+            try:
+                await self.store.beat(turn.tenant, start.rid, HEARTBEAT_TTL_S)
+            except StoreUnavailable as e:
+                raise BadRequest(f"{e}; try again", "background", status=503) from e
         return queued
 
     async def _stream_background(

@@ -18,6 +18,7 @@ every model a fleet serves shares it):
     <ns>:size:<t>       HASH    tenant t's response id -> its entry's bytes
     <ns>:ver:<t>        HASH    tenant t's response id -> its version (puts so far)
     <ns>:r:<t>:<id>     STRING  the entry (msgpack: response, conversation, chain root)
+    <ns>:hb:<t>:<id>    STRING  a running background response's heartbeat (expires)
 
 Every operation is one Lua script (one round trip, atomic across replicas).  An entry
 whose bytes Redis itself dropped (maxmemory, FLUSHDB of one key) reads as absent and is
@@ -76,6 +77,10 @@ class ResponseStoreBase(Protocol):
     ) -> bool: ...
 
     async def delete(self, tenant: str | None, rid: str) -> bool: ...
+
+    async def beat(self, tenant: str | None, rid: str, ttl: float) -> None: ...
+
+    async def alive(self, tenant: str | None, rid: str) -> bool: ...
 
     async def close(self) -> None: ...
 
@@ -163,6 +168,12 @@ class ResponseStore:
         self.count -= 1
         if not shelf.items:
             del self._shelves[t]
+        return True
+
+    async def beat(self, tenant: str | None, rid: str, ttl: float) -> None:
+        return None  # (a replica that stops takes this store with it)
+
+    async def alive(self, tenant: str | None, rid: str) -> bool:
         return True
 
     async def close(self) -> None:
@@ -265,6 +276,15 @@ return 0
 """
 )
 
+# ARGV: ns, tenant, id, ttl (ms).  A running background turn's heartbeat.
+_BEAT = """
+redis.call('SET', ARGV[1] .. ':hb:' .. ARGV[2] .. ':' .. ARGV[3], 1, 'PX', ARGV[4])
+return 1
+"""
+_ALIVE = """
+return redis.call('EXISTS', ARGV[1] .. ':hb:' .. ARGV[2] .. ':' .. ARGV[3])
+"""
+
 _Entry = tuple[dict[str, Any], list[ChatMessage], str]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(_Entry)
@@ -293,6 +313,8 @@ class RedisResponseStore:
         self._put = self.client.register_script(_PUT)
         self._get = self.client.register_script(_GET)
         self._delete = self.client.register_script(_DELETE)
+        self._beat = self.client.register_script(_BEAT)
+        self._alive = self.client.register_script(_ALIVE)
 
     @property
     def enabled(self) -> bool:
@@ -341,6 +363,13 @@ class RedisResponseStore:
 
     async def delete(self, tenant: str | None, rid: str) -> bool:
         return bool(await self._call("delete", self._delete, _tenant(tenant), rid))
+
+    async def beat(self, tenant: str | None, rid: str, ttl: float) -> None:
+        """A background turn's replica is alive and running it, for `ttl` seconds."""
+        await self._call("put", self._beat, _tenant(tenant), rid, int(ttl * 1000))
+
+    async def alive(self, tenant: str | None, rid: str) -> bool:
+        return bool(await self._call("get", self._alive, _tenant(tenant), rid))
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 WATCH_INTERVAL_S = 0.5
+# In a shared store the running replica's heartbeat says the turn is still running: a
+# reader that finds a turn unfinished with no heartbeat (its replica crashed or was
+# killed) settles it failed, so a client polling it is not left waiting forever.
+HEARTBEAT_S = 5.0
+HEARTBEAT_TTL_S = 20.0
+LOST = {"code": "server_error", "message": "the replica running this response stopped first"}
 
 
 class _Turn(Protocol):
@@ -91,10 +97,14 @@ class BackgroundResponses:
         task.add_done_callback(done)
 
     async def _watch(self, store: ResponseStoreBase, rid: str, turn: _Turn, task: Any) -> None:
-        """Stop the turn when another replica marked it cancelled."""
+        """Stop the turn when another replica marked it cancelled; keep its heartbeat."""
+        beat = asyncio.get_running_loop().time()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             with contextlib.suppress(StoreUnavailable):
+                if asyncio.get_running_loop().time() - beat >= HEARTBEAT_S:
+                    beat = asyncio.get_running_loop().time()
+                    await store.beat(turn.tenant, rid, HEARTBEAT_TTL_S)
                 got = await store.get(turn.tenant, rid)
                 # (the status, not the version: this replica's own final write moves it)
                 if got is not None and got.response.get("status") == "cancelled":
@@ -133,6 +143,25 @@ class BackgroundResponses:
                 break
             item = got
         return item.response
+
+
+async def orphan_checked(
+    store: ResponseStoreBase, tenant: str | None, rid: str, item: Stored
+) -> Stored:
+    """`item` as read, unless it is a background turn left unfinished by a replica
+    that no longer beats for it: then stored (and returned) failed."""
+    resp = item.response
+    if not (store.shared and resp.get("background") and resp["status"] not in TERMINAL):
+        return item
+    if await store.alive(tenant, rid):
+        return item
+    failed = {**resp, "status": "failed", "error": LOST}
+    done = Stored(failed, item.messages, item.root, item.size)
+    with contextlib.suppress(StoreConflict):  # it moved meanwhile: read as it is now
+        await store.put(tenant, rid, done, expect=item.version)
+        return done
+    got = await store.get(tenant, rid)
+    return got if got is not None else item
 
 
 async def settled(turn: _Turn, produce: Awaitable[Any]) -> Any:

@@ -11,6 +11,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from unittest import mock
 
 import openai
 import pytest
@@ -263,3 +264,48 @@ def test_a_background_stream_outlives_its_readers(servers):
         while a.num_running() or not a.kv_all_free():
             assert time.monotonic() < deadline, "the cancelled turn ran on"
             time.sleep(0.02)
+
+
+def test_a_turn_whose_replica_died_reads_failed(servers, redis):
+    """A background response left queued by a replica that stopped (no heartbeat in the
+    shared store) reads as failed on any replica, and stays so; a live one keeps beating
+    past the heartbeat's lifetime and is not taken for dead."""
+    import asyncio
+
+    from service.response_store import RedisResponseStore, Stored
+    from service.security import key_tenant
+
+    a, b = servers
+
+    async def orphan() -> None:
+        store = RedisResponseStore(redis.url, 1024, 64 << 20)
+        resp = {"id": "resp_orphan", "object": "response", "status": "queued",
+                "background": True, "output": []}  # fmt: skip
+        await store.put(key_tenant(KEYS[0]), "resp_orphan", Stored(resp, [], "root", 0))
+        await store.close()
+
+    asyncio.run(orphan())
+    code, body = get(b, "/v1/responses/resp_orphan")
+    assert code == 200 and body["status"] == "failed", body
+    assert body["error"]["code"] == "server_error"
+    code, again = get(a, "/v1/responses/resp_orphan")
+    assert again["status"] == "failed"
+    # A live turn longer than the heartbeat's lifetime is polled as running throughout.
+    ca, cb = make_client(a), make_client(b)
+    with (
+        mock.patch("service.responses_background.WATCH_INTERVAL_S", 0.1),
+        mock.patch("service.responses_background.HEARTBEAT_S", 0.2),
+        mock.patch("service.openai_responses.HEARTBEAT_TTL_S", 1.0),
+        mock.patch("service.responses_background.HEARTBEAT_TTL_S", 1.0),
+        slow_steps(a, 0.05),
+    ):
+        r = ca.responses.create(model="tiny", input="Write.", text=LONG, background=True,
+                                max_output_tokens=400)  # fmt: skip
+        t0 = time.monotonic()
+        while (status := cb.responses.retrieve(r.id).status) == "queued":
+            if time.monotonic() - t0 > 2.5:  # past the heartbeat's lifetime, twice
+                break
+            time.sleep(0.1)
+        assert status in ("queued", "completed", "incomplete"), status
+        assert time.monotonic() - t0 > 1.5, "the turn ended before the heartbeat mattered"
+        ca.responses.cancel(r.id)
