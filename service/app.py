@@ -408,6 +408,10 @@ async def get_response(request: web.Request) -> web.Response:
     return await _serving(request).get_response(request)
 
 
+async def response_input_tokens(request: web.Request) -> web.Response:
+    return await _serving(request).input_tokens(request)
+
+
 async def cancel_response(request: web.Request) -> web.Response:
     return await _serving(request).cancel_response(request)
 
@@ -609,6 +613,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/responses/input_tokens", response_input_tokens)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)
     app.router.add_get("/v1/responses/{id}/input_items", response_input_items)

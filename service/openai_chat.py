@@ -101,6 +101,21 @@ class ChatServing(ServingBase):
         finally:
             self._release(start.subs)
 
+    async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids: the messages (and tools) through the chat template, in
+        the sandboxed render pool."""
+        template, template_field, kwargs = req.template_request()
+        return await self.prep.chat_ids(  # type: ignore[no-any-return]
+            [m.as_template_dict() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=template,
+            template_param=template_field,
+            kwargs=kwargs,
+            tools=template_tools(req) if req.tools else None,
+            truncate=req.truncation(self.engine.max_model_len),
+            continue_final_message=req.continue_final_message,
+        )
+
     async def start_chat(
         self, request: web.Request, req: ChatCompletionRequest, id_prefix: str
     ) -> ChatStart:
@@ -125,17 +140,7 @@ class ChatServing(ServingBase):
             spec = tc
             params = msgspec.structs.replace(params, structured_outputs=tc[0])
         await self.compile(request, params, spec[1] if spec else None)
-        template, template_field, kwargs = req.template_request()
-        ids = await self.prep.chat_ids(
-            [m.as_template_dict() for m in req.messages],
-            add_generation_prompt=req.add_generation_prompt,
-            chat_template=template,
-            template_param=template_field,
-            kwargs=kwargs,
-            tools=template_tools(req) if req.tools else None,
-            truncate=req.truncation(self.engine.max_model_len),
-            continue_final_message=req.continue_final_message,
-        )
+        ids = await self.chat_prompt_ids(req)
         if req.prompt_logprobs is not None:  # once per response on chat
             self.limits.check_prompt_logprobs(
                 {"prompt_logprobs": len(ids) * (req.prompt_logprobs + 1)}

@@ -31,6 +31,7 @@ from service.protocol import BadRequest, ChatMessage, FunctionCall, ToolCall
 from service.protocol_openai import ChatCompletionRequest
 from service.protocol_responses import (
     ResponsesRequest,
+    decode_input_tokens,
     decode_responses,
     items_to_messages,
     normalize_item,
@@ -109,9 +110,11 @@ class ResponsesServing(ChatServing):
             raise BadRequest(f"{e}; try again", param, status=503) from e
 
     # ------------------------------------------------------------------ routes
-    async def responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        req = decode_responses(body)
-        tenant = request.get(TENANT)
+    async def _context(
+        self, req: ResponsesRequest, tenant: str | None
+    ) -> tuple[list[ChatMessage], str, str | None, list[dict[str, Any]]]:
+        """What comes before this turn's input: (history, the chain's key, the
+        conversation's id, this turn's input items for the conversation)."""
         history: list[ChatMessage] = []
         root = uuid.uuid4().hex  # the chain's key: its KV pin's, and its later turns'
         cid = req.conversation_ref
@@ -139,6 +142,12 @@ class ResponsesServing(ChatServing):
                     "previous_response_id",
                 )
             history, root = prev.messages, prev.root
+        return history, root, cid, additions
+
+    async def responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        req = decode_responses(body)
+        tenant = request.get(TENANT)
+        history, root, cid, additions = await self._context(req, tenant)
         try:
             chat = req.to_chat(history)
             if (
@@ -245,6 +254,26 @@ class ResponsesServing(ChatServing):
         except StoreUnavailable as e:
             raise BadRequest(f"{e}; try again", "response_id", status=503) from e
         return json_response(resp)
+
+    async def input_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/input_tokens: the tokens a response to this body would be
+        given (instructions, the stored chain or conversation, the input, the tools),
+        rendered as the response would render them, generating nothing."""
+        req = decode_input_tokens(await request.read())
+        history, _, _, _ = await self._context(req, request.get(TENANT))
+        try:
+            chat = req.to_chat(history)
+            if not chat.messages:
+                raise BadRequest(
+                    "nothing to count: give input, previous_response_id or conversation",
+                    "input",
+                )
+            self.check_model(chat.model)
+            ids = await self.chat_prompt_ids(chat)
+        except BadRequest as e:
+            e.param = responses_param(e.param)
+            raise
+        return json_response({"object": "response.input_tokens", "input_tokens": len(ids)})
 
     async def get_response(self, request: web.Request) -> web.StreamResponse:
         rid = request.match_info["id"]

@@ -19,6 +19,7 @@ from service.protocol_responses import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,
+    InputTokensRequest,
     ResponsesRequest,
 )
 from service.protocol_ws import ClientFrame
@@ -78,10 +79,11 @@ def openapi_document() -> dict[str, Any]:
             ConversationCreate,
             ConversationUpdate,
             ConversationItemsCreate,
+            InputTokensRequest,
         ],
         ref_template=_REF,
     )
-    chat, completion, responses, frame, prefix, conv, conv_update, conv_items = schemas
+    chat, completion, responses, frame, prefix, conv, conv_update, conv_items, count = schemas
     components["ClientFrame"] = frame
     components["ErrorResponse"] = _ERROR
     plain = {"200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}
@@ -99,6 +101,7 @@ def openapi_document() -> dict[str, Any]:
             "/v1/responses/{id}/input_items": {
                 "get": {"summary": "A stored response's input items", "responses": plain},
             },
+            "/v1/responses/input_tokens": _post("Count a response's input tokens", count, False),
             "/v1/responses/{id}/cancel": {
                 "post": {"summary": "Cancel a background response", "responses": plain},
             },

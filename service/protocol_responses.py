@@ -393,6 +393,35 @@ def _text(content: str | list[_Part], where: str, *, assistant: bool) -> str | l
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
 
+
+class InputTokensRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /v1/responses/input_tokens: a response's body, what shapes its prompt."""
+
+    input: str | list[dict[str, Any]] | None = None
+    model: str | None = None
+    instructions: str | None = None
+    previous_response_id: Annotated[str, Meta(min_length=1, max_length=300)] | None = None
+    conversation: Any = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _ChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: Any = None
+    truncation: Literal["disabled", "auto"] | None = None
+    personality: str | None = None  # a hosted model's persona: no part of this prompt
+
+    def to_responses(self) -> ResponsesRequest:
+        fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "personality"}
+        return ResponsesRequest(**{**fields, "input": self.input or []})
+
+
+_input_tokens_decoder = msgspec.json.Decoder(InputTokensRequest)
+
+
+def decode_input_tokens(body: bytes) -> ResponsesRequest:
+    return decode(_input_tokens_decoder, body).to_responses()  # type: ignore[no-any-return]
+
+
 # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
 Metadata = Annotated[
     dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],

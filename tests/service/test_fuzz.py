@@ -140,6 +140,7 @@ def check_http(server, path: str, body: Any) -> None:
         "/v1/responses",
         "/v1/cache/prefixes",
         "/v1/conversations",
+        "/v1/responses/input_tokens",
     ],
 )
 def test_fuzz_http(server, schemas, path):

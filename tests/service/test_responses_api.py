@@ -353,6 +353,38 @@ def test_input_items_list_the_chain(server, client):
         make_client(server, KEYS[1]).responses.input_items.list(third.id)
 
 
+def test_input_tokens_count_what_the_response_is_given(server, client):
+    """POST /v1/responses/input_tokens (the SDK's `responses.input_tokens.count`): the
+    oracle is the response's own `usage.input_tokens` for the same body, with
+    instructions, tools, a stored chain and a conversation."""
+    bodies = [
+        {"input": "Name a colour."},
+        {"input": "Weather in Paris?", "instructions": "Be brief.", "tools": TOOLS},
+        {"input": [{"role": "developer", "content": "Terse."},
+                   {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]},
+    ]  # fmt: skip
+    first = client.responses.create(model="tiny", input="Tell me.", max_output_tokens=4)
+    bodies.append({"input": "More?", "previous_response_id": first.id})
+    conv = client.conversations.create(items=[{"role": "user", "content": "Earlier"}])
+    bodies.append({"input": "Now?", "conversation": conv.id})
+    for body in bodies:
+        counted = client.responses.input_tokens.count(model="tiny", **body)
+        assert counted.object == "response.input_tokens"
+        r = client.responses.create(model="tiny", max_output_tokens=1, **body)
+        assert counted.input_tokens == r.usage.input_tokens, body
+    # Nothing generated, nothing stored or appended: the conversation holds what it held
+    # plus the one turn created above.
+    assert len(client.conversations.items.list(conv.id).data) == 3
+    for body, param in [
+        ({}, "input"),
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"input": "x", "max_output_tokens": 3}, "max_output_tokens"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ]:
+        code, obj = post(server, "/v1/responses/input_tokens", body)
+        assert code in (400, 404) and obj["error"]["param"] == param, obj
+
+
 def test_stored_streamed_response_is_retrievable(client):
     with client.responses.stream(model="tiny", input="Is it?", text=BOOL_FORMAT) as stream:
         final = stream.get_final_response()
