@@ -489,9 +489,9 @@ class _Turn:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         s = self.s
         resp = await s._open_stream(request)
-        await s.write(
-            request, resp, self.event("response.created", response=self.response("in_progress", []))
-        )
+        # (a background response is created queued, as it is stored, then runs)
+        created = self.response("queued" if self.version is not None else "in_progress", [])
+        await s.write(request, resp, self.event("response.created", response=created))
         await s.write(
             request,
             resp,

@@ -245,6 +245,8 @@ def test_a_background_stream_outlives_its_readers(servers):
             a, {"input": "Write.", "text": LONG, "max_output_tokens": 400, "background": True}, 4
         )
         assert first[0]["response"]["background"] is True
+        assert first[0]["response"]["status"] == "queued"  # created as stored
+        assert first[1]["type"] == "response.in_progress"
         assert cb.responses.retrieve(rid).status == "queued"  # stored, read on the other
         time.sleep(a.state.config.resume_grace + 0.5)
         assert a.num_running() == 1  # past the grace, and still running
