@@ -36,7 +36,6 @@ LOST = {"code": "server_error", "message": "the replica running this response st
 
 class _Turn(Protocol):
     tenant: str | None
-    version: int  # the stored entry's version this turn wrote last
     ended: bool  # its end was reached (and stored, if it could be)
 
     def response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]: ...
