@@ -30,6 +30,7 @@ import os
 import string
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
@@ -1540,6 +1541,22 @@ def test_regexes(server):
 )
 def test_http_bodies(server, path, bodies, examples):
     run_property(server, path, bodies, examples, lambda w, b: check_http(w, path, b))
+
+
+def test_conversation_writes_and_counted_inputs(server):
+    """The routes that take a body about a conversation or response already there (its
+    items, its metadata) and the input-token counter, under the same hostile bodies."""
+    req = urllib.request.Request(
+        server.url + "/v1/conversations", b"{}", {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        cid = json.loads(r.read())["id"]
+    for path, bodies, examples in (
+        (f"/v1/conversations/{cid}/items", conversation_bodies, 30),
+        (f"/v1/conversations/{cid}", conversation_bodies, 20),
+        ("/v1/responses/input_tokens", responses_bodies, 40),
+    ):
+        run_property(server, path, bodies, examples, lambda w, b, path=path: check_http(w, path, b))
 
 
 def test_websocket_frames(server):
