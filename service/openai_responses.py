@@ -451,7 +451,8 @@ class _Turn:
         messages = [*self.history, *mine, reply]
         size = len(msgspec.json.encode(resp)) + len(msgspec.json.encode(mine))
         size += len(msgspec.json.encode(reply)) + 8 * len(self.history)
-        return Stored(resp, messages, self.root, size)
+        parent = self.req.previous_response_id
+        return Stored(resp, messages, self.root, size, parent=parent, base=len(self.history))
 
     async def store_final(self, resp: dict[str, Any]) -> None:
         """Store `resp`; a background turn's only over the version it wrote last."""

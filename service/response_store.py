@@ -15,10 +15,19 @@ every model a fleet serves shares it):
     <ns>:total          HASH    count, bytes
     <ns>:tc / <ns>:tb   HASH    tenant -> its count / its bytes
     <ns>:lru:<t>        ZSET    tenant t's response ids by last use (the clock)
-    <ns>:size:<t>       HASH    tenant t's response id -> its entry's bytes
+    <ns>:size:<t>       HASH    tenant t's response id -> its head's bytes
     <ns>:ver:<t>        HASH    tenant t's response id -> its version (puts so far)
-    <ns>:r:<t>:<id>     STRING  the entry (msgpack: response, conversation, chain root)
+    <ns>:r:<t>:<id>     STRING  the head (msgpack: response, chain root, parent id)
+    <ns>:m:<t>:<id>     HASH    its messages: d (msgpack), p (the parent's id, '' at a chain's
+                                start), n (references: its entry, its children), b (bytes)
     <ns>:hb:<t>:<id>    STRING  a running background response's heartbeat (expires)
+
+A response that continued another (`previous_response_id`) keeps only its own messages and
+links to its parent's, so a chain of n turns holds n turns' messages, not n(n+1)/2 copies;
+a read walks the links (one script, one round trip).  Messages outlive their entry while a
+later turn links to them, and count toward their key's bytes until the last one goes, so
+the bytes bound is exact; past a bound eviction drops entries (least recently used of the
+key holding the most) until it holds.
 
 Every operation is one Lua script (one round trip, atomic across replicas).  An entry
 whose bytes Redis itself dropped (maxmemory, FLUSHDB of one key) reads as absent and is
@@ -51,6 +60,11 @@ class Stored:
     # How many times this id was put: `put(expect=...)` writes only over the version it
     # read (a conversation's items are read, extended and written back).
     version: int = 0
+    # The stored response this one continued (its previous_response_id) and how many of
+    # `messages` came from it: Redis keeps only the rest with this entry, linked to the
+    # parent's (the memory store shares the objects instead).
+    parent: str | None = None
+    base: int = 0
 
 
 class StoreUnavailable(Exception):
@@ -180,50 +194,82 @@ class ResponseStore:
         return None
 
 
-# Shared by the scripts: drop one entry and its accounting (false when it is not there).
+# Shared by the scripts.  charge: a tenant's bytes (and the total) change by b.  release:
+# one reference fewer to a tenant's messages sid; the last takes them, and their link to
+# the parent's, away.  drop: one entry and its accounting (false when it is not there).
 _DROP = """
+local function charge(ns, t, b)
+  if redis.call('HEXISTS', ns .. ':tc', t) == 1 then
+    redis.call('HINCRBY', ns .. ':tb', t, b)
+  end
+  redis.call('HINCRBY', ns .. ':total', 'bytes', b)
+end
+local function release(ns, t, sid)
+  while sid and sid ~= '' do
+    local key = ns .. ':m:' .. t .. ':' .. sid
+    if redis.call('EXISTS', key) == 0 then return end
+    if redis.call('HINCRBY', key, 'n', -1) > 0 then return end
+    local got = redis.call('HMGET', key, 'b', 'p')
+    redis.call('DEL', key)
+    charge(ns, t, -tonumber(got[1] or '0'))
+    sid = got[2]
+  end
+end
 local function drop(ns, t, rid)
   local s = redis.call('HGET', ns .. ':size:' .. t, rid)
   if not s then return false end
-  s = tonumber(s)
   redis.call('HDEL', ns .. ':size:' .. t, rid)
   redis.call('HDEL', ns .. ':ver:' .. t, rid)
   redis.call('ZREM', ns .. ':lru:' .. t, rid)
   redis.call('DEL', ns .. ':r:' .. t .. ':' .. rid)
+  charge(ns, t, -tonumber(s))
+  release(ns, t, rid)
   if redis.call('HINCRBY', ns .. ':tc', t, -1) <= 0 then
     redis.call('HDEL', ns .. ':tc', t)
     redis.call('HDEL', ns .. ':tb', t)
-  else
-    redis.call('HINCRBY', ns .. ':tb', t, -s)
   end
   redis.call('HINCRBY', ns .. ':total', 'count', -1)
-  redis.call('HINCRBY', ns .. ':total', 'bytes', -s)
   return true
 end
 """
 
 # KEYS: none (every key is under ARGV[1], the namespace; one Redis, not a cluster).
-# ARGV: ns, tenant, id, entry, max count, max bytes, expected version ('' for any).
-# Returns the new version, 0 when not kept, -1 on another version.
+# ARGV: ns, tenant, id, head, messages, max count, max bytes, expected version ('' for
+# any), parent id ('' for none).  Returns the new version, 0 when not kept, -1 on another
+# version, -2 when the parent's messages are gone (put the whole conversation instead).
 _PUT = (
     _DROP
     + """
-local ns, t, rid, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local maxc, maxb = tonumber(ARGV[5]), tonumber(ARGV[6])
+local ns, t, rid, head, seg = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local maxc, maxb, par = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[9]
 local version = tonumber(redis.call('HGET', ns .. ':ver:' .. t, rid) or '0')
-if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= version then return -1 end
-local size = #blob
-if maxc <= 0 or size > maxb then return 0 end
+if ARGV[8] ~= '' and tonumber(ARGV[8]) ~= version then return -1 end
+if maxc <= 0 or #head + #seg > maxb then return 0 end
+if par ~= '' then
+  local pk = ns .. ':m:' .. t .. ':' .. par
+  if redis.call('EXISTS', pk) == 0 then return -2 end
+  redis.call('HINCRBY', pk, 'n', 1)  -- before the drop below, which may release it
+end
 drop(ns, t, rid)
+redis.call('HINCRBY', ns .. ':tc', t, 1)
+local sk = ns .. ':m:' .. t .. ':' .. rid
+if redis.call('EXISTS', sk) == 1 then
+  -- Kept by a later turn's link: the same conversation (a parent is never in progress),
+  -- already linked to its own parent.
+  redis.call('HINCRBY', sk, 'n', 1)
+  release(ns, t, par)
+else
+  redis.call('HSET', sk, 'd', seg, 'p', par, 'n', 1, 'b', #seg)
+  charge(ns, t, #seg)
+end
 redis.call('HSET', ns .. ':ver:' .. t, rid, version + 1)
 local clock = redis.call('INCR', ns .. ':clock')
-redis.call('SET', ns .. ':r:' .. t .. ':' .. rid, blob)
-redis.call('HSET', ns .. ':size:' .. t, rid, size)
+redis.call('SET', ns .. ':r:' .. t .. ':' .. rid, head)
+redis.call('HSET', ns .. ':size:' .. t, rid, #head)
 redis.call('ZADD', ns .. ':lru:' .. t, clock, rid)
-redis.call('HINCRBY', ns .. ':tc', t, 1)
-redis.call('HINCRBY', ns .. ':tb', t, size)
+charge(ns, t, #head)
 local count = redis.call('HINCRBY', ns .. ':total', 'count', 1)
-local bytes = redis.call('HINCRBY', ns .. ':total', 'bytes', size)
+local bytes = tonumber(redis.call('HGET', ns .. ':total', 'bytes'))
 while count > maxc or bytes > maxb do
   -- The key holding the most of either bound loses its least recently used.
   local counts = redis.call('HGETALL', ns .. ':tc')
@@ -256,13 +302,23 @@ return version + 1
 """
 )
 
-# ARGV: ns, tenant, id.  {entry, version}, its use recorded; nil when absent.
+# ARGV: ns, tenant, id.  {head, version, its messages, its parent's, ...}, its use
+# recorded; nil when absent, {head, version} when a link is missing.
 _GET = """
 local ns, t, rid = ARGV[1], ARGV[2], ARGV[3]
-local blob = redis.call('GET', ns .. ':r:' .. t .. ':' .. rid)
-if not blob then return nil end
+local head = redis.call('GET', ns .. ':r:' .. t .. ':' .. rid)
+if not head then return nil end
 redis.call('ZADD', ns .. ':lru:' .. t, 'XX', redis.call('INCR', ns .. ':clock'), rid)
-return {blob, redis.call('HGET', ns .. ':ver:' .. t, rid) or '0'}
+local version = redis.call('HGET', ns .. ':ver:' .. t, rid) or '0'
+local out = {head, version}
+local sid = rid
+while sid ~= '' do
+  local got = redis.call('HMGET', ns .. ':m:' .. t .. ':' .. sid, 'd', 'p')
+  if not got[1] then return {head, version} end
+  out[#out + 1] = got[1]
+  sid = got[2]
+end
+return out
 """
 
 # ARGV: ns, tenant, id.  1 when it was there.
@@ -285,13 +341,20 @@ _ALIVE = """
 return redis.call('EXISTS', ARGV[1] .. ':hb:' .. ARGV[2] .. ':' .. ARGV[3])
 """
 
-_Entry = tuple[dict[str, Any], list[ChatMessage], str]
+_Head = tuple[dict[str, Any], str, str]  # response, chain root, parent id ('' for none)
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(_Entry)
+_HEAD = msgspec.msgpack.Decoder(_Head)
+_MESSAGES = msgspec.msgpack.Decoder(list[ChatMessage])
+# Entries written before the links (response, conversation, root) still read, so chains
+# survive a rolling deploy; a head whose messages went (maxmemory) fails this and is absent.
+_WHOLE = msgspec.msgpack.Decoder(tuple[dict[str, Any], list[ChatMessage], str])
 
 
-def encode_entry(item: Stored) -> bytes:
-    return _ENCODER.encode((item.response, item.messages, item.root))
+def encode_entry(item: Stored, linked: bool = True) -> tuple[bytes, bytes]:
+    """(head, messages) as Redis keeps them: linked, only the messages after the parent's."""
+    head = _ENCODER.encode((item.response, item.root, item.parent if linked else ""))
+    own = item.messages[item.base :] if linked and item.parent else item.messages
+    return head, _ENCODER.encode(own)
 
 
 class RedisResponseStore:
@@ -333,29 +396,44 @@ class RedisResponseStore:
         got = await self._call("get", self._get, _tenant(tenant), rid)
         if got is None:
             return None
-        blob, version = got
+        head, version, *parts = got
         try:
-            response, messages, root = _DECODER.decode(blob)
-        except msgspec.DecodeError:
-            log.warning("stored response %s is not an entry this version reads; ignored", rid)
+            if not parts:  # an entry of the layout before links: whole, under one key
+                response, messages, root = _WHOLE.decode(head)
+                return Stored(response, messages, root, len(head), int(version))
+            response, root, parent = _HEAD.decode(head)
+            # Root first: the chain's oldest messages come first.
+            chunks = [_MESSAGES.decode(p) for p in reversed(parts)]
+        except msgspec.DecodeError as e:
+            log.warning("stored response %s is not an entry this version reads (%s)", rid, e)
             return None
-        return Stored(response, messages, root, len(blob), int(version))
+        messages = [m for c in chunks for m in c]
+        size = len(head) + len(parts[0])
+        base = len(messages) - len(chunks[-1])
+        return Stored(response, messages, root, size, int(version), parent or None, base)
 
     async def put(
         self, tenant: str | None, rid: str, item: Stored, expect: int | None = None
     ) -> bool:
-        blob = encode_entry(item)
-        item.size = len(blob)
-        got = await self._call(
-            "put",
-            self._put,
-            _tenant(tenant),
-            rid,
-            blob,
-            self.max_responses,
-            self.max_bytes,
-            "" if expect is None else expect,
-        )
+        linked = item.parent is not None
+        while True:
+            head, own = encode_entry(item, linked)
+            got = await self._call(
+                "put",
+                self._put,
+                _tenant(tenant),
+                rid,
+                head,
+                own,
+                self.max_responses,
+                self.max_bytes,
+                "" if expect is None else expect,
+                item.parent if linked else "",
+            )
+            if got != -2 or not linked:
+                break
+            linked = False  # the parent's messages went meanwhile: keep them all here
+        item.size = len(head) + len(own)
         if got == -1:
             raise StoreConflict(rid)
         item.version = max(int(got), 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -131,7 +132,7 @@ class BackgroundResponses:
                 resp = {**item.response, "status": "cancelled"}
                 try:
                     await store.put(
-                        tenant, rid, Stored(resp, item.messages, item.root, item.size),
+                        tenant, rid, dataclasses.replace(item, response=resp),
                         expect=item.version,
                     )  # fmt: skip
                     return resp
@@ -155,7 +156,7 @@ async def orphan_checked(
     if await store.alive(tenant, rid):
         return item
     failed = {**resp, "status": "failed", "error": LOST}
-    done = Stored(failed, item.messages, item.root, item.size)
+    done = dataclasses.replace(item, response=failed)
     with contextlib.suppress(StoreConflict):  # it moved meanwhile: read as it is now
         await store.put(tenant, rid, done, expect=item.version)
         return done

@@ -11,6 +11,7 @@ import json
 import random
 import urllib.request
 
+import msgspec
 import openai
 import pytest
 
@@ -40,7 +41,7 @@ def sized(size: int, tag: str = "") -> Stored:
     in-memory store is given the same size."""
     for pad in range(size):
         item = Stored({"id": tag, "p": "x" * pad}, [], "root", 0)
-        if len(encode_entry(item)) == size:
+        if sum(map(len, encode_entry(item))) == size:
             item.size = size
             return item
     raise AssertionError(f"no entry of {size} bytes")
@@ -149,6 +150,125 @@ def test_redis_evicts_as_memory_does(redis):
         total = {k.decode(): int(v) for k, v in redis.client().hgetall(f"{red.ns}:total").items()}
         assert total == {"count": mem.count, "bytes": mem.bytes}
         await red.close()
+
+    asyncio.run(main())
+
+
+def accounted(redis, ns: str) -> tuple[int, int, int]:
+    """(count, bytes) as the store's totals say, and the bytes its keys really hold
+    (heads and messages), from a scan of the namespace."""
+    c = redis.client()
+    total = {k.decode(): int(v) for k, v in c.hgetall(f"{ns}:total").items()}
+    held = sum(c.strlen(k) for k in c.scan_iter(f"{ns}:r:*"))
+    held += sum(int(c.hget(k, "b")) for k in c.scan_iter(f"{ns}:m:*"))
+    return total.get("count", 0), total.get("bytes", 0), held
+
+
+def test_redis_chains_link_their_turns(redis):
+    """A chain keeps each turn's own messages once, linked to its parent's: 40 turns of
+    1 KB take 48 KB, not the 963 KB of a copy per turn; a turn reads back its whole
+    conversation after its parents are evicted or deleted; the bytes bound counts what
+    Redis really holds; and nothing is left when the last entry goes."""
+
+    def say(i: int, n: int = 1000) -> list[ChatMessage]:
+        return [
+            ChatMessage(role="user", content=f"{i} " + "u" * n),
+            ChatMessage(role="assistant", content=f"{i} " + "a" * 20),
+        ]
+
+    async def main() -> None:
+        store = RedisResponseStore(redis.url, 1000, 10 << 20)
+        parent, messages = None, []
+        for i in range(40):
+            prev = await store.get("t", parent) if parent else None
+            history = prev.messages if prev else []
+            messages = [*history, *say(i)]
+            item = Stored({"id": f"r{i}"}, messages, "root", 0, parent=parent, base=len(history))
+            assert await store.put("t", f"r{i}", item)
+            parent = f"r{i}"
+        count, counted, held = accounted(redis, store.ns)
+        assert count == 40 and counted == held < 40 * 1300
+        got = await store.get("t", "r39")
+        assert got is not None and got.messages == messages and got.parent == "r38"
+        assert got.base == 78 and got.root == "root"
+        # The parents' entries go; their messages stay for the turns that link to them.
+        for i in range(0, 39, 2):
+            assert await store.delete("t", f"r{i}")
+        assert (await store.get("t", "r39")).messages == messages
+        assert (await store.get("t", "r17")).messages == messages[: 2 * 18]
+        count, counted, held = accounted(redis, store.ns)
+        assert count == 20 and counted == held
+        # A background turn stored again over its version keeps its children readable.
+        r21 = await store.get("t", "r21")
+        done = Stored({"id": "r21", "status": "cancelled"}, r21.messages, "root", 0,
+                      r21.version, r21.parent, r21.base)  # fmt: skip
+        assert await store.put("t", "r21", done, expect=r21.version)
+        assert (await store.get("t", "r39")).messages == messages
+        assert (await store.get("t", "r21")).response["status"] == "cancelled"
+        # A parent gone before its child was put: the child keeps its whole conversation.
+        orphan = Stored({"id": "o"}, messages[:4], "root", 0, parent="gone", base=2)
+        assert await store.put("t", "o", orphan)
+        got = await store.get("t", "o")
+        assert got.messages == messages[:4] and got.parent is None
+        for rid in [f"r{i}" for i in range(1, 40, 2)] + ["o"]:
+            assert await store.delete("t", rid)
+        assert accounted(redis, store.ns) == (0, 0, 0)
+        assert not list(redis.client().scan_iter(f"{store.ns}:m:*"))
+        # An entry of the earlier layout (the whole conversation under its key) still reads.
+        await store.put("t", "old", Stored({"id": "old"}, [], "root", 0))
+        whole = msgspec.msgpack.encode(({"id": "old"}, messages[:2], "root"))
+        redis.client().set(f"{store.ns}:r:t:old", whole)
+        redis.client().delete(f"{store.ns}:m:t:old")
+        got = await store.get("t", "old")
+        assert got is not None and got.messages == messages[:2] and got.parent is None
+        assert await store.delete("t", "old")
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_redis_chain_eviction_is_exact(redis):
+    """Random chains under a tight bound: every entry still stored reads back the
+    conversation it was put with, the totals equal the bytes Redis holds after every
+    step, and the bound holds on them."""
+
+    async def main() -> None:
+        rng = random.Random(11)
+        store = RedisResponseStore(redis.url, 15, 9000)
+        put: dict[tuple[str, str], list[ChatMessage]] = {}
+        for step in range(400):
+            t = rng.choice(["ta", "tb"])
+            rid = f"r{step}"
+            mine = [ChatMessage(role="user", content="m" * rng.randrange(20, 400))]
+            op = rng.random()
+            live = [k for k in put if k[0] == t]
+            if op < 0.6 and live:
+                pt, pid = rng.choice(live)
+                prev = await store.get(pt, pid)
+                if prev is None:  # evicted by the bound
+                    del put[(pt, pid)]
+                    continue
+                assert prev.messages == put[(pt, pid)]
+                msgs = [*prev.messages, *mine]
+                item = Stored({"id": rid}, msgs, "root", 0, parent=pid, base=len(prev.messages))
+            elif op < 0.8 or not live:
+                msgs, item = mine, Stored({"id": rid}, mine, "root", 0)
+            else:
+                pt, pid = rng.choice(live)
+                await store.delete(pt, pid)
+                del put[(pt, pid)]
+                continue
+            if await store.put(t, rid, item):
+                put[(t, rid)] = msgs
+            count, counted, held = accounted(redis, store.ns)
+            assert counted == held <= 9000 and count <= 15
+        for (t, rid), msgs in put.items():
+            got = await store.get(t, rid)
+            assert got is None or got.messages == msgs
+        for t, rid in list(put):
+            await store.delete(t, rid)
+        assert accounted(redis, store.ns) == (0, 0, 0)
+        await store.close()
 
     asyncio.run(main())
 
