@@ -31,6 +31,7 @@ from service.grammar_workers import (
     TOKEN_BUDGET_S,
     GrammarError,
     GrammarWorkers,
+    cpu_seconds,
     grammar_source,
     make_tokenizer,
     parser_limits,
@@ -68,7 +69,8 @@ class LLGuidanceMatcher:
     each token's work, grow with the output until a token takes seconds, all of it inside
     the engine's step (and `consume_token` holds the GIL).
     llguidance's own fuel limits do not bound wall time, so each matcher times itself: a
-    token whose advance plus next mask took over TOKEN_BUDGET_S puts the matcher in error,
+    token whose advance plus next mask took over TOKEN_BUDGET_S of its thread's CPU time
+    (time preempted by other processes is not the grammar's) puts the matcher in error,
     and the scheduler ends its request with that reason (a 4xx-class failure: the
     client's grammar).  Masks computed together on llguidance's pool are timed as a
     batch; a batch over the budget makes its matchers suspects, timed one by one next
@@ -106,9 +108,9 @@ class LLGuidanceMatcher:
     def bitmask(self) -> bytes | None:
         if self.over is not None:
             return None
-        t0 = time.perf_counter()
+        t0 = cpu_seconds()
         mask = self.m.compute_bitmask()
-        self._charge(time.perf_counter() - t0)
+        self._charge(cpu_seconds() - t0)
         self.suspect = False
         # llguidance pads its mask; every mask of a step must be `words` long, as the
         # batch's are (the runner stacks them into one array).
@@ -143,9 +145,9 @@ class LLGuidanceMatcher:
         if self.over is not None:
             return False
         self.spent = 0.0
-        t0 = time.perf_counter()
+        t0 = cpu_seconds()
         ok = self.m.consume_token(token_id)
-        self._charge(time.perf_counter() - t0)
+        self._charge(cpu_seconds() - t0)
         return ok and self.over is None
 
     def rollback(self, num_tokens: int) -> None:

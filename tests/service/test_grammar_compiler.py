@@ -249,6 +249,37 @@ def test_batch_over_budget_makes_suspects_timed_alone(compiler):
     assert all(mk is not None for mk in masks) and not any(m.suspect for m in ms)
 
 
+class _Timed:
+    """An LLMatcher stand-in whose mask takes `seconds` asleep (preempted, as a thread of
+    a loaded machine is) or busy (a costly grammar's own work)."""
+
+    def __init__(self, seconds: float, busy: bool) -> None:
+        self.seconds, self.busy = seconds, busy
+
+    def compute_bitmask(self) -> bytes:
+        if not self.busy:
+            time.sleep(self.seconds)
+        end = time.perf_counter() + self.seconds
+        while self.busy and time.perf_counter() < end:
+            pass
+        return bytes(8)
+
+    def is_error(self) -> bool:
+        return False
+
+
+def test_the_token_budget_is_the_grammars_own_cpu_time():
+    """Time the matcher's thread spent waiting for a core is not charged to the grammar
+    (a wall clock failed well-behaved requests on a machine shared with busy processes);
+    work is."""
+    from service.structured import TOKEN_BUDGET_S
+
+    waited = LLGuidanceMatcher(_Timed(4 * TOKEN_BUDGET_S, busy=False), 2)  # type: ignore[arg-type]
+    assert waited.bitmask() is not None and waited.over is None
+    worked = LLGuidanceMatcher(_Timed(2 * TOKEN_BUDGET_S, busy=True), 2)  # type: ignore[arg-type]
+    assert worked.bitmask() is None and "too ambiguous" in (worked.over or "")
+
+
 # ---------------------------------------------------------------- the worker pool heals
 @pytest.fixture
 def fresh():
