@@ -38,8 +38,11 @@ run: setup $(DEFAULT_MODEL)
 	@echo "pagestream: serving on http://$(HOST):$(PORT)/  (chat page at /, OpenAI API at /v1)"
 	$(RUN_PRELOAD) $(PY) -m service.cli serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# Two passes (tests/conftest.py says which tests run alone and why); exit status 5 is a
+# pass that selected nothing (ARGS naming tests of one kind only).
 test: setup
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -m "not alone" -n 2 --dist loadfile $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest tests -m alone $(ARGS) || [ $$? -eq 5 ]
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow" $(ARGS)

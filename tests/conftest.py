@@ -13,6 +13,9 @@ previous engine gave back included); 131,072 tokens of the tiny models.
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("PAGESTREAM_CPU_WARMUP", "0")
 os.environ.setdefault("PAGESTREAM_CPU_KVCACHE_SPACE", "0.25")
@@ -75,3 +78,34 @@ def _memoize_interpreter_builtins() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _memoize_interpreter_builtins()
+
+
+# `make test` runs the suite in two passes: the compute-bound tests (kernels, interpreted
+# Triton, engine parity, the scheduler, bench sections' rows) two at a time (pytest-xdist,
+# a file per worker: a 2-core machine had ~35% of its cores busy running them one at a
+# time), then these alone.  They bound latencies (/health, stream gaps, the loop's stalls),
+# hold grammars to a per-token budget, watch for busy neighbours or drive live servers and
+# a browser: a neighbour test's load would turn them flaky.  A new test directory or
+# module is alone until it is listed as neither.
+_ALONE = (
+    "service/",
+    "reliability/",
+    "clients/",
+    "fleet/",
+    "e2e/test_browser",
+    "e2e/test_structured_property.py",
+    "e2e/test_bench_structured.py",
+    "gpu/test_cpu_threads.py",
+    "test_bench_host.py",
+    "test_bench_crowded.py",
+    "test_bench_charts.py",
+)
+_SHARED = ("gpu/", "e2e/", "scheduler/", "test_")
+_ROOT = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        rel = item.path.relative_to(_ROOT).as_posix()
+        if rel.startswith(_ALONE) or not rel.startswith(_SHARED):
+            item.add_marker(pytest.mark.alone)
