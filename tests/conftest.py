@@ -101,11 +101,12 @@ _ALONE = (
     "test_bench_charts.py",
 )
 _SHARED = ("gpu/", "e2e/", "scheduler/", "test_")
-_ROOT = Path(__file__).parent
+_ROOT = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        rel = item.path.relative_to(_ROOT).as_posix()
-        if rel.startswith(_ALONE) or not rel.startswith(_SHARED):
+        path = item.path.resolve()
+        rel = path.relative_to(_ROOT).as_posix() if path.is_relative_to(_ROOT) else ""
+        if not rel or rel.startswith(_ALONE) or not rel.startswith(_SHARED):
             item.add_marker(pytest.mark.alone)
