@@ -450,8 +450,13 @@ class _Turn:
         reply = _reply_message(resp["output"])
         messages = [*self.history, *mine, reply]
         size = len(msgspec.json.encode(resp)) + len(msgspec.json.encode(mine))
-        size += len(msgspec.json.encode(reply)) + 8 * len(self.history)
         parent = self.req.previous_response_id
+        # A chain's history is its parent entry's own objects (8 bytes a reference here); a
+        # conversation's was decoded from its items for this turn, so this entry holds a
+        # copy of it, which the memory store's bound must count.
+        shared = parent is not None
+        history = 8 * len(self.history) if shared else len(msgspec.json.encode(self.history))
+        size += len(msgspec.json.encode(reply)) + history
         return Stored(resp, messages, self.root, size, parent=parent, base=len(self.history))
 
     async def store_final(self, resp: dict[str, Any]) -> None:

@@ -116,6 +116,24 @@ def test_responses_in_a_conversation(server, client):
     assert tail[0].call_id == call.call_id and tail[0].arguments == call.arguments
 
 
+def test_a_turn_in_a_conversation_counts_its_copy_of_the_history(server, client):
+    """A response made in a conversation keeps the conversation's messages decoded for its
+    turn (its own copy, unlike a chain's, shared with the parent entry): the memory
+    store's bytes bound counts them."""
+    history = [{"role": "user", "content": "river " * 80}, {"role": "assistant", "content": "ok"}]
+    conv = client.conversations.create(items=history)
+    kw = {"model": "tiny", "input": "Name one.", "max_output_tokens": 4, "temperature": 0}
+    inside = client.responses.create(conversation=conv.id, **kw)
+    alone = client.responses.create(**kw)
+
+    def sizes() -> list[int]:
+        shelves = server.state.serving.store._shelves.values()
+        return [s.items[r].size for r in (inside.id, alone.id) for s in shelves if r in s.items]
+
+    counted_inside, counted_alone = server.on_loop(sizes)
+    assert counted_inside - counted_alone >= 480, (counted_inside, counted_alone)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param", "status"),
     [
