@@ -82,11 +82,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 # `make test` runs the suite in two passes: the compute-bound tests (kernels, interpreted
 # Triton, engine parity, the scheduler, bench sections' rows) two at a time (pytest-xdist,
-# a file per worker: a 2-core machine had ~35% of its cores busy running them one at a
-# time), then these alone.  They bound latencies (/health, stream gaps, the loop's stalls),
-# hold grammars to a per-token budget, watch for busy neighbours or drive live servers and
-# a browser: a neighbour test's load would turn them flaky.  A new test directory or
-# module is alone until it is listed as neither.
+# a file per worker: one test at a time left much of a 2-core machine idle), then these
+# alone.  They bound latencies (/health, stream gaps, the loop's stalls), hold grammars to
+# a per-token budget, watch for busy neighbours or drive live servers and a browser: a
+# neighbour test's load would turn them flaky.  A test in a new directory is alone; a new
+# module under the shared ones that times anything must be listed here.
 _ALONE = (
     "service/",
     "reliability/",
