@@ -13,6 +13,7 @@ Background responses run on after their reply (service/responses_background.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -177,13 +178,10 @@ class ResponsesServing(ChatServing):
         finally:
             self._release(start.subs)
 
-    @property
+    @functools.cached_property
     def background(self) -> BackgroundResponses:
         """This server's running background turns (one registry per serving object)."""
-        bg = self.__dict__.get("_background")
-        if bg is None:
-            bg = self.__dict__["_background"] = BackgroundResponses()
-        return bg  # type: ignore[no-any-return]
+        return BackgroundResponses()
 
     async def _store_queued(self, turn: _Turn, start: ChatStart) -> dict[str, Any]:
         queued = turn.response("queued", [])
@@ -322,9 +320,11 @@ class ResponsesServing(ChatServing):
 
     async def delete_response(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        if await self._stored(request.get(TENANT), rid, "response_id") is None:
-            raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
         try:
+            # (conversations share the store: an id of one is no response)
+            found = await self.store.peek(request.get(TENANT), rid)
+            if found is None or found.get("object") != "response":
+                raise BadRequest(f"response {rid!r} not found", "response_id", status=404)
             deleted = await self.store.delete(request.get(TENANT), rid)
         except StoreUnavailable as e:
             raise BadRequest(f"{e}; try again", "response_id", status=503) from e

@@ -35,6 +35,7 @@ dropped from the accounting when it comes up for eviction."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ class ResponseStoreBase(Protocol):
     def enabled(self) -> bool: ...
 
     async def get(self, tenant: str | None, rid: str) -> Stored | None: ...
+
+    async def peek(self, tenant: str | None, rid: str) -> dict[str, Any] | None: ...
 
     async def put(
         self, tenant: str | None, rid: str, item: Stored, expect: int | None = None
@@ -138,6 +141,12 @@ class ResponseStore:
         if item is not None:
             shelf.items.move_to_end(rid)  # type: ignore[union-attr]
         return item
+
+    async def peek(self, tenant: str | None, rid: str) -> dict[str, Any] | None:
+        """The stored object alone, its use not recorded (a watcher's or a check's read)."""
+        shelf = self._shelves.get(_tenant(tenant))
+        item = shelf.items.get(rid) if shelf is not None else None
+        return None if item is None else item.response
 
     async def put(
         self, tenant: str | None, rid: str, item: Stored, expect: int | None = None
@@ -321,6 +330,11 @@ end
 return out
 """
 
+# ARGV: ns, tenant, id.  The head alone, its use not recorded; nil when absent.
+_PEEK = """
+return redis.call('GET', ARGV[1] .. ':r:' .. ARGV[2] .. ':' .. ARGV[3])
+"""
+
 # ARGV: ns, tenant, id.  1 when it was there.
 _DELETE = (
     _DROP
@@ -375,6 +389,7 @@ class RedisResponseStore:
         self.errors = dict.fromkeys(("get", "put", "delete"), 0)
         self._put = self.client.register_script(_PUT)
         self._get = self.client.register_script(_GET)
+        self._peek = self.client.register_script(_PEEK)
         self._delete = self.client.register_script(_DELETE)
         self._beat = self.client.register_script(_BEAT)
         self._alive = self.client.register_script(_ALIVE)
@@ -411,6 +426,17 @@ class RedisResponseStore:
         size = len(head) + len(parts[0])
         base = len(messages) - len(chunks[-1])
         return Stored(response, messages, root, size, int(version), parent or None, base)
+
+    async def peek(self, tenant: str | None, rid: str) -> dict[str, Any] | None:
+        """The stored object alone (its head: no messages read or decoded), its use not
+        recorded."""
+        head = await self._call("get", self._peek, _tenant(tenant), rid)
+        if head is None:
+            return None
+        for decoder in (_HEAD, _WHOLE):
+            with contextlib.suppress(msgspec.DecodeError):
+                return decoder.decode(head)[0]  # type: ignore[no-any-return]
+        return None
 
     async def put(
         self, tenant: str | None, rid: str, item: Stored, expect: int | None = None

@@ -105,9 +105,9 @@ class BackgroundResponses:
                 if asyncio.get_running_loop().time() - beat >= HEARTBEAT_S:
                     beat = asyncio.get_running_loop().time()
                     await store.beat(turn.tenant, rid, HEARTBEAT_TTL_S)
-                got = await store.get(turn.tenant, rid)
+                got = await store.peek(turn.tenant, rid)
                 # (the status, not the version: this replica's own final write moves it)
-                if got is not None and got.response.get("status") == "cancelled":
+                if got is not None and got.get("status") == "cancelled":
                     task.cancel()
                     return
 

@@ -58,6 +58,26 @@ async def present(store, tenant: str, rid: str) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_peek_reads_the_object_alone_and_records_no_use(kind, request):
+    """What a background turn's watcher and a delete read: the stored object, without
+    its conversation and without making it recently used."""
+    redis = request.getfixturevalue("redis") if kind == "redis" else None
+
+    async def main() -> None:
+        store = await stores(kind, redis, 2, 1 << 20)
+        messages = [ChatMessage(role="user", content="hi")]
+        await store.put("t", "a", Stored({"id": "a", "status": "queued"}, messages, "root", 10))
+        await store.put("t", "b", Stored({"id": "b"}, [], "root", 10))
+        assert await store.peek("t", "a") == {"id": "a", "status": "queued"}
+        assert await store.peek("t", "x") is None and await store.peek("u", "a") is None
+        await store.put("t", "c", Stored({"id": "c"}, [], "root", 10))  # a is still oldest
+        assert not await present(store, "t", "a") and await present(store, "t", "b")
+        await store.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
 def test_bounds_and_fairness(kind, request):
     redis = request.getfixturevalue("redis") if kind == "redis" else None
 
