@@ -48,13 +48,23 @@ def engine(model: str, redis_url: str | None, **kw) -> AsyncEngine:
     return AsyncEngine.from_config(args)
 
 
-async def generate(e: AsyncEngine, prompts: list[list[int]], max_tokens: int = 12, tag: str = "q"):
+async def generate(
+    e: AsyncEngine,
+    prompts: list[list[int]],
+    max_tokens: int = 12,
+    tag: str = "q",
+    started: set[int] | None = None,
+):
+    """Greedy outputs of `prompts`; `started` collects the index of each request that has
+    a token out (its prefill step, and the tier loads that step made, applied)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     async def one(i: int, p: list[int]) -> list[int]:
         last = None
         async for out in e.generate("", params, f"{tag}{i}", prompt_token_ids=p):
             last = out
+            if started is not None:
+                started.add(i)
         return last.outputs[0].token_ids
 
     return await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 300)
@@ -151,8 +161,12 @@ async def test_redis_killed_mid_run_changes_nothing(model, redis_server):
     b = engine(model, redis_server.url, redis_lookup_deadline=0.5)
     await b.start()
     try:
-        running = asyncio.ensure_future(generate(b, first, max_tokens=40))
-        while b.core.num_steps < 3:
+        started: set[int] = set()
+        running = asyncio.ensure_future(generate(b, first, max_tokens=40, started=started))
+        # Killed once every first request has loaded what it will load (loads are counted
+        # with the step that made them, which can finish after another request's first
+        # step), and while they all still decode.
+        while len(started) < len(first):
             await asyncio.sleep(0.005)
         loaded_before = b.tier.stats.blocks_loaded
         assert loaded_before > 0
