@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gpu import lora
 from gpu.attention import create_attention_backend
 from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError, read_eos_token_ids, resolve_dtype
@@ -25,6 +26,7 @@ from gpu.cpu.threads import ThreadGovernor
 from gpu.cuda_graphs import DEFAULT_SIZES, DEFAULT_TOKEN_SIZES, DecodeGraphs, PiecewiseGraphs
 from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, storage_dtype
 from gpu.loader import load_model
+from gpu.lora import LoRAManager
 from gpu.medusa import MedusaProposer
 from gpu.pp import PPStage, kv_payloads, run_pipeline
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
@@ -93,6 +95,12 @@ class ModelRunner:
             cuda_graphs = False
         self.local_config = local_config(self.config, tp, pp)
         self._load_weights(config.device.attention_backend, config.model.quantization, tp)
+        self.lora: LoRAManager | None = None
+        if config.model.lora_modules:
+            self.lora = self._attach_lora(config)
+            # Graphs are captured for the base weights and every row; adapters' rows
+            # change per step.
+            cuda_graphs, piecewise_graphs = False, False
         self._make_kv_cache(config.cache.num_kv_blocks, config.cache.kv_cache_bytes, tp)
         self.sampler = Sampler(
             self.config.vocab_size, self.eos_token_ids, self.device, seed=config.model.seed
@@ -211,6 +219,31 @@ class ModelRunner:
             )  # fmt: skip
             if self.model.fuse_for_cpu():
                 log.info("CPU: residual adds, RMSNorm, rotary and SiLU*up run fused")
+
+    def _attach_lora(self, config: EngineConfig) -> LoRAManager:
+        try:
+            manager = lora.attach(
+                self.model, self.config, config.model.lora_modules or {},
+                config.model.max_lora_rank, self.dtype, self.device,
+            )  # fmt: skip
+        except lora.LoRAError as e:
+            raise ModelLoadError(str(e)) from e
+        for ad in manager.adapters.values():
+            log.info(
+                "LoRA adapter %s: rank %d, %d projections, %.1f MiB (%s)",
+                ad.name, ad.rank, len(ad.deltas), ad.nbytes / (1 << 20), ad.path,
+            )  # fmt: skip
+        return manager
+
+    def _lora_rows(self, dec: DecodeColumns, ordered: list[ScheduledRequest]) -> bool:
+        """Tell the adapters which rows of this step are theirs (decode columns first,
+        then each request's query rows, as _prepare lays them out); False: none is."""
+        assert self.lora is not None
+        reqs = self.requests
+        names: list[str | None] = [reqs[rid].params.lora for rid in dec.req_ids]
+        for r in ordered:
+            names += [reqs[r.req_id].params.lora] * (len(r.input_ids) + r.num_draft)
+        return self.lora.set_rows(names, self.device)
 
     def _make_kv_cache(
         self, num_kv_blocks: int | None, kv_cache_bytes: int | None, tp: TPGroup | None
@@ -375,6 +408,8 @@ class ModelRunner:
                 inputs = self._prepare(scheduled, errors, dec)
                 samples, verify = inputs.samples, inputs.verify
                 keep = inputs.keep
+                if self.lora is not None and self._lora_rows(dec, inputs.ordered):
+                    keep = None  # the last layer's cut assumes one weight for every row
                 pw = self.piecewise
                 if (
                     pw is not None
@@ -390,6 +425,8 @@ class ModelRunner:
                     )
                 if keep is not None and hidden.shape[0] != inputs.meta.num_tokens:
                     samples = samples.among(keep)  # the forward returned only `keep`'s rows
+                if self.lora is not None:
+                    self.lora.clear()
                 for pr in inputs.prompt_rows:
                     out.prompt_logprobs[pr.req_id] = self._prompt_logprobs(hidden, pr)
             if samples.states:
@@ -437,6 +474,11 @@ class ModelRunner:
             try:
                 if self.faults is not None:
                     self.faults.check_register(new.req_id, new.token_ids[: new.prompt_len])
+                lora_name = new.sampling.lora
+                if lora_name is not None and (
+                    self.lora is None or lora_name not in self.lora.adapters
+                ):
+                    raise ValueError(f"no LoRA adapter named {lora_name!r}")
                 self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
             except Exception as e:
                 log.warning("request %s: could not register: %r", new.req_id, e)
@@ -597,6 +639,7 @@ class ModelRunner:
         if not prompt_rows and not verify:
             keep = samples.kept_rows(meta.num_tokens, meta.num_decodes)
         return StepInputs(
+            ordered=ordered,
             input_ids=batch.input_ids,
             positions=batch.positions,
             meta=meta,

@@ -68,6 +68,7 @@ class PromptRows:
 class StepInputs:
     """Device tensors of one step."""
 
+    ordered: list[ScheduledRequest]  # the scheduled requests in row order (decodes first)
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata

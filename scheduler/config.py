@@ -17,8 +17,11 @@ This module sits on the bottom floor (pure Python) so every layer may read the t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from scheduler.spec import SpecConfig
@@ -47,6 +50,17 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("int8", "awq", "fp8")  # --quantization
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # gpu/attention's BACKEND_NAMES
 SCHEDULING_POLICIES = ("fair", "fcfs")
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+def lora_fingerprint(path: str | Path) -> str:
+    """A LoRA adapter's weights' hash (gpu/lora.py reads them; a missing file is its
+    error to report)."""
+    try:
+        blob = (Path(path) / "adapter_model.safetensors").read_bytes()
+    except OSError:
+        return "unreadable"
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def flag_of(name: str) -> str | None:
@@ -84,9 +98,17 @@ class ModelSettings:
     quantization: str | None = None
     max_model_len: int | None = None  # None: the model's, capped by the KV cache
     seed: int = 0  # of unseeded sampling
+    # LoRA adapters served beside the model (gpu/lora.py): name (what a request's `model`
+    # says) -> PEFT checkpoint directory; the largest rank they may have.
+    lora_modules: Mapping[str, str] | None = None
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         _one_of(self, "dtype", DTYPES)
+        _check(self, "max_lora_rank", self.max_lora_rank >= 1, "must be at least 1")
+        for name in self.lora_modules or {}:
+            ok = bool(LORA_NAME.fullmatch(name))
+            _check(self, "lora_modules", ok, f"names must match {LORA_NAME.pattern}")
         if self.quantization is not None:
             _one_of(self, "quantization", QUANTIZATIONS)
         # Whether it fits the checkpoint is checked at load (gpu/loader.py), which knows
@@ -241,6 +263,11 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
+        if self.model.lora_modules and (self.parallel.enabled or self.speculative is not None):
+            raise ConfigError(
+                "LoRA adapters (--lora-modules) do not run with speculative decoding or "
+                "--tensor-parallel-size / --pipeline-parallel-size / --nnodes > 1 yet"
+            )
         if self.speculative is not None and self.parallel.enabled:
             raise ConfigError(
                 "speculative decoding (--speculative-*) does not run with "

@@ -75,6 +75,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # The LoRA adapter this request runs with (a name of --lora-modules; the server sets it
+    # from the request's `model`), None for the base model.  Not a sampling setting, but
+    # it travels with them to the runner and keys the request's cached KV.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise the aliases so the hot path tests one value.

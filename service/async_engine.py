@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from scheduler.config import EngineConfig
+from scheduler.config import EngineConfig, lora_fingerprint
 from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
@@ -179,6 +179,13 @@ class AsyncEngine:
         self.scheduler = scheduler
         self.model_dir = model_dir
         self.model_name = config.model.model or "pagestream-default"
+        # LoRA adapters by name, with what keys their requests' cached KV: the adapter's
+        # weights' hash too, so replicas sharing the Redis tier never mix two adapters
+        # served under one name.
+        self.lora_salts = {
+            name: f"lora:{name}@{lora_fingerprint(path)}"
+            for name, path in (config.model.lora_modules or {}).items()
+        }
         self.executor = executor
         if executor is None and core is None:
             self.executor = ThreadExecutor(runner)  # type: ignore[arg-type]
@@ -479,6 +486,11 @@ class AsyncEngine:
         line, lower first; grammar_share: the prompts of the API request it is one of
         (their samples split the grammar's per-token budget)."""
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        if params.lora is not None:
+            lora = self.lora_salts.get(params.lora)
+            if lora is None:
+                raise RequestRejected(f"model: no LoRA adapter named {params.lora!r}")
+            cache_salt = f"{lora}/{cache_salt}" if cache_salt else lora
         if params.bad_words and params.bad_words_token_ids is None:
             # The offline engine's callers pass words; the server tokenizes them off its
             # event loop first (service/prep.py), so this never runs on it.

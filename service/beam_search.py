@@ -39,6 +39,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    lora: str | None = None  # SamplingParams.lora: the adapter every step runs with
 
     def __post_init__(self) -> None:
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
@@ -125,6 +126,7 @@ class BeamSearch:
             logprobs=2 * spec.beam_width,
             ignore_eos=True,
             skip_special_tokens=spec.skip_special_tokens,
+            lora=spec.lora,
         )
         self.max_tokens = 0
         self.first: list[Submitted] = []

@@ -79,6 +79,21 @@ def _add_model_args(g: Group) -> None:
         "token, torch._scaled_mm), quantized at load, or an FP8 checkpoint's own "
         "(compressed-tensors / fbgemm_fp8, detected from config.json anyway)",
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT checkpoints) served beside the model: a request whose "
+        "`model` is NAME runs with that adapter; requests of every adapter and of the base "
+        "share each step",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=default_of("max_lora_rank"),
+        help="largest rank an adapter of --lora-modules may have",
+    )
 
 
 def _add_kv_cache_args(g: Group) -> None:
@@ -332,6 +347,19 @@ def same_names(a: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if hasattr(a, f.name)}
 
 
+def lora_modules(items: list[str] | None) -> dict[str, str] | None:
+    """--lora-modules NAME=PATH ... as a dict (ConfigError names the flag)."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"lora_modules (--lora-modules) takes NAME=PATH, got {item!r}")
+        if name in out:
+            raise ConfigError(f"lora_modules (--lora-modules): {name!r} is given twice")
+        out[name] = path
+    return out or None
+
+
 def engine_config(a: argparse.Namespace, **settings: object) -> EngineConfig:
     """The engine's config from `serve`'s flags: a flag named as its setting lands there
     as parsed; the few in other units or senses are converted here; `settings` (what
@@ -351,6 +379,7 @@ def engine_config(a: argparse.Namespace, **settings: object) -> EngineConfig:
         "max_waiting_per_key": a.max_waiting_requests_per_key or None,
         "prefix_tier_key_share": key_share(a.prefix_tier_key_share, 0),
         "speculative_config": speculative_config(a),
+        "lora_modules": lora_modules(a.lora_modules),
     }
     return EngineConfig.from_kwargs(**(same | converted | settings))
 

@@ -39,6 +39,19 @@ class OpenAIServing(ResponsesServing, ConversationsServing, CompletionServing):
                         "max_model_len": self.engine.max_model_len,
                     }
                     for name in self.names
+                ]
+                + [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "pagestream",
+                        # vLLM's shape for an adapter: its directory, and the base it adapts
+                        "root": path,
+                        "parent": self.names[0],
+                        "max_model_len": self.engine.max_model_len,
+                    }
+                    for name, path in (self.engine.config.model.lora_modules or {}).items()
                 ],
             }
         )

@@ -122,9 +122,9 @@ class ChatServing(ServingBase):
         """Everything before the answer: validate, render, queue (all 400s come from
         here).  The caller must `_release(start.subs)` in a finally.  /v1/responses
         (service/openai_responses.py) turns its request into a chat one and starts here."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         check_messages(req.messages)
-        params = req.to_sampling_params()
+        params = self.with_lora(req.to_sampling_params(), lora)
         self.limits.check_sampling(params, logprobs_field="top_logprobs")
         self.prep.check_vocab_ids(params)
         params = await self.prep.with_bad_words(params)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 from aiohttp import web
 
@@ -261,9 +263,18 @@ class ServingBase:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
-            raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+    def check_model(self, model: str | None) -> str | None:
+        """404 for a model this server does not serve; the LoRA adapter it names, if any
+        (--lora-modules: its requests run the base model with that adapter)."""
+        if model is None or model in self.names:
+            return None
+        if model in self.engine.lora_salts:
+            return model
+        raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+
+    @staticmethod
+    def with_lora(params: SamplingParams, lora: str | None) -> SamplingParams:
+        return params if lora is None else msgspec.structs.replace(params, lora=lora)
 
     def token_text(self, tid: int) -> str:
         s = self._token_text.get(tid)
@@ -295,6 +306,8 @@ class ServingBase:
         suffix = len(prompts) > 1
         rids = [f"{request_id}-{i}" if suffix else request_id for i in range(len(prompts))]
         with _refusals(max_tokens_field, prompt_field):
+            if beam is not None and params.lora is not None:
+                beam = dataclasses.replace(beam, lora=params.lora)
             if beam is not None:  # each prompt's first step queued now (service/beam_search.py)
                 searches, subs = start_searches(
                     self.engine, list(zip(rids, prompts, strict=True)), beam, cache_salt,

@@ -99,8 +99,8 @@ class CompletionServing(ServingBase):
 
     async def completions(self, request: web.Request, body: bytes) -> web.StreamResponse:
         req: CompletionRequest = decode_completion(body)
-        self.check_model(req.model)
-        params = req.to_sampling_params()
+        lora = self.check_model(req.model)
+        params = self.with_lora(req.to_sampling_params(), lora)
         spec = req.structured()
         await self.compile(request, params, spec[1] if spec else None)
         raw = req.prompts()

@@ -81,3 +81,21 @@ def tiny_checkpoint(arch: str = "llama", **overrides: Any) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     _built[key] = path
     return path
+
+
+def peft_adapter(model: str | Path, out: Path, seed: int, **lora: Any) -> str:
+    """A LoRA adapter for `model`, made and saved by PEFT (LoraConfig's keywords in
+    `lora`), its A and B drawn at random (PEFT starts B at zero: no change), so it changes
+    the model's output as a trained one would."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(**lora))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.2)
+    pm.save_pretrained(str(out))
+    return str(out)

@@ -29,6 +29,7 @@ KEYS = ["--api-key", "k1", "--api-key", "k2"]  # two keys: --prefix-tier-key-sha
 SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--model": (["/m"], None),
     "--quantization": (["int8"], None),
+    "--lora-modules": (["sea=/adapters/sea"], KEYS),  # (not with speculation)
     "--num-kv-blocks": (["64"], None),
     "--kv-cache-memory": (["0.5"], None),
     "--block-size": (["32"], None),
@@ -333,3 +334,13 @@ def test_serve_takes_the_engine_process_on_cuda_where_it_carries_everything(argv
     from service.async_engine import engine_process_default
 
     assert engine_process_default(_config(argv)) is want
+
+
+@pytest.mark.parametrize(
+    "items, why",
+    [(["sea"], "takes NAME=PATH"), (["sea=/a", "sea=/b"], "given twice"), (["=/a"], "NAME=PATH")],
+)
+def test_lora_modules_flag_is_checked(items, why):
+    with pytest.raises(ConfigError, match=rf"--lora-modules\)? .*{why}|{why}"):
+        _config(["--lora-modules", *items])
+    assert _config(["--lora-modules", "a=/x", "b=/y"]).model.lora_modules == {"a": "/x", "b": "/y"}

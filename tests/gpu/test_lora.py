@@ -1,0 +1,148 @@
+"""LoRA adapters (gpu/lora.py) against HF transformers + PEFT, float32.
+
+Adapters are made and saved by PEFT itself (random A and B, so each changes the output),
+and served by one engine beside the base model: greedy tokens of a batch mixing the base
+and two adapters, with chunked prefill and the same prompt under each, must be the ones
+PEFT's unmerged model generates; a prompt cached for one of them is never a hit for
+another.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler.config import ConfigError, EngineConfig
+from scheduler.sampling_params import SamplingParams
+from service.llm import LLM
+from tests.checkpoints import peft_adapter, tiny_checkpoint
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+# Two adapters unlike each other: attention only, rank 4; every projection, rank 8, rsLoRA.
+EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=EVERY),
+}
+
+
+def _hf(model: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def adapters(model, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        name: peft_adapter(model, root / name, 100 + i, **lora)
+        for i, (name, lora) in enumerate(ADAPTERS.items())
+    }
+
+
+@torch.inference_mode()
+def _oracle(model: str, adapter: str | None, prompts: list[list[int]], n: int) -> list[list[int]]:
+    hf = _hf(model)
+    if adapter is not None:
+        hf = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    outs = []
+    for p in prompts:
+        got = hf.generate(
+            input_ids=torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        outs.append(got[0, len(p) :].tolist())
+    return outs
+
+
+def _prompts(seed: int, k: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 2000, (int(n),), generator=g).tolist() for n in (5, 37, 70, 19)[:k]]
+
+
+def test_a_mixed_batch_is_what_peft_generates(model, adapters):
+    prompts = _prompts(0, 4)
+    n = 12
+    want = {name: _oracle(model, adapters.get(name), prompts, n) for name in (None, *ADAPTERS)}
+    assert want["qv"] != want[None] and want["all"] != want[None] and want["qv"] != want["all"]
+    llm = LLM(
+        model, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48,
+        lora_modules=adapters,
+    )  # fmt: skip
+    try:
+        jobs = [(name, p) for p in prompts for name in (None, *ADAPTERS)]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
+                  for name, _ in jobs]  # fmt: skip
+        got = llm.generate([p for _, p in jobs], params)
+        for (name, p), out in zip(jobs, got, strict=True):
+            assert out.outputs[0].token_ids == want[name][prompts.index(p)], name
+        # One at a time, base first: each prompt's blocks are cached before the adapters'
+        # turns, which must not hit them (their KV is another model's).
+        for name in (None, *ADAPTERS):
+            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
+            for p, w in zip(prompts, want[name], strict=True):
+                assert llm.generate([p], sp)[0].outputs[0].token_ids == w, name
+        s = llm.engine.scheduler
+        assert not s.has_unfinished() and s.kv.pool.num_free == s.kv.pool.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_an_unknown_adapter_is_refused(model, adapters):
+    llm = LLM(model, dtype="float32", num_kv_blocks=32, lora_modules={"qv": adapters["qv"]})
+    try:
+        with pytest.raises(Exception, match="no LoRA adapter named 'nope'"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, lora="nope"))
+    finally:
+        llm.shutdown()
+
+
+def _broken(adapters: dict[str, str], tmp_path: Path, **conf) -> str:
+    out = tmp_path / "broken"
+    shutil.copytree(adapters["qv"], out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps(cfg | conf))
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    "conf, why",
+    [
+        ({"r": 4}, None),
+        ({"use_dora": True}, "use_dora=True is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"r": 2}, r"A \(4, 256\) / B \(256, 4\), the model needs \(2, 256\)"),
+        ({"peft_type": "IA3"}, "is not LORA"),
+    ],
+)
+def test_adapters_that_cannot_be_served_are_refused_at_start(model, adapters, tmp_path, conf, why):
+    path = _broken(adapters, tmp_path, **conf)
+    if why is None:
+        LLM(model, dtype="float32", num_kv_blocks=16, lora_modules={"x": path}).shutdown()
+        return
+    with pytest.raises(Exception, match=why):
+        LLM(model, dtype="float32", num_kv_blocks=16, lora_modules={"x": path})
+
+
+def test_rank_bound_and_combinations_are_said(model, adapters):
+    with pytest.raises(Exception, match="rank 8 is not in"):
+        LLM(model, dtype="float32", num_kv_blocks=16, max_lora_rank=4,
+            lora_modules={"all": adapters["all"]})  # fmt: skip
+    with pytest.raises(ConfigError, match="do not run with speculative"):
+        EngineConfig.from_kwargs(
+            model=model, lora_modules={"qv": adapters["qv"]},
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="names must match"):
+        EngineConfig.from_kwargs(model=model, lora_modules={"bad name": adapters["qv"]})

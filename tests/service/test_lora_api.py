@@ -1,0 +1,107 @@
+"""LoRA adapters over HTTP (`serve --lora-modules`), with the official openai client:
+an adapter is a model of /v1/models; a request names it as its `model` on every route,
+in the HTTP process's engine and in an engine process."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.checkpoints import peft_adapter, tiny_checkpoint
+from tests.service.live_server import live_server
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def adapter(model, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("lora") / "sea"
+    return peft_adapter(model, out, 7, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module", params=["inline", "engine-process"])
+def server(request, model, adapter):
+    kw = {"threads": 1, "lora_modules": {"sea": adapter}}
+    with live_server(
+        model, served_model_name="tiny", engine_kwargs=kw,
+        engine_process=request.param == "engine-process",
+    ) as s:  # fmt: skip
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@torch.inference_mode()
+def _peft_greedy(model: str, adapter: str, ids: list[int], n: int) -> list[int]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    out = pm.generate(
+        input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def test_models_lists_the_adapter_with_its_parent(client, adapter):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) >= {"tiny", "sea"}
+    assert models["sea"].model_extra["parent"] == "tiny"
+    assert models["sea"].model_extra["root"] == adapter
+
+
+def test_completions_with_the_adapter_are_what_peft_generates(client, model, adapter):
+    ids = [17, 305, 1200, 44, 9, 861, 23]
+    kw = dict(prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True,
+              "return_token_ids": True})  # fmt: skip
+    sea = client.completions.create(model="sea", **kw).choices[0].model_extra["token_ids"]
+    base = client.completions.create(model="tiny", **kw).choices[0].model_extra["token_ids"]
+    assert sea == _peft_greedy(model, adapter, ids, 10)
+    assert sea != base
+    # Beam search's steps run the adapter too: one beam is the greedy answer.
+    beam = client.completions.create(
+        model="sea", prompt=ids, max_tokens=10, temperature=0,
+        extra_body={"ignore_eos": True, "use_beam_search": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert beam.choices[0].model_extra["token_ids"] == sea
+
+
+def test_chat_and_responses_run_the_adapter(client, server):
+    kw = dict(max_tokens=12, temperature=0)  # (Responses takes no ignore_eos)
+    sea = client.chat.completions.create(model="sea", messages=MESSAGES, **kw)
+    base = client.chat.completions.create(model="tiny", messages=MESSAGES, **kw)
+    assert sea.model == "sea" and sea.choices[0].message.content != base.choices[0].message.content
+    # The same prompt through /v1/completions on the adapter: the same text.
+    ids = httpx.post(server.url + "/tokenize", json={"model": "sea", "messages": MESSAGES,
+                     "add_generation_prompt": True}, timeout=30).json()["tokens"]  # fmt: skip
+    cmpl = client.completions.create(model="sea", prompt=ids, **kw)
+    assert cmpl.choices[0].text == sea.choices[0].message.content
+    r = client.responses.create(
+        model="sea", input=MESSAGES[0]["content"], max_output_tokens=12, temperature=0
+    )
+    assert r.output_text == sea.choices[0].message.content
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="sea", messages=MESSAGES, stream=True, **kw)
+        if c.choices
+    )
+    assert streamed == sea.choices[0].message.content
+
+
+def test_an_unknown_model_is_a_404_naming_the_field(client, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="sea2", prompt="hi", max_tokens=2)
+    assert e.value.body["param"] == "model" and "sea2" in e.value.body["message"]
+    server.wait_kv_free()
