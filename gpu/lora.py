@@ -12,8 +12,10 @@ Adapters are PEFT checkpoints (`adapter_config.json` + `adapter_model.safetensor
 targeting any of q/k/v/o_proj and gate/up/down_proj; everything else PEFT can save
 (DoRA, biases, extra trained modules, per-module ranks or alphas, embedding targets) is
 refused at start with the reason, not served wrongly.  A step with adapter rows runs every
-layer for every row (the last layer's cut to the sampled rows assumes one weight per row)
-and without CUDA graphs, which are captured for the base alone.
+layer for every row (the last layer's cut to the sampled rows assumes one weight per row),
+layer by layer on CPU (not the compiled all-layer call, which reads the base weights
+itself) and without CUDA graphs, which are captured for the base alone; a step without
+any runs as it would with no adapter loaded.
 """
 
 from __future__ import annotations
@@ -224,6 +226,18 @@ class LoRALinear(nn.Module):
             return y
         return self.manager.add(self.key, x, y)
 
+    # A packed gate_up projection's SiLU * up epilogue (gpu/model.py, MLP): the base's,
+    # for steps no adapter takes part in; the others take the unfused path, whose
+    # gate_up output the adapters' updates reach.
+    @property
+    def gated_inter(self) -> int | None:
+        if self.manager.active:
+            return None
+        return getattr(self.base, "gated_inter", None)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base.silu_mul(x)  # type: ignore[no-any-return]
+
 
 def attach(
     model: nn.Module, cfg: ModelConfig, modules: Mapping[str, str], max_rank: int,
@@ -240,8 +254,7 @@ def attach(
         owner_name, attr = module.split(".")
         owner = getattr(model.layers[layer], owner_name)
         setattr(owner, attr, LoRALinear(getattr(owner, attr), (layer, module), manager))
-    # The compiled all-layer CPU call reads the packed weights itself: it would skip the
-    # wrappers.  The per-layer fused path calls them.
-    if getattr(model, "layer_stack", None) is not None:
-        model.layer_stack = None
+    # The compiled all-layer CPU call reads the packed base weights itself: the model runs
+    # it only for steps no adapter takes part in.
+    model.lora = manager
     return manager

@@ -8,6 +8,7 @@ it needs logits for.  Projections are fused (qkv, gate_up) so each layer issues 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from gpu.cpu.linear import (
 from gpu.pp import PPStage
 from gpu.tp import TPGroup, vocab_parallel_embed
 from scheduler import envs
+
+if TYPE_CHECKING:
+    from gpu.lora import LoRAManager
 
 
 class RMSNorm(nn.Module):
@@ -277,6 +281,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(config, max_positions)
         self.fused = False  # set by fuse_for_cpu()
         self.layer_stack: LayerStack | None = None  # set by fuse_for_cpu()
+        self.lora: LoRAManager | None = None  # set by gpu.lora.attach
         if backend.name == "triton" and envs.PAGESTREAM_TRITON_ELEMENTWISE:
             self.use_triton_elementwise()
         # Tied checkpoints read the embedding matrix; keeping a single parameter (rather
@@ -354,7 +359,9 @@ class CausalLM(nn.Module):
         keep: list[int] | None = None,
         last_stage: bool = True,
     ) -> torch.Tensor:
-        if self.layer_stack is not None:  # every layer in one compiled call
+        # Every layer in one compiled call, which reads the base weights itself: not for a
+        # step whose rows run LoRA adapters (gpu/lora.py), whose updates come per layer.
+        if self.layer_stack is not None and not (self.lora is not None and self.lora.active):
             h = self.layer_stack.run(residual, positions, kv_caches, meta, keep)
             if h is not None:
                 return h

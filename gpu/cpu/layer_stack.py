@@ -69,6 +69,13 @@ class LayerStack:
         self.prefill = backend.sdpa_min_rows(self.dtype) is None
         self._kv: list[tuple[torch.Tensor, ...]] | None = None
         self._layers: ctypes.Array[_Layer] | None = None
+        # Each layer's packed projections as built: a model serving LoRA adapters wraps
+        # them afterwards (gpu/lora.py) and runs the stack only for steps without adapter
+        # rows, which are the base weights' alone.
+        self.projections = [
+            (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
+            for ly in model.layers
+        ]
         lib = cpu_kernels.load()
         assert lib is not None
         self._fn = lib.ps_layer_stack  # typed by bindings.declare
@@ -117,9 +124,9 @@ class LayerStack:
         if self._layers is not None and kv_caches is self._kv:
             return self._layers
         layers = (_Layer * len(self.model.layers))()
-        for row, layer, kv in zip(layers, self.model.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj
+        for row, layer, kv, (qkv, o, gate_up, down) in zip(
+            layers, self.model.layers, kv_caches, self.projections, strict=True
+        ):
             row.in_norm = layer.input_layernorm.weight.data_ptr()
             row.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             row.in_eps = layer.input_layernorm.eps
@@ -127,9 +134,9 @@ class LayerStack:
             row.qkv = self._weight(qkv)
             bias = qkv.strategy.bias_f32
             row.qkv_bias = None if bias is None else bias.data_ptr()
-            row.o = self._weight(attn.o_proj)
-            row.gate_up = self._weight(mlp.gate_up_proj)
-            row.down = self._weight(mlp.down_proj)
+            row.o = self._weight(o)
+            row.gate_up = self._weight(gate_up)
+            row.down = self._weight(down)
             row.k_cache, row.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
         self._kv, self._layers = kv_caches, layers
         return layers

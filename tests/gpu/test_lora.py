@@ -146,3 +146,21 @@ def test_rank_bound_and_combinations_are_said(model, adapters):
         )  # fmt: skip
     with pytest.raises(ConfigError, match="names must match"):
         EngineConfig.from_kwargs(model=model, lora_modules={"bad name": adapters["qv"]})
+
+
+def test_the_benchmarks_adapters_are_peft_checkpoints(model, tmp_path):
+    """modelkit.lora writes what `make bench` serves: PEFT reads it as its own, and the
+    engine's output on it is PEFT's."""
+    from modelkit.lora import write_lora_adapter
+
+    path = str(write_lora_adapter(model, tmp_path / "mk", rank=4, alpha=6.0, std=0.3,
+                                  targets=("k_proj", "o_proj", "up_proj")))  # fmt: skip
+    prompts = _prompts(5, 2)
+    want = _oracle(model, path, prompts, 8)
+    assert want != _oracle(model, None, prompts, 8)
+    llm = LLM(model, dtype="float32", num_kv_blocks=64, lora_modules={"mk": path})
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, lora="mk")
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    finally:
+        llm.shutdown()
