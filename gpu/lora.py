@@ -75,11 +75,23 @@ def _parts(cfg: ModelConfig) -> dict[str, list[tuple[int, int, int]]]:
 
 @dataclass
 class _Delta:
-    """One adapter's low-rank update of one fused projection: its parts' A matrices
-    stacked (one GEMM for all of them), and per part where its rank rows and outputs are."""
+    """One adapter's low-rank update of one fused projection: per part it targets, where
+    the part's outputs are and its A [rank, in] and B [out, rank]."""
 
-    a: torch.Tensor  # [sum of ranks, in]
-    parts: list[tuple[int, int, int, int, torch.Tensor]]  # out offset, size, rank offset, rank, B
+    parts: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # out offset, out size, A, B
+
+
+@dataclass
+class _Stack:
+    """The updates of one projection by every adapter of a step, stacked: one GEMM gives
+    x A^T for all of them and all parts (columns part by part, each part's adapters side by
+    side), then one product per part adds its (x A^T) B^T, each adapter's scale folded into
+    its B.  Rows of another adapter (or the base) have their columns masked to zero."""
+
+    a: torch.Tensor  # [columns, in]
+    parts: list[tuple[int, int, int, int, torch.Tensor]]  # out offset, size, column, width, B
+    owner: torch.Tensor  # [columns]: the step's index of the adapter each column is of
+    layout: tuple[tuple[int, int], ...]  # (adapter, rank) per column run: equal layouts mask alike
 
 
 @dataclass
@@ -93,10 +105,7 @@ class Adapter:
 
     @property
     def nbytes(self) -> int:
-        n = 0
-        for d in self.deltas.values():
-            n += d.a.nbytes + sum(p[4].nbytes for p in d.parts)
-        return n
+        return sum(a.nbytes + b.nbytes for d in self.deltas.values() for _, _, a, b in d.parts)
 
 
 def read_adapter(
@@ -159,55 +168,137 @@ def read_adapter(
         raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights in {weights}")
     adapter = Adapter(name, str(root), rank, scale, lora_fingerprint(root))
     for key, items in per_module.items():
-        a_cat = torch.cat([a for _, _, a, _ in items]).to(device=device, dtype=dtype)
-        listed = []
-        for i, (off, out, _, b) in enumerate(items):
-            listed.append((off, out, i * rank, rank, b.to(device=device, dtype=dtype)))
-        adapter.deltas[key] = _Delta(a_cat.contiguous(), listed)
+        adapter.deltas[key] = _Delta(
+            [
+                # B scaled in float32, then stored in the model dtype (one rounding).
+                (off, out, a.to(device=device, dtype=dtype), (b.float() * scale).to(device, dtype))
+                for off, out, a, b in items
+            ]
+        )
     return adapter
 
 
+def _stack(adapters: list[Adapter], key: tuple[int, str]) -> _Stack | None:
+    by_part: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    for i, ad in enumerate(adapters):
+        d = ad.deltas.get(key)
+        for off, out, a, b in d.parts if d is not None else ():
+            by_part.setdefault(off, []).append((i, out, a, b))
+    if not by_part:
+        return None
+    a_rows, parts, owner, layout, col = [], [], [], [], 0
+    for off in sorted(by_part):
+        items = by_part[off]
+        width = sum(a.shape[0] for _, _, a, _ in items)
+        parts.append((off, items[0][1], col, width, torch.cat([b for *_, b in items], dim=1)))
+        for i, _, a, _ in items:
+            a_rows.append(a)
+            owner += [i] * a.shape[0]
+            layout.append((i, a.shape[0]))
+        col += width
+    a_all = torch.cat(a_rows)
+    return _Stack(a_all, parts, torch.tensor(owner, device=a_all.device), tuple(layout))
+
+
 class LoRAManager:
-    """The adapters one runner serves and which rows of the current step each one has."""
+    """The adapters one runner serves, and the current step's: which rows are whose, and
+    the stacked updates that reach them.
+
+    A run of at least LONG_RUN rows of one adapter (a prompt chunk; or every row of the
+    step) computes its update on its slice of rows alone, from that adapter's own stack.
+    The other adapter rows (decodes, short chunks) share one product over every adapter of
+    the step, each row's columns of other adapters masked to zero: a few skinny GEMMs for
+    all of them rather than a few per adapter, the masked FLOPs small at their row counts.
+    """
+
+    LONG_RUN = 16
+    MAX_STACKS = 16  # sets of adapters whose stacks are kept (a step's set is usually seen again)
 
     def __init__(self, adapters: Mapping[str, Adapter]) -> None:
         self.adapters = dict(adapters)
-        # This step's adapters and their rows (None: every row).
-        self.active: list[tuple[Adapter, torch.Tensor | None]] = []
+        self._stacks: dict[tuple[str, ...], dict[tuple[int, str], _Stack | None]] = {}
+        self.active = False
+        # This step's: long runs (first row, end, their adapter's stacks); the short rows'
+        # shared stacks, the rows (a range, or indices) and their mask per stack layout.
+        self._runs: list[tuple[int, int, dict[tuple[int, str], _Stack | None]]] = []
+        self._shared: dict[tuple[int, str], _Stack | None] = {}
+        self._rows: slice | torch.Tensor | None = None
+        self._owner: torch.Tensor | None = None
+        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+
+    def _stacks_of(self, names: tuple[str, ...]) -> dict[tuple[int, str], _Stack | None]:
+        stacks = self._stacks.pop(names, None)
+        if stacks is None:
+            ads = [self.adapters[n] for n in names]
+            stacks = {k: _stack(ads, k) for k in {k for ad in ads for k in ad.deltas}}
+            while len(self._stacks) >= self.MAX_STACKS:
+                self._stacks.pop(next(iter(self._stacks)))
+        self._stacks[names] = stacks  # most recently used last
+        return stacks
 
     def set_rows(self, names: list[str | None], device: torch.device) -> bool:
         """The step's row -> adapter (None: the base); False when no row has one."""
-        present = {n for n in names if n is not None}
-        self.active = []
-        if not present:
+        self.clear()
+        runs, short = [], []
+        i = 0
+        while i < len(names):
+            j = i
+            while j < len(names) and names[j] == names[i]:
+                j += 1
+            name = names[i]
+            if name is not None:
+                if j - i >= self.LONG_RUN or j - i == len(names):
+                    runs.append((i, j, self._stacks_of((name,))))
+                else:
+                    short += range(i, j)
+            i = j
+        if not runs and not short:
             return False
-        for n in sorted(present):
-            ad = self.adapters[n]
-            if len(present) == 1 and all(x == n for x in names):
-                self.active.append((ad, None))
+        self.active = True
+        self._runs = runs
+        if short:
+            present = tuple(sorted({names[r] for r in short}))  # type: ignore[type-var]
+            index = {n: k for k, n in enumerate(present)}
+            self._shared = self._stacks_of(present)  # type: ignore[arg-type]
+            lo, hi = short[0], short[-1] + 1
+            if hi - lo == len(short):  # one range (the decode rows lead the step)
+                self._rows = slice(lo, hi)
+                owner = [index[n] for n in names[lo:hi]]  # type: ignore[index]
             else:
-                rows = [i for i, x in enumerate(names) if x == n]
-                self.active.append((ad, torch.tensor(rows, dtype=torch.int64, device=device)))
+                self._rows = torch.tensor(short, dtype=torch.int64, device=device)
+                owner = [index[names[r]] for r in short]  # type: ignore[index]
+            self._owner = torch.tensor(owner, dtype=torch.int64, device=device)
         return True
 
     def clear(self) -> None:
-        self.active = []
+        self.active, self._runs, self._shared = False, [], {}
+        self._rows, self._owner, self._masks = None, None, {}
 
     def add(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for ad, rows in self.active:
-            d = ad.deltas.get(key)
-            if d is None:
-                continue
-            xs = x if rows is None else x.index_select(0, rows)
-            xa = xs @ d.a.T  # [n, sum of ranks]
-            delta = torch.zeros(xs.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-            for off, out, r0, r, b in d.parts:
-                # PEFT's order: (x A^T) B^T, then the scale.
-                delta[:, off : off + out] = (xa[:, r0 : r0 + r] @ b.T) * ad.scale
-            if rows is None:
-                y = y + delta
+        """y (the base projection of x) plus the step's adapters' updates, in place."""
+        for lo, hi, stacks in self._runs:
+            s = stacks.get(key)
+            if s is not None:
+                xa = x[lo:hi] @ s.a.T
+                for off, out, col, width, b in s.parts:
+                    y[lo:hi, off : off + out].addmm_(xa[:, col : col + width], b.T)
+        s = self._shared.get(key)
+        if s is None:
+            return y
+        rows, owner = self._rows, self._owner
+        assert rows is not None and owner is not None
+        xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+        xa = xs @ s.a.T  # [rows, columns]
+        mask = self._masks.get(s.layout)
+        if mask is None:  # the same for every projection of this layout in the step
+            mask = (owner[:, None] == s.owner[None, :]).to(xa.dtype)
+            self._masks[s.layout] = mask
+        xa.mul_(mask)
+        for off, out, col, width, b in s.parts:
+            if isinstance(rows, slice):
+                y[rows, off : off + out].addmm_(xa[:, col : col + width], b.T)
             else:
-                y = y.index_add(0, rows, delta)
+                y[:, off : off + out].index_add_(0, rows, xa[:, col : col + width] @ b.T)
         return y
 
 

@@ -164,3 +164,37 @@ def test_the_benchmarks_adapters_are_peft_checkpoints(model, tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["a"] * 5,  # every row one adapter: one run, however short
+        [None] * 3 + ["a"] * 20 + ["b"] * 17,  # long runs (prompt chunks)
+        ["a", "b", None, "b", "a"] + ["b"] * 18,  # decodes of several, then a chunk
+        ["b"] * 18 + ["a", None, "b"] + ["a"] * 16 + ["b", "b"],  # short rows apart
+    ],
+)
+def test_each_row_gets_its_own_adapters_update(model, adapters, layout):
+    """The manager's three ways (a run alone, a range masked, rows gathered) against the
+    update written out row by row in float64."""
+    from gpu.config import ModelConfig
+    from gpu.lora import LoRAManager, read_adapter
+
+    cfg = ModelConfig.from_dir(model)
+    cpu = torch.device("cpu")
+    ads = {n: read_adapter(n, adapters[p], cfg, 64, torch.float32, cpu)
+           for n, p in (("a", "qv"), ("b", "all"))}  # fmt: skip
+    m = LoRAManager(ads)
+    key = (1, "self_attn.qkv_proj")
+    x = torch.randn(len(layout), cfg.hidden_size)
+    y0 = torch.randn(len(layout), cfg.q_size + 2 * cfg.kv_size)
+    assert m.set_rows(layout, cpu)
+    got = m.add(key, x, y0.clone())
+    want = y0.double().clone()
+    for r, name in enumerate(layout):
+        d = ads[name].deltas.get(key) if name else None
+        for off, out, a, b in d.parts if d else ():
+            want[r, off : off + out] += (x[r].double() @ a.double().T) @ b.double().T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, y0)
