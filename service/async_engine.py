@@ -491,6 +491,11 @@ class AsyncEngine:
             if lora is None:
                 raise RequestRejected(f"model: no LoRA adapter named {params.lora!r}")
             cache_salt = f"{lora}/{cache_salt}" if cache_salt else lora
+        elif cache_salt is not None and cache_salt.startswith(("lora:", "base:")):
+            # A base request's salt never reads as an adapter's: a client's cache_salt of
+            # "lora:<name>@<hash>" would otherwise put base KV where the adapter's
+            # requests look.  (Escaping every "base:" too keeps distinct salts distinct.)
+            cache_salt = "base:" + cache_salt
         if params.bad_words and params.bad_words_token_ids is None:
             # The offline engine's callers pass words; the server tokenizes them off its
             # event loop first (service/prep.py), so this never runs on it.

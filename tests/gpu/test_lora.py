@@ -198,3 +198,30 @@ def test_each_row_gets_its_own_adapters_update(model, adapters, layout):
             want[r, off : off + out] += (x[r].double() @ a.double().T) @ b.double().T
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got, y0)
+
+
+def test_a_base_request_cannot_take_an_adapters_salt(model, adapters):
+    """A client's cache_salt spelled as an adapter's KV key must not let base KV be read
+    by (or written for) that adapter's requests."""
+    from service.async_engine import AsyncEngine
+
+    prompt = _prompts(9, 1)[0] + list(range(40, 80))
+    want = _oracle(model, adapters["qv"], [prompt], 6)[0]
+    llm = LLM(model, dtype="float32", num_kv_blocks=64, lora_modules={"qv": adapters["qv"]})
+    try:
+        engine: AsyncEngine = llm.engine
+        forged = engine.lora_salts["qv"]
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+        async def base_with(salt: str) -> None:
+            async for _ in engine.generate("", sp, "forged", prompt_token_ids=prompt,
+                                           cache_salt=salt):  # fmt: skip
+                pass
+
+        llm._run(base_with(forged))
+        before = engine.scheduler.kv.pool.num_free
+        lora = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, lora="qv")
+        assert llm.generate([prompt], lora)[0].outputs[0].token_ids == want
+        assert engine.scheduler.kv.pool.num_free == before
+    finally:
+        llm.shutdown()
