@@ -240,9 +240,14 @@ class ModelRunner:
         then each request's query rows, as _prepare lays them out); False: none is."""
         assert self.lora is not None
         reqs = self.requests
-        names: list[str | None] = [reqs[rid].params.lora for rid in dec.req_ids]
+
+        def lora_of(rid: str) -> str | None:  # (one that failed to register runs as the base)
+            st = reqs.get(rid)
+            return None if st is None else st.params.lora
+
+        names = [lora_of(rid) for rid in dec.req_ids]
         for r in ordered:
-            names += [reqs[r.req_id].params.lora] * (len(r.input_ids) + r.num_draft)
+            names += [lora_of(r.req_id)] * (len(r.input_ids) + r.num_draft)
         return self.lora.set_rows(names, self.device)
 
     def _make_kv_cache(
