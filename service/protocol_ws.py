@@ -79,6 +79,8 @@ class WSGenerate(
     prompt: str | list[NonNegInt] | None = None
     params: WSParams = msgspec.field(default_factory=WSParams)
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # The served model (unchecked when absent) or a LoRA adapter of --lora-modules
+    model: Annotated[str, Meta(max_length=256)] | None = None
 
 
 class WSCancel(Struct, forbid_unknown_fields=True, tag="cancel", tag_field="type", kw_only=True):

@@ -304,7 +304,11 @@ class WSSession:
         """Validate the frame, compile its grammar, and tokenize its prompt."""
         engine, prep = self.state.engine, self.state.prep
         assert engine is not None and prep is not None
-        params = frame.params.to_sampling_params()
+        serving = self.state.serving
+        assert serving is not None
+        params = serving.with_lora(
+            frame.params.to_sampling_params(), serving.check_model(frame.model)
+        )
         prep.limits.check_sampling(params, prefix="params.")
         prep.check_vocab_ids(params, "params.")
         params = await prep.with_bad_words(params, "params.bad_words")

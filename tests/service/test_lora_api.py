@@ -4,10 +4,14 @@ in the HTTP process's engine and in an engine process."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import openai
 import pytest
 import torch
+import websockets
 
 from tests.checkpoints import peft_adapter, tiny_checkpoint
 from tests.service.live_server import live_server
@@ -105,3 +109,28 @@ def test_an_unknown_model_is_a_404_naming_the_field(client, server):
         client.completions.create(model="sea2", prompt="hi", max_tokens=2)
     assert e.value.body["param"] == "model" and "sea2" in e.value.body["message"]
     server.wait_kv_free()
+
+
+async def test_websocket_generations_name_the_adapter(server, client):
+    ids = [17, 305, 1200, 44, 9, 861, 23]
+    params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    want = client.completions.create(
+        model="sea", prompt=ids, extra_body={"ignore_eos": True, "return_token_ids": True},
+        max_tokens=8, temperature=0,
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    async with websockets.connect(server.ws_url) as ws:
+        for gid, model in (("s", "sea"), ("b", None), ("x", "sea2")):
+            frame = {"type": "generate", "id": gid, "prompt": ids, "params": params}
+            await ws.send(json.dumps(frame | ({"model": model} if model else {})))
+        frames, ended = [], set()
+        async with asyncio.timeout(60):
+            while len(ended) < 3:
+                f = json.loads(await ws.recv())
+                frames.append(f)
+                if f["type"] in ("done", "error"):
+                    ended.add(f["id"])
+    tokens = {g: [t for f in frames if f["type"] == "delta" and f["id"] == g
+                  for t in f["token_ids"]] for g in ("s", "b")}  # fmt: skip
+    assert tokens["s"] == want and tokens["b"] != want
+    err = next(f for f in frames if f["type"] == "error")
+    assert err["id"] == "x" and err["code"] == 404 and err["param"] == "model"
