@@ -648,6 +648,7 @@ class AsyncEngine:
             prompt_token_ids=ids,
             outputs=[s.out for s in seqs],
             metrics=metrics,
+            lora=params.lora,
         )
         live = params.n
         # One sample without stop strings or logprobs: a step's decode tokens go straight

@@ -156,6 +156,11 @@ class Metrics:
             "Finished requests by finish reason.",
             [*m, "finished_reason"], registry=r,
         )  # fmt: skip
+        self.lora_requests = Counter(
+            "pagestream_lora_requests",
+            "Finished requests that ran a LoRA adapter (--lora-modules), by adapter.",
+            [*m, "adapter"], registry=r,
+        )  # fmt: skip
         self.step_time = Histogram(
             "pagestream_engine_step_seconds",
             "Wall time of one engine step (model forward and sampling).",
@@ -386,6 +391,8 @@ class Metrics:
         c["prompt_tokens"].inc(len(out.prompt_token_ids))
         for o in out.outputs:
             self.requests.labels(self.model_name, o.finish_reason or "abort").inc()
+        if out.lora is not None:
+            self.lora_requests.labels(self.model_name, out.lora).inc()
         if any(o.finish_reason == "error" for o in out.outputs):
             self.request_errors.labels(self.model_name).inc()
         if m is None:

@@ -76,3 +76,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # params.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    lora: str | None = None  # the LoRA adapter it ran with (vLLM's lora_request), if any

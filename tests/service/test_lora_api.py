@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 
 import httpx
 import openai
@@ -102,6 +104,23 @@ def test_chat_and_responses_run_the_adapter(client, server):
         if c.choices
     )
     assert streamed == sea.choices[0].message.content
+
+
+def test_adapter_requests_are_counted_by_adapter(client, server):
+    def count() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        m = re.search(
+            r'^pagestream_lora_requests_total\{[^}]*adapter="sea"[^}]*\} (\S+)', text, re.M
+        )
+        return float(m.group(1)) if m else 0.0
+
+    before = count()
+    client.completions.create(model="sea", prompt="hi", max_tokens=2)
+    client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    deadline = time.monotonic() + 10  # (counted when the request's stream ends)
+    while count() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count() == before + 1
 
 
 def test_an_unknown_model_is_a_404_naming_the_field(client, server):
