@@ -263,10 +263,10 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model.lora_modules and (self.parallel.enabled or self.speculative is not None):
+        if self.model.lora_modules and self.parallel.enabled:
             raise ConfigError(
-                "LoRA adapters (--lora-modules) do not run with speculative decoding or "
-                "--tensor-parallel-size / --pipeline-parallel-size / --nnodes > 1 yet"
+                "LoRA adapters (--lora-modules) do not run with --tensor-parallel-size / "
+                "--pipeline-parallel-size / --nnodes > 1 yet"
             )
         if self.speculative is not None and self.parallel.enabled:
             raise ConfigError(

@@ -139,11 +139,10 @@ def test_rank_bound_and_combinations_are_said(model, adapters):
     with pytest.raises(Exception, match="rank 8 is not in"):
         LLM(model, dtype="float32", num_kv_blocks=16, max_lora_rank=4,
             lora_modules={"all": adapters["all"]})  # fmt: skip
-    with pytest.raises(ConfigError, match="do not run with speculative"):
+    with pytest.raises(ConfigError, match="do not run with --tensor-parallel-size"):
         EngineConfig.from_kwargs(
-            model=model, lora_modules={"qv": adapters["qv"]},
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )  # fmt: skip
+            model=model, lora_modules={"qv": adapters["qv"]}, tensor_parallel_size=2
+        )
     with pytest.raises(ConfigError, match="names must match"):
         EngineConfig.from_kwargs(model=model, lora_modules={"bad name": adapters["qv"]})
 
@@ -223,5 +222,35 @@ def test_a_base_request_cannot_take_an_adapters_salt(model, adapters):
         lora = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, lora="qv")
         assert llm.generate([prompt], lora)[0].outputs[0].token_ids == want
         assert engine.scheduler.kv.pool.num_free == before
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_verifies_with_the_adapter(model, adapters, method):
+    """Drafts (n-gram, or a draft model that knows no adapter) are verified by the model
+    with each row's adapter: greedy output is PEFT's, base and adapter rows in the same
+    verify steps."""
+    spec = {
+        "method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "disable_by_batch_size": 256, "min_acceptance_rate": 0.0,
+    }  # fmt: skip
+    if method == "draft":
+        spec["model"] = str(tiny_checkpoint("llama", seed=7, num_hidden_layers=1))
+    # Copy-heavy prompts: the n-gram proposer finds their repeats.
+    prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 9 + [43]]
+    n = 16
+    want = {name: _oracle(model, adapters.get(name), prompts, n) for name in (None, "all")}
+    llm = LLM(model, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=64,
+              lora_modules={"all": adapters["all"]}, speculative_config=spec)  # fmt: skip
+    try:
+        jobs = [(name, p) for p in prompts for name in (None, "all")]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
+                  for name, _ in jobs]  # fmt: skip
+        got = llm.generate([p for _, p in jobs], params)
+        for (name, p), out in zip(jobs, got, strict=True):
+            assert out.outputs[0].token_ids == want[name][prompts.index(p)], name
+        stats = llm.engine.scheduler.stats().spec
+        assert stats is not None and stats.num_draft_tokens > 0
     finally:
         llm.shutdown()
