@@ -212,11 +212,16 @@ class LoRAManager:
     """
 
     LONG_RUN = 16
-    MAX_STACKS = 16  # sets of adapters whose stacks are kept (a step's set is usually seen again)
 
     def __init__(self, adapters: Mapping[str, Adapter]) -> None:
         self.adapters = dict(adapters)
+        # Each adapter's own stacks (its runs'), made once; the stacks of sets of adapters
+        # that shared a step (copies of their weights), kept while they fit in as many
+        # bytes as the adapters themselves, least recently used out first.
+        self._own = {n: self._build((n,)) for n in self.adapters}
         self._stacks: dict[tuple[str, ...], dict[tuple[int, str], _Stack | None]] = {}
+        self._stack_bytes: dict[tuple[str, ...], int] = {}
+        self.max_stack_bytes = sum(ad.nbytes for ad in self.adapters.values())
         self.active = False
         # This step's: long runs (first row, end, their adapter's stacks); the short rows'
         # shared stacks, the rows (a range, or indices) and their mask per stack layout.
@@ -226,13 +231,23 @@ class LoRAManager:
         self._owner: torch.Tensor | None = None
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
 
+    def _build(self, names: tuple[str, ...]) -> dict[tuple[int, str], _Stack | None]:
+        ads = [self.adapters[n] for n in names]
+        return {k: _stack(ads, k) for k in {k for ad in ads for k in ad.deltas}}
+
     def _stacks_of(self, names: tuple[str, ...]) -> dict[tuple[int, str], _Stack | None]:
+        if len(names) == 1:
+            return self._own[names[0]]
         stacks = self._stacks.pop(names, None)
         if stacks is None:
-            ads = [self.adapters[n] for n in names]
-            stacks = {k: _stack(ads, k) for k in {k for ad in ads for k in ad.deltas}}
-            while len(self._stacks) >= self.MAX_STACKS:
-                self._stacks.pop(next(iter(self._stacks)))
+            stacks = self._build(names)
+            self._stack_bytes[names] = sum(self.adapters[n].nbytes for n in names)
+            while self._stacks and (
+                sum(self._stack_bytes[k] for k in self._stacks) + self._stack_bytes[names]
+                > self.max_stack_bytes
+            ):
+                oldest = next(iter(self._stacks))
+                del self._stacks[oldest], self._stack_bytes[oldest]
         self._stacks[names] = stacks  # most recently used last
         return stacks
 

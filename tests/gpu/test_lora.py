@@ -254,3 +254,24 @@ def test_speculation_verifies_with_the_adapter(model, adapters, method):
         assert stats is not None and stats.num_draft_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_stacks_of_adapter_sets_stay_within_the_adapters_bytes(model, adapters):
+    """Steps mixing different sets of adapters keep copies of those sets' weights: no
+    more bytes of them than the adapters hold, the least recently used let go."""
+    from gpu.config import ModelConfig
+    from gpu.lora import LoRAManager, read_adapter
+
+    cfg = ModelConfig.from_dir(model)
+    cpu = torch.device("cpu")
+    paths = {"a": adapters["qv"], "b": adapters["all"], "c": adapters["qv"], "d": adapters["all"]}
+    m = LoRAManager({n: read_adapter(n, p, cfg, 64, torch.float32, cpu) for n, p in paths.items()})
+    x = torch.randn(4, cfg.hidden_size)
+    key = (0, "self_attn.qkv_proj")
+    for pair in [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("a", "b"), ("b", "d")]:
+        assert m.set_rows([pair[0], pair[1], pair[0], None], cpu)
+        m.add(key, x, torch.zeros(4, cfg.q_size + 2 * cfg.kv_size))
+        held = sum(m._stack_bytes[k] for k in m._stacks)
+        assert held <= m.max_stack_bytes and tuple(sorted(pair)) in m._stacks
+        assert set(m._stacks) == set(m._stack_bytes)
+    assert len(m._stacks) < 6  # some were let go
