@@ -2,10 +2,10 @@
 
 A request names an adapter as its `model`; the engine batches requests of every adapter
 and of the base model into one step.  Each projection an adapter targets computes
-`base(x) + scale * (x A^T) B^T` for that adapter's rows, the way PEFT's unmerged
-`LoraLayer` does (so HF transformers + PEFT in float32 is the oracle): the base GEMM runs
-once for every row, each adapter present in the step adds its low-rank product to its
-own rows.  Weights stay unmerged, so adapters cost their own bytes (rank x (in + out)
+`base(x) + scale * (x A^T) B^T` for that adapter's rows, as PEFT's unmerged `LoraLayer`
+does (the scale folded into B; HF transformers + PEFT in float32 is the oracle): the base
+GEMM runs once for every row, each adapter present in the step adds its low-rank product
+to its own rows.  Weights stay unmerged, so adapters cost their own bytes (rank x (in + out)
 per projection) and any number of them shares one copy of the base.
 
 Adapters are PEFT checkpoints (`adapter_config.json` + `adapter_model.safetensors`)
@@ -54,7 +54,7 @@ _UNSUPPORTED = {
     "modules_to_save": None,
     "rank_pattern": {},
     "alpha_pattern": {},
-    "layers_to_transform": None,
+    "lora_bias": False,
 }
 
 
@@ -125,8 +125,9 @@ def read_adapter(
     if conf.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {conf.get('peft_type')!r} is not LORA")
     for key, default in _UNSUPPORTED.items():
-        if conf.get(key, default) not in (default, None, {}, False):
-            raise LoRAError(f"LoRA adapter {name!r}: {key}={conf[key]!r} is not supported")
+        value = conf.get(key, default)
+        if value and value != default:  # (null, [], {} and false say "none" too)
+            raise LoRAError(f"LoRA adapter {name!r}: {key}={value!r} is not supported")
     rank, alpha = int(conf.get("r", 0)), float(conf.get("lora_alpha", 0))
     if not 0 < rank <= max_rank:
         raise LoRAError(

@@ -119,7 +119,8 @@ def _broken(adapters: dict[str, str], tmp_path: Path, **conf) -> str:
 @pytest.mark.parametrize(
     "conf, why",
     [
-        ({"r": 4}, None),
+        ({"r": 4, "modules_to_save": [], "rank_pattern": {}, "bias": "none"}, None),
+        ({"bias": "lora_only"}, "bias='lora_only' is not supported"),
         ({"use_dora": True}, "use_dora=True is not supported"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"r": 2}, r"A \(4, 256\) / B \(256, 4\), the model needs \(2, 256\)"),
