@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gpu.config import ModelConfig
-from scheduler.config import lora_fingerprint
+from scheduler.config import LoRAInUse, lora_fingerprint
 
 # PEFT's module name -> (our fused projection, its part)
 TARGETS: dict[str, tuple[str, int]] = {
@@ -58,8 +58,12 @@ _UNSUPPORTED = {
 }
 
 
+__all__ = ["LoRAError", "LoRAInUse", "LoRAManager", "attach", "read_adapter", "read_files"]
+
+
 class LoRAError(ValueError):
-    """An adapter that cannot be served with this model (said at start)."""
+    """An adapter that cannot be served with this model (said at start, or to the call
+    that loads it)."""
 
 
 def _parts(cfg: ModelConfig) -> dict[str, list[tuple[int, int, int]]]:
@@ -108,11 +112,12 @@ class Adapter:
         return sum(a.nbytes + b.nbytes for d in self.deltas.values() for _, _, a, b in d.parts)
 
 
-def read_adapter(
-    name: str, path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-    device: torch.device,
-) -> Adapter:  # fmt: skip
-    """A PEFT LoRA checkpoint, checked against the base model's shapes."""
+AdapterFiles = tuple[dict, dict[str, torch.Tensor]]  # adapter_config.json, the tensors
+
+
+def read_files(name: str, path: str | Path) -> AdapterFiles:
+    """An adapter's files as stored (the I/O alone: a server reads them off its step
+    thread, then `read_adapter` checks and converts them between steps)."""
     from safetensors.torch import load_file
 
     root = Path(path)
@@ -122,6 +127,22 @@ def read_adapter(
         raise LoRAError(
             f"LoRA adapter {name!r}: cannot read {root}/adapter_config.json: {e}"
         ) from e
+    if not isinstance(conf, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not an object")
+    weights = root / "adapter_model.safetensors"
+    try:
+        return conf, load_file(str(weights))
+    except Exception as e:  # a missing file, a .bin-only adapter, a torn file
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights}: {e}") from e
+
+
+def read_adapter(
+    name: str, path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
+    device: torch.device, files: AdapterFiles | None = None,
+) -> Adapter:  # fmt: skip
+    """A PEFT LoRA checkpoint, checked against the base model's shapes."""
+    root = Path(path)
+    conf, tensors = files if files is not None else read_files(name, root)
     if conf.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {conf.get('peft_type')!r} is not LORA")
     for key, default in _UNSUPPORTED.items():
@@ -135,10 +156,6 @@ def read_adapter(
         )
     scale = alpha / (math.sqrt(rank) if conf.get("use_rslora") else rank)
     weights = root / "adapter_model.safetensors"
-    try:
-        tensors = load_file(str(weights))
-    except Exception as e:  # a missing file, a .bin-only adapter, a torn file
-        raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights}: {e}") from e
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
@@ -214,8 +231,16 @@ class LoRAManager:
 
     LONG_RUN = 16
 
-    def __init__(self, adapters: Mapping[str, Adapter]) -> None:
+    def __init__(
+        self, adapters: Mapping[str, Adapter], model: nn.Module | None = None,
+        cfg: ModelConfig | None = None, max_rank: int = 64, dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
+        """model ... device: what `load` reads adapters for and wraps (None: a manager over
+        `adapters` alone, which `add` needs no model for)."""
         self.adapters = dict(adapters)
+        self._model, self._cfg, self._max_rank = model, cfg, max_rank
+        self._dtype, self._device = dtype, device or torch.device("cpu")
         # Each adapter's own stacks (its runs'), made once; the stacks of sets of adapters
         # that shared a step (copies of their weights), kept while they fit in as many
         # bytes as the adapters themselves, least recently used out first.
@@ -231,6 +256,33 @@ class LoRAManager:
         self._rows: slice | torch.Tensor | None = None
         self._owner: torch.Tensor | None = None
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+
+    def load(self, name: str, path: str | Path, files: AdapterFiles | None = None) -> Adapter:
+        """Read an adapter (`files`: as read_files read them already) and serve it: the
+        projections it targets that no adapter did yet are wrapped.  Between steps only
+        (the runner's executor thread)."""
+        assert self._model is not None and self._cfg is not None
+        if name in self.adapters:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        ad = read_adapter(name, path, self._cfg, self._max_rank, self._dtype, self._device, files)
+        for layer, module in ad.deltas:
+            owner_name, attr = module.split(".")
+            owner = getattr(self._model.layers[layer], owner_name)
+            if not isinstance(getattr(owner, attr), LoRALinear):
+                setattr(owner, attr, LoRALinear(getattr(owner, attr), (layer, module), self))
+        self.adapters[name] = ad
+        self._own[name] = self._build((name,))
+        self.max_stack_bytes += ad.nbytes
+        return ad
+
+    def unload(self, name: str) -> None:
+        """Stop serving an adapter (its wrapped projections stay, passing the base
+        through).  Between steps only, and once no request that runs it is registered."""
+        ad = self.adapters.pop(name)
+        del self._own[name]
+        self.max_stack_bytes -= ad.nbytes
+        for names in [k for k in self._stacks if name in k]:
+            del self._stacks[names], self._stack_bytes[names]
 
     def _build(self, names: tuple[str, ...]) -> dict[tuple[int, str], _Stack | None]:
         ads = [self.adapters[n] for n in names]
@@ -350,17 +402,11 @@ def attach(
     model: nn.Module, cfg: ModelConfig, modules: Mapping[str, str], max_rank: int,
     dtype: torch.dtype, device: torch.device,
 ) -> LoRAManager:  # fmt: skip
-    """Read every adapter and wrap the projections any of them targets."""
-    adapters = {
-        name: read_adapter(name, path, cfg, max_rank, dtype, device)
-        for name, path in modules.items()
-    }
-    manager = LoRAManager(adapters)
-    targeted = {key for ad in adapters.values() for key in ad.deltas}
-    for layer, module in targeted:
-        owner_name, attr = module.split(".")
-        owner = getattr(model.layers[layer], owner_name)
-        setattr(owner, attr, LoRALinear(getattr(owner, attr), (layer, module), manager))
+    """Read every adapter and wrap the projections any of them targets (none may be given
+    yet: adapters loaded while serving come through `LoRAManager.load`)."""
+    manager = LoRAManager({}, model, cfg, max_rank, dtype, device)
+    for name, path in modules.items():
+        manager.load(name, path)
     # The compiled all-layer CPU call reads the packed base weights itself: the model runs
     # it only for steps no adapter takes part in.
     model.lora = manager

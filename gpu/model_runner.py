@@ -96,7 +96,7 @@ class ModelRunner:
         self.local_config = local_config(self.config, tp, pp)
         self._load_weights(config.device.attention_backend, config.model.quantization, tp)
         self.lora: LoRAManager | None = None
-        if config.model.lora_modules:
+        if config.model.lora:
             self.lora = self._attach_lora(config)
             # Graphs are captured for the base weights and every row; adapters' rows
             # change per step.
@@ -234,6 +234,29 @@ class ModelRunner:
                 ad.name, ad.rank, len(ad.deltas), ad.nbytes / (1 << 20), ad.path,
             )  # fmt: skip
         return manager
+
+    @staticmethod
+    def read_lora_files(name: str, path: str) -> lora.AdapterFiles:
+        """An adapter's files, read on any thread (AsyncEngine.load_lora: not the step's)."""
+        return lora.read_files(name, path)
+
+    def add_lora(self, name: str, path: str, files: lora.AdapterFiles | None = None) -> None:
+        """Serve an adapter from the next step on (ThreadExecutor.call_between_steps)."""
+        assert self.lora is not None, "LoRA is off (--lora-modules, --allow-runtime-lora)"
+        ad = self.lora.load(name, path, files)
+        log.info("LoRA adapter %s loaded: rank %d, %.1f MiB (%s)", name, ad.rank,
+                 ad.nbytes / (1 << 20), path)  # fmt: skip
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (ThreadExecutor.call_between_steps); LoRAInUse while a
+        registered request runs it."""
+        assert self.lora is not None, "LoRA is off (--lora-modules, --allow-runtime-lora)"
+        if name not in self.lora.adapters:
+            raise lora.LoRAError(f"no LoRA adapter named {name!r}")
+        if any(st.params.lora == name for st in self.requests.values()):
+            raise lora.LoRAInUse(name)
+        self.lora.unload(name)
+        log.info("LoRA adapter %s unloaded", name)
 
     def _lora_rows(self, dec: DecodeColumns, ordered: list[ScheduledRequest]) -> bool:
         """Tell the adapters which rows of this step are theirs (decode columns first,

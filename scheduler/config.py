@@ -53,6 +53,10 @@ SCHEDULING_POLICIES = ("fair", "fcfs")
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 
+class LoRAInUse(RuntimeError):
+    """A LoRA adapter a running or queued request still runs with cannot be unloaded."""
+
+
 def lora_fingerprint(path: str | Path) -> str:
     """A LoRA adapter's weights' hash (gpu/lora.py reads them; a missing file is its
     error to report)."""
@@ -102,6 +106,14 @@ class ModelSettings:
     # says) -> PEFT checkpoint directory; the largest rank they may have.
     lora_modules: Mapping[str, str] | None = None
     max_lora_rank: int = 64
+    # Adapters loaded and unloaded while serving (vLLM's /v1/load_lora_adapter, which it
+    # gates behind VLLM_ALLOW_RUNTIME_LORA_UPDATING): any path the server can read.
+    allow_runtime_lora: bool = False
+
+    @property
+    def lora(self) -> bool:
+        """The engine serves LoRA adapters (some now, or loaded later)."""
+        return bool(self.lora_modules) or self.allow_runtime_lora
 
     def __post_init__(self) -> None:
         _one_of(self, "dtype", DTYPES)
@@ -263,7 +275,7 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model.lora_modules and self.parallel.enabled:
+        if self.model.lora and self.parallel.enabled:
             raise ConfigError(
                 "LoRA adapters (--lora-modules) do not run with --tensor-parallel-size / "
                 "--pipeline-parallel-size / --nnodes > 1 yet"

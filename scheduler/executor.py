@@ -88,6 +88,11 @@ class ThreadExecutor:
         """Run fn on the executor thread and wait (for set-up work outside the step loop)."""
         return self._pool.submit(fn).result()
 
+    async def call_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run fn on the executor thread, after the steps queued before it and before any
+        queued after (a change to the runner no step may see half made); from any loop."""
+        return await asyncio.wrap_future(self._pool.submit(fn))
+
     async def execute(self, so: SchedulerOutput) -> ModelOutput:
         return await self.join(self.launch(so), so)
 

@@ -493,6 +493,14 @@ async def detokenize(request: web.Request) -> web.StreamResponse:
     return await utility_api.detokenize(_serving(request), request)
 
 
+async def load_lora_adapter(request: web.Request) -> web.StreamResponse:
+    return await utility_api.load_lora(_serving(request), request)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.StreamResponse:
+    return await utility_api.unload_lora(_serving(request), request)
+
+
 async def models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.serving is None:
@@ -631,6 +639,9 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
         app.router.add_route(method, path, _conversations(name))
     app.router.add_get("/v1/streams/{id}", resume_stream)
     app.router.add_post("/v1/cache/prefixes", register_prefix)
+    if config.engine.model.allow_runtime_lora:
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/v1/ws", websocket_handler)
     if config.enable_debug_routes:
         app.router.add_get("/debug/state", debug_state)

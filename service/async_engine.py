@@ -8,6 +8,7 @@ engine, which frees its KV blocks within one step.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from scheduler.config import EngineConfig, lora_fingerprint
+from scheduler.config import LORA_NAME, EngineConfig, LoRAInUse, lora_fingerprint
 from scheduler.engine_core import EngineCore, ExecutorFailed, StepInfo
 from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
@@ -157,6 +158,20 @@ class _Sequence:
         o.delta_logprobs = [] if o.logprobs is not None else None
 
 
+async def _child_lora(query: Any) -> None:
+    """An engine process's answer to a LoRA load or unload, its failure raised as the
+    child raised it (a query's failure comes back as "<type>: <message>")."""
+    try:
+        await query
+    except RuntimeError as e:
+        kind, _, why = str(e).partition(": ")
+        if kind == "LoRAInUse":
+            raise LoRAInUse(why) from None
+        if kind in ("ValueError", "LoRAError"):
+            raise ValueError(why) from None
+        raise
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -182,9 +197,9 @@ class AsyncEngine:
         # LoRA adapters by name, with what keys their requests' cached KV: the adapter's
         # weights' hash too, so replicas sharing the Redis tier never mix two adapters
         # served under one name.
+        self.lora_paths = dict(config.model.lora_modules or {})
         self.lora_salts = {
-            name: f"lora:{name}@{lora_fingerprint(path)}"
-            for name, path in (config.model.lora_modules or {}).items()
+            name: f"lora:{name}@{lora_fingerprint(path)}" for name, path in self.lora_paths.items()
         }
         self.executor = executor
         if executor is None and core is None:
@@ -361,6 +376,54 @@ class AsyncEngine:
         self.grammars.shutdown()
         if self.executor is not None:
             self.executor.shutdown(wait=self.dead is None)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve another LoRA adapter from now on (--allow-runtime-lora).  ValueError: the
+        name is taken or the adapter cannot be served (LoRAError says why)."""
+        if not self.config.model.allow_runtime_lora:
+            raise ValueError("adapters are loaded at start only (--allow-runtime-lora)")
+        if name in self.lora_salts:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        if not LORA_NAME.fullmatch(name):
+            raise ValueError(f"LoRA adapter names must match {LORA_NAME.pattern}")
+        if self.scheduler is None:  # the engine process loads it; then this one knows it
+            await _child_lora(self.core.query("load_lora", name, path))  # type: ignore[union-attr]
+        else:
+            runner, executor = self.runner, self.executor
+            assert executor is not None
+            # The files are read off the step thread (a step waits only for the checks
+            # and conversions), and off this loop.
+            files = await asyncio.to_thread(runner.read_lora_files, name, path)  # type: ignore[attr-defined]
+            await executor.call_between_steps(lambda: runner.add_lora(name, path, files))  # type: ignore[attr-defined]
+        self.lora_paths[name] = path
+        self.lora_salts[name] = f"lora:{name}@{lora_fingerprint(path)}"
+
+    async def unload_lora(self, name: str, timeout: float = 30.0) -> None:
+        """Stop serving an adapter: new requests for it are refused at once, and it goes
+        once no request runs it (LoRAInUse if some still do after `timeout` seconds, and
+        it stays).  KeyError: no adapter of that name."""
+        if not self.config.model.allow_runtime_lora:
+            raise ValueError("adapters are unloaded at stop only (--allow-runtime-lora)")
+        salt = self.lora_salts.pop(name)
+        try:
+            if self.scheduler is None:
+                await _child_lora(self.core.query("unload_lora", name, timeout))  # type: ignore[union-attr]
+            else:
+                runner, executor = self.runner, self.executor
+                assert executor is not None
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        await executor.call_between_steps(lambda: runner.remove_lora(name))  # type: ignore[attr-defined]
+                        break
+                    except LoRAInUse:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.05)
+        except BaseException:
+            self.lora_salts[name] = salt  # still served: requests may name it again
+            raise
+        del self.lora_paths[name]
 
     @property
     def in_child(self) -> bool:

@@ -94,6 +94,12 @@ def _add_model_args(g: Group) -> None:
         default=default_of("max_lora_rank"),
         help="largest rank an adapter of --lora-modules may have",
     )
+    g.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters "
+        "from any path this server can read, loaded and unloaded while serving",
+    )
 
 
 def _add_kv_cache_args(g: Group) -> None:

@@ -107,6 +107,7 @@ class Release(msgspec.Struct, tag=True, array_like=True):
 class Query(msgspec.Struct, tag=True, array_like=True):
     qid: int
     what: str  # an AsyncEngine method in QUERIES
+    args: list[str | float] = msgspec.field(default_factory=list)
 
 
 class Stop(msgspec.Struct, tag=True, array_like=True):
@@ -116,7 +117,7 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
 ToChild = Add | Abort | Finish | Release | Query | Stop
 
 # What a Query may call on the child's engine (each returns picklable data).
-QUERIES = ("stats_for_server", "debug_counts")
+QUERIES = ("stats_for_server", "debug_counts", "load_lora", "unload_lora")
 
 
 class Batch(msgspec.Struct, array_like=True):
@@ -401,13 +402,13 @@ class ProcessCore:
 
         return run()
 
-    async def query(self, what: str) -> Any:
-        """What the child's `AsyncEngine.<what>()` returns (QUERIES)."""
+    async def query(self, what: str, *args: str | float) -> Any:
+        """What the child's `AsyncEngine.<what>(*args)` returns (QUERIES)."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         qid = next(self._qids)
         fut = self._queries[qid] = asyncio.get_running_loop().create_future()
-        self._send(Query(qid, what))
+        self._send(Query(qid, what, list(args)))
         ok, value = pickle.loads(await fut)
         if not ok:
             raise RuntimeError(value)
@@ -697,7 +698,7 @@ async def _child_serve(engine: AsyncEngine, sock: socket.socket) -> int:
         try:
             if q.what not in QUERIES:
                 raise ValueError(f"unknown query {q.what!r}")
-            r = getattr(engine, q.what)()
+            r = getattr(engine, q.what)(*q.args)
             value = await r if asyncio.iscoroutine(r) else r
             payload = pickle.dumps((True, value))
         except Exception as e:

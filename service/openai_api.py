@@ -51,7 +51,7 @@ class OpenAIServing(ResponsesServing, ConversationsServing, CompletionServing):
                         "parent": self.names[0],
                         "max_model_len": self.engine.max_model_len,
                     }
-                    for name, path in (self.engine.config.model.lora_modules or {}).items()
+                    for name, path in self.engine.lora_paths.items()
                 ],
             }
         )

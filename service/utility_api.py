@@ -1,4 +1,5 @@
-"""vLLM's utility routes: /tokenize, /detokenize, /version; and X-Request-Id echoing."""
+"""vLLM's utility routes: /tokenize, /detokenize, /version, /v1/load_lora_adapter and
+/v1/unload_lora_adapter; and X-Request-Id echoing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
+from scheduler.config import LORA_NAME, LoRAInUse
 from service.http_util import json_response
 from service.protocol import (
     BadRequest,
@@ -46,6 +48,18 @@ class Detokenize(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
 
 
+class LoadLoRA(Struct, forbid_unknown_fields=True, kw_only=True):
+    lora_name: Annotated[str, Meta(min_length=1, max_length=128)]
+    lora_path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class UnloadLoRA(Struct, forbid_unknown_fields=True, kw_only=True):
+    lora_name: Annotated[str, Meta(min_length=1, max_length=128)]
+    lora_int_id: int | None = None  # vLLM's; names are what this server goes by
+
+
+_load_lora = msgspec.json.Decoder(LoadLoRA)
+_unload_lora = msgspec.json.Decoder(UnloadLoRA)
 _tokenize_completion = msgspec.json.Decoder(TokenizeCompletion)
 _tokenize_chat = msgspec.json.Decoder(TokenizeChat)
 _detokenize = msgspec.json.Decoder(Detokenize)
@@ -115,3 +129,42 @@ async def detokenize(serving: OpenAIServing, request: web.Request) -> web.Respon
 
 async def version_handler(request: web.Request) -> web.Response:
     return json_response({"version": pagestream_version()})
+
+
+async def load_lora(serving: OpenAIServing, request: web.Request) -> web.Response:
+    """POST /v1/load_lora_adapter {"lora_name", "lora_path"} (--allow-runtime-lora):
+    requests naming it as their `model` run it from the answer on."""
+    req: LoadLoRA = decode(_load_lora, await request.read())
+    name = req.lora_name
+    if name in serving.names:
+        raise BadRequest(f"{name!r} is the served model's name", "lora_name")
+    if name in serving.engine.lora_salts:
+        raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+    if not LORA_NAME.fullmatch(name):
+        raise BadRequest(f"LoRA adapter names must match {LORA_NAME.pattern}", "lora_name")
+    try:
+        await serving.engine.load_lora(name, req.lora_path)
+    except ValueError as e:  # the adapter: unreadable, or not one this model can serve
+        raise BadRequest(str(e), "lora_path") from e
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora(serving: OpenAIServing, request: web.Request) -> web.Response:
+    """POST /v1/unload_lora_adapter {"lora_name"}: refused to new requests at once, gone
+    once the requests that run it end (409 if some still do 30 s on; it stays)."""
+    req: UnloadLoRA = decode(_unload_lora, await request.read())
+    if req.lora_name not in serving.engine.lora_salts:
+        raise BadRequest(
+            f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name", status=404
+        )
+    try:
+        await serving.engine.unload_lora(req.lora_name)
+    except LoRAInUse as e:
+        raise BadRequest(
+            f"LoRA adapter {req.lora_name!r} still runs requests: {e}", "lora_name", status=409
+        ) from e
+    except KeyError:  # another call unloaded it meanwhile
+        raise BadRequest(
+            f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name", status=404
+        ) from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -153,3 +153,57 @@ async def test_websocket_generations_name_the_adapter(server, client):
     assert tokens["s"] == want and tokens["b"] != want
     err = next(f for f in frames if f["type"] == "error")
     assert err["id"] == "x" and err["code"] == 404 and err["param"] == "model"
+
+
+def test_runtime_loading_is_off_without_the_flag(server):
+    r = httpx.post(server.url + "/v1/load_lora_adapter", timeout=30,
+                   json={"lora_name": "x", "lora_path": "/tmp"})  # fmt: skip
+    assert r.status_code == 404
+
+
+@pytest.fixture(scope="module", params=["inline", "engine-process"])
+def runtime(request, model):
+    kw = {"threads": 1, "allow_runtime_lora": True}
+    with live_server(
+        model, served_model_name="tiny", engine_kwargs=kw,
+        engine_process=request.param == "engine-process",
+    ) as s:  # fmt: skip
+        yield s
+
+
+def test_adapters_load_and_unload_while_serving(runtime, model, adapter, tmp_path):
+    c = openai.OpenAI(base_url=runtime.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    post = lambda path, body: httpx.post(runtime.url + path, json=body, timeout=60)  # noqa: E731
+    ids = [17, 305, 1200, 44, 9, 861, 23]
+    kw = dict(prompt=ids, max_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="sea", **kw)
+    r = post("/v1/load_lora_adapter", {"lora_name": "sea", "lora_path": adapter})
+    assert r.status_code == 200 and "sea" in r.text
+    assert "sea" in {m.id for m in c.models.list().data}
+    got = c.completions.create(model="sea", **kw).choices[0].model_extra["token_ids"]
+    assert got == _peft_greedy(model, adapter, ids, 8)
+    # Refusals name the field: the name taken, a directory that is no adapter.
+    r = post("/v1/load_lora_adapter", {"lora_name": "sea", "lora_path": adapter})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    r = post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert "adapter_config.json" in r.json()["error"]["message"]
+    # Unloading waits for the requests that run it, then refuses new ones.
+    stream = c.completions.create(model="sea", prompt=ids, max_tokens=120, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    first = next(iter(stream))
+    r = post("/v1/unload_lora_adapter", {"lora_name": "sea"})
+    assert r.status_code == 200
+    rest = list(stream)
+    assert first.choices and sum(1 for ch in rest if ch.choices and ch.choices[0].text) > 50
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="sea", **kw)
+    assert "sea" not in {m.id for m in c.models.list().data}
+    assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}).status_code == 404
+    runtime.wait_kv_free()
+    # Loaded again, it serves the same tokens.
+    assert post("/v1/load_lora_adapter", {"lora_name": "sea", "lora_path": adapter}).is_success
+    assert c.completions.create(model="sea", **kw).choices[0].model_extra["token_ids"] == got
+    assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}).is_success
