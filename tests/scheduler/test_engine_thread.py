@@ -116,11 +116,27 @@ async def test_admission_bound_from_the_snapshot():
         ex.shutdown()
 
 
+class _GatedExplodingRunner(ExplodingRunner):
+    """Steps once the test has queued every request: the engine thread would otherwise
+    reach the failing step with the first one alone while a loaded machine keeps the test
+    from adding the rest."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def execute_model(self, so):
+        assert self.gate.wait(10)
+        return super().execute_model(so)
+
+
 async def test_engine_failure_fails_every_stream_and_its_future():
-    core, ex = _core(ExplodingRunner(64, 4, VOCAB, explode_at=3))
+    runner = _GatedExplodingRunner(64, 4, VOCAB, explode_at=3)
+    core, ex = _core(runner)
     task = core.start()
     try:
         streams = [core.add(make_group(f"r{i}", [1, 2, 3 + i], 50)) for i in range(4)]
+        runner.gate.set()
         for s in streams:
             with pytest.raises(EngineDeadError, match=r"step 3|fell over"):
                 await asyncio.wait_for(_collect(s), 10)
