@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gpu.config import ModelConfig
-from scheduler.config import LoRAInUse, lora_fingerprint
+from scheduler.config import LoRAInUse
 
 # PEFT's module name -> (our fused projection, its part)
 TARGETS: dict[str, tuple[str, int]] = {
@@ -104,7 +104,6 @@ class Adapter:
     path: str
     rank: int
     scale: float
-    fingerprint: str  # of its weights' bytes: what the prefix cache keys its KV with
     deltas: dict[tuple[int, str], _Delta] = field(default_factory=dict)
 
     @property
@@ -112,7 +111,8 @@ class Adapter:
         return sum(a.nbytes + b.nbytes for d in self.deltas.values() for _, _, a, b in d.parts)
 
 
-AdapterFiles = tuple[dict, dict[str, torch.Tensor]]  # adapter_config.json, the tensors
+AdapterFiles = tuple[dict, dict[str, torch.Tensor]]
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes ~1 KB  # adapter_config.json, the tensors
 
 
 def read_files(name: str, path: str | Path) -> AdapterFiles:
@@ -122,8 +122,12 @@ def read_files(name: str, path: str | Path) -> AdapterFiles:
 
     root = Path(path)
     try:
-        conf = json.loads((root / "adapter_config.json").read_text())
-    except (OSError, ValueError) as e:
+        with open(root / "adapter_config.json", "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)  # bounded: the path comes from a client too
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes")
+        conf = json.loads(text)
+    except (OSError, ValueError, RecursionError) as e:
         raise LoRAError(
             f"LoRA adapter {name!r}: cannot read {root}/adapter_config.json: {e}"
         ) from e
@@ -184,7 +188,7 @@ def read_adapter(
         per_module.setdefault((layer, module), []).append((off, out, a, b))
     if not per_module:
         raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights in {weights}")
-    adapter = Adapter(name, str(root), rank, scale, lora_fingerprint(root))
+    adapter = Adapter(name, str(root), rank, scale)
     for key, items in per_module.items():
         adapter.deltas[key] = _Delta(
             [
@@ -304,37 +308,43 @@ class LoRAManager:
         self._stacks[names] = stacks  # most recently used last
         return stacks
 
-    def set_rows(self, names: list[str | None], device: torch.device) -> bool:
-        """The step's row -> adapter (None: the base); False when no row has one."""
+    def set_rows(self, spans: list[tuple[str | None, int]], device: torch.device) -> bool:
+        """The step's rows, in order, as spans of (adapter, or None for the base; rows):
+        a request's query rows are one span, so the work is per request, not per row.
+        False when no row has an adapter."""
         self.clear()
-        runs, short = [], []
-        i = 0
-        while i < len(names):
-            j = i
-            while j < len(names) and names[j] == names[i]:
-                j += 1
-            name = names[i]
+        merged: list[list] = []  # neighbouring spans of one adapter are one run
+        for name, n in spans:
+            if merged and merged[-1][0] == name:
+                merged[-1][1] += n
+            else:
+                merged.append([name, n])
+        total = sum(n for _, n in merged)
+        runs, short, short_names = [], [], []
+        row = 0
+        for name, n in merged:
             if name is not None:
-                if j - i >= self.LONG_RUN or j - i == len(names):
-                    runs.append((i, j, self._stacks_of((name,))))
+                if n >= self.LONG_RUN or n == total:
+                    runs.append((row, row + n, self._stacks_of((name,))))
                 else:
-                    short += range(i, j)
-            i = j
+                    short += range(row, row + n)
+                    short_names += [name] * n
+            row += n
         if not runs and not short:
             return False
         self.active = True
         self._runs = runs
         if short:
-            present = tuple(sorted({names[r] for r in short}))  # type: ignore[type-var]
+            present = tuple(sorted(set(short_names)))
             index = {n: k for k, n in enumerate(present)}
-            self._shared = self._stacks_of(present)  # type: ignore[arg-type]
+            self._shared = self._stacks_of(present)
             lo, hi = short[0], short[-1] + 1
-            if hi - lo == len(short):  # one range (the decode rows lead the step)
+            # One range (the decode rows lead the step) is a slice; else the rows gathered.
+            if hi - lo == len(short):
                 self._rows = slice(lo, hi)
-                owner = [index[n] for n in names[lo:hi]]  # type: ignore[index]
             else:
                 self._rows = torch.tensor(short, dtype=torch.int64, device=device)
-                owner = [index[names[r]] for r in short]  # type: ignore[index]
+            owner = [index[n] for n in short_names]
             self._owner = torch.tensor(owner, dtype=torch.int64, device=device)
         return True
 

@@ -268,10 +268,9 @@ class ModelRunner:
             st = reqs.get(rid)
             return None if st is None else st.params.lora
 
-        names = [lora_of(rid) for rid in dec.req_ids]
-        for r in ordered:
-            names += [lora_of(r.req_id)] * (len(r.input_ids) + r.num_draft)
-        return self.lora.set_rows(names, self.device)
+        spans = [(lora_of(rid), 1) for rid in dec.req_ids]
+        spans += [(lora_of(r.req_id), len(r.input_ids) + r.num_draft) for r in ordered]
+        return self.lora.set_rows(spans, self.device)
 
     def _make_kv_cache(
         self, num_kv_blocks: int | None, kv_cache_bytes: int | None, tp: TPGroup | None

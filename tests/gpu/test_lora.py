@@ -189,7 +189,7 @@ def test_each_row_gets_its_own_adapters_update(model, adapters, layout):
     key = (1, "self_attn.qkv_proj")
     x = torch.randn(len(layout), cfg.hidden_size)
     y0 = torch.randn(len(layout), cfg.q_size + 2 * cfg.kv_size)
-    assert m.set_rows(layout, cpu)
+    assert m.set_rows([(n, 1) for n in layout], cpu)
     got = m.add(key, x, y0.clone())
     want = y0.double().clone()
     for r, name in enumerate(layout):
@@ -270,7 +270,7 @@ def test_stacks_of_adapter_sets_stay_within_the_adapters_bytes(model, adapters):
     x = torch.randn(4, cfg.hidden_size)
     key = (0, "self_attn.qkv_proj")
     for pair in [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("a", "b"), ("b", "d")]:
-        assert m.set_rows([pair[0], pair[1], pair[0], None], cpu)
+        assert m.set_rows([(pair[0], 1), (pair[1], 1), (pair[0], 1), (None, 1)], cpu)
         m.add(key, x, torch.zeros(4, cfg.q_size + 2 * cfg.kv_size))
         held = sum(m._stack_bytes[k] for k in m._stacks)
         assert held <= m.max_stack_bytes and tuple(sorted(pair)) in m._stacks

@@ -207,3 +207,35 @@ def test_adapters_load_and_unload_while_serving(runtime, model, adapter, tmp_pat
     assert post("/v1/load_lora_adapter", {"lora_name": "sea", "lora_path": adapter}).is_success
     assert c.completions.create(model="sea", **kw).choices[0].model_extra["token_ids"] == got
     assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}).is_success
+
+
+def test_hostile_lora_bodies_are_refused_naming_the_field(runtime, tmp_path):
+    post = lambda path, body: httpx.post(runtime.url + path, json=body, timeout=60)  # noqa: E731
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "adapter_config.json").write_bytes(b" " * (2 << 20) + b"{}")
+    for path, body, param in [
+        ("/v1/load_lora_adapter", {"lora_name": "n" * 129, "lora_path": "/x"}, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": "n", "lora_path": "/" * 5000}, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "n", "lora_path": "/x", "extra": 1}, "extra"),
+        ("/v1/load_lora_adapter", {"lora_name": "bad name", "lora_path": "/x"}, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": "n", "lora_path": str(big)}, "lora_path"),
+        ("/v1/unload_lora_adapter", {"lora_name": "n" * 129}, "lora_name"),
+    ]:
+        r = post(path, body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    r = post("/v1/load_lora_adapter", {"lora_name": "n", "lora_path": str(big)})
+    assert "larger than" in r.json()["error"]["message"]
+    r = httpx.post(runtime.url + "/v1/unload_lora_adapter", content=b"[" * 100_000, timeout=60)
+    assert r.status_code == 400
+    assert httpx.get(runtime.url + "/health", timeout=10).status_code == 200
+
+
+async def test_a_websocket_model_past_its_bound_is_an_error_frame(server):
+    async with websockets.connect(server.ws_url) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "g", "prompt": "hi",
+                                  "model": "m" * 300}))  # fmt: skip
+        async with asyncio.timeout(30):
+            f = json.loads(await ws.recv())
+    assert f["type"] == "error" and f["code"] == 400 and f["param"] == "model"
