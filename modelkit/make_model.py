@@ -45,6 +45,35 @@ CHAT_TEMPLATE = (
     "{%- endif %}\n"
 )
 
+# Reasoning models' tags (`thinking=True`): added tokens, not special (decoding keeps
+# them, as Qwen3's and DeepSeek-R1's tokenizers do), so `--reasoning-parser` can split
+# the text at them.
+THINK_TOKENS: tuple[str, str] = ("<think>", "</think>")
+
+# The ChatML template above, as a Qwen3 thinking model's: the generation prompt opens
+# `<think>` (closed and empty with `enable_thinking=False`), and an earlier assistant
+# turn's thinking is dropped from the history.
+THINKING_CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{%- if message['role'] == 'system' and not loop.first %}\n"
+    "{{- raise_exception('The system message must be the first message.') }}\n"
+    "{%- endif %}\n"
+    "{%- set content = message['content'] %}\n"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}\n"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "{%- else %}\n"
+    "{{- '<think>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endif %}\n"
+)
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -548,17 +577,24 @@ def _added_token(content: str) -> dict[str, Any]:
     }
 
 
-def tokenizer_files(max_pos: int, flavor: str = "gpt2") -> dict[str, dict[str, Any]]:
-    """tokenizer_config.json and special_tokens_map.json for the generated tokenizer."""
+def tokenizer_files(
+    max_pos: int, flavor: str = "gpt2", think_ids: tuple[int, int] | None = None
+) -> dict[str, dict[str, Any]]:
+    """tokenizer_config.json and special_tokens_map.json for the generated tokenizer
+    (think_ids: the ids of THINK_TOKENS, for a thinking model)."""
     eot, start, end = SPECIAL_TOKENS
+    added = {str(i): _added_token(t) for i, t in enumerate(SPECIAL_TOKENS)}
+    if think_ids is not None:
+        for i, t in zip(think_ids, THINK_TOKENS, strict=True):
+            added[str(i)] = {**_added_token(t), "special": False}
     tok_cfg = {
-        "added_tokens_decoder": {str(i): _added_token(t) for i, t in enumerate(SPECIAL_TOKENS)},
+        "added_tokens_decoder": added,
         "additional_special_tokens": [start, end],
         "bos_token": eot,
         "eos_token": end,
         "pad_token": eot,
         "unk_token": eot,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": THINKING_CHAT_TEMPLATE if think_ids else CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_pos,
         # What the real families declare; transformers picks its class from this (and
@@ -594,6 +630,7 @@ def make_model(
     corpus_bytes: int | None = None,
     config_overrides: dict[str, Any] | None = None,
     fast_weights: str | None = None,
+    thinking: bool = False,
 ) -> Path:
     """Write a random-weight HF checkpoint with a locally trained tokenizer; return its dir.
 
@@ -602,6 +639,8 @@ def make_model(
     max_position_embeddings); the weights follow the overridden shapes.
     `fast_weights` names a torch device ("cpu", "cuda") to draw speed-benchmark weights
     on (`write_fast_weights`) instead of the exact seeded draw.
+    `thinking` makes a reasoning model's tokenizer and template: `<think>` and `</think>`
+    are the vocabulary's last two tokens, and the generation prompt opens `<think>`.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -617,9 +656,13 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
 
     flavor = TOKENIZER_FLAVORS[arch]
-    tok_json = trained_tokenizer_json(cfg["vocab_size"], corpus_bytes, flavor)
+    think_ids = None
+    if thinking:
+        tok_json, think_ids = _thinking_tokenizer(cfg["vocab_size"], corpus_bytes, flavor)
+    else:
+        tok_json = trained_tokenizer_json(cfg["vocab_size"], corpus_bytes, flavor)
     (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
-    for name, obj in tokenizer_files(cfg["max_position_embeddings"], flavor).items():
+    for name, obj in tokenizer_files(cfg["max_position_embeddings"], flavor, think_ids).items():
         _write_json(out / name, obj)
 
     _write_json(
@@ -642,6 +685,19 @@ def make_model(
     return out
 
 
+def _thinking_tokenizer(
+    vocab_size: int, corpus_bytes: int | None, flavor: str
+) -> tuple[str, tuple[int, int]]:
+    """A tokenizer trained two tokens short, then THINK_TOKENS added as its last two."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(trained_tokenizer_json(vocab_size - 2, corpus_bytes, flavor))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    ids = tuple(tok.token_to_id(t) for t in THINK_TOKENS)
+    assert ids == (vocab_size - 2, vocab_size - 1), ids
+    return tok.to_str(pretty=True), ids  # type: ignore[return-value]
+
+
 def _human(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
@@ -660,6 +716,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--init-std", type=float, default=None, help="weight std (preset default)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="(preset default)")
     ap.add_argument("--vocab-size", type=int, default=None, help="(preset default)")
+    ap.add_argument(
+        "--thinking",
+        action="store_true",
+        help="a reasoning model's tokenizer (<think>, </think>) and template, for "
+        "--reasoning-parser qwen3",
+    )
     args = ap.parse_args(argv)
     out = make_model(
         args.dir,
@@ -669,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         init_std=args.init_std,
         dtype=args.dtype,
         vocab_size=args.vocab_size,
+        thinking=args.thinking,
     )
     cfg = json.loads((out / "config.json").read_text())
     print(

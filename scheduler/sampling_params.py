@@ -17,6 +17,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     # True: a schema keyword the engine cannot enforce is an error; False: it is ignored
     # (OpenAI's `strict`).
     strict: bool = True
+    # A reasoning model's tags (service/reasoning.py; set by the server, never by a
+    # client): the grammar holds the answer after `reasoning_end`; with
+    # `reasoning_start`, the output may open its thinking with that token first
+    # (scheduler/structured.py AfterReasoning).
+    reasoning_end: int | None = None
+    reasoning_start: int | None = None
 
     def __post_init__(self) -> None:
         given = [

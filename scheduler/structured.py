@@ -21,7 +21,8 @@ from typing import Protocol
 class GrammarMatcher(Protocol):
     def bitmask(self) -> bytes | None:
         """The allowed next tokens: bit t of little-endian int32 word t // 32 is token t.
-        None when the matcher is in an error state (see `error`)."""
+        None: no mask this step (the matcher is in an error state, which `error` says, or
+        its grammar has not started: `AfterToken`)."""
         ...
 
     def accept(self, token_id: int) -> bool:
@@ -59,3 +60,88 @@ def bitmasks(matchers: Sequence[GrammarMatcher]) -> list[bytes | None]:
             for i in idx:
                 out[i] = matchers[i].bitmask()
     return out
+
+
+class AfterReasoning:
+    """A grammar that holds a reasoning model's answer, not its thinking
+    (service/reasoning.py): no mask and every token accepted until the closing token
+    (`end`), the grammar from the token after it.  With `start`, the output is not in
+    its thinking yet: its first token may be `start` (it opens its thinking) or else
+    the grammar holds from that first token on."""
+
+    __slots__ = ("end", "inner", "start", "state", "taken", "thought")
+
+    def __init__(self, inner: GrammarMatcher, end: int, start: int | None = None) -> None:
+        self.inner = inner
+        self.start, self.end = start, end
+        self.state = _MAY_OPEN if start is not None else _THINKING
+        self.taken = 0  # tokens the grammar accepted
+        self.thought = 0  # tokens accepted while thinking (the tags included)
+
+    def bitmask(self) -> bytes | None:
+        if self.state == _THINKING:
+            return None
+        mask = self.inner.bitmask()
+        if self.state == _MAY_OPEN and mask is not None:
+            return _with_token(mask, self.start)  # type: ignore[arg-type]
+        return mask
+
+    def accept(self, token_id: int) -> bool:
+        if self.state == _MAY_OPEN and token_id == self.start:
+            self.state, self.thought = _THINKING, 1
+            return True
+        if self.state == _THINKING:
+            self.thought += 1
+            if token_id == self.end:
+                self.state = _ANSWERING
+            return True
+        self.state = _ANSWERING
+        if not self.inner.accept(token_id):
+            return False
+        self.taken += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        undo = min(num_tokens, self.taken)
+        if undo:
+            self.inner.rollback(undo)
+            self.taken -= undo
+        left = num_tokens - undo
+        if left <= 0:
+            if self.taken == 0 and self.thought == 0 and self.start is not None:
+                self.state = _MAY_OPEN
+            return
+        self.thought = max(0, self.thought - left)
+        if self.thought == 0 and self.start is not None:
+            self.state = _MAY_OPEN
+        else:
+            self.state = _THINKING
+
+    @property
+    def terminated(self) -> bool:
+        return self.state == _ANSWERING and self.inner.terminated
+
+    def error(self) -> str | None:
+        return None if self.state == _THINKING else self.inner.error()
+
+    @classmethod
+    def batch_bitmasks(cls, matchers: Sequence[AfterReasoning]) -> list[bytes | None]:
+        live = [m for m in matchers if m.state != _THINKING]
+        masks = iter(bitmasks([m.inner for m in live]))
+        out: list[bytes | None] = []
+        for m in matchers:
+            mask = None if m.state == _THINKING else next(masks)
+            if mask is not None and m.state == _MAY_OPEN:
+                mask = _with_token(mask, m.start)  # type: ignore[arg-type]
+            out.append(mask)
+        return out
+
+
+_MAY_OPEN, _THINKING, _ANSWERING = 0, 1, 2
+
+
+def _with_token(mask: bytes, token: int) -> bytes:
+    """`mask` with `token` allowed too."""
+    out = bytearray(mask)
+    out[token // 8] |= 1 << (token % 8)  # little-endian int32 words: bit t is byte t // 8
+    return bytes(out)

@@ -31,6 +31,7 @@ from service.openai_api import OpenAIServing
 from service.openapi import openapi_document
 from service.prep import Preprocessor
 from service.protocol import BadRequest, check_messages, decode_prefix
+from service.reasoning import ReasoningParser
 from service.request_ids import LIVE_IDS, TENANT, echo_request_id, release_request_id
 from service.response_store import make_response_store
 from service.security import AccessLogger, host_refusal
@@ -276,6 +277,11 @@ def _openai_serving(
         max_buffered_bytes=state.config.max_buffered_bytes,
         prompt_tokens_details=state.config.enable_prompt_tokens_details,
         tool_call_parser=state.config.tool_call_parser,
+        reasoning=(
+            ReasoningParser.load(state.config.reasoning_parser, engine.tokenizer)
+            if state.config.reasoning_parser
+            else None
+        ),
         streams=state.streams,
     )
     cfg = state.config

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scheduler import envs
@@ -517,6 +518,21 @@ def key_share(share: float, num_keys: int) -> float:
     return 1.0 if num_keys < 2 else max(share, 1.0 / num_keys)
 
 
+def _check_reasoning_parser(name: str, model: str | None) -> None:
+    """Refuse at start a parser whose tags the model's tokenizer lacks."""
+    from service.engine_setup import default_model_dir
+    from service.reasoning import ReasoningParser
+    from service.tokenizer import Tokenizer
+
+    path = Path(model) if model else default_model_dir()
+    if not (path / "tokenizer.json").is_file():
+        return  # the load says what is wrong with the directory
+    try:
+        ReasoningParser.load(name, Tokenizer.from_dir(path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def server_config(a: argparse.Namespace) -> ServerConfig:
     """The server's configuration from `serve`'s flags (bench.host_server builds its own
     engine around the same)."""
@@ -544,6 +560,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         prefix_tier_key_share=key_share(a.prefix_tier_key_share, len(dict.fromkeys(keys))),
         tenant_weights={key_tenant(k): w for k, w in weighted if w != 1.0} or None,
     )
+    if a.reasoning_parser:
+        _check_reasoning_parser(a.reasoning_parser, a.model)
     converted = {
         "engine": engine,
         "api_key": None,  # the flag's list is api_keys
@@ -688,6 +706,8 @@ def _add_stream_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="parse tool calls out of the text for tool_choice 'auto'")  # fmt: skip
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a reasoning model's <think> text into `reasoning`")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip
     s.add_argument(

@@ -27,6 +27,7 @@ from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
 from service.outputs import RequestOutput, Submitted
 from service.protocol import BadRequest, check_messages
 from service.protocol_openai import ChatCompletionRequest, decode_chat
+from service.reasoning import ReasoningParser, ReasoningStream, ThinkingCount, split
 from service.request_ids import TENANT, conversation_key, request_id
 from service.tool_calls import (
     Mode,
@@ -40,6 +41,23 @@ from service.tool_calls import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """A reasoning parser and where one prompt's output starts (service/reasoning.py)."""
+
+    parser: ReasoningParser
+    opening: bool | None
+    include: bool = True  # the request's include_reasoning
+
+    def put(self, message: dict[str, Any], thought: str | None) -> None:
+        """A whole message's thinking, under both names clients read."""
+        if self.include and thought is not None:
+            message["reasoning"] = message["reasoning_content"] = thought
+
+    def streams(self) -> tuple[ReasoningStream, ThinkingCount]:
+        return ReasoningStream(self.parser, self.opening), ThinkingCount(self.parser, self.opening)
+
+
 @dataclass(slots=True)
 class ChatStart:
     """A chat request validated, rendered and queued (`ChatServing.start_chat`)."""
@@ -51,6 +69,8 @@ class ChatStart:
     params: SamplingParams
     mode: Mode | None  # tool calling (service/tool_calls.py); None: no tools
     subs: list[Submitted]
+    # --reasoning-parser: how the output starts (ReasoningParser.opening_state)
+    thinking: Thinking | None = None
 
     async def last(self) -> RequestOutput:
         """The whole answer: the generator read to its end."""
@@ -141,6 +161,11 @@ class ChatServing(ServingBase):
             params = msgspec.structs.replace(params, structured_outputs=tc[0])
         await self.compile(request, params, spec[1] if spec else None)
         ids = await self.chat_prompt_ids(req)
+        thinking = self.thinking(ids, req.include_reasoning)
+        if thinking is not None and params.structured_outputs is not None:
+            # Compiled above without it: where the grammar starts is not part of its key.
+            so = thinking.parser.constrain(params.structured_outputs, thinking.opening)
+            params = msgspec.structs.replace(params, structured_outputs=so)
         if req.prompt_logprobs is not None:  # once per response on chat
             self.limits.check_prompt_logprobs(
                 {"prompt_logprobs": len(ids) * (req.prompt_logprobs + 1)}
@@ -157,18 +182,34 @@ class ChatServing(ServingBase):
             beam=req.beam_spec(req.max_completion_tokens or req.max_tokens),
         )  # fmt: skip
         model = req.model or self.names[0]
-        return ChatStart(rid, model, ids, gens[0], params, mode, subs)
+        return ChatStart(rid, model, ids, gens[0], params, mode, subs, thinking)
+
+    def thinking(self, ids: list[int], include: bool = True) -> Thinking | None:
+        """How a prompt's output starts, when a reasoning parser runs."""
+        if self.reasoning is None:
+            return None
+        opening = self.reasoning.opening_state(ids, self.tokenizer.decode)
+        return Thinking(self.reasoning, opening, include)
 
     async def _chat_full(self, req: ChatCompletionRequest, start: ChatStart) -> web.Response:
         rid, model, ids, mode = start.rid, start.model, start.ids, start.mode
         last = await start.last()
         parser = make_parser(self.tool_call_parser) if mode == "auto" else None
         choices = []
+        thinking, reasoning_tokens = start.thinking, 0
         for o in last.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            text = o.text
+            if thinking is not None:
+                thought, text, reasoned = split(thinking.parser, thinking.opening, text)
+                message["content"] = text if text or not reasoned else None
+                thinking.put(message, thought if reasoned else None)
+                count = ThinkingCount(thinking.parser, thinking.opening)
+                count.feed(o.token_ids)
+                reasoning_tokens += count.count
             finish = o.finish_reason
             if mode is not None:
-                content, calls = parse_output(mode, o.text, parser, req)
+                content, calls = parse_output(mode, text, parser, req)
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = calls
@@ -193,7 +234,12 @@ class ChatServing(ServingBase):
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": self._usage(len(ids), completion, last.num_cached_tokens),
+            "usage": self._usage(
+                len(ids),
+                completion,
+                last.num_cached_tokens,
+                reasoning_tokens if thinking is not None else None,
+            ),
         }
         if req.return_token_ids:
             resp["prompt_token_ids"] = ids
@@ -215,6 +261,11 @@ class ChatServing(ServingBase):
         parser = make_parser(self.tool_call_parser) if mode == "auto" else None
         tools = {i: ToolStream(mode, parser, req) for i in range(params.n)} if mode else {}
         usage = StreamUsage.of(len(ids), req.stream_options)
+        thinking = start.thinking
+        thoughts: dict[int, tuple[ReasoningStream, ThinkingCount]] = {}
+        if thinking is not None:
+            usage.reasoning_tokens = 0
+            thoughts = {i: thinking.streams() for i in range(params.n)}
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         # A reply that may be tool calls opens without `content: ""`: OpenAI's does, and a
         # client that sees an empty content string first may take the reply for text.
@@ -231,7 +282,7 @@ class ChatServing(ServingBase):
             await self.write(request, resp, sse({**base, "choices": head}))
 
         def chunks(deltas: list[ChoiceDelta], out: RequestOutput) -> list[dict[str, Any]]:
-            return self._chat_chunks(req, base, deltas, out, tools, mode, usage)
+            return self._chat_chunks(req, base, deltas, out, tools, mode, usage, thoughts)
 
         return await self._run_stream(request, resp, [start.gen], params.n, chunks, base, usage)
 
@@ -244,13 +295,20 @@ class ChatServing(ServingBase):
         tools: dict[int, ToolStream],
         mode: Mode | None,
         usage: StreamUsage,
+        thoughts: dict[int, tuple[ReasoningStream, ThinkingCount]],
     ) -> list[dict[str, Any]]:
         """One output's chunks: the choices that moved, then (tool calls) the finishes."""
         usage.cached = out.num_cached_tokens
         choices, ends = [], []
         for d in deltas:
             usage.completion_tokens += len(d.token_ids)
-            choice = self._chat_choice_delta(req, d, tools.get(d.index), mode)
+            thought = thoughts.get(d.index)
+            if thought is not None:
+                count = thought[1]
+                before = count.count
+                count.feed(d.token_ids)
+                usage.reasoning_tokens += count.count - before  # type: ignore[operator]
+            choice = self._chat_choice_delta(req, d, tools.get(d.index), mode, thought)
             if choice is None:
                 continue
             if choice["delta"].get("tool_calls") and choice["finish_reason"]:
@@ -263,20 +321,34 @@ class ChatServing(ServingBase):
         return chunks
 
     def _chat_choice_delta(
-        self, req: ChatCompletionRequest, d: ChoiceDelta, ts: ToolStream | None, mode: Mode | None
+        self,
+        req: ChatCompletionRequest,
+        d: ChoiceDelta,
+        ts: ToolStream | None,
+        mode: Mode | None,
+        thought: tuple[ReasoningStream, ThinkingCount] | None = None,
     ) -> dict[str, Any] | None:
-        """One choice's part of a chunk; None while a tool call's text is held back."""
-        delta: dict[str, Any] = {"content": d.text} if d.text else {}
-        finish = d.finish_reason
+        """One choice's part of a chunk; None while a tool call's (or a tag's) text is
+        held back."""
+        text, finish, reasoning = d.text, d.finish_reason, ""
+        if thought is not None:
+            reasoning, text = thought[0].feed(text)
+            if finish is not None:
+                more, rest = thought[0].finish()
+                reasoning, text = reasoning + more, text + rest
+        delta: dict[str, Any] = {"content": text} if text else {}
         if ts is not None:
-            delta = ts.feed(d.text)
+            delta = ts.feed(text)
             if finish is not None:
                 last, called = ts.finish()
                 delta = merge_delta(delta, last)
                 if called and mode != "named" and finish == "stop":
                     finish = "tool_calls"
-            if not delta and finish is None and d.logprobs is None:
-                return None  # text held back until the call can be parsed
+        if reasoning and req.include_reasoning:
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
+        held = not delta and finish is None and d.logprobs is None
+        if held and (thought is not None or ts is not None):
+            return None  # text held back until the call (or the tag) can be parsed
         c: dict[str, Any] = {
             "index": d.index,
             "delta": delta,

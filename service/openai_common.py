@@ -38,6 +38,7 @@ from service.outputs import RequestOutput, Submitted
 from service.prep import Preprocessor
 from service.protocol import BadRequest
 from service.protocol_openai import StreamOptions
+from service.reasoning import ReasoningParser
 from service.request_ids import TENANT, take_claim
 from service.resume import STREAM_LOG, SSESink, StreamLog, StreamRegistry, follow
 from service.structured import GrammarError
@@ -158,6 +159,7 @@ class StreamUsage:
     continuous: bool  # usage on every chunk (stream_options.continuous_usage_stats)
     completion_tokens: int = 0
     cached: int = 0
+    reasoning_tokens: int | None = None  # counted when a reasoning parser runs
 
     @classmethod
     def of(cls, prompt_tokens: int, opts: StreamOptions | None) -> StreamUsage:
@@ -184,6 +186,7 @@ class ServingBase:
         max_buffered_bytes: int = 4 << 20,
         prompt_tokens_details: bool = False,
         tool_call_parser: str | None = None,
+        reasoning: ReasoningParser | None = None,
         streams: StreamRegistry | None = None,
     ) -> None:
         self.engine = engine
@@ -194,6 +197,7 @@ class ServingBase:
         self.names = served_model_names
         self.tokenizer = engine.tokenizer
         self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning  # --reasoning-parser (service/reasoning.py)
         self._token_text: dict[int, str] = {}
         self.send_timeout = send_timeout
         self.on_slow_client = on_slow_client
@@ -252,7 +256,9 @@ class ServingBase:
         if field is not None:
             request[SPEC_FIELD] = field
 
-    def _usage(self, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    def _usage(
+        self, prompt: int, completion: int, cached: int = 0, reasoning: int | None = None
+    ) -> dict[str, Any]:
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -261,7 +267,14 @@ class ServingBase:
         }
         if self.details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return usage
+
+    def stream_usage(self, usage: StreamUsage) -> dict[str, Any]:
+        return self._usage(
+            usage.prompt_tokens, usage.completion_tokens, usage.cached, usage.reasoning_tokens
+        )
 
     def check_model(self, model: str | None) -> str | None:
         """404 for a model this server does not serve; the LoRA adapter it names, if any
@@ -395,7 +408,7 @@ class ServingBase:
     ) -> dict[str, Any]:
         chunk: dict[str, Any] = {**base, "choices": choices}
         if usage.continuous:
-            chunk["usage"] = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
+            chunk["usage"] = self.stream_usage(usage)
         return chunk
 
     async def _run_stream(
@@ -443,7 +456,7 @@ class ServingBase:
             return await self._stream_error(request, resp, e)
         if tail is None:
             if usage.include:
-                totals = self._usage(usage.prompt_tokens, usage.completion_tokens, usage.cached)
+                totals = self.stream_usage(usage)
                 await self.write(request, resp, sse({**base, "choices": [], "usage": totals}))
             await self.write(request, resp, b"data: [DONE]\n\n")
         await end_stream(resp)

@@ -38,6 +38,7 @@ from service.protocol_responses import (
     normalize_item,
     responses_param,
 )
+from service.reasoning import ReasoningStream, ThinkingCount, split
 from service.request_ids import LIVE_IDS, TENANT, take_claim
 from service.response_store import (
     ResponseStore,
@@ -74,6 +75,18 @@ def _message_item(mid: str, text: str, logprobs: list[Any] | None, status: str) 
         "status": status,
         "role": "assistant",
         "content": [part],
+    }
+
+
+def _reasoning_item(rid: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking (--reasoning-parser) as OpenAI's `reasoning` item:
+    the text itself as a `reasoning_text` part (no summary; nothing is encrypted)."""
+    return {
+        "type": "reasoning",
+        "id": rid,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
     }
 
 
@@ -402,7 +415,7 @@ class _Turn:
                 # cache, the count tells what others sent).
                 "input_tokens_details": {"cached_tokens": u.cached if self.s.details else 0},
                 "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens or 0},
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
             },
             "user": req.user,
@@ -475,11 +488,19 @@ class _Turn:
         output: list[dict[str, Any]] = []
         content: str | None = o.text
         calls: list[dict[str, Any]] = []
+        done = "completed" if o.finish_reason == "stop" else "incomplete"
+        if (thinking := self.start.thinking) is not None:
+            thought, content, reasoned = split(thinking.parser, thinking.opening, o.text)
+            count = ThinkingCount(thinking.parser, thinking.opening)
+            count.feed(o.token_ids)
+            self.usage.reasoning_tokens = count.count
+            if reasoned:  # incomplete only when cut off while thinking
+                status = "completed" if count.closed else done
+                output.append(_reasoning_item(_new_id("rs"), thought, status))
         if self.start.mode is not None:
             parser = make_parser(self.s.tool_call_parser) if self.start.mode == "auto" else None
-            content, calls = parse_output(self.start.mode, o.text, parser, self.chat)
-        done = "completed" if o.finish_reason == "stop" else "incomplete"
-        if content or not calls:
+            content, calls = parse_output(self.start.mode, content or "", parser, self.chat)
+        if content or not (calls or output):
             output.append(
                 _message_item(_new_id("msg"), content or "", self._logprobs(o.logprobs), done)
             )
@@ -504,6 +525,10 @@ class _Turn:
             self.event("response.in_progress", response=self.response("in_progress", [])),
         )
         events = _Events(self)
+        thinking = self.start.thinking
+        thought = thinking.streams() if thinking is not None else None
+        if thought is not None:
+            self.usage.reasoning_tokens = 0
         mode = self.start.mode
         tools = (
             ToolStream(mode, make_parser(s.tool_call_parser) if mode == "auto" else None, self.chat)
@@ -516,7 +541,10 @@ class _Turn:
             frames: list[bytes] = []
             for d in deltas:
                 self.usage.completion_tokens += len(d.token_ids)
-                frames += events.feed(d, tools)
+                if thought is not None:
+                    thought[1].feed(d.token_ids)
+                    self.usage.reasoning_tokens = thought[1].count
+                frames += events.feed(d, tools, thought and thought[0])
             return frames
 
         # _run_stream ends a chat stream with [DONE]; the Responses stream ends with its
@@ -541,7 +569,7 @@ class _Events:
     def _add(self, item: dict[str, Any]) -> bytes:
         self.items.append(item)
         shown = dict(item, status="in_progress")
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             shown["content"] = []
         else:
             shown["arguments"] = ""
@@ -550,6 +578,34 @@ class _Events:
         return self.t.event(
             "response.output_item.added", output_index=len(self.items) - 1, item=shown
         )
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._close()
+            item = _reasoning_item(_new_id("rs"), "", "in_progress")
+            out.append(self._add(item))
+            out.append(
+                self.t.event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    part={"type": "reasoning_text", "text": ""},
+                )
+            )
+        assert self.open is not None
+        self.pieces.append(text)
+        out.append(
+            self.t.event(
+                "response.reasoning_text.delta",
+                item_id=self.open["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=text,
+            )
+        )
+        return out
 
     def _text(self, text: str, lps: list[Any] | None) -> list[bytes]:
         out = []
@@ -626,6 +682,12 @@ class _Events:
                 )
             )
             out.append(self.t.event("response.content_part.done", **common, part=part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            part["text"] = "".join(self.pieces)
+            common = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            out.append(self.t.event("response.reasoning_text.done", **common, text=part["text"]))
+            out.append(self.t.event("response.content_part.done", **common, part=part))
         else:
             item["arguments"] = "".join(self.pieces)
             out.append(
@@ -640,14 +702,26 @@ class _Events:
         out.append(self.t.event("response.output_item.done", output_index=i, item=item))
         return out
 
-    def feed(self, d: ChoiceDelta, tools: ToolStream | None) -> list[bytes]:
+    def feed(
+        self, d: ChoiceDelta, tools: ToolStream | None, thought: ReasoningStream | None = None
+    ) -> list[bytes]:
         out: list[bytes] = []
         lps = self.t._logprobs(d.logprobs)
+        text = d.text
+        if thought is not None:
+            reasoning, text = thought.feed(text)
+            if d.finish_reason is not None:
+                more, rest = thought.finish()
+                reasoning, text = reasoning + more, text + rest
+            if reasoning:
+                out += self._reasoning(reasoning)
+            if not text and lps and self.open is not None and self.open["type"] == "reasoning":
+                lps = None  # a thinking token's logprobs: no message to carry them
         if tools is None:
-            if d.text or lps:
-                out += self._text(d.text, lps)
+            if text or lps:
+                out += self._text(text, lps)
         else:
-            delta = tools.feed(d.text)
+            delta = tools.feed(text)
             if d.finish_reason is not None:
                 last, _ = tools.finish()
                 delta = merge_delta(delta, last)
@@ -691,6 +765,8 @@ def _as_items(messages: list[ChatMessage], root: str) -> list[dict[str, Any]]:
                 }
             )
             continue
+        if m.role == "assistant" and m.reasoning_content is not None:
+            out.append(_reasoning_item(f"rs_{key}", m.reasoning_content, "completed"))
         if m.role != "assistant" or text or not m.tool_calls:
             kind = "output_text" if m.role == "assistant" else "input_text"
             part: dict[str, Any] = {"type": kind, "text": text}
@@ -725,11 +801,16 @@ def _reply_message(output: list[dict[str, Any]]) -> ChatMessage:
     text = "".join(
         p["text"] for item in output if item["type"] == "message" for p in item["content"]
     )
+    thought = [p["text"] for item in output if item["type"] == "reasoning" for p in item["content"]]
     calls = [
         ToolCall(id=i["call_id"], function=FunctionCall(name=i["name"], arguments=i["arguments"]))
         for i in output
         if i["type"] == "function_call"
     ]
+    reasoning = "".join(thought) if thought else None
     if not text and not calls:
-        return ChatMessage(role="assistant", content="")
-    return ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)
+        return ChatMessage(role="assistant", content="", reasoning_content=reasoning)
+    return ChatMessage(
+        role="assistant", content=text or None, tool_calls=calls or None,
+        reasoning_content=reasoning,
+    )  # fmt: skip

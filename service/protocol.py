@@ -59,7 +59,10 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: which call this answers
+    # An assistant turn's thinking as this server (or SGLang, DeepSeek) returned it; given
+    # to the template as `reasoning_content` (Qwen3's reads it), `reasoning` is vLLM's name.
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -70,6 +73,8 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if (thought := self.reasoning_content or self.reasoning) is not None:
+            d["reasoning_content"] = thought
         if self.tool_calls:
             # HF templates read arguments as a mapping (`arguments | tojson`), as vLLM
             # passes them; text that is not JSON is passed through as is.

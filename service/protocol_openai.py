@@ -280,6 +280,7 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
     prompt_cache_key: str | None = None  # accepted: prefixes are cached whatever the key
     safety_identifier: str | None = None
     # vLLM extensions
+    include_reasoning: bool = True  # False: the thinking is parsed out and dropped
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless --trust-request-chat-template

@@ -39,6 +39,9 @@ from service.protocol_openai import ChatCompletionRequest, ConversationId
 from service.protocol_structured import JsonSchemaFormat, ResponseFormat
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Asked by clients of reasoning models (the Agents SDK with store off); nothing here is
+# encrypted: a reasoning item's text is in its content, so there is nothing to add.
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
 
 
 class _Part(Struct, kw_only=True):
@@ -78,10 +81,33 @@ class _FunctionOutputItem(Struct, forbid_unknown_fields=True, kw_only=True):
     status: str | None = None
 
 
+class _ReasoningText(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class _ReasoningItem(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A reasoning model's thinking sent back (as the Agents SDK sends a turn's output):
+    its text goes to the next assistant turn as `reasoning_content`, for a template that
+    keeps it.  Summaries and encrypted content (another server's) are passed over."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = []
+    content: list[_ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or ())
+
+
 _ITEMS: dict[str, type[Struct]] = {
     "message": _MessageItem,
     "function_call": _FunctionCallItem,
     "function_call_output": _FunctionOutputItem,
+    "reasoning": _ReasoningItem,
 }
 
 
@@ -179,9 +205,10 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
         for i, inc in enumerate(self.include or ()):
-            if inc != LOGPROBS_INCLUDE:
+            if inc not in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE):
                 raise BadRequest(
-                    f"include {inc!r} is not supported by this server (only {LOGPROBS_INCLUDE!r})",
+                    f"include {inc!r} is not supported by this server (only "
+                    f"{LOGPROBS_INCLUDE!r} and {ENCRYPTED_INCLUDE!r})",
                     f"include[{i}]",
                 )
 
@@ -303,12 +330,18 @@ def items_to_messages(items: list[dict[str, Any]], where: str) -> list[ChatMessa
     """Items as chat messages: function calls join the assistant turn before them
     (parallel calls are one turn), and their outputs become tool messages."""
     out: list[ChatMessage] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, raw in enumerate(items):
         item = decode_item(raw, f"{where}[{i}]")
+        if isinstance(item, _ReasoningItem):
+            thought = (thought or "") + item.text
+            continue
         if isinstance(item, _MessageItem):
             role = item.role
             text = _text(item.content, f"{where}[{i}].content", assistant=role == "assistant")
             out.append(ChatMessage(role=role, content=text))
+            if role == "assistant" and thought is not None:
+                out[-1].reasoning_content, thought = thought, None
         elif isinstance(item, _FunctionCallItem):
             call = ToolCall(
                 id=item.call_id,
@@ -321,6 +354,8 @@ def items_to_messages(items: list[dict[str, Any]], where: str) -> list[ChatMessa
                 last.tool_calls.append(call)  # in place: a copy each is quadratic
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call]))
+            if thought is not None:
+                out[-1].reasoning_content, thought = thought, None
         else:
             assert isinstance(item, _FunctionOutputItem)
             text = _text(item.output, f"{where}[{i}].output", assistant=False)
@@ -342,6 +377,10 @@ def normalize_item(raw: dict[str, Any], where: str, new_id: str) -> dict[str, An
         ]
         return {"type": "message", "id": item.id or f"msg_{new_id}", "status": "completed",
                 "role": item.role, "content": content}  # fmt: skip
+    if isinstance(item, _ReasoningItem):
+        return {"type": "reasoning", "id": item.id or f"rs_{new_id}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": item.text}],
+                "status": "completed"}  # fmt: skip
     if isinstance(item, _FunctionCallItem):
         return {"type": "function_call", "id": item.id or f"fc_{new_id}",
                 "status": "completed", "call_id": item.call_id, "name": item.name,
@@ -359,7 +398,7 @@ def decode_item(raw: dict[str, Any], where: str) -> Struct:
     if cls is None:
         raise BadRequest(
             f"{where}.type {kind!r} is not supported by this server (message, "
-            "function_call and function_call_output items are)",
+            "function_call, function_call_output and reasoning items are)",
             f"{where}.type",
         )
     try:

@@ -80,6 +80,7 @@ class ServerConfig:
     enable_debug_routes: bool = False
     access_log: bool = True
     tool_call_parser: str | None = None  # hermes | llama3_json: parses tool_choice "auto"
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3 (service/reasoning.py)
     # /v1/responses' store (service/openai_responses.py): responses kept for GET and
     # previous_response_id; past a bound the API key holding the most loses its least
     # recently used; 0 turns storing off.

@@ -22,11 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
+import msgspec
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from scheduler.sampling_params import StructuredOutputsParams
-from scheduler.structured import GrammarMatcher
+from scheduler.structured import AfterReasoning, GrammarMatcher
 from service.grammar_workers import (
     TOKEN_BUDGET_S,
     GrammarError,
@@ -163,6 +164,13 @@ class LLGuidanceMatcher:
         return self.m.get_error() if self.m.is_error() else None
 
 
+def _grammar_of(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """The spec as the cache knows it: where the grammar starts is not part of it."""
+    if spec.reasoning_end is None:
+        return spec
+    return msgspec.structs.replace(spec, reasoning_end=None, reasoning_start=None)
+
+
 def check_size(spec: StructuredOutputsParams) -> None:
     parts = (spec.json, spec.regex, spec.grammar, *(spec.choice or ()))
     size = sum(len(p.encode()) for p in parts if p)
@@ -217,12 +225,14 @@ class GrammarCompiler:
     def compile_trusted(self, spec: StructuredOutputsParams) -> None:
         """Compile in this process, on the calling thread, with no worker first: for specs
         the caller wrote itself (benchmarks), never a client's."""
+        spec = _grammar_of(spec)
         check_size(spec)
         self._cache[spec] = (self._compile_text(spec.kind, grammar_source(spec)), 0.0)
 
     async def compile(self, spec: StructuredOutputsParams) -> None:
         """Make sure `spec` is compiled (raises GrammarError); the loop never blocks."""
         loop = asyncio.get_running_loop()
+        spec = _grammar_of(spec)
         hit = self._cache.get(spec)
         if hit is not None:
             self._cache[spec] = (hit[0], loop.time())
@@ -257,11 +267,14 @@ class GrammarCompiler:
         """Fresh matchers for the n samples of a request; `compile(spec)` must have run.
         share: the prompts of the API request this one is part of, whose n x share
         samples split the per-token budget."""
-        hit = self._cache.get(spec)
+        hit = self._cache.get(_grammar_of(spec))
         if hit is None:  # only past MAX_CACHED distinct specs within PIN_S
             raise GrammarError(f"the {spec.kind} was evicted by newer grammars; send it again")
         words = (self.tokenizer().vocab_size + 31) // 32
-        return [LLGuidanceMatcher(hit[0].deep_copy(), words, n * share) for _ in range(n)]
+        made = [LLGuidanceMatcher(hit[0].deep_copy(), words, n * share) for _ in range(n)]
+        if spec.reasoning_end is None:
+            return made  # type: ignore[return-value]
+        return [AfterReasoning(m, spec.reasoning_end, spec.reasoning_start) for m in made]
 
     def shutdown(self) -> None:
         self.workers.close()

@@ -2,7 +2,7 @@
 
 Client frames (JSON, `type`-tagged): `generate` {id, messages | prompt, params},
 `cancel` {id}, `ping`, `resume` {id, resume, after}.  Server frames: `delta` {id, index,
-text, token_ids}, `done` {id, finish_reason, finish_reasons, usage}, `error` {id, code,
+text, token_ids, and `reasoning` under --reasoning-parser}, `done` {id, finish_reason, finish_reasons, usage}, `error` {id, code,
 message, param}, `pong`.  A frame that does not parse gets an `error` frame; the socket
 stays usable.  Closing the socket aborts every generation it started, except resumable
 ones (`--resume-grace` > 0: frames also carry `seq`, deltas a `resume` token), which run
@@ -17,6 +17,7 @@ import contextlib
 import logging
 from typing import Any
 
+import msgspec
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -32,6 +33,7 @@ from service.http_util import (
     wait_drained,
     write_cannot_wait,
 )
+from service.openai_chat import Thinking
 from service.protocol import BadRequest, check_messages
 from service.protocol_ws import WSCancel, WSGenerate, WSPing, WSResume, decode_ws
 from service.request_ids import TENANT, conversation_key
@@ -259,8 +261,8 @@ class WSSession:
         self.state.inflight_inc()
         try:
             try:
-                ids, params = await self._prepare(frame)
-                await self._stream(frame, ids, params, stream)
+                ids, params, thinking = await self._prepare(frame)
+                await self._stream(frame, ids, params, stream, thinking)
             except BadRequest as e:
                 self.error(gid, e.status, e.message, e.param, stream)
             except RequestRejected as e:
@@ -300,8 +302,11 @@ class WSSession:
                 if (sink := self.attached.get(gid)) is not None and sink.stream is stream:
                     del self.attached[gid]
 
-    async def _prepare(self, frame: WSGenerate) -> tuple[list[int], SamplingParams]:
-        """Validate the frame, compile its grammar, and tokenize its prompt."""
+    async def _prepare(
+        self, frame: WSGenerate
+    ) -> tuple[list[int], SamplingParams, Thinking | None]:
+        """Validate the frame, compile its grammar, and tokenize its prompt; a chat's
+        reasoning (--reasoning-parser) is split from its answer."""
         engine, prep = self.state.engine, self.state.prep
         assert engine is not None and prep is not None
         serving = self.state.serving
@@ -324,10 +329,19 @@ class WSSession:
             ids = await prep.chat_ids([m.as_template_dict() for m in frame.messages])
         else:
             (ids,) = await prep.prompt_ids([frame.prompt])  # type: ignore[list-item]
-        return ids, params
+        thinking = serving.thinking(ids) if frame.messages is not None else None
+        if thinking is not None and params.structured_outputs is not None:
+            so = thinking.parser.constrain(params.structured_outputs, thinking.opening)
+            params = msgspec.structs.replace(params, structured_outputs=so)
+        return ids, params, thinking
 
     async def _stream(
-        self, frame: WSGenerate, ids: list[int], params: SamplingParams, stream: StreamLog | None
+        self,
+        frame: WSGenerate,
+        ids: list[int],
+        params: SamplingParams,
+        stream: StreamLog | None,
+        thinking: Thinking | None = None,
     ) -> None:
         """Queue the request, send a `delta` frame per step and choice, then `done`."""
         engine, gid = self.state.engine, frame.id
@@ -342,29 +356,40 @@ class WSSession:
             raise BadRequest(str(e), "params.max_tokens") from e
         gen = engine.generate("", submitted=sub)
         last = None
+        thoughts = [thinking.streams() for _ in range(params.n)] if thinking else []
         async with contextlib.aclosing(gen):
             async for out in gen:
                 last = out
                 for o in out.outputs:
-                    if o.delta_text or o.delta_token_ids:
-                        self.emit(
-                            stream,
-                            {
-                                "type": "delta",
-                                "id": gid,
-                                "index": o.index,
-                                "text": o.delta_text,
-                                "token_ids": o.delta_token_ids,
-                            },
-                        )
+                    text, reasoning = o.delta_text, ""
+                    if thoughts:
+                        split_, count = thoughts[o.index]
+                        count.feed(o.delta_token_ids)
+                        reasoning, text = split_.feed(text)
+                        if o.finish_reason is not None:
+                            more, rest = split_.finish()
+                            reasoning, text = reasoning + more, text + rest
+                    if text or reasoning or o.delta_token_ids:
+                        frame_: dict[str, Any] = {
+                            "type": "delta",
+                            "id": gid,
+                            "index": o.index,
+                            "text": text,
+                            "token_ids": o.delta_token_ids,
+                        }
+                        if reasoning:
+                            frame_["reasoning"] = reasoning
+                        self.emit(stream, frame_)
         assert last is not None
         completion = sum(len(o.token_ids) for o in last.outputs)
         reasons = [o.finish_reason for o in last.outputs]
-        usage = {
+        usage: dict[str, Any] = {
             "prompt_tokens": len(ids),
             "completion_tokens": completion,
             "total_tokens": len(ids) + completion,
         }
+        if thoughts:
+            usage["reasoning_tokens"] = sum(count.count for _, count in thoughts)
         self.emit(
             stream,
             {

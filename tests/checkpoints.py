@@ -99,3 +99,37 @@ def peft_adapter(model: str | Path, out: Path, seed: int, **lora: Any) -> str:
                 p.normal_(0, 0.2)
     pm.save_pretrained(str(out))
     return str(out)
+
+
+THINK_PROMPT = [{"role": "user", "content": "Think about the sea, then answer."}]
+
+
+def thinking_model(out: Path, messages: list[dict[str, str]] = THINK_PROMPT) -> str:
+    """A Qwen3-shaped thinking checkpoint in `out` (its template opens `<think>`) that
+    closes its thinking after a few tokens when greedy on `messages`: `</think>`'s lm_head
+    row is twice the row of a token the model writes a few tokens in, so `</think>` wins
+    where that token would (or earlier)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from service.tokenizer import Tokenizer
+
+    src = tiny_checkpoint("qwen3", thinking=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    tok = Tokenizer.from_dir(src)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.inference_mode():
+        gen = hf.generate(
+            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )[0, len(ids) :].tolist()  # fmt: skip
+    late = next(t for i, t in enumerate(gen) if i >= 4 and gen.index(t) == i)
+    sd = load_file(src / "model.safetensors")
+    sd["lm_head.weight"][tok.backend.token_to_id("</think>")] = 2 * sd["lm_head.weight"][late]
+    save_file(sd, str(out / "model.safetensors"), {"format": "pt"})
+    return str(out)

@@ -1,8 +1,8 @@
 // pagestream chat page: one WebSocket to /v1/ws, one generation at a time.
 //
 // The protocol (see service/ws.py): we send `generate` {id, messages, params} and
-// `cancel` {id}; the server answers with `delta` {id, text, token_ids} frames, then one
-// `done` {id, finish_reason, usage} (finish_reason "abort" after a cancel) or an `error`.
+// `cancel` {id}; the server answers with `delta` {id, text, token_ids, reasoning?}
+// frames, then one `done` {id, finish_reason, usage} (finish_reason "abort" after a cancel) or an `error`.
 // With resumable streams each of those frames has a `seq` and deltas a `resume` token:
 // when the socket drops mid-reply, the next socket sends `resume` {id, resume, after}
 // and the reply goes on where it stopped (the server keeps generating meanwhile).
@@ -293,6 +293,7 @@
       el,
       textNode,
       text: "",
+      thinking: null, // the thinking fold's text node, once reasoning arrived
       tokens: 0,
       tSent: performance.now(),
       tFirst: null,
@@ -339,11 +340,31 @@
     if (current.tFirst === null && (n || f.text)) current.tFirst = now;
     current.tLast = now;
     current.tokens += n;
+    if (f.reasoning) thinking(current).appendData(f.reasoning);
     if (f.text) {
+      if (current.thinking) current.thinking.parentNode.parentNode.open = false; // answered
       current.text += f.text;
       current.textNode.appendData(f.text); // a text node: model output is never HTML
     }
     scrollIfFollowing(follow);
+  }
+
+  // A reasoning model's thinking (served with --reasoning-parser) goes in a fold above the
+  // answer, open while it streams; the history keeps only the answer, as its templates do.
+  function thinking(gen) {
+    if (!gen.thinking) {
+      const fold = document.createElement("details");
+      fold.className = "thinking";
+      fold.open = true;
+      const summary = document.createElement("summary");
+      summary.textContent = "Thinking";
+      const body = document.createElement("div");
+      gen.thinking = document.createTextNode("");
+      body.appendChild(gen.thinking);
+      fold.append(summary, body);
+      gen.el.insertBefore(fold, gen.el.querySelector(".text"));
+    }
+    return gen.thinking;
   }
 
   function statsLine(gen, finishReason, usage) {

@@ -1,6 +1,6 @@
 """The chat page in a real headless chromium against a live server with a tiny model:
 streaming into the bubble, multi-turn history, Stop (cancel frees the KV cache), the
-system prompt, New chat, and the API key."""
+system prompt, New chat, the API key, and a reasoning model's thinking."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.checkpoints import tiny_checkpoint
+from tests.checkpoints import THINK_PROMPT, thinking_model, tiny_checkpoint
 from tests.e2e.browser import (
     STREAM_RECORDER_JS,
     SocketLog,
@@ -280,3 +280,39 @@ def test_reconnects_after_server_restart(model: str, context: Any) -> None:
         page.press("#input", "Enter")  # the failed message was given back to the input
         expect(page.locator(".msg.assistant").nth(1)).to_have_attribute("data-finish", "length")
         page.close()
+
+
+def test_a_reasoning_models_thinking_folds_above_its_answer(context: Any, tmp_path) -> None:
+    """--reasoning-parser: the thinking streams into a fold, open until the answer
+    starts; the next turn's history holds the answer alone."""
+    from playwright.sync_api import expect
+
+    model = thinking_model(tmp_path / "thinker")
+    with live_server(model, reasoning_parser="qwen3") as s:
+        page, sockets = open_chat(context, s.url)
+        wait_connected(page)
+        settings(page, max_tokens=24, seed=None)
+        page.fill("#temperature", "0")
+        page.fill("#system-prompt", "")  # the prompt the checkpoint closes its thinking on
+        page.fill("#input", THINK_PROMPT[0]["content"])
+        page.press("#input", "Enter")
+        reply = page.locator(".msg.assistant").nth(0)
+        expect(reply).to_have_attribute("data-finish", "length")
+
+        (gen,) = sockets.sent_of("generate")
+        deltas = sockets.received_of("delta", gen["id"])
+        thinking = "".join(f.get("reasoning", "") for f in deltas)
+        answer = "".join(f["text"] for f in deltas)
+        assert thinking and answer
+        fold = reply.locator("details.thinking")
+        expect(fold.locator("div")).to_have_text(thinking)
+        assert not fold.evaluate("d => d.open")  # folded once the answer began
+        assert reply.locator(".text").text_content() == answer
+
+        page.fill("#input", "And then?")
+        page.press("#input", "Enter")
+        wait_until(page, lambda: len(sockets.sent_of("generate")) == 2, what="second turn")
+        assert sockets.sent_of("generate")[1]["messages"][1] == {
+            "role": "assistant",
+            "content": answer,
+        }

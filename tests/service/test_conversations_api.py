@@ -140,7 +140,7 @@ def test_a_turn_in_a_conversation_counts_its_copy_of_the_history(server, client)
         ("/v1/conversations", {"items": [{"role": "user", "content": "x"}] * 21}, "items", 400),
         ("/v1/conversations", {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
         ("/v1/conversations", {"metadata": {"k": "v" * 513}}, "metadata", 400),
-        ("/v1/conversations", {"items": [{"type": "reasoning", "summary": []}]},
+        ("/v1/conversations", {"items": [{"type": "web_search_call", "status": "completed"}]},
          "items[0].type", 400),
         ("/v1/conversations", {"items": [{"id": "a", "role": "user", "content": "x"},
                                          {"id": "a", "role": "user", "content": "y"}]},

@@ -30,6 +30,8 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--model": (["/m"], None),
     "--quantization": (["int8"], None),
     "--lora-modules": (["sea=/adapters/sea"], KEYS),  # (not with speculation)
+    # (a model directory without a tokenizer: the check of its tags is the load's)
+    "--reasoning-parser": (["qwen3"], [*KEYS, *SPEC_BASE, "--model", "/m"]),
     "--num-kv-blocks": (["64"], None),
     "--kv-cache-memory": (["0.5"], None),
     "--block-size": (["32"], None),

@@ -425,7 +425,7 @@ def test_store_get_delete_and_keys(server, client):
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
-        ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "web_search_call", "id": "w", "status": "completed"}]}, "input[0].type"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "hi", "background": True, "store": False}, "background"),
