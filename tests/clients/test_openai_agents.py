@@ -168,3 +168,74 @@ def test_conversations_carry_the_conversation(server):
     assert [(i.role, i.content[0].text) for i in items][::2] == [
         ("user", "import os"), ("user", "import sys")
     ]  # fmt: skip
+
+
+REASONING_INSTRUCTIONS = "Think, then answer."
+REASONING_INPUT = "What is the sea?"
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """`serve --reasoning-parser qwen3` with a thinking checkpoint that closes its thinking
+    a few tokens into this agent's greedy turn."""
+    from tests.checkpoints import thinking_model
+    from tests.reliability.watch import serve_process
+
+    messages = [{"role": "system", "content": REASONING_INSTRUCTIONS},
+                {"role": "user", "content": REASONING_INPUT}]  # fmt: skip
+    path = thinking_model(tmp_path_factory.mktemp("thinker"), messages)
+    args = ("--dtype", "float32", "--served-model-name", MODEL, "--reasoning-parser", "qwen3")
+    with serve_process(path, *args, log_dir=tmp_path_factory.mktemp("serve")) as s:
+        yield s
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_reasoning_models_thinking_reaches_the_agent_as_a_reasoning_item(thinker, api):
+    """The SDK's own converters turn the server's thinking into a ReasoningItem (from
+    chat's `reasoning_content`, or the Responses `reasoning` item), whole and streamed,
+    and replay it on the next turn (as `reasoning_content`, or the item sent back).  The
+    agent's output type holds the answer after the thinking, which stays the model's own
+    (the same text as without a schema), and ends the turn (the SDK fails a Responses
+    turn cut off by max_tokens)."""
+    from agents import OpenAIChatCompletionsModel
+
+    client = openai.AsyncOpenAI(base_url=thinker.url + "/v1", api_key="x", max_retries=0)
+    sdk_model = (
+        OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+        if api == "chat"
+        else OpenAIResponsesModel(model=MODEL, openai_client=client)
+    )
+    agent = Agent(
+        name="thinker", instructions=REASONING_INSTRUCTIONS, model=sdk_model,
+        output_type=Snippet, model_settings=ModelSettings(temperature=0.0, max_tokens=80),
+    )  # fmt: skip
+
+    async def direct() -> tuple[str, str | None]:
+        r = await client.chat.completions.create(
+            model=MODEL, max_tokens=24, temperature=0,
+            messages=[{"role": "system", "content": REASONING_INSTRUCTIONS},
+                      {"role": "user", "content": REASONING_INPUT}],
+        )  # fmt: skip
+        return r.choices[0].message.model_extra["reasoning_content"], r.choices[0].message.content
+
+    def thinking_of(result: Any) -> str:
+        (item,) = [i for i in result.new_items if i.type == "reasoning_item"]
+        raw = item.raw_item
+        parts = raw.summary if api == "chat" else raw.content
+        return "".join(p.text for p in parts)
+
+    async def run() -> None:
+        thinking, answer = await direct()
+        assert thinking and answer  # the checkpoint's premise: it thinks, then answers
+        whole = await Runner.run(agent, REASONING_INPUT)
+        assert thinking_of(whole) == thinking and isinstance(whole.final_output, Snippet)
+        streamed = Runner.run_streamed(agent, REASONING_INPUT)
+        async for _ in streamed.stream_events():
+            pass
+        assert (thinking_of(streamed), streamed.final_output) == (thinking, whole.final_output)
+        # The next turn replays the thinking to the server, which takes it.
+        again = await Runner.run(agent, [*whole.to_input_list(), {"role": "user",
+                                         "content": "And then?"}])  # fmt: skip
+        assert isinstance(again.final_output, Snippet)
+
+    asyncio.run(run())
