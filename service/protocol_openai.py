@@ -275,7 +275,9 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
     prediction: Any = None
     service_tier: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
+    # Given to the chat template as `reasoning_effort` (a template that reads it, as
+    # gpt-oss's does, sets its thinking budget; others ignore it), as vLLM does.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     verbosity: Any = None
     prompt_cache_key: str | None = None  # accepted: prefixes are cached whatever the key
     safety_identifier: str | None = None
@@ -300,6 +302,11 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
                     "chat_template_kwargs.chat_template must be a string (and not given twice)",
                     "chat_template_kwargs.chat_template",
                 )
+        else:
+            template = None
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        if template is not None:
             return template, "chat_template_kwargs.chat_template", kwargs
         return self.chat_template, "chat_template", kwargs
 
@@ -318,7 +325,6 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
             "modalities",
             "prediction",
             "web_search_options",
-            "reasoning_effort",
             "verbosity",
             "documents",
             "mm_processor_kwargs",

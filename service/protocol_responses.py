@@ -111,6 +111,16 @@ _ITEMS: dict[str, type[Struct]] = {
 }
 
 
+class ReasoningOptions(Struct, forbid_unknown_fields=True, kw_only=True):
+    """`reasoning`: `effort` goes to the chat template as `reasoning_effort` (as on chat);
+    a summary is never written (a reasoning item's text is its `reasoning_text` content,
+    its `summary` empty), so `summary` asks for nothing more."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (deprecated)
+
+
 class FunctionTool(Struct, forbid_unknown_fields=True, kw_only=True):
     """A tool of the Responses API: a function, flat (no `function` wrapper)."""
 
@@ -179,7 +189,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
-    reasoning: Any = None
+    reasoning: ReasoningOptions | None = None
     max_tool_calls: NonNegInt | None = None
     context_management: Any = None
 
@@ -189,10 +199,6 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("prompt", "context_management"):
             if getattr(self, name) is not None:
                 raise BadRequest(f"{name} is not supported by this server", name)
-        if self.reasoning not in (None, {}) and not (
-            isinstance(self.reasoning, dict) and all(v is None for v in self.reasoning.values())
-        ):
-            raise BadRequest("reasoning is not supported by this server", "reasoning")
         if self.max_tool_calls is not None:
             raise BadRequest("max_tool_calls is not supported by this server", "max_tool_calls")
         if self.service_tier not in (None, "auto", "default"):
@@ -323,6 +329,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             priority=self.priority,
             conversation_id=self.conversation_id,
             user=self.user,
+            reasoning_effort=self.reasoning.effort if self.reasoning else None,
         )
 
 
@@ -445,7 +452,7 @@ class InputTokensRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | _ChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
-    reasoning: Any = None
+    reasoning: ReasoningOptions | None = None
     truncation: Literal["disabled", "auto"] | None = None
     personality: str | None = None  # a hosted model's persona: no part of this prompt
 

@@ -90,6 +90,10 @@ def test_chat_answers_apart_from_the_thinking(client, thinker):
     assert "".join(parts["content"]) == answer
     assert usage.completion_tokens_details.reasoning_tokens == ids.index(end) + 1
 
+    # reasoning_effort goes to the template (this one does not read it: the same turn).
+    low = _chat(client, reasoning_effort="low").choices[0].message
+    assert (low.model_extra["reasoning"], low.content) == (thinking, answer)
+
     # include_reasoning false drops the thinking; the answer stays.
     r2 = _chat(client, extra_body={"include_reasoning": False})
     assert "reasoning" not in r2.choices[0].message.model_extra
@@ -152,7 +156,7 @@ def test_responses_api_returns_a_reasoning_item(client, thinker):
     chat = _chat(client, max_tokens=30).choices[0].message
     kw = dict(model="thinker", input=MESSAGES[0]["content"], max_output_tokens=30,
               temperature=0)  # fmt: skip
-    r = client.responses.create(**kw)
+    r = client.responses.create(**kw, reasoning={"effort": "low", "summary": "auto"})
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == chat.model_extra["reasoning"]
     assert r.output_text == chat.content
@@ -320,3 +324,14 @@ def test_a_parser_the_tokenizer_cannot_serve_is_refused_at_start():
     argv = ["serve", "--model", plain, "--reasoning-parser", "qwen3"]
     with pytest.raises(ConfigError, match="no '<think>' token"):
         server_config(build_parser().parse_args(argv))
+
+
+def test_reasoning_effort_is_a_template_variable():
+    from service.protocol_openai import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=[], reasoning_effort="high")
+    assert req.template_request() == (None, "chat_template", {"reasoning_effort": "high"})
+    req = ChatCompletionRequest(
+        messages=[], reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}
+    )
+    assert req.template_request()[2] == {"reasoning_effort": "low"}  # the explicit one wins

@@ -371,7 +371,6 @@ REFUSED_CHAT = {
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
-    "reasoning_effort": "low",
     "verbosity": "low",
     "service_tier": "flex",
     "functions": [{"name": "f"}],
