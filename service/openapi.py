@@ -23,6 +23,7 @@ from service.protocol_responses import (
     ResponsesRequest,
 )
 from service.protocol_ws import ClientFrame
+from service.utility_api import Detokenize, LoadLoRA, TokenizeChat, TokenizeCompletion, UnloadLoRA
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {
@@ -80,10 +81,16 @@ def openapi_document() -> dict[str, Any]:
             ConversationUpdate,
             ConversationItemsCreate,
             InputTokensRequest,
+            TokenizeCompletion,
+            TokenizeChat,
+            Detokenize,
+            LoadLoRA,
+            UnloadLoRA,
         ],
         ref_template=_REF,
     )
-    chat, completion, responses, frame, prefix, conv, conv_update, conv_items, count = schemas
+    chat, completion, responses, frame, prefix, conv, conv_update, conv_items, count = schemas[:9]
+    tok_prompt, tok_chat, detok, load_lora, unload_lora = schemas[9:]
     components["ClientFrame"] = frame
     components["ErrorResponse"] = _ERROR
     plain = {"200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}
@@ -121,7 +128,49 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/cache/prefixes": _post("Compute and publish a shared prefix", prefix, False),
             "/v1/models": {"get": {"summary": "Served models", "responses": plain}},
+            "/v1/load_lora_adapter": _post(
+                "Load a LoRA adapter (with --allow-runtime-lora)", load_lora, False
+            ),
+            "/v1/unload_lora_adapter": _post(
+                "Unload a LoRA adapter (with --allow-runtime-lora)", unload_lora, False
+            ),
+            "/v1/streams/{id}": {
+                "get": {
+                    "summary": "Resume a stream from Last-Event-ID (with --resume-grace)",
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                        }
+                    },
+                },
+            },
+            "/tokenize": _post(
+                "Token ids of a prompt, or of messages through the chat template",
+                {"anyOf": [tok_prompt, tok_chat]},
+                False,
+            ),
+            "/detokenize": _post("Text of token ids", detok, False),
             "/health": {"get": {"summary": "200 when serving, 503 otherwise", "responses": plain}},
+            "/live": {"get": {"summary": "200 while the process serves", "responses": plain}},
+            "/version": {"get": {"summary": "The server's version", "responses": plain}},
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/debug/state": {
+                "get": {
+                    "summary": "Engine queues, KV blocks, memory (with --enable-debug-routes)",
+                    "responses": plain,
+                }
+            },
             "/v1/ws": {
                 "get": {
                     "summary": "WebSocket: JSON text frames, client frames per the ClientFrame "

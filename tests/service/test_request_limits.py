@@ -4,6 +4,8 @@ answers 429 with Retry-After (HTTP) or an error frame (WebSocket)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import json
 import threading
@@ -306,3 +308,12 @@ def test_openapi_document(server):
     comps = doc["components"]["schemas"]
     assert {"ChatCompletionRequest", "CompletionRequest", "ClientFrame", "WSGenerate"} <= set(comps)
     assert "chat_template_kwargs" in comps["ChatCompletionRequest"]["properties"]
+    # Every route the app serves is in it, those behind a flag included.
+    from service.app import create_app
+
+    cfg = server.state.config
+    engine = cfg.engine.replace(allow_runtime_lora=True)
+    app = create_app(dataclasses.replace(cfg, engine=engine, enable_debug_routes=True))
+    served = {r.resource.canonical for r in app.router.routes() if r.resource is not None}
+    unlisted = {"/", "/openapi.json", "/static"}
+    assert served - unlisted <= set(doc["paths"]), served - unlisted - set(doc["paths"])
