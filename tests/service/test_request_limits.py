@@ -4,9 +4,8 @@ answers 429 with Retry-After (HTTP) or an error frame (WebSocket)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import json
 import threading
 import time
