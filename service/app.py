@@ -25,6 +25,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service import utility_api
 from service.async_engine import AsyncEngine, RequestFailed, rss_bytes
+from service.generation_defaults import GenerationDefaults
 from service.http_util import SPEC_FIELD, TENANT_SALT, error_response, json_response, salted
 from service.metrics import Metrics
 from service.openai_api import OpenAIServing
@@ -282,6 +283,7 @@ def _openai_serving(
             if state.config.reasoning_parser
             else None
         ),
+        defaults=_generation_defaults(state.config, engine),
         streams=state.streams,
     )
     cfg = state.config
@@ -292,6 +294,16 @@ def _openai_serving(
         cfg.max_stored_response_bytes,
     )
     return serving
+
+
+def _generation_defaults(config: ServerConfig, engine: AsyncEngine) -> GenerationDefaults:
+    defaults = GenerationDefaults.load(
+        config.generation_config, engine.model_dir, config.override_generation_config
+    )
+    if defaults:
+        # As vLLM says it: a client that expects the API's neutral defaults should know.
+        log.info("sampling defaults for fields a request leaves out: %s", defaults.describe())
+    return defaults
 
 
 PRESET_ENGINE = web.AppKey("pagestream_preset_engine", AsyncEngine)

@@ -533,6 +533,26 @@ def _check_reasoning_parser(name: str, model: str | None) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _check_generation_config(mode: str, override: dict[str, Any] | None, model: str | None) -> None:
+    """Refuse at start a generation config whose values a request could not carry."""
+    from service.engine_setup import default_model_dir
+    from service.generation_defaults import GenerationDefaults
+
+    GenerationDefaults.load(mode, Path(model) if model else default_model_dir(), override)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("a JSON object is expected")
+    return obj
+
+
 def server_config(a: argparse.Namespace) -> ServerConfig:
     """The server's configuration from `serve`'s flags (bench.host_server builds its own
     engine around the same)."""
@@ -562,6 +582,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     )
     if a.reasoning_parser:
         _check_reasoning_parser(a.reasoning_parser, a.model)
+    _check_generation_config(a.generation_config, a.override_generation_config, a.model)
     converted = {
         "engine": engine,
         "api_key": None,  # the flag's list is api_keys
@@ -708,6 +729,15 @@ def _add_stream_args(s: argparse.ArgumentParser) -> None:
                    help="parse tool calls out of the text for tool_choice 'auto'")  # fmt: skip
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split a reasoning model's <think> text into `reasoning`")  # fmt: skip
+    s.add_argument(
+        "--generation-config", default="auto", metavar="auto|vllm|DIR",
+        help="sampling defaults for fields a request leaves out: the model's "
+        "generation_config.json (auto), the API's own (vllm), or DIR's",
+    )  # fmt: skip
+    s.add_argument(
+        "--override-generation-config", type=_json_object, default=None, metavar="JSON",
+        help='sampling defaults set over --generation-config\'s, e.g. \'{"temperature": 0.5}\'',
+    )  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight streams")  # fmt: skip
     s.add_argument(

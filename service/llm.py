@@ -6,12 +6,15 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from scheduler.config import EngineConfig
 from scheduler.sampling_params import SamplingParams
 from service.async_engine import AsyncEngine, RequestOutput
 from service.beam_search import BeamSearchOutput, BeamSearchParams, start_searches
+from service.engine_setup import default_model_dir
+from service.generation_defaults import GenerationDefaults
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -34,12 +37,25 @@ class LLM:
     >>> outs[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
         """settings: the engine's, by their names in scheduler/config.py's EngineConfig
         (dtype, block_size, num_kv_blocks, max_num_seqs, speculative_config,
         tensor_parallel_size, ...; vLLM's enforce_eager too), checked as `serve`'s flags
-        are; an unknown one is a ConfigError naming it."""
+        are; an unknown one is a ConfigError naming it.  generation_config: where
+        `get_default_sampling_params` comes from, as `serve --generation-config`."""
         self.config = self.engine_config(model, **settings)
+        where = Path(self.config.model.model) if self.config.model.model else default_model_dir()
+        # (before the engine: a refused config leaves nothing running)
+        self.defaults = GenerationDefaults.load(
+            generation_config, where, override_generation_config
+        )
         self.engine = AsyncEngine.from_config(self.config)
         self._start_loop()
         self._run(self.engine.start())
@@ -69,6 +85,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling params: the model's generation config's
+        sampling over SamplingParams' defaults, as vLLM's."""
+        d = self.defaults
+        return SamplingParams(**d.values, max_tokens=d.cap(SamplingParams().max_tokens))
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[list[int]] | list[int],
@@ -79,7 +101,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * len(plist)
+            params = [self.get_default_sampling_params()] * len(plist)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(plist)
         else:

@@ -144,7 +144,7 @@ class ChatServing(ServingBase):
         (service/openai_responses.py) turns its request into a chat one and starts here."""
         lora = self.check_model(req.model)
         check_messages(req.messages)
-        params = self.with_lora(req.to_sampling_params(), lora)
+        params = self.with_lora(req.to_sampling_params(self.defaults), lora)
         self.limits.check_sampling(params, logprobs_field="top_logprobs")
         self.prep.check_vocab_ids(params)
         params = await self.prep.with_bad_words(params)
@@ -179,7 +179,7 @@ class ChatServing(ServingBase):
             engine_rid, [ids], [None], params, salt, field,
             tenant=tenant, conversation=conversation, priority=req.priority,
             prompt_field="messages",
-            beam=req.beam_spec(req.max_completion_tokens or req.max_tokens),
+            beam=req.beam_spec(self.defaults.cap(req.max_completion_tokens or req.max_tokens)),
         )  # fmt: skip
         model = req.model or self.names[0]
         return ChatStart(rid, model, ids, gens[0], params, mode, subs, thinking)

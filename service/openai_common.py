@@ -23,6 +23,8 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestFailed
 from service.beam_search import BeamSearchParams, start_searches
+from service.generation_defaults import NONE as NO_DEFAULTS
+from service.generation_defaults import GenerationDefaults
 from service.http_util import (
     SPEC_FIELD,
     SSE_HEADERS,
@@ -187,6 +189,7 @@ class ServingBase:
         prompt_tokens_details: bool = False,
         tool_call_parser: str | None = None,
         reasoning: ReasoningParser | None = None,
+        defaults: GenerationDefaults = NO_DEFAULTS,
         streams: StreamRegistry | None = None,
     ) -> None:
         self.engine = engine
@@ -198,6 +201,7 @@ class ServingBase:
         self.tokenizer = engine.tokenizer
         self.tool_call_parser = tool_call_parser
         self.reasoning = reasoning  # --reasoning-parser (service/reasoning.py)
+        self.defaults = defaults  # the model's sampling (service/generation_defaults.py)
         self._token_text: dict[int, str] = {}
         self.send_timeout = send_timeout
         self.on_slow_client = on_slow_client

@@ -100,7 +100,7 @@ class CompletionServing(ServingBase):
     async def completions(self, request: web.Request, body: bytes) -> web.StreamResponse:
         req: CompletionRequest = decode_completion(body)
         lora = self.check_model(req.model)
-        params = self.with_lora(req.to_sampling_params(), lora)
+        params = self.with_lora(req.to_sampling_params(self.defaults), lora)
         spec = req.structured()
         await self.compile(request, params, spec[1] if spec else None)
         raw = req.prompts()
@@ -122,7 +122,7 @@ class CompletionServing(ServingBase):
         gens, subs = self._start(
             engine_rid, prompts, texts, params, salt,
             tenant=tenant, conversation=conversation_key(tenant, cid), priority=req.priority,
-            beam=req.beam_spec(req.max_tokens),
+            beam=req.beam_spec(self.defaults.cap(req.max_tokens)),
         )  # fmt: skip
         model = req.model or self.names[0]
         try:

@@ -14,6 +14,8 @@ from msgspec import Meta, Struct
 
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from service.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from service.generation_defaults import NONE as NO_DEFAULTS
+from service.generation_defaults import GenerationDefaults
 from service.protocol import (
     BadRequest,
     ChatMessage,
@@ -223,19 +225,26 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
         return out
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, **extra: Any
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: GenerationDefaults = NO_DEFAULTS,
+        **extra: Any,
     ) -> SamplingParams:
+        """defaults: the model's recommended sampling, for the fields left out
+        (service/generation_defaults.py)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias, spec = self.token_bias(), self.structured()
+        d = defaults
         try:
             return SamplingParams(
                 n=extra.pop("n", self.n),
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0,
+                temperature=d.pick("temperature", self.temperature, 1.0),
+                top_p=d.pick("top_p", self.top_p, 1.0),
+                top_k=d.pick("top_k", self.top_k, 0),
+                min_p=d.pick("min_p", self.min_p, 0.0),
                 seed=self.seed,
-                max_tokens=max_tokens,
+                max_tokens=d.cap(max_tokens),
                 min_tokens=self.min_tokens,
                 stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []),
@@ -243,7 +252,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty or 1.0,
+                repetition_penalty=d.pick("repetition_penalty", self.repetition_penalty, 1.0),
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=bias,
@@ -367,11 +376,11 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
             if self.tools and self.tool_choice != "none":
                 raise BadRequest("tools cannot be combined with use_beam_search", "tools")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         self.check_unsupported()
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, defaults)
 
 
 class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
@@ -440,7 +449,7 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
             "prompt",
         )
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         """best_of > n samples best_of sequences (with their logprobs, to rank them);
         echo with logprobs also needs the prompt's."""
         self.check_unsupported()
@@ -454,7 +463,7 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
         # echo_only runs the prompt through one step, as vLLM does: its logprobs come out
         # of that prefill, and the one token sampled after it is not returned.
         max_tokens = 1 if self.echo_only else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs, **extra)
+        return self.sampling_params(max_tokens, logprobs, defaults, **extra)
 
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

@@ -10,6 +10,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from service.generation_defaults import NONE as NO_DEFAULTS
+from service.generation_defaults import GenerationDefaults
 from service.protocol import (
     BadRequest,
     ChatMessage,
@@ -25,21 +27,24 @@ from service.protocol import (
 )
 from service.protocol_structured import ResponseFormat, StructuredOutputsRequest, structured_spec
 
+_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
 
 class WSParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """Sampling parameters of a WebSocket `generate` frame (SamplingParams' names)."""
 
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0
-    min_p: Unit = 0.0
+    # None: the model's recommendation (generation_config.json), else the API's default
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Unit | None = None
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=list)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
     n: Annotated[int, Meta(ge=1, le=16)] = 1
@@ -59,9 +64,12 @@ class WSParams(Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(e.message, f"params.{e.param}" if e.param else None) from e
         return None if spec is None else (spec[0], f"params.{spec[1]}")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         fields = {f: getattr(self, f) for f in self.__struct_fields__}
         del fields["response_format"]
+        for name, neutral in _NEUTRAL.items():
+            fields[name] = defaults.pick(name, fields[name], neutral)
+        fields["max_tokens"] = defaults.cap(fields["max_tokens"])
         spec = self.structured()
         fields["structured_outputs"] = spec[0] if spec else None
         try:

@@ -81,6 +81,10 @@ class ServerConfig:
     access_log: bool = True
     tool_call_parser: str | None = None  # hermes | llama3_json: parses tool_choice "auto"
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3 (service/reasoning.py)
+    # Sampling defaults (service/generation_defaults.py): "auto" (the model's
+    # generation_config.json), "vllm" (the API's), or a directory; fields set over them.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     # /v1/responses' store (service/openai_responses.py): responses kept for GET and
     # previous_response_id; past a bound the API key holding the most loses its least
     # recently used; 0 turns storing off.

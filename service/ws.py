@@ -312,7 +312,7 @@ class WSSession:
         serving = self.state.serving
         assert serving is not None
         params = serving.with_lora(
-            frame.params.to_sampling_params(), serving.check_model(frame.model)
+            frame.params.to_sampling_params(serving.defaults), serving.check_model(frame.model)
         )
         prep.limits.check_sampling(params, prefix="params.")
         prep.check_vocab_ids(params, "params.")

@@ -32,6 +32,8 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--lora-modules": (["sea=/adapters/sea"], KEYS),  # (not with speculation)
     # (a model directory without a tokenizer: the check of its tags is the load's)
     "--reasoning-parser": (["qwen3"], [*KEYS, *SPEC_BASE, "--model", "/m"]),
+    "--generation-config": (["vllm"], None),
+    "--override-generation-config": (['{{"temperature": 0.5}}'], None),  # (format-escaped)
     "--num-kv-blocks": (["64"], None),
     "--kv-cache-memory": (["0.5"], None),
     "--block-size": (["32"], None),
