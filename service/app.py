@@ -48,6 +48,9 @@ def _bearer(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
+    # Anthropic's SDK (and Claude Code given ANTHROPIC_API_KEY) sends the key here.
+    if (key := request.headers.get("x-api-key")) is not None:
+        return key.strip()
     # Browsers cannot set headers on a WebSocket: accept the key as a query parameter there.
     if request.path == "/v1/ws":
         return request.query.get("api_key")
@@ -139,7 +142,22 @@ async def api_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """API key check for /v1, /debug, /tokenize and /detokenize (unless --public-tokenize),
-    and OpenAI-shaped errors for everything that goes wrong."""
+    and OpenAI-shaped errors for everything that goes wrong (with Anthropic's
+    `"type": "error"` on top for its Messages routes)."""
+    resp = await _api(request, handler)
+    anthropic = request.path.startswith("/v1/messages")
+    body = resp.body if anthropic and isinstance(resp, web.Response) else None
+    if resp.status >= 400 and isinstance(body, bytes):
+        with contextlib.suppress(ValueError):
+            err = orjson.loads(body)
+            if isinstance(err, dict) and "error" in err:
+                resp.body = orjson.dumps({"type": "error", **err})  # type: ignore[union-attr]
+    return resp
+
+
+async def _api(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     state = request.app[STATE]
     if state.keys and _needs_key(state, request.path):
         ok, salt, tenant = _authorized(state, _bearer(request))
@@ -405,6 +423,8 @@ async def _generation(request: web.Request, route: str) -> web.StreamResponse:
             return await serving.chat(request, body)
         if route == "responses":
             return await serving.responses(request, body)
+        if route == "messages":
+            return await serving.messages(request, body)
         return await serving.completions(request, body)
     finally:
         state.inflight_dec()
@@ -420,6 +440,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     return await _generation(request, "responses")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "messages")
+
+
+async def count_message_tokens(request: web.Request) -> web.Response:
+    return await _serving(request).count_tokens(request)
 
 
 async def get_response(request: web.Request) -> web.Response:
@@ -639,6 +667,8 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_message_tokens)
     app.router.add_post("/v1/responses/input_tokens", response_input_tokens)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)

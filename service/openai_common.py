@@ -426,11 +426,12 @@ class ServingBase:
         usage: StreamUsage,
         *,
         tail: Callable[[], Awaitable[list[bytes]]] | None = None,
+        error_event: Callable[[bytes], list[bytes]] | None = None,
     ) -> web.StreamResponse:
         """Write the chunks of each output (`chunks_of`) as events, then the usage totals
         if asked, then [DONE]; or, given `tail`, the events it returns instead (a stream
         that ends on its own event).  A failure after the headers went out becomes an error
-        event.  One prompt's generator is read here directly (a generator layer between
+        event (`error_event` turns the error body into another API's events).  One prompt's generator is read here directly (a generator layer between
         would cost every stream a hop every step); several prompts' through `merge`.
         Closed explicitly all the way down: a stream that stops early (a client gone)
         aborts its requests now, not when the generators are garbage collected."""
@@ -457,7 +458,7 @@ class ServingBase:
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:
-            return await self._stream_error(request, resp, e)
+            return await self._stream_error(request, resp, e, error_event)
         if tail is None:
             if usage.include:
                 totals = self.stream_usage(usage)
@@ -467,7 +468,11 @@ class ServingBase:
         return resp
 
     async def _stream_error(
-        self, request: web.Request, resp: web.StreamResponse, e: Exception
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        e: Exception,
+        error_event: Callable[[bytes], list[bytes]] | None = None,
     ) -> web.StreamResponse:
         """A stream that failed after its headers went out: an error event in OpenAI's
         shape, then [DONE]."""
@@ -481,7 +486,11 @@ class ServingBase:
         else:
             log.exception("stream failed")
             body = error_body(f"generation failed: {e}", 500)
-        await self.write(request, resp, b"data: " + body + b"\n\n")
-        await self.write(request, resp, b"data: [DONE]\n\n")
+        if error_event is not None:
+            for data in error_event(body):
+                await self.write(request, resp, data)
+        else:
+            await self.write(request, resp, b"data: " + body + b"\n\n")
+            await self.write(request, resp, b"data: [DONE]\n\n")
         await end_stream(resp)
         return resp

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from service.protocol import PrefixRegistration
+from service.protocol_anthropic import CountTokensRequest, MessagesRequest
 from service.protocol_openai import ChatCompletionRequest, CompletionRequest
 from service.protocol_responses import (
     ConversationCreate,
@@ -86,11 +87,13 @@ def openapi_document() -> dict[str, Any]:
             Detokenize,
             LoadLoRA,
             UnloadLoRA,
+            MessagesRequest,
+            CountTokensRequest,
         ],
         ref_template=_REF,
     )
     chat, completion, responses, frame, prefix, conv, conv_update, conv_items, count = schemas[:9]
-    tok_prompt, tok_chat, detok, load_lora, unload_lora = schemas[9:]
+    tok_prompt, tok_chat, detok, load_lora, unload_lora, messages, count_messages = schemas[9:]
     components["ClientFrame"] = frame
     components["ErrorResponse"] = _ERROR
     plain = {"200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}
@@ -109,6 +112,10 @@ def openapi_document() -> dict[str, Any]:
                 "get": {"summary": "A stored response's input items", "responses": plain},
             },
             "/v1/responses/input_tokens": _post("Count a response's input tokens", count, False),
+            "/v1/messages": _post("Message (Anthropic Messages API)", messages, streams=True),
+            "/v1/messages/count_tokens": _post(
+                "Count a message's input tokens (Anthropic)", count_messages, False
+            ),
             "/v1/responses/{id}/cancel": {
                 "post": {"summary": "Cancel a background response", "responses": plain},
             },

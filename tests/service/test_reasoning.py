@@ -335,3 +335,35 @@ def test_reasoning_effort_is_a_template_variable():
         messages=[], reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}
     )
     assert req.template_request()[2] == {"reasoning_effort": "low"}  # the explicit one wins
+
+
+def test_anthropic_messages_carry_thinking_blocks(server, client):
+    """/v1/messages through Anthropic's SDK: the thinking as a thinking block, whole and
+    streamed; `thinking: disabled` reaches the template; output_config.format holds the
+    answer after the thinking."""
+    anthropic = pytest.importorskip("anthropic")
+    chat = _chat(client, max_tokens=30).choices[0].message
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="thinker", max_tokens=30, messages=MESSAGES, extra_body={"temperature": 0})
+    m = sdk.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 20})
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert (m.content[0].thinking, m.content[1].text) == (chat.model_extra["reasoning"],
+                                                          chat.content)  # fmt: skip
+    with sdk.messages.stream(**kw) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" in deltas and _blocks(final) == _blocks(m)
+
+    off = sdk.messages.create(**kw, thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"]
+
+    j = sdk.messages.create(
+        **{**kw, "max_tokens": 80},
+        output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+    )
+    assert j.content[0].thinking == chat.model_extra["reasoning"]
+    assert set(json.loads(j.content[1].text)) == {"sea"} and j.stop_reason == "end_turn"
+
+
+def _blocks(message) -> list[tuple[str, str]]:
+    return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
