@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 
 from service.json_depth import MAX_JSON_DEPTH
 from service.structured import COMPILE_TIMEOUT_S, TOKEN_BUDGET_S
+from tests.checkpoints import tiny_checkpoint
 from tests.reliability.watch import (
     GAP_BUDGET_S,
     HEALTH_BUDGET_S,
@@ -1221,6 +1222,142 @@ responses_bodies = hostile_body(
     {"input": st.one_of(text, st.lists(response_item, min_size=1, max_size=4))},
     RESPONSES, HOSTILE_RESPONSES, limit_field="max_output_tokens",
 )  # fmt: skip
+# Anthropic's Messages API (/v1/messages): its blocks, tools, thinking and output config.
+user_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": words,
+            "content": text
+            | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2),
+        }
+    ),
+)
+assistant_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": words,
+            "name": words,
+            "input": st.dictionaries(text, json_values, max_size=2),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": text, "signature": text}),
+)
+anthropic_messages = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.just("user"),
+                "content": text | st.lists(user_block, min_size=1, max_size=3),
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "role": st.just("assistant"),
+                "content": text | st.lists(assistant_block, min_size=1, max_size=3),
+            }
+        ),
+    ),
+    min_size=1,
+    max_size=4,
+)
+MESSAGES = {
+    "system": text
+    | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2),
+    "stop_sequences": st.lists(words, max_size=3),
+    "stream": st.booleans(),
+    "temperature": st.none() | floats(0, 1),
+    "top_k": st.integers(0, 50),
+    "+tools": st.builds(
+        lambda c: {
+            "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {}}}],
+            "tool_choice": c,
+        },
+        st.sampled_from([{"type": "none"}, {"type": "any"}, {"type": "tool", "name": "f"}]),
+    ),
+    "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 1}]),
+    "metadata": st.fixed_dictionaries({"user_id": words}),
+    "output_config": st.just({"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+    "cache_control": st.just({"type": "ephemeral"}),
+}
+HOSTILE_MESSAGES = {
+    "messages": st.one_of(
+        huge_list(
+            st.just(
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t", "content": "a"}],
+                }
+            ),
+            40_000,
+        ),
+        huge_list(st.just({"role": "user", "content": "hi"}), 100_000),
+        st.just([{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}]),
+        st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["system", "tool", ""]), "content": text}
+            ),
+            min_size=1,
+            max_size=2,
+        ),
+        st.just([{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+        st.just(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}],
+                }
+            ]
+        ),
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.just("user"),
+                    "content": st.lists(
+                        st.fixed_dictionaries({"type": odd_text}), min_size=1, max_size=2
+                    ),
+                }
+            ),
+            min_size=1,
+        ),
+        st.just([]),
+    ),
+    "tools": st.one_of(
+        huge_list(st.just({"name": "f", "input_schema": {}}), 2000),
+        st.just([{"type": "web_search_20250305", "name": "w", "input_schema": {}}]),
+        st.just([{"name": "bad name", "input_schema": {}}]),
+    ),
+    "tool_choice": st.sampled_from(
+        [{"type": "tool"}, {"type": "tool", "name": "nope"}, {"type": "x"}, {"type": "auto"}]
+    ),
+    "thinking": st.sampled_from(
+        [
+            {"type": "enabled", "budget_tokens": 10**9},
+            {"type": "x"},
+            {"type": "enabled", "budget_tokens": 0},
+        ]
+    ),
+    "output_config": st.builds(
+        lambda d: {"format": {"type": "json_schema", "schema": d}}, deep | st.just({"type": "nope"})
+    ),
+    "stop_sequences": huge_list(words, 5000),
+    "max_tokens": st.sampled_from([0, -1, 10**9]),
+    "mcp_servers": st.just([{}]),
+    "model": odd_text,
+}
+messages_bodies = hostile_body(
+    # (the model is required here: the served name, the checkpoint's path)
+    {
+        "model": st.deferred(lambda: st.just(str(tiny_checkpoint("llama")))),
+        "messages": anthropic_messages,
+    },
+    MESSAGES,
+    HOSTILE_MESSAGES,
+    limit_field="max_tokens",
+)
 TOKENIZE_HOSTILE = {
     "model": odd_text,
     "chat_template_kwargs": st.dictionaries(text, deep, min_size=1, max_size=2),
@@ -1412,6 +1549,16 @@ def check_http(w: Watched, path: str, body: Any) -> None:
         return
     assert status == 200, context
     assert took < OK_BUDGET_S, context
+    if path == "/v1/messages" and raw.startswith((b"event: ", b"id: ")):
+        # Anthropic's stream: named events, message_start to message_stop, or an error.
+        lines = raw.replace(b"\n\n", b"\n").split(b"\n")
+        events = [parse(line[6:], context) for line in lines if line.startswith(b"data: ")]
+        if events[-1].get("type") == "error":
+            check_error_shape(events[-1]["error"], context)
+            assert events[-1]["error"]["type"] not in ("server_error", "service_unavailable")
+        else:
+            assert [events[0]["type"], events[-1]["type"]] == ["message_start", "message_stop"]
+        return
     if raw.startswith((b"data: ", b"id: ")):  # a stream: no error event blames the server
         # Each event is `id: N` (service/resume.py), then its data.
         lines = raw.replace(b"\n\n", b"\n").split(b"\n")
@@ -1533,6 +1680,7 @@ def test_regexes(server):
         ("/v1/chat/completions", chat_bodies, 120),
         ("/v1/completions", completion_bodies, 120),
         ("/v1/responses", responses_bodies, 80),
+        ("/v1/messages", messages_bodies, 80),
         ("/tokenize", tokenize_bodies, 50),
         ("/detokenize", detokenize_bodies, 30),
         ("/v1/cache/prefixes", prefix_bodies, 20),
