@@ -122,6 +122,12 @@ class AnthropicTool(Struct, forbid_unknown_fields=True, kw_only=True):
     description: str | None = None
     type: str | None = None  # "custom"; a server tool ("web_search_...") is refused
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None  # as chat's: a schema keyword the grammar cannot hold is a 400
+    input_examples: list[dict[str, Any]] | None = None  # (for the model's prompt; unused)
+    eager_input_streaming: bool | None = None  # (the input streams as it is written anyway)
+    # Anthropic's tool search and programmatic calling: refused unless at their defaults.
+    defer_loading: bool | None = None
+    allowed_callers: list[Any] | None = None
 
 
 class ToolChoice(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -184,6 +190,10 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
             if getattr(self, name) is not None:
                 raise BadRequest(f"{name} is not supported by this server", name)
         for i, t in enumerate(self.tools or ()):
+            for name in ("defer_loading", "allowed_callers"):
+                if getattr(t, name):
+                    raise BadRequest(f"tools[{i}].{name} is not supported by this server",
+                                     f"tools[{i}].{name}")  # fmt: skip
             if t.type not in (None, "custom"):
                 raise BadRequest(
                     f"tools[{i}].type {t.type!r} is not supported by this server (only "
@@ -250,7 +260,8 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
         for i, t in enumerate(self.tools):
             try:
                 fn = msgspec.convert({"name": t.name, "description": t.description,
-                                      "parameters": t.input_schema}, FunctionDefinition)  # fmt: skip
+                                      "parameters": t.input_schema, "strict": t.strict},
+                                     FunctionDefinition)  # fmt: skip
             except msgspec.ValidationError as e:
                 raise BadRequest(f"tools[{i}]: {e}", f"tools[{i}].name") from e
             tools.append(Tool(function=fn))
