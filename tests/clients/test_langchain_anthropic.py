@@ -60,9 +60,11 @@ def test_structured_output(llm, method):
 
 
 def test_bound_tools_any(llm):
-    msg = llm.bind(max_tokens=120).bind_tools(
-        [Refund, Lookup], tool_choice="any", parallel_tool_calls=False
-    ).invoke(PROMPT)
+    msg = (
+        llm.bind(max_tokens=120)
+        .bind_tools([Refund, Lookup], tool_choice="any", parallel_tool_calls=False)
+        .invoke(PROMPT)
+    )
     (call,) = msg.tool_calls
     model = {"Refund": Refund, "Lookup": Lookup}[call["name"]]
     assert isinstance(model.model_validate(call["args"]), model)
