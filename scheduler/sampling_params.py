@@ -47,6 +47,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         )
 
 
+class ReasoningBudget(msgspec.Struct, kw_only=True, frozen=True):
+    """At most `budget` tokens of thinking (vLLM's thinking_token_budget; Anthropic's
+    budget_tokens): then the closing token `end` is forced.  `start`: the output may still
+    open its thinking with that token (service/reasoning.py).  Set by the server."""
+
+    end: int
+    budget: int
+    start: int | None = None
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request.  Field names and defaults follow vLLM's SamplingParams.
 
@@ -85,6 +95,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # from the request's `model`), None for the base model.  Not a sampling setting, but
     # it travels with them to the runner and keys the request's cached KV.
     lora: str | None = None
+    # A reasoning model's thinking, bounded (scheduler/structured.py AfterReasoning).
+    reasoning_budget: ReasoningBudget | None = None
 
     def __post_init__(self) -> None:
         # Normalise the aliases so the hot path tests one value.

@@ -63,23 +63,49 @@ def bitmasks(matchers: Sequence[GrammarMatcher]) -> list[bytes | None]:
 
 
 class AfterReasoning:
-    """A grammar that holds a reasoning model's answer, not its thinking
-    (service/reasoning.py): no mask and every token accepted until the closing token
-    (`end`), the grammar from the token after it.  With `start`, the output is not in
-    its thinking yet: its first token may be `start` (it opens its thinking) or else
-    the grammar holds from that first token on."""
+    """A reasoning model's thinking and answer under one matcher (service/reasoning.py).
 
-    __slots__ = ("end", "inner", "start", "state", "taken", "thought")
+    The grammar (`inner`; None: no grammar) holds the answer, not the thinking: no mask
+    and every token accepted until the closing token (`end`), the grammar from the token
+    after it.  With `start`, the output is not in its thinking yet: its first token may be
+    `start` (it opens its thinking) or else the grammar holds from that first token on.
+    With `budget`, the thinking ends after that many tokens inside it: the next mask
+    allows `end` alone (`mask_bytes` long), as vLLM's `thinking_token_budget` and
+    Anthropic's `budget_tokens` bound it."""
 
-    def __init__(self, inner: GrammarMatcher, end: int, start: int | None = None) -> None:
+    __slots__ = (
+        "budget", "end", "inner", "mask_bytes", "opened", "start", "state", "taken", "thought",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        inner: GrammarMatcher | None,
+        end: int,
+        start: int | None = None,
+        budget: int | None = None,
+        mask_bytes: int = 0,
+    ) -> None:
         self.inner = inner
         self.start, self.end = start, end
+        self.budget, self.mask_bytes = budget, mask_bytes
         self.state = _MAY_OPEN if start is not None else _THINKING
         self.taken = 0  # tokens the grammar accepted
         self.thought = 0  # tokens accepted while thinking (the tags included)
+        self.opened = False  # the output opened its thinking with `start`
+
+    def _over_budget(self) -> bool:
+        inside = self.thought - (1 if self.opened else 0)
+        return self.budget is not None and inside >= self.budget
+
+    def _end_only(self) -> bytes:
+        out = bytearray(self.mask_bytes)
+        out[self.end // 8] = 1 << (self.end % 8)
+        return bytes(out)
 
     def bitmask(self) -> bytes | None:
         if self.state == _THINKING:
+            return self._end_only() if self._over_budget() else None
+        if self.inner is None:
             return None
         mask = self.inner.bitmask()
         if self.state == _MAY_OPEN and mask is not None:
@@ -88,14 +114,18 @@ class AfterReasoning:
 
     def accept(self, token_id: int) -> bool:
         if self.state == _MAY_OPEN and token_id == self.start:
-            self.state, self.thought = _THINKING, 1
+            self.state, self.thought, self.opened = _THINKING, 1, True
             return True
         if self.state == _THINKING:
+            if self._over_budget() and token_id != self.end:
+                return False
             self.thought += 1
             if token_id == self.end:
                 self.state = _ANSWERING
             return True
         self.state = _ANSWERING
+        if self.inner is None:
+            return True
         if not self.inner.accept(token_id):
             return False
         self.taken += 1
@@ -104,7 +134,7 @@ class AfterReasoning:
     def rollback(self, num_tokens: int) -> None:
         undo = min(num_tokens, self.taken)
         if undo:
-            self.inner.rollback(undo)
+            self.inner.rollback(undo)  # type: ignore[union-attr]  # (taken > 0: a grammar)
             self.taken -= undo
         left = num_tokens - undo
         if left <= 0:
@@ -113,24 +143,29 @@ class AfterReasoning:
             return
         self.thought = max(0, self.thought - left)
         if self.thought == 0 and self.start is not None:
-            self.state = _MAY_OPEN
+            self.state, self.opened = _MAY_OPEN, False
         else:
             self.state = _THINKING
 
     @property
     def terminated(self) -> bool:
-        return self.state == _ANSWERING and self.inner.terminated
+        return self.state == _ANSWERING and self.inner is not None and self.inner.terminated
 
     def error(self) -> str | None:
-        return None if self.state == _THINKING else self.inner.error()
+        if self.state == _THINKING or self.inner is None:
+            return None
+        return self.inner.error()
 
     @classmethod
     def batch_bitmasks(cls, matchers: Sequence[AfterReasoning]) -> list[bytes | None]:
-        live = [m for m in matchers if m.state != _THINKING]
-        masks = iter(bitmasks([m.inner for m in live]))
+        live = [m for m in matchers if m.state != _THINKING and m.inner is not None]
+        masks = iter(bitmasks([m.inner for m in live]))  # type: ignore[misc]
         out: list[bytes | None] = []
         for m in matchers:
-            mask = None if m.state == _THINKING else next(masks)
+            if m.state == _THINKING:
+                out.append(m._end_only() if m._over_budget() else None)
+                continue
+            mask = next(masks) if m.inner is not None else None
             if mask is not None and m.state == _MAY_OPEN:
                 mask = _with_token(mask, m.start)  # type: ignore[arg-type]
             out.append(mask)

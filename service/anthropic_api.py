@@ -80,6 +80,10 @@ class MessagesServing(ChatServing):
     async def messages(self, request: web.Request, body: bytes) -> web.StreamResponse:
         req = decode_messages(body)
         chat = req.to_chat()
+        t = req.thinking
+        if t is not None and t.on and t.budget_tokens is not None and self.reasoning is not None:
+            # (a model that does not think has nothing to bound: the budget is not an error)
+            chat.thinking_token_budget = t.budget_tokens
         try:
             start = await self.start_chat(request, chat, "msg_")
         except BadRequest as e:

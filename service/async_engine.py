@@ -27,11 +27,12 @@ from scheduler.executor import ThreadExecutor
 from scheduler.faults import FaultPlan
 from scheduler.prefix_tier import PrefixTier
 from scheduler.request import Request, stop_set
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import ReasoningBudget, SamplingParams
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.scheduler_types import SchedulerStats
 from scheduler.spec import SpecDecoder
 from scheduler.stream import RequestStream
+from scheduler.structured import AfterReasoning
 from service.bad_words import encode_words, nothing_allowed
 from service.detokenizer import IncrementalDetokenizer, StopChecker
 from service.engine_setup import build_prefix_tier, ensure_default_model, tp_executor
@@ -529,6 +530,17 @@ class AsyncEngine:
             )
         return params.max_tokens
 
+    def _budgeted(self, grammar: Any, rb: ReasoningBudget) -> AfterReasoning:
+        """A sample's matcher with its thinking bounded: its grammar's reasoning wrapper
+        (the spec placed the grammar after the thinking), or one holding no grammar."""
+        if isinstance(grammar, AfterReasoning):
+            grammar.budget = rb.budget
+            grammar.mask_bytes = 4 * ((self.vocab_size + 31) // 32)
+            return grammar
+        assert grammar is None, "a grammar on a reasoning budget is placed after the thinking"
+        words = (self.vocab_size + 31) // 32
+        return AfterReasoning(None, rb.end, rb.start, rb.budget, 4 * words)
+
     def build_group(
         self,
         request_id: str,
@@ -590,6 +602,8 @@ class AsyncEngine:
                 )
             except GrammarError as e:
                 raise RequestRejected(f"structured_outputs: {e}") from e
+        if params.reasoning_budget is not None and not self.in_child:
+            grammars = [self._budgeted(g, params.reasoning_budget) for g in grammars]
         now = time.monotonic()
         stop_ids = stop_set(params, self.eos_token_ids)
         return [

@@ -166,6 +166,12 @@ class ChatServing(ServingBase):
             # Compiled above without it: where the grammar starts is not part of its key.
             so = thinking.parser.constrain(params.structured_outputs, thinking.opening)
             params = msgspec.structs.replace(params, structured_outputs=so)
+        if req.thinking_token_budget is not None:
+            if thinking is None:
+                raise BadRequest("thinking_token_budget needs a reasoning model served with "
+                                 "--reasoning-parser", "thinking_token_budget")  # fmt: skip
+            budget = thinking.parser.budget(req.thinking_token_budget, thinking.opening)
+            params = msgspec.structs.replace(params, reasoning_budget=budget)
         if req.prompt_logprobs is not None:  # once per response on chat
             self.limits.check_prompt_logprobs(
                 {"prompt_logprobs": len(ids) * (req.prompt_logprobs + 1)}

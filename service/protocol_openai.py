@@ -292,6 +292,8 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
     safety_identifier: str | None = None
     # vLLM extensions
     include_reasoning: bool = True  # False: the thinking is parsed out and dropped
+    # At most this many tokens of thinking, then `</think>` is forced (--reasoning-parser)
+    thinking_token_budget: NonNegInt | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless --trust-request-chat-template

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from scheduler.sampling_params import StructuredOutputsParams
+from scheduler.sampling_params import ReasoningBudget, StructuredOutputsParams
 
 # name -> (opening tag, closing tag, output without a tag starts in reasoning)
 PARSERS: dict[str, tuple[str, str, bool]] = {
@@ -97,6 +97,14 @@ class ReasoningParser:
             return spec
         start = self.start_id if opening is None else None
         return msgspec.structs.replace(spec, reasoning_end=self.end_id, reasoning_start=start)
+
+    def budget(self, tokens: int, opening: bool | None) -> ReasoningBudget | None:
+        """At most `tokens` of thinking for an output that starts as `opening` says
+        (None: thinking was closed by the prompt, there is none to bound)."""
+        if opening is False:
+            return None
+        start = self.start_id if opening is None else None
+        return ReasoningBudget(end=self.end_id, budget=tokens, start=start)
 
 
 class ThinkingCount:

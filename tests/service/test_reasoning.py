@@ -367,3 +367,55 @@ def test_anthropic_messages_carry_thinking_blocks(server, client):
 
 def _blocks(message) -> list[tuple[str, str]]:
     return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
+
+
+def test_a_thinking_budget_closes_the_thinking(client, thinker, server):
+    """thinking_token_budget (vLLM's; Anthropic's budget_tokens): after that many tokens
+    of thinking the closing tag is forced, whatever the model would have written."""
+    end = Tokenizer.from_dir(thinker).backend.token_to_id(END)
+    free = _chat(client, extra_body={"return_token_ids": True}).choices[0]
+    assert free.model_extra["token_ids"].index(end) > 2  # (it would think longer)
+    r = _chat(client, extra_body={"return_token_ids": True, "thinking_token_budget": 2})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert ids[:2] == free.model_extra["token_ids"][:2] and ids[2] == end
+    thinking, answer = _oracle(thinker, ids)
+    assert r.choices[0].message.model_extra["reasoning"] == thinking
+    assert r.choices[0].message.content == answer
+    assert r.usage.completion_tokens_details.reasoning_tokens == 3
+
+    # With a grammar: the budget ends the thinking, the schema holds the answer.
+    j = _chat(client, max_tokens=80, extra_body={"thinking_token_budget": 1,
+              "return_token_ids": True}, response_format={"type": "json_schema",
+              "json_schema": {"name": "s", "schema": SCHEMA}})  # fmt: skip
+    assert j.choices[0].model_extra["token_ids"][1] == end
+    assert set(json.loads(j.choices[0].message.content)) == {"sea"}
+
+    anthropic = pytest.importorskip("anthropic")
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    m = sdk.messages.create(model="thinker", max_tokens=40, messages=MESSAGES,
+                            thinking={"type": "enabled", "budget_tokens": 2},
+                            extra_body={"temperature": 0})  # fmt: skip
+    assert m.content[0].thinking == thinking
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser(thinker):
+    with live_server(thinker, served_model_name="thinker") as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(c, extra_body={"thinking_token_budget": 4})
+        assert e.value.body["param"] == "thinking_token_budget"
+
+
+def test_the_budget_forces_the_closing_token():
+    m = AfterReasoning(None, end=101, budget=2, mask_bytes=16)
+    assert m.bitmask() is None and m.accept(3) and m.bitmask() is None and m.accept(4)
+    only = m.bitmask()
+    assert sum(bin(b).count("1") for b in only) == 1 and only[101 // 8] == 1 << (101 % 8)
+    assert not m.accept(5) and m.accept(101)
+    assert m.bitmask() is None and m.accept(9) and not m.terminated and m.error() is None
+
+    # May open: the opening tag is not counted; no opening, no thinking to bound.
+    m = AfterReasoning(None, end=101, start=100, budget=1, mask_bytes=16)
+    assert m.accept(100) and m.bitmask() is None and m.accept(7) and m.bitmask() is not None
+    m = AfterReasoning(None, end=101, start=100, budget=0, mask_bytes=16)
+    assert m.bitmask() is None and m.accept(7) and m.bitmask() is None
