@@ -208,10 +208,7 @@ class _Turn:
         out: list[bytes] = []
         text = d.text
         if thought is not None:
-            reasoning, text = thought.feed(text)
-            if d.finish_reason is not None:
-                more, rest = thought.finish()
-                reasoning, text = reasoning + more, text + rest
+            reasoning, text = thought.take(text, d.finish_reason is not None)
             th = self.start.thinking
             if reasoning and th is not None and th.include:
                 out += self._thinking(reasoning)

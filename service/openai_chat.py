@@ -338,10 +338,7 @@ class ChatServing(ServingBase):
         held back."""
         text, finish, reasoning = d.text, d.finish_reason, ""
         if thought is not None:
-            reasoning, text = thought[0].feed(text)
-            if finish is not None:
-                more, rest = thought[0].finish()
-                reasoning, text = reasoning + more, text + rest
+            reasoning, text = thought[0].take(text, finish is not None)
         delta: dict[str, Any] = {"content": text} if text else {}
         if ts is not None:
             delta = ts.feed(text)

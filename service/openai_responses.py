@@ -579,21 +579,25 @@ class _Events:
             "response.output_item.added", output_index=len(self.items) - 1, item=shown
         )
 
+    def _open_item(self, item: dict[str, Any], part: dict[str, Any]) -> list[bytes]:
+        """Close the open item, open `item` and its first content part."""
+        out = [*self._close(), self._add(item)]
+        out.append(
+            self.t.event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                part=part,
+            )
+        )
+        return out
+
     def _reasoning(self, text: str) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != "reasoning":
-            out += self._close()
             item = _reasoning_item(_new_id("rs"), "", "in_progress")
-            out.append(self._add(item))
-            out.append(
-                self.t.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    part={"type": "reasoning_text", "text": ""},
-                )
-            )
+            out += self._open_item(item, {"type": "reasoning_text", "text": ""})
         assert self.open is not None
         self.pieces.append(text)
         out.append(
@@ -610,18 +614,8 @@ class _Events:
     def _text(self, text: str, lps: list[Any] | None) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != "message":
-            out += self._close()
             item = _message_item(_new_id("msg"), "", None, "in_progress")
-            out.append(self._add(item))
-            out.append(
-                self.t.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    part=dict(item["content"][0]),
-                )
-            )
+            out += self._open_item(item, dict(item["content"][0]))
         assert self.open is not None
         self.pieces.append(text)
         self.open["content"][0]["logprobs"] += lps or []
@@ -709,10 +703,7 @@ class _Events:
         lps = self.t._logprobs(d.logprobs)
         text = d.text
         if thought is not None:
-            reasoning, text = thought.feed(text)
-            if d.finish_reason is not None:
-                more, rest = thought.finish()
-                reasoning, text = reasoning + more, text + rest
+            reasoning, text = thought.take(text, d.finish_reason is not None)
             if reasoning:
                 out += self._reasoning(reasoning)
             if not text and lps and self.open is not None and self.open["type"] == "reasoning":

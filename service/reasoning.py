@@ -190,6 +190,14 @@ class ReasoningStream:
         content = buf
         return reasoning, content
 
+    def take(self, text: str, last: bool) -> tuple[str, str]:
+        """`feed`, and `finish` too when `text` is the choice's last delta."""
+        reasoning, answer = self.feed(text)
+        if last:
+            more, rest = self.finish()
+            reasoning, answer = reasoning + more, answer + rest
+        return reasoning, answer
+
     def finish(self) -> tuple[str, str]:
         """What is still held: an unfinished tag's text goes where it was headed."""
         held, self.held = self.held, ""

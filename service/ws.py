@@ -365,10 +365,7 @@ class WSSession:
                     if thoughts:
                         split_, count = thoughts[o.index]
                         count.feed(o.delta_token_ids)
-                        reasoning, text = split_.feed(text)
-                        if o.finish_reason is not None:
-                            more, rest = split_.finish()
-                            reasoning, text = reasoning + more, text + rest
+                        reasoning, text = split_.take(text, o.finish_reason is not None)
                     if text or reasoning or o.delta_token_ids:
                         frame_: dict[str, Any] = {
                             "type": "delta",
