@@ -295,6 +295,12 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
         schema = JsonSchemaFormat(name="output", schema=fmt.schema, strict=True)
         return ResponseFormat(type="json_schema", json_schema=schema)
 
+    @property
+    def prefill(self) -> bool:
+        """A last assistant message is a prefill the answer continues (Anthropic's way to
+        start the answer for the model), not a finished turn."""
+        return self.messages[-1].role == "assistant"
+
     def shows_thinking(self) -> bool:
         t = self.thinking
         return t is None or (t.on and t.display != "omitted")
@@ -320,6 +326,8 @@ class MessagesRequest(_Common, forbid_unknown_fields=True, kw_only=True):
         user = (self.metadata or {}).get("user_id")
         return ChatCompletionRequest(
             messages=self.chat_messages(),
+            add_generation_prompt=not self.prefill,
+            continue_final_message=self.prefill,
             model=self.model,
             max_tokens=self.max_tokens,
             stop=self.stop_sequences,
@@ -343,6 +351,8 @@ class CountTokensRequest(_Common, forbid_unknown_fields=True, kw_only=True):
         tools, choice, parallel = self.chat_tools()
         return ChatCompletionRequest(
             messages=self.chat_messages(),
+            add_generation_prompt=not self.prefill,
+            continue_final_message=self.prefill,
             model=self.model,
             tools=tools,
             tool_choice=choice,

@@ -148,3 +148,17 @@ def test_the_api_key_may_come_as_x_api_key(model_dir):
         with pytest.raises(anthropic.AuthenticationError) as e:
             bad.messages.create(model=MODEL, max_tokens=2, messages=MSGS)
         assert json.loads(e.value.response.text)["type"] == "error"
+
+
+def test_a_last_assistant_message_is_continued(client, chat):
+    """Anthropic's prefill: the answer continues the last assistant message (the chat
+    route's continue_final_message), and only the continuation comes back."""
+    prefill = [*MSGS, {"role": "assistant", "content": "The module"}]
+    msg = _create(client, messages=prefill)
+    turn = chat.chat.completions.create(
+        model=MODEL, max_tokens=24, temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, *prefill],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    assert msg.content[0].text == turn.choices[0].message.content
+    assert msg.content[0].text != _create(client).content[0].text
