@@ -419,3 +419,16 @@ def test_the_budget_forces_the_closing_token():
     assert m.accept(100) and m.bitmask() is None and m.accept(7) and m.bitmask() is not None
     m = AfterReasoning(None, end=101, start=100, budget=0, mask_bytes=16)
     assert m.bitmask() is None and m.accept(7) and m.bitmask() is None
+
+
+def test_each_choice_splits_its_own_stream(client):
+    one = _chat(client).choices[0].message
+    parts: dict[int, dict[str, list[str]]] = {0: {"r": [], "c": []}, 1: {"r": [], "c": []}}
+    for chunk in _chat(client, n=2, stream=True):
+        for c in chunk.choices:
+            d = c.delta.model_dump()
+            parts[c.index]["r"].append(d.get("reasoning") or "")
+            parts[c.index]["c"].append(d.get("content") or "")
+    for i in (0, 1):
+        assert "".join(parts[i]["r"]) == one.model_extra["reasoning"]
+        assert "".join(parts[i]["c"]) == one.content
