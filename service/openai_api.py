@@ -9,6 +9,7 @@ is cancelled on disconnect and the generator's finally block sends the abort.
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -26,33 +27,37 @@ class OpenAIServing(ResponsesServing, MessagesServing, ConversationsServing, Com
     (`service/openai_common.py`): queueing, bounded SSE writes, usage and logprob text."""
 
     async def models(self, request: web.Request) -> web.Response:
+        """OpenAI's list, each entry with Anthropic's fields too (`type`, `display_name`,
+        `created_at`; the page's `has_more`, `first_id`, `last_id`), so either SDK's
+        `models.list()` reads it."""
         now = int(time.time())
+        stamp = datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z")
+
+        def entry(name: str, **extra: object) -> dict[str, object]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": now,
+                "owned_by": "pagestream",
+                "max_model_len": self.engine.max_model_len,
+                "type": "model",
+                "display_name": name,
+                "created_at": stamp,
+                **extra,
+            }
+
+        data = [entry(name, root=str(self.engine.model_dir)) for name in self.names]
+        # vLLM's shape for an adapter: its directory, and the base it adapts
+        data += [
+            entry(name, root=path, parent=self.names[0])
+            for name, path in self.engine.lora_paths.items()
+        ]
         return json_response(
             {
                 "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": now,
-                        "owned_by": "pagestream",
-                        "root": str(self.engine.model_dir),
-                        "max_model_len": self.engine.max_model_len,
-                    }
-                    for name in self.names
-                ]
-                + [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": now,
-                        "owned_by": "pagestream",
-                        # vLLM's shape for an adapter: its directory, and the base it adapts
-                        "root": path,
-                        "parent": self.names[0],
-                        "max_model_len": self.engine.max_model_len,
-                    }
-                    for name, path in self.engine.lora_paths.items()
-                ],
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"],
+                "last_id": data[-1]["id"],
             }
         )

@@ -78,6 +78,7 @@ def test_a_message_is_the_chat_turn_whole_and_streamed(client, chat):
 
     count = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=MSGS)
     assert count.input_tokens == msg.usage.input_tokens
+    assert MODEL in [m.id for m in client.models.list()]  # (OpenAI's list, Anthropic's fields)
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(client):
