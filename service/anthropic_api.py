@@ -23,7 +23,7 @@ from service.protocol import BadRequest
 from service.protocol_anthropic import MessagesRequest, decode_count_tokens, decode_messages
 from service.protocol_openai import ChatCompletionRequest
 from service.reasoning import ReasoningStream, ThinkingCount, split
-from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
+from service.tool_calls import ToolStream, make_parser, parse_output
 
 
 def messages_param(chat_param: str | None) -> str | None:
@@ -217,10 +217,7 @@ class _Turn:
             if text:
                 out += self._text(text)
         else:
-            delta = tools.feed(text)
-            if d.finish_reason is not None:
-                last, called = tools.finish()
-                delta = merge_delta(delta, last)
+            delta, called = tools.take(text, d.finish_reason is not None)
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls", ()):

@@ -73,11 +73,12 @@ class GenerationDefaults:
     def __bool__(self) -> bool:
         return bool(self.values) or self.max_tokens is not None
 
-    def pick(self, name: str, given: Any, fallback: Any) -> Any:
-        """The request's value, else the model's recommendation, else the API's default."""
+    def pick(self, name: str, given: Any) -> Any:
+        """The request's value, else the model's recommendation, else the API's default
+        (SamplingParams')."""
         if given is not None:
             return given
-        return self.values.get(name, fallback)
+        return self.values.get(name, getattr(_API, name))
 
     def cap(self, max_tokens: int | None) -> int | None:
         if self.max_tokens is None:
@@ -92,6 +93,7 @@ class GenerationDefaults:
 
 
 NONE = GenerationDefaults()
+_API = SamplingParams()
 
 
 def _read(path: Path) -> dict[str, Any]:

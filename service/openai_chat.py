@@ -34,7 +34,6 @@ from service.tool_calls import (
     ToolStream,
     constraint,
     make_parser,
-    merge_delta,
     parse_output,
     template_tools,
     tool_mode,
@@ -341,12 +340,9 @@ class ChatServing(ServingBase):
             reasoning, text = thought[0].take(text, finish is not None)
         delta: dict[str, Any] = {"content": text} if text else {}
         if ts is not None:
-            delta = ts.feed(text)
-            if finish is not None:
-                last, called = ts.finish()
-                delta = merge_delta(delta, last)
-                if called and mode != "named" and finish == "stop":
-                    finish = "tool_calls"
+            delta, called = ts.take(text, finish is not None)
+            if called and mode != "named" and finish == "stop":
+                finish = "tool_calls"
         if reasoning and req.include_reasoning:
             delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
         held = not delta and finish is None and d.logprobs is None

@@ -54,7 +54,7 @@ from service.responses_background import (
     settled,
 )
 from service.resume import follow, parse_position
-from service.tool_calls import ToolStream, make_parser, merge_delta, parse_output
+from service.tool_calls import ToolStream, make_parser, parse_output
 
 log = logging.getLogger(__name__)
 
@@ -712,10 +712,7 @@ class _Events:
             if text or lps:
                 out += self._text(text, lps)
         else:
-            delta = tools.feed(text)
-            if d.finish_reason is not None:
-                last, _ = tools.finish()
-                delta = merge_delta(delta, last)
+            delta, _ = tools.take(text, d.finish_reason is not None)
             if delta.get("content"):
                 out += self._text(delta["content"], lps)
             for call in delta.get("tool_calls", ()):

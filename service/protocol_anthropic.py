@@ -295,6 +295,22 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
         schema = JsonSchemaFormat(name="output", schema=fmt.schema, strict=True)
         return ResponseFormat(type="json_schema", json_schema=schema)
 
+    def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
+        """The chat request of what shapes the prompt (both routes), plus `sampling`."""
+        tools, choice, parallel = self.chat_tools()
+        return ChatCompletionRequest(
+            messages=self.chat_messages(),
+            add_generation_prompt=not self.prefill,
+            continue_final_message=self.prefill,
+            model=self.model,
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            chat_template_kwargs=self.template_kwargs(),
+            reasoning_effort=self.effort,
+            **sampling,
+        )
+
     @property
     def prefill(self) -> bool:
         """A last assistant message is a prefill the answer continues (Anthropic's way to
@@ -322,24 +338,14 @@ class MessagesRequest(_Common, forbid_unknown_fields=True, kw_only=True):
         if budget is not None and budget >= self.max_tokens:
             raise BadRequest("thinking.budget_tokens must be less than max_tokens",
                              "thinking.budget_tokens")  # fmt: skip
-        tools, choice, parallel = self.chat_tools()
         user = (self.metadata or {}).get("user_id")
-        return ChatCompletionRequest(
-            messages=self.chat_messages(),
-            add_generation_prompt=not self.prefill,
-            continue_final_message=self.prefill,
-            model=self.model,
+        return self.chat_request(
             max_tokens=self.max_tokens,
             stop=self.stop_sequences,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            tools=tools,
-            tool_choice=choice,
-            parallel_tool_calls=parallel,
-            chat_template_kwargs=self.template_kwargs(),
             include_reasoning=self.shows_thinking(),
-            reasoning_effort=self.effort,
             response_format=self.response_format(),
             user=user if isinstance(user, str) else None,
         )
@@ -348,18 +354,7 @@ class MessagesRequest(_Common, forbid_unknown_fields=True, kw_only=True):
 class CountTokensRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     def to_chat(self) -> ChatCompletionRequest:
         self.check_unsupported()
-        tools, choice, parallel = self.chat_tools()
-        return ChatCompletionRequest(
-            messages=self.chat_messages(),
-            add_generation_prompt=not self.prefill,
-            continue_final_message=self.prefill,
-            model=self.model,
-            tools=tools,
-            tool_choice=choice,
-            parallel_tool_calls=parallel,
-            chat_template_kwargs=self.template_kwargs(),
-            reasoning_effort=self.effort,
-        )
+        return self.chat_request()
 
 
 _messages_decoder = msgspec.json.Decoder(MessagesRequest)

@@ -239,10 +239,10 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
         try:
             return SamplingParams(
                 n=extra.pop("n", self.n),
-                temperature=d.pick("temperature", self.temperature, 1.0),
-                top_p=d.pick("top_p", self.top_p, 1.0),
-                top_k=d.pick("top_k", self.top_k, 0),
-                min_p=d.pick("min_p", self.min_p, 0.0),
+                temperature=d.pick("temperature", self.temperature),
+                top_p=d.pick("top_p", self.top_p),
+                top_k=d.pick("top_k", self.top_k),
+                min_p=d.pick("min_p", self.min_p),
                 seed=self.seed,
                 max_tokens=d.cap(max_tokens),
                 min_tokens=self.min_tokens,
@@ -252,7 +252,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=d.pick("repetition_penalty", self.repetition_penalty, 1.0),
+                repetition_penalty=d.pick("repetition_penalty", self.repetition_penalty),
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=bias,

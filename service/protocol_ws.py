@@ -10,8 +10,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from service.generation_defaults import FIELDS, GenerationDefaults
 from service.generation_defaults import NONE as NO_DEFAULTS
-from service.generation_defaults import GenerationDefaults
 from service.protocol import (
     BadRequest,
     ChatMessage,
@@ -26,8 +26,6 @@ from service.protocol import (
     decode,
 )
 from service.protocol_structured import ResponseFormat, StructuredOutputsRequest, structured_spec
-
-_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 class WSParams(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -67,8 +65,8 @@ class WSParams(Struct, forbid_unknown_fields=True, kw_only=True):
     def to_sampling_params(self, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         fields = {f: getattr(self, f) for f in self.__struct_fields__}
         del fields["response_format"]
-        for name, neutral in _NEUTRAL.items():
-            fields[name] = defaults.pick(name, fields[name], neutral)
+        for name in FIELDS:
+            fields[name] = defaults.pick(name, fields[name])
         fields["max_tokens"] = defaults.cap(fields["max_tokens"])
         spec = self.structured()
         fields["structured_outputs"] = spec[0] if spec else None

@@ -325,6 +325,15 @@ class ToolStream:
         out, self.sent = self.text[self.sent : safe], max(self.sent, safe)
         return {"content": out} if out else {}
 
+    def take(self, delta: str, last: bool) -> tuple[dict[str, Any], bool]:
+        """`feed`, merged with `finish` when `delta` is the choice's last: (the delta,
+        whether the choice made tool calls)."""
+        out = self.feed(delta)
+        if not last:
+            return out, False
+        rest, called = self.finish()
+        return merge_delta(out, rest), called
+
     def finish(self) -> tuple[dict[str, Any], bool]:
         """The last delta, and whether the choice made tool calls."""
         if self.mode == "named":

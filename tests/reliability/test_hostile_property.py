@@ -969,7 +969,9 @@ HOSTILE_CHAT = {
     **{name: json_values for name in (
         "functions", "function_call", "audio", "modalities", "prediction",
         "web_search_options", "reasoning_effort", "verbosity", "documents",
-        "mm_processor_kwargs")},
+        "mm_processor_kwargs", "include_reasoning")},
+    # (no reasoning parser on this server: any budget is a 400 naming it)
+    "thinking_token_budget": st.sampled_from([-1, 0, 10**12, "x", 2.5]) | st.integers(),
 }  # fmt: skip
 prompts = st.one_of(
     text,
