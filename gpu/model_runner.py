@@ -460,13 +460,15 @@ class ModelRunner:
                 argmax_only = not so.grammar_bitmasks and all(
                     st.plain_greedy for st in samples.states
                 )
-                logits = self.model.compute_logits(samples.hidden(hidden), float32=not argmax_only)
+                rows = samples.hidden(hidden)
+                logits = self.model.compute_logits(rows, float32=not argmax_only)
                 if so.grammar_bitmasks:
                     self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)
+                self._pool(rows, samples.states, samples.ids, out)
                 if self.spec is not None and self.spec.medusa is not None:
                     # Medusa's heads read the hidden state that sampled each last token.
-                    self.spec.medusa.remember(samples.ids, samples.hidden(hidden))
+                    self.spec.medusa.remember(samples.ids, rows)
             if verify:
                 assert self.spec is not None, "draft tokens sent to a runner without speculation"
                 self.spec.verify(self, hidden, verify, out)
@@ -598,6 +600,20 @@ class ModelRunner:
         out.req_ids = list(ids)
         out.sampled_token_ids = list(toks)
         out.logprobs = lps
+
+    @staticmethod
+    def _pool(
+        rows: torch.Tensor, states: list[RequestSamplingState], ids: list[str], out: ModelOutput
+    ) -> None:
+        """Embedding requests' pooled vectors: the hidden state that sampled their first
+        token is the final (normed) state of the prompt's last position, which is what
+        last-token pooling reads (HF's last_hidden_state[-1])."""
+        want = [i for i, st in enumerate(states) if st.params.embed]
+        if not want:
+            return
+        vecs = rows.index_select(0, torch.tensor(want, device=rows.device)).float().cpu()
+        for i, vec in zip(want, vecs.tolist(), strict=True):
+            out.embeddings[ids[i]] = vec
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, ids: list[str], masks: dict[str, bytes]) -> None:

@@ -217,10 +217,12 @@ def run_pipeline(
         if states:
             rows = SampleRows.of(list(range(len(states))), states, ids, runner.device)
             argmax_only = not grammar_bitmasks and all(st.plain_greedy for st in states)
-            logits = model.compute_logits(torch.cat(sampled), float32=not argmax_only)
+            hidden = torch.cat(sampled)
+            logits = model.compute_logits(hidden, float32=not argmax_only)
             if grammar_bitmasks:
                 runner._apply_grammar(logits, ids, grammar_bitmasks)
             runner._sample(logits, rows, out)
+            runner._pool(hidden, states, ids, out)
         if pp.sends_output:
             send_output(out, pp.device)
         return out

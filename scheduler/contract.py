@@ -205,6 +205,9 @@ class ModelOutput(msgspec.Struct, gc=False, kw_only=True):
     # Requests that asked for prompt_logprobs: the logprob of each prompt token this
     # step's chunk predicted (the token after each fed position), in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+    # Embedding requests (SamplingParams.embed) that sampled this step: the final
+    # (normed) hidden state of the row that sampled, in float32.
+    embeddings: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
 
 def child_request_id(parent_id: str, index: int) -> str:

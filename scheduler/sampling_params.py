@@ -97,6 +97,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     lora: str | None = None
     # A reasoning model's thinking, bounded (scheduler/structured.py AfterReasoning).
     reasoning_budget: ReasoningBudget | None = None
+    # An embedding request (/v1/embeddings; set by the server): the runner returns the
+    # final hidden state of the prompt's last position with the one token it samples
+    # (last-token pooling, as decoder embedding models are trained for).
+    embed: bool = False
 
     def __post_init__(self) -> None:
         # Normalise the aliases so the hot path tests one value.

@@ -728,7 +728,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
                 # Fork before the parent can finish and free the shared prompt blocks.
                 self._fork_children(req, sr, mo, sampled, updates)
             i = sampled[req.req_id]
-            updates.append(self._append_token(req, toks[i], logprobs and logprobs[i]))
+            update = self._append_token(req, toks[i], logprobs and logprobs[i])
+            if mo.embeddings:
+                update.embedding = mo.embeddings.get(req.req_id)
+            updates.append(update)
         self._settle_ahead(so.step + 1)
         return StepUpdates(updates, go_reqs, go_toks)
 

@@ -97,6 +97,7 @@ class RequestUpdate(msgspec.Struct, gc=False, kw_only=True):
     client_error: bool = False
     first_scheduled_time: float | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token
+    embedding: list[float] | None = None  # SamplingParams.embed: with the first token
 
 
 class StepUpdates:

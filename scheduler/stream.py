@@ -58,6 +58,7 @@ def merge_updates(
                 client_error=u.client_error,
                 first_scheduled_time=u.first_scheduled_time,
                 prompt_logprobs=u.prompt_logprobs,
+                embedding=u.embedding,
             )
             continue
         m.new_token_ids += u.new_token_ids
@@ -68,6 +69,7 @@ def merge_updates(
         m.error = u.error or m.error
         m.client_error = m.client_error or u.client_error
         m.prompt_logprobs = m.prompt_logprobs or u.prompt_logprobs
+        m.embedding = m.embedding or u.embedding
     return list(merged.values())
 
 

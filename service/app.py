@@ -88,7 +88,7 @@ async def host_middleware(
 
 
 def _needs_key(state: ServerState, path: str) -> bool:
-    if path.startswith(("/v1", "/debug")):
+    if path.startswith(("/v1", "/v2", "/debug")) or path in ("/score", "/rerank"):
         return True
     return path in ("/tokenize", "/detokenize") and not state.config.public_tokenize
 
@@ -425,6 +425,12 @@ async def _generation(request: web.Request, route: str) -> web.StreamResponse:
             return await serving.responses(request, body)
         if route == "messages":
             return await serving.messages(request, body)
+        if route == "embeddings":
+            return await serving.embeddings(request, body)
+        if route == "score":
+            return await serving.score(request, body)
+        if route == "rerank":
+            return await serving.rerank(request, body)
         return await serving.completions(request, body)
     finally:
         state.inflight_dec()
@@ -444,6 +450,18 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     return await _generation(request, "messages")
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "embeddings")
+
+
+async def score(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "score")
+
+
+async def rerank(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "rerank")
 
 
 async def count_message_tokens(request: web.Request) -> web.Response:
@@ -669,6 +687,12 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_message_tokens)
+    app.router.add_post("/v1/embeddings", embeddings)
+    # vLLM's paths for the same two routes (Jina's and Cohere's clients use /v1 and /v2).
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, rerank)
     app.router.add_post("/v1/responses/input_tokens", response_input_tokens)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)

@@ -830,6 +830,8 @@ class AsyncEngine:
         out.num_cached_tokens = u.num_cached_tokens
         if u.prompt_logprobs and out.prompt_logprobs is None:
             out.prompt_logprobs = [None, *u.prompt_logprobs]
+        if u.embedding is not None:
+            out.embedding = u.embedding
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = u.first_scheduled_time
         self._apply_guarded(seq, u)

@@ -79,10 +79,10 @@ class Limits:
                 field,
             )
 
-    def check_prompt_count(self, count: int) -> None:
+    def check_prompt_count(self, count: int, field: str = "prompt") -> None:
         if count > self.max_prompts_per_request:
             raise BadRequest(
                 f"{count} prompts in one request; at most {self.max_prompts_per_request}",
-                "prompt",
+                field,
                 status=413,
             )

@@ -15,6 +15,8 @@ from service.async_engine import AsyncEngine, RequestOutput
 from service.beam_search import BeamSearchOutput, BeamSearchParams, start_searches
 from service.engine_setup import default_model_dir
 from service.generation_defaults import GenerationDefaults
+from service.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from service.pooling import EMBED_PARAMS, Pooler
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -118,6 +120,30 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self.engine.render_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str | list[int] | dict[str, Any]],
+        *,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (text, token ids, or vLLM's prompt dicts), as vLLM's
+        `LLM.embed`: the last token's final hidden state, L2-normalized unless
+        `normalize=False`, cut to `dimensions` on a Matryoshka model (service/pooling.py)."""
+        pooler = Pooler(self.engine.model_dir)
+        pooler.check(dimensions)
+        plist = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [self._prompt_ids(p) for p in plist]  # type: ignore[arg-type]
+        if truncate_prompt_tokens is not None:
+            ids = [i[-truncate_prompt_tokens:] for i in ids]
+        outs = self._run(self._generate_all(ids, [EMBED_PARAMS] * len(ids)))  # type: ignore[arg-type]
+        vecs = pooler.finish([o.embedding or [] for o in outs], normalize, dimensions)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(v))
+            for o, v in zip(outs, vecs.tolist(), strict=True)
+        ]
 
     def beam_search(
         self,

@@ -17,10 +17,13 @@ from service.anthropic_api import MessagesServing
 from service.http_util import json_response
 from service.openai_completions import CompletionServing
 from service.openai_conversations import ConversationsServing
+from service.openai_embeddings import PairwiseServing
 from service.openai_responses import ResponsesServing
 
 
-class OpenAIServing(ResponsesServing, MessagesServing, ConversationsServing, CompletionServing):
+class OpenAIServing(
+    ResponsesServing, MessagesServing, ConversationsServing, PairwiseServing, CompletionServing
+):
     """The OpenAI-compatible routes of one loaded model.  Chat (`service/openai_chat.py`),
     responses (`service/openai_responses.py`, chat turns answered in the Responses API's
     shape) and completions (`service/openai_completions.py`) share `ServingBase`

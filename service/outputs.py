@@ -77,3 +77,20 @@ class RequestOutput:
     # params.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     lora: str | None = None  # the LoRA adapter it ran with (vLLM's lora_request), if any
+    # SamplingParams.embed: the last prompt position's final hidden state (not normalized).
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

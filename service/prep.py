@@ -119,13 +119,19 @@ class Preprocessor:
         return ids[-truncate:] if truncate else ids
 
     async def prompt_ids(
-        self, prompts: list[str | list[int]], param: str = "prompt", truncate: int | None = None
+        self,
+        prompts: list[str | list[int]],
+        param: str = "prompt",
+        truncate: int | None = None,
+        add_special_tokens: bool = True,
+        keep_first: bool = False,
     ) -> list[list[int]]:
         """Text prompts tokenized, token-id prompts range-checked; each non-empty;
-        `truncate`: each keeps its last so many tokens (vLLM's truncate_prompt_tokens)."""
+        `truncate`: each keeps its last so many tokens (vLLM's truncate_prompt_tokens),
+        or its first with `keep_first` (Cohere's max_tokens_per_doc)."""
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = (
-            iter(await self.encode(texts, param=param, bounded=truncate is None))
+            iter(await self.encode(texts, add_special_tokens, param, bounded=truncate is None))
             if texts
             else iter(())
         )
@@ -134,7 +140,9 @@ class Preprocessor:
             ids = next(encoded) if isinstance(p, str) else self._checked(list(p), param)
             if not ids:
                 raise BadRequest("the prompt encodes to no tokens", param)
-            out.append(ids[-truncate:] if truncate else ids)
+            if truncate:
+                ids = ids[:truncate] if keep_first else ids[-truncate:]
+            out.append(ids)
         return out
 
     async def encode(

@@ -188,20 +188,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
 
     def truncation(self, max_model_len: int) -> int | None:
         """How many of the prompt's last tokens to keep (None: all), or a 400."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return None
-        if k == 0:
-            raise BadRequest(
-                "truncate_prompt_tokens must be >= 1, or -1 for max_model_len's worth",
-                "truncate_prompt_tokens",
-            )
-        if k > max_model_len:
-            raise BadRequest(
-                f"truncate_prompt_tokens ({k}) is larger than max_model_len ({max_model_len})",
-                "truncate_prompt_tokens",
-            )
-        return max_model_len if k == -1 else k
+        return truncation(self.truncate_prompt_tokens, max_model_len)
 
     def structured(self) -> tuple[StructuredOutputsParams, str] | None:
         guided = {
@@ -305,21 +292,10 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
 
     def template_request(self) -> tuple[str | None, str, dict[str, Any]]:
         """(request-supplied template or None, the field that carried it, other kwargs)."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if "chat_template" in kwargs:
-            template = kwargs.pop("chat_template")
-            if self.chat_template is not None or not isinstance(template, str):
-                raise BadRequest(
-                    "chat_template_kwargs.chat_template must be a string (and not given twice)",
-                    "chat_template_kwargs.chat_template",
-                )
-        else:
-            template = None
+        template, field, kwargs = template_choice(self.chat_template, self.chat_template_kwargs)
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-        if template is not None:
-            return template, "chat_template_kwargs.chat_template", kwargs
-        return self.chat_template, "chat_template", kwargs
+        return template, field, kwargs
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -432,24 +408,7 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
                 raise BadRequest("echo cannot be combined with use_beam_search", "echo")
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise BadRequest("prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        if all(isinstance(x, str) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if all(isinstance(x, list) for x in p):
-            if any(not x for x in p):  # type: ignore[union-attr]
-                raise BadRequest("token-id prompts must not be empty", "prompt")
-            return [list(x) for x in p]  # type: ignore[arg-type]
-        raise BadRequest(
-            "prompt must be a string, a list of strings, a list of token ids, or a list of "
-            "token-id lists (not a mix)",
-            "prompt",
-        )
+        return prompt_list(self.prompt)
 
     def to_sampling_params(self, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         """best_of > n samples best_of sequences (with their logprobs, to rank them);
@@ -466,6 +425,63 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
         # of that prefill, and the one token sampled after it is not returned.
         max_tokens = 1 if self.echo_only else self.max_tokens
         return self.sampling_params(max_tokens, logprobs, defaults, **extra)
+
+
+def template_choice(
+    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None
+) -> tuple[str | None, str, dict[str, Any]]:
+    """A request's own chat template (given as `chat_template` or, as vLLM also takes it,
+    inside `chat_template_kwargs`), the field that carried it, and the other kwargs."""
+    kwargs = dict(chat_template_kwargs or {})
+    if "chat_template" not in kwargs:
+        return chat_template, "chat_template", kwargs
+    template = kwargs.pop("chat_template")
+    if chat_template is not None or not isinstance(template, str):
+        raise BadRequest(
+            "chat_template_kwargs.chat_template must be a string (and not given twice)",
+            "chat_template_kwargs.chat_template",
+        )
+    return template, "chat_template_kwargs.chat_template", kwargs
+
+
+def truncation(k: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens to keep (None:
+    all; -1: max_model_len's worth), or a 400."""
+    if k is None:
+        return None
+    if k == 0:
+        raise BadRequest(
+            "truncate_prompt_tokens must be >= 1, or -1 for max_model_len's worth",
+            "truncate_prompt_tokens",
+        )
+    if k > max_model_len:
+        raise BadRequest(
+            f"truncate_prompt_tokens ({k}) is larger than max_model_len ({max_model_len})",
+            "truncate_prompt_tokens",
+        )
+    return max_model_len if k == -1 else k
+
+
+def prompt_list(p: str | list[Any], field: str = "prompt") -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids or a list of token-id lists, as
+    a list of prompts."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise BadRequest(f"{field} must not be empty", field)
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, list) for x in p):
+        if any(not x for x in p):
+            raise BadRequest(f"token-id {field}s must not be empty", field)
+        return [list(x) for x in p]
+    raise BadRequest(
+        f"{field} must be a string, a list of strings, a list of token ids, or a list of "
+        "token-id lists (not a mix)",
+        field,
+    )
 
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

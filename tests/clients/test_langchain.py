@@ -111,3 +111,23 @@ def test_responses_api_structured_output_and_tools(server):
     )
     (call,) = bound.invoke(PROMPT).tool_calls
     assert isinstance(MODELS[call["name"]].model_validate(call["args"]), MODELS[call["name"]])
+
+
+def test_openai_embeddings_reads_the_embeddings_route(server):
+    """LangChain's OpenAIEmbeddings as vLLM's docs set it up for a self-hosted model: no
+    tiktoken pre-tokenization (its ctx-length check would download OpenAI's BPE)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    emb = OpenAIEmbeddings(
+        model=MODEL, base_url=server.url + "/v1", api_key="x",
+        check_embedding_ctx_length=False, max_retries=0,
+    )  # fmt: skip
+    texts = ["The quick brown fox.", "A lazy dog sleeps."]
+    docs = emb.embed_documents(texts)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    want = client.embeddings.create(model=MODEL, input=texts, encoding_format="float").data
+    assert [len(d) for d in docs] == [len(w.embedding) for w in want]
+    for got, w in zip(docs, want, strict=True):
+        assert max(abs(a - b) for a, b in zip(got, w.embedding, strict=True)) < 1e-5
+    query = emb.embed_query(texts[0])
+    assert max(abs(a - b) for a, b in zip(query, docs[0], strict=True)) < 1e-5

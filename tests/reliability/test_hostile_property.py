@@ -1400,6 +1400,69 @@ detokenize_bodies = hostile_body(
     },
     limit_field=None,
 )
+# /v1/embeddings, /v1/score, /v1/rerank: inputs by the hundred thousand, megabyte texts,
+# empty and out-of-vocabulary ids, sizes and truncations out of range.
+HUGE_TEXT = st.builds(lambda n: "hello world " * n, st.sampled_from([10_000, 325_000]))
+embedding_bodies = hostile_body(
+    {"input": st.one_of(text, id_lists, st.lists(words, min_size=1, max_size=8))},
+    {
+        "encoding_format": st.sampled_from(["float", "base64"]),
+        "normalize": st.booleans(),
+        "truncate_prompt_tokens": st.integers(1, 64) | st.just(-1),
+        "priority": st.integers(-5, 5),
+        "add_special_tokens": st.booleans(),
+        "user": words,
+    },
+    {
+        "input": st.one_of(
+            huge_list(st.just("hi"), 100_000),
+            HUGE_TEXT,
+            huge_list(token_ids, 300_000),
+            st.just([[]]),
+            st.just([]),
+            st.lists(st.integers(-5, 2**70), min_size=1, max_size=3),
+        ),
+        "messages": bad_messages,
+        "dimensions": st.sampled_from([0, 1, 10**9]),
+        "encoding_format": odd_text,
+        "truncate_prompt_tokens": st.sampled_from([0, -2, 10**9]),
+        "chat_template": text,
+        "model": odd_text,
+    },
+    limit_field=None,
+)
+PAIRWISE_HOSTILE = {
+    "truncate_prompt_tokens": st.sampled_from([0, -2, 10**9]),
+    "priority": st.sampled_from([2**40, "high"]),
+    "model": odd_text,
+}
+rerank_bodies = hostile_body(
+    {"query": words, "documents": st.lists(words, min_size=1, max_size=4)},
+    {
+        "top_n": st.integers(0, 5),
+        "return_documents": st.booleans(),
+        "max_tokens_per_doc": st.integers(1, 64),
+    },
+    {
+        **PAIRWISE_HOSTILE,
+        "query": HUGE_TEXT,
+        "documents": huge_list(st.just("doc"), 100_000) | st.just([]) | st.lists(HUGE_TEXT),
+        "top_n": st.sampled_from([-1, 10**9]),
+        "max_tokens_per_doc": st.sampled_from([0, 10**9]),
+        "relevant_spans": json_values,
+    },
+    limit_field=None,
+)
+score_bodies = hostile_body(
+    {"text_1": words, "text_2": st.lists(words, min_size=1, max_size=4)},
+    {"truncate_prompt_tokens": st.integers(1, 64)},
+    {
+        **PAIRWISE_HOSTILE,
+        "text_1": huge_list(st.just("a"), 100_000) | HUGE_TEXT | st.just([]),
+        "text_2": huge_list(st.just("b"), 100_000) | st.lists(words, min_size=2, max_size=3),
+    },
+    limit_field=None,
+)
 # /v1/conversations: items as responses take them, metadata; hostile: item lists past the
 # 20 a request, ids repeated, refused types, megabytes of text, metadata past its bounds.
 conversation_bodies = hostile_body(
@@ -1685,6 +1748,9 @@ def test_regexes(server):
         ("/v1/messages", messages_bodies, 80),
         ("/tokenize", tokenize_bodies, 50),
         ("/detokenize", detokenize_bodies, 30),
+        ("/v1/embeddings", embedding_bodies, 60),
+        ("/v1/rerank", rerank_bodies, 30),
+        ("/v1/score", score_bodies, 30),
         ("/v1/cache/prefixes", prefix_bodies, 20),
         ("/v1/conversations", conversation_bodies, 30),
     ],

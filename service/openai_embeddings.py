@@ -1,0 +1,249 @@
+"""/v1/embeddings: each input is a prompt the engine runs through one prefill, batched with
+every other request (continuous batching, chunked prefill, the prefix cache), and whose
+last position's final hidden state comes back as its embedding (service/pooling.py).
+
+The same engine serves generation and embeddings at once: an embedding request is a
+request that samples one token nobody reads, so it shares the scheduler's queues, limits,
+priorities, API-key fairness and prefix cache with chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from service.completion_extras import OFF_LOOP_LOGPROB_ENTRIES
+from service.http_util import TENANT_SALT, json_response, salted
+from service.openai_common import ServingBase
+from service.openai_completions import final_outputs
+from service.outputs import RequestOutput
+from service.pooling import EMBED_PARAMS, Pooler, cosine, encode_vectors
+from service.protocol import BadRequest, check_messages
+from service.protocol_embeddings import (
+    EmbeddingRequest,
+    PairwiseRequest,
+    decode_embedding,
+    decode_rerank,
+    decode_score,
+)
+from service.protocol_openai import prompt_list, template_choice, truncation
+from service.request_ids import TENANT, request_id
+
+
+class EmbeddingServing(ServingBase):
+    _pooler: Pooler | None = None
+
+    @property
+    def pooler(self) -> Pooler:
+        if self._pooler is None:
+            self._pooler = Pooler(self.engine.model_dir)
+        return self._pooler
+
+    @property
+    def max_embed_len(self) -> int:
+        # The one sampled token (unread) needs a position after the prompt.
+        return self.engine.max_model_len - 1
+
+    async def embed_prompts(
+        self, request: web.Request, prompts: list[list[int]],
+        *, lora: str | None, id_prefix: str, body_id: str | None = None,
+        cache_salt: str | None = None, priority: int = 0, field: str = "input",
+    ) -> tuple[str, list[RequestOutput]]:  # fmt: skip
+        """Run each prompt to its embedding, concurrently; (public request id, outputs)."""
+        params = self.with_lora(EMBED_PARAMS, lora)
+        rid, engine_rid = request_id(request, body_id, id_prefix)
+        salt = salted(request.get(TENANT_SALT), cache_salt)
+        gens, subs = self._start(
+            engine_rid, prompts, [None] * len(prompts), params, salt,
+            tenant=request.get(TENANT), priority=priority, prompt_field=field,
+        )  # fmt: skip
+        try:
+            finals = await final_outputs(gens)
+        finally:
+            self._release(subs)
+        return rid, finals
+
+    def check_embed_lengths(self, prompts: list[list[int]], field: str) -> None:
+        limit = self.max_embed_len
+        for i, ids in enumerate(prompts):
+            if len(ids) > limit:
+                where = f"{field}[{i}]" if len(prompts) > 1 else field
+                raise BadRequest(
+                    f"{where} has {len(ids)} tokens; at most {limit} can be embedded "
+                    f"(max_model_len {self.engine.max_model_len}, less the position the pass "
+                    "samples): shorten it or set truncate_prompt_tokens",
+                    field,
+                )
+
+    async def embedding_prompt_ids(self, req: EmbeddingRequest) -> list[list[int]]:
+        truncate = truncation(req.truncate_prompt_tokens, self.max_embed_len)
+        if req.messages is not None:
+            check_messages(req.messages)
+            template, template_field, kwargs = template_choice(
+                req.chat_template, req.chat_template_kwargs
+            )
+            ids = await self.prep.chat_ids(
+                [m.as_template_dict() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template=template,
+                template_param=template_field,
+                kwargs=kwargs,
+                truncate=truncate,
+                continue_final_message=req.continue_final_message,
+            )
+            return [ids]
+        assert req.input is not None
+        raw = prompt_list(req.input, "input")
+        self.limits.check_prompt_count(len(raw), "input")
+        return await self.prep.prompt_ids(  # type: ignore[no-any-return]
+            raw,
+            param="input",
+            truncate=truncate,
+            add_special_tokens=req.add_special_tokens is not False,
+        )
+
+    async def embeddings(self, request: web.Request, body: bytes) -> web.Response:
+        req = decode_embedding(body)
+        lora = self.check_model(req.model)
+        req.check()
+        self.pooler.check(req.dimensions)
+        prompts = await self.embedding_prompt_ids(req)
+        self.check_embed_lengths(prompts, "messages" if req.messages is not None else "input")
+        rid, finals = await self.embed_prompts(
+            request, prompts, lora=lora, id_prefix="embd-", body_id=req.request_id,
+            cache_salt=req.cache_salt, priority=req.priority,
+        )  # fmt: skip
+        model = req.model or self.names[0]
+
+        def build() -> web.Response:
+            x = self.pooler.finish(
+                [_vector(out) for out in finals], req.normalize is not False, req.dimensions
+            )
+            data = [
+                {"object": "embedding", "index": i, "embedding": e}
+                for i, e in enumerate(encode_vectors(x, req.encoding_format))
+            ]
+            tokens = sum(map(len, prompts))
+            return json_response(
+                {
+                    "id": rid,
+                    "object": "list",
+                    "created": int(time.time()),
+                    "model": model,
+                    "data": data,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                }
+            )
+
+        # Thousands of floats per input: a large body is built on a thread, so the event
+        # loop (other streams, /health) only waits its turn for the GIL.
+        if sum(len(out.embedding or ()) for out in finals) > OFF_LOOP_LOGPROB_ENTRIES:
+            return await asyncio.to_thread(build)
+        return build()
+
+
+def _vector(out: RequestOutput) -> list[float]:
+    if out.embedding is None:  # the runner pools every embed request that samples
+        raise RuntimeError(f"request {out.request_id} finished without its embedding")
+    return out.embedding
+
+
+class PairwiseServing(EmbeddingServing):
+    """vLLM's /score and /rerank for an embedding model (a bi-encoder): each text is
+    embedded once and a pair's score is the cosine similarity of its two embeddings."""
+
+    async def _embed_texts(
+        self,
+        request: web.Request,
+        req: PairwiseRequest,
+        groups: list[tuple[str, list[str]]],
+        id_prefix: str,
+        doc_tokens: int | None = None,
+    ) -> tuple[str, list[np.ndarray], int]:
+        """Every distinct text of the (field, texts) groups embedded (normalized) in one
+        batch: (request id, each group's vectors in its texts' order, prompt tokens).
+        doc_tokens: the last group's texts keep their first so many tokens (Cohere's
+        max_tokens_per_doc), so they are embedded apart from the same text elsewhere."""
+        lora = self.check_model(req.model)
+        req.check()
+        self.pooler.check(None)
+        truncate = truncation(req.truncate_prompt_tokens, self.max_embed_len)
+        last = len(groups) - 1
+        cuts = [doc_tokens if i == last else None for i in range(len(groups))]
+        row: dict[tuple[int | None, str], int] = {}  # (cut, text) -> its prompt's index
+        todo: list[tuple[str, int | None, list[str]]] = []
+        for (field, texts), cut in zip(groups, cuts, strict=True):
+            fresh = [t for t in dict.fromkeys(texts) if (cut, t) not in row]
+            row.update({(cut, t): len(row) + k for k, t in enumerate(fresh)})
+            todo.append((field, cut, fresh))
+        self.limits.check_prompt_count(len(row), groups[-1][0])
+        prompts: list[list[int]] = []
+        for field, cut, fresh in todo:
+            ids = await self.prep.prompt_ids(
+                fresh, param=field,  # type: ignore[arg-type]
+                truncate=min(cut, self.max_embed_len) if cut else truncate, keep_first=bool(cut),
+            )  # fmt: skip
+            self.check_embed_lengths(ids, field)
+            prompts += ids
+        rid, finals = await self.embed_prompts(
+            request, prompts, lora=lora, id_prefix=id_prefix, body_id=req.request_id,
+            priority=req.priority, field=groups[-1][0],
+        )  # fmt: skip
+        vecs = self.pooler.finish([_vector(o) for o in finals], True, None)
+        out = [
+            vecs[[row[(cut, t)] for t in texts]]
+            for (_, texts), cut in zip(groups, cuts, strict=True)
+        ]
+        return rid, out, sum(map(len, prompts))
+
+    async def score(self, request: web.Request, body: bytes) -> web.Response:
+        req = decode_score(body)
+        a, b = req.pairs()
+        rid, (va, vb), tokens = await self._embed_texts(
+            request, req, [("text_1", a), ("text_2", b)], "score-"
+        )
+        scores = cosine(va, vb)
+        return json_response(
+            {
+                "id": rid,
+                "object": "list",
+                "created": int(time.time()),
+                "model": req.model or self.names[0],
+                "data": [
+                    {"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)
+                ],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    async def rerank(self, request: web.Request, body: bytes) -> web.Response:
+        req = decode_rerank(body)
+        rid, (vq, vd), tokens = await self._embed_texts(
+            request,
+            req,
+            [("query", [req.query]), ("documents", req.documents)],
+            "rerank-",
+            doc_tokens=req.max_tokens_per_doc,
+        )
+        scores = cosine(np.repeat(vq, len(vd), axis=0), vd)
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        if req.top_n:
+            order = order[: req.top_n]
+        results = []
+        for i in order:
+            r: dict[str, Any] = {"index": i, "relevance_score": float(scores[i])}
+            if req.return_documents:
+                r["document"] = {"text": req.documents[i]}
+            results.append(r)
+        return json_response(
+            {
+                "id": rid,
+                "model": req.model or self.names[0],
+                "results": results,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )

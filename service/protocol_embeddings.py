@@ -1,0 +1,141 @@
+"""Request bodies of /v1/embeddings (OpenAI's, with vLLM's extensions: chat `messages`
+as input, truncation, normalize, priority)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from service.protocol import BadRequest, ChatMessage, NonNegInt, PositiveInt, RequestId, decode
+
+
+class EmbeddingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    # A string, a list of strings, a list of token ids, or a list of token-id lists
+    # (OpenAI's); or vLLM's `messages`, one conversation through the chat template.
+    input: str | list[str | NonNegInt | list[NonNegInt]] | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    # vLLM's extensions
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    # Text inputs: the tokenizer's special tokens (BOS, or the EOS an embedding model's
+    # post-processor appends) are added unless this is false; messages: the template's.
+    add_special_tokens: bool | None = None
+    normalize: bool | None = None  # L2 (default true)
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    request_id: RequestId | None = None
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    mm_processor_kwargs: Any = None
+    embed_dtype: str | None = None
+
+    def check(self) -> None:
+        if (self.input is None) == (self.messages is None):
+            raise BadRequest("give exactly one of input and messages", "input")
+        if self.mm_processor_kwargs is not None:
+            raise BadRequest("mm_processor_kwargs is not supported (no multimodal models)",
+                             "mm_processor_kwargs")  # fmt: skip
+        if self.embed_dtype not in (None, "float32"):
+            raise BadRequest("embed_dtype: only float32 is supported", "embed_dtype")
+        if self.messages is None:
+            for name in ("chat_template", "chat_template_kwargs"):
+                if getattr(self, name) is not None:
+                    raise BadRequest(f"{name} applies to messages only", name)
+        elif self.add_special_tokens:
+            raise BadRequest(
+                "add_special_tokens=true is not supported with messages (the template adds them)",
+                "add_special_tokens",
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise BadRequest(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+
+
+_embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
+
+
+def decode_embedding(body: bytes) -> EmbeddingRequest:
+    return decode(_embedding_decoder, body)
+
+
+TextOrTexts = str | list[str]
+
+
+class PairwiseRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields vLLM's /score and /rerank share."""
+
+    model: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    request_id: RequestId | None = None
+    user: str | None = None
+    mm_processor_kwargs: Any = None
+
+    def check(self) -> None:
+        if self.mm_processor_kwargs is not None:
+            raise BadRequest("mm_processor_kwargs is not supported (no multimodal models)",
+                             "mm_processor_kwargs")  # fmt: skip
+
+
+class ScoreRequest(PairwiseRequest, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /score: text_1 against text_2 (1:1, 1:N, or N:N paired in order)."""
+
+    text_1: TextOrTexts
+    text_2: TextOrTexts
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        a = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        b = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        for name, texts in (("text_1", a), ("text_2", b)):
+            if not texts:
+                raise BadRequest(f"{name} must not be empty", name)
+        if len(a) == 1:
+            a = a * len(b)
+        if len(a) != len(b):
+            raise BadRequest(
+                f"text_1 has {len(a)} texts and text_2 {len(b)}: give one text_1, or as many "
+                "as text_2",
+                "text_2",
+            )
+        return a, b
+
+
+class RerankRequest(PairwiseRequest, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /rerank (Jina's and Cohere's shape): documents ranked by relevance to the
+    query, best first; top_n 0 keeps all."""
+
+    query: str
+    documents: list[str]
+    top_n: NonNegInt = 0
+    return_documents: bool = True
+    # Cohere's: each document is cut to its first so many tokens.
+    max_tokens_per_doc: PositiveInt | None = None
+    relevant_spans: Any = None
+
+    def check(self) -> None:
+        super().check()
+        if not self.documents:
+            raise BadRequest("documents must not be empty", "documents")
+        if self.relevant_spans is not None:
+            raise BadRequest("relevant_spans is not supported", "relevant_spans")
+
+
+_score_decoder = msgspec.json.Decoder(ScoreRequest)
+_rerank_decoder = msgspec.json.Decoder(RerankRequest)
+
+
+def decode_score(body: bytes) -> ScoreRequest:
+    return decode(_score_decoder, body)
+
+
+def decode_rerank(body: bytes) -> RerankRequest:
+    return decode(_rerank_decoder, body)
