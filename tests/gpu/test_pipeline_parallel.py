@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from gpu.config import ModelConfig, ModelLoadError
@@ -20,7 +21,7 @@ from scheduler.config import ConfigError
 from scheduler.contract import DecodeColumns, ScheduledRequest
 from service.llm import LLM
 from tests.checkpoints import tiny_checkpoint
-from tests.gpu.test_tensor_parallel import ENGINE, PROMPTS, hf_greedy, run
+from tests.gpu.test_tensor_parallel import ENGINE, PROMPTS, embeddings, hf_greedy, run
 
 pytest.importorskip("transformers")
 
@@ -69,10 +70,14 @@ def test_pp_matches_pp1_and_transformers(pp):
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0, "the workload should preempt"
     assert sched.kv.prefix_hits > 0, "the workload should hit the prefix cache"
+    emb = embeddings(llm)
     with LLM(path, **ENGINE) as llm1:
         want = run(llm1)
+        want_emb = embeddings(llm1)
     assert got == want
     assert got[:4] == [hf_greedy(path, prompt, 10) for prompt in PROMPTS]
+    # The last stage pools what it sampled from: the one-stage embeddings.
+    torch.testing.assert_close(emb, want_emb, atol=1e-5, rtol=0)
 
 
 def _tensor_bytes(path: str) -> dict[str, int]:

@@ -82,10 +82,18 @@ def test_tp2_matches_tp1_and_transformers(tp2):
     sched = llm2.engine.scheduler
     assert sched.num_preemptions > 0, "the workload should preempt"
     assert sched.kv.prefix_hits > 0, "the workload should hit the prefix cache"
+    emb = embeddings(llm2)
     with LLM(path, **ENGINE) as llm1:
         want = run(llm1)
+        want_emb = embeddings(llm1)
     assert got == want
     assert got[:4] == [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]
+    # Embeddings (the final hidden state) gathered from the ranks are the one-rank ones.
+    torch.testing.assert_close(emb, want_emb, atol=1e-5, rtol=0)
+
+
+def embeddings(llm: LLM) -> torch.Tensor:
+    return torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS)])
 
 
 def test_each_rank_holds_half_the_sharded_weights(tp2):

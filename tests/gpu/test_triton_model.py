@@ -109,7 +109,7 @@ def test_piecewise_graph_path_matches_torch(monkeypatch, arch, kv_cache_dtype, l
     # A 24-token budget: the long prompts arrive in chunks beside the others' decodes.
     prompts = [[5, 6, 7], list(range(40, 90)), [9] * 30, list(range(100, 137))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = {}
+    outs, embs = {}, {}
     for backend, graphs in (("torch", False), ("triton", True)):
         llm = LLM(
             model, dtype="float32", attention_backend=backend, cuda_graphs=graphs,
@@ -134,9 +134,12 @@ def test_piecewise_graph_path_matches_torch(monkeypatch, arch, kv_cache_dtype, l
                     assert eager_prefills == []
             else:
                 assert pw is None and eager_prefills
+            # An embedding is the row its one token samples from, through the pieces too.
+            embs[backend] = torch.tensor([o.outputs.embedding for o in llm.embed(prompts)])
         finally:
             llm.shutdown()
     assert outs["triton"] == outs["torch"]
+    torch.testing.assert_close(embs["triton"], embs["torch"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
