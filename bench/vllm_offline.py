@@ -8,7 +8,10 @@ on stdin, warms up on `warm`, prints `READY {"version": v}`, then for every `run
 warm-up's, unless the prefix cache is off) prints
 `RESULT {"seconds": s, "tokens": n}` for a timed generate of them; exits on `quit` or end
 of input.  With "beam": w in the spec, each run is `LLM.beam_search` of width w instead
-(greedy, ignore_eos), and the result also holds each prompt's best beam ("beams").
+(greedy, ignore_eos), and the result also holds each prompt's best beam ("beams").  With
+"embed": true, the model runs as an embedding model (`runner="pooling"`: its last token,
+normalized) and each run is `LLM.embed` of the prompts ("tokens" counts prompt tokens;
+"vectors" holds the first few).
 """
 
 import json
@@ -22,6 +25,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    embed = bool(spec.get("embed"))
+    extra = {"runner": "pooling"} if embed else {}
     llm = LLM(
         model=spec["model"],
         dtype=spec["dtype"],
@@ -30,6 +35,7 @@ def main() -> None:
         gpu_memory_utilization=0.5,
         # Off where a bench replays one workload several times (each must compute it all).
         enable_prefix_caching=not spec.get("no_prefix_caching"),
+        **extra,
     )
 
     def requests(items):
@@ -47,8 +53,14 @@ def main() -> None:
         outs = llm.beam_search([TokensPrompt(prompt_token_ids=p) for p, _ in items], params)
         return [o.sequences[0].tokens[len(p) :] for o, (p, _) in zip(outs, items)]
 
+    def embeddings(items):
+        outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p, _ in items], use_tqdm=False)
+        return [o.outputs.embedding for o in outs]
+
     if width:
         beams(spec["warm"])
+    elif embed:
+        embeddings(spec["warm"])
     else:
         llm.generate(*requests(spec["warm"]), use_tqdm=False)
     print("READY " + json.dumps({"version": vllm.__version__}), flush=True)
@@ -57,7 +69,11 @@ def main() -> None:
             break
         items = json.loads(line[4:])
         t = time.perf_counter()
-        if width:
+        if embed:
+            vecs = embeddings(items)
+            dt = time.perf_counter() - t
+            result = {"seconds": dt, "tokens": sum(len(p) for p, _ in items), "vectors": vecs[:4]}
+        elif width:
             best = beams(items)
             dt = time.perf_counter() - t
             result = {"seconds": dt, "tokens": sum(map(len, best)) * width, "beams": best}
