@@ -471,7 +471,7 @@ class ModelRunner:
                     self.spec.medusa.remember(samples.ids, rows)
             if verify:
                 assert self.spec is not None, "draft tokens sent to a runner without speculation"
-                self.spec.verify(self, hidden, verify, out)
+                self.spec.verify(self, hidden, verify, out, so.grammar_bitmasks)
         if so.save_kv_blocks:
             out.saved_kv = self.read_kv_blocks(so.save_kv_blocks)
         self.last_step_seconds = time.perf_counter() - t0

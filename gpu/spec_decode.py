@@ -32,7 +32,13 @@ from gpu.batch_layout import layout_batch
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.cuda_graphs import DecodeGraphs
 from gpu.loader import load_model
-from gpu.sampler import _MIN_TEMPERATURE, RequestSamplingState, Sampler, argmax_rows
+from gpu.sampler import (
+    _MIN_TEMPERATURE,
+    RequestSamplingState,
+    Sampler,
+    apply_token_bitmask_,
+    argmax_rows,
+)
 from scheduler.contract import ModelOutput, ScheduledRequest, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -131,6 +137,27 @@ def verify_drafts(
         out.append(Verified(d[:a], bonus, lps))
         row += k + 1
     return out
+
+
+def _mask_verify_rows(
+    logits: torch.Tensor, verify: list[tuple[ScheduledRequest, int]], masks: dict[str, bytes]
+) -> None:
+    """Each constrained request's rows under the grammar at their positions, in place: a
+    draft the grammar forbids there is never accepted, and the token drawn after the
+    accepted ones is one the grammar allows."""
+    rows: list[int] = []
+    row_masks: list[bytes] = []
+    at = 0
+    for sr, _ in verify:
+        n = sr.num_draft + 1
+        joined = masks.get(sr.req_id)
+        if joined is not None:
+            size = len(joined) // n
+            rows += range(at, at + n)
+            row_masks += [joined[i * size : (i + 1) * size] for i in range(n)]
+        at += n
+    if rows:
+        apply_token_bitmask_(logits, rows, row_masks)
 
 
 def _rejection_sample(
@@ -387,7 +414,10 @@ class SpecRunner:
         hidden: torch.Tensor,  # [T, hidden]
         verify: list[tuple[ScheduledRequest, int]],
         out: ModelOutput,
+        masks: dict[str, bytes] | None = None,
     ) -> None:
+        """masks: a constrained request's grammar mask for each of its verify rows, joined
+        (Scheduler.fill_masks walks its matcher through the drafts)."""
         results: list[Verified] = []
         if self.medusa is not None:
             results = self.medusa.verify(runner, hidden, verify)
@@ -398,6 +428,8 @@ class SpecRunner:
             logits = runner.model.compute_logits(
                 hidden.index_select(0, torch.tensor(rows, device=hidden.device))
             )
+            if masks:
+                _mask_verify_rows(logits, verify, masks)
             states = [runner.requests[sr.req_id] for sr, _ in verify]
             qs = [self._q.pop(sr.req_id, None) for sr, _ in verify]
             results = verify_drafts(

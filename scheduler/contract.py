@@ -147,7 +147,8 @@ class SchedulerOutput(msgspec.Struct, gc=False, kw_only=True):
     # Blocks to read out after the forward (full blocks published to the Redis tier).
     save_kv_blocks: list[int] = msgspec.field(default_factory=list)
     # Constrained rows sampled this step: req_id -> allowed-token bitmask (packed
-    # little-endian int32 words, bit t = token t).  Rows not named here are unconstrained.
+    # little-endian int32 words, bit t = token t); for a verify chunk, one mask per verify
+    # row (num_draft + 1), joined.  Rows not named here are unconstrained.
     grammar_bitmasks: dict[str, bytes] = msgspec.field(default_factory=dict)
 
     @property

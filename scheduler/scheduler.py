@@ -71,6 +71,29 @@ def _seeded_sampling(req: Request) -> bool:
     return req.params.seed is not None and req.params.temperature > 0
 
 
+def _draft_masks(grammar: GrammarMatcher, drafts: list[int]) -> bytes | None:
+    """A verify chunk's masks, one per row (the position before each draft, then the
+    bonus token's), concatenated: the matcher walked through the drafts, then rolled back.
+    None where the matcher fails on the way (its request ends on update, with the reason)."""
+    masks: list[bytes] = []
+    taken = 0
+    try:
+        for tok in drafts:
+            m = grammar.bitmask()
+            if m is None or not grammar.accept(tok):
+                return None
+            masks.append(m)
+            taken += 1
+        m = grammar.bitmask()
+        if m is None:
+            return None
+        masks.append(m)
+        return b"".join(masks)
+    finally:
+        if taken:
+            grammar.rollback(taken)
+
+
 def check_group(group: list[Request], max_len: int, max_num_seqs: int) -> None:
     """Scheduler.check_group from the two limits it reads (also where the scheduler is
     another process's: service/engine_proc.py)."""
@@ -209,11 +232,18 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         constrained, self._constrained = self._constrained, []
         if not constrained:
             return
-        masks = bitmasks([r.grammar for r in constrained])  # type: ignore[misc]
+        drafted = {sr.req_id: sr.draft_ids for sr in so.scheduled if sr.draft_ids}
+        plain = [r for r in constrained if r.req_id not in drafted]
+        masks = bitmasks([r.grammar for r in plain])  # type: ignore[misc]
         # No mask for a matcher in error: its request ends on update with the reason.
         so.grammar_bitmasks.update(
-            (r.req_id, m) for r, m in zip(constrained, masks, strict=True) if m is not None
+            (r.req_id, m) for r, m in zip(plain, masks, strict=True) if m is not None
         )
+        for r in constrained:
+            if r.req_id in drafted:
+                m = _draft_masks(r.grammar, drafted[r.req_id])  # type: ignore[arg-type]
+                if m is not None:
+                    so.grammar_bitmasks[r.req_id] = m
 
     def _plan_step(self, latency_first: bool) -> _StepPlan:
         """What one step runs: fair shares and (latency_first) their limits first, then
@@ -323,13 +353,19 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         expected = float(len(decodes))
         worst = 1.0 + spec.k  # the fewest tokens a row is expected to emit
         for req in decodes:
-            # A constrained request's mask is for one position; its drafts would need a
-            # matcher walked ahead and rolled back, which is not built.  A seeded sampling
-            # request never drafts: how many uniforms a verify draws depends on its drafts,
-            # and whether a step speculates depends on measured time, so its output must
-            # not (it equals the output without speculation, under any load).
+            # A constrained request drafts only where the scheduler proposes the tokens
+            # (n-gram) and its matcher can check them without advancing: `fill_masks`
+            # walks the matcher through the drafts for a mask at every verify position.
+            # A seeded sampling request never drafts: how many uniforms a verify draws
+            # depends on its drafts, and whether a step speculates depends on measured
+            # time, so its output must not (it equals the output without speculation,
+            # under any load).
             k = 0
-            if not req.fork_ids and req.grammar is None and not _seeded_sampling(req):
+            if (
+                not req.fork_ids
+                and not _seeded_sampling(req)
+                and (req.grammar is None or self._drafts_constrained(req.grammar))
+            ):
                 k = spec.wanted(req, self._spec_room(req, budget))
             gain = spec.expected_accepted(req, k) if k else 0.0
             if k:
@@ -342,6 +378,10 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         if speculate:
             for req, k in wanted:
                 drafts, num_draft = spec.propose(req, k)
+                if req.grammar is not None and num_draft:
+                    # A draft the grammar refuses can never be accepted: verify none past it.
+                    num_draft = req.grammar.valid_prefix(drafts)  # type: ignore[attr-defined]
+                    drafts = drafts[:num_draft]
                 if num_draft:
                     plans[req.req_id] = (drafts, num_draft)
         if decodes and len(decodes) == len(self.running):
@@ -593,6 +633,15 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             grammar_bitmasks={},
         )
 
+    def _drafts_constrained(self, grammar: GrammarMatcher) -> bool:
+        spec = self.spec
+        return (
+            spec is not None
+            and not spec.in_executor
+            and not spec.tree
+            and hasattr(grammar, "valid_prefix")
+        )
+
     def _spec_room(self, req: Request, budget: int) -> int:
         """Most draft tokens a decoding request can verify this step: the token budget
         after its one sure token, and room for every draft plus the bonus token within
@@ -794,7 +843,14 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         lps = [*mo.spec_logprobs.get(req.req_id, [None] * len(accepted)), bonus_lp]
         toks: list[int] = []
         out_lps: list[TokenLogprobs | None] = []
+        grammar = req.grammar
         for tok, lp in zip([*accepted, bonus], lps, strict=True):
+            if grammar is not None and (why := self._grammar_refuses(grammar, tok)):
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                lps_kept = out_lps if req.params.logprobs is not None else None
+                update = self._update(req, toks, lps_kept, error=why)
+                update.client_error = True
+                return update
             toks.append(tok)
             out_lps.append(lp)
             if self._push_token(req, tok) is not None:

@@ -154,6 +154,16 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.m.rollback(num_tokens)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (speculative drafts) the grammar would take in a row,
+        without advancing (the scheduler drafts for a matcher that offers this)."""
+        if self.over is not None:
+            return 0
+        t0 = cpu_seconds()
+        n = self.m.validate_tokens(tokens)
+        self._charge(cpu_seconds() - t0)
+        return n if self.over is None else 0
+
     @property
     def terminated(self) -> bool:
         return self.m.is_stopped()

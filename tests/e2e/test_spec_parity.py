@@ -10,6 +10,7 @@ right part of the time, so both acceptance and rejection (KV rollback) are exerc
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -230,3 +231,48 @@ async def test_greedy_identity_draft_through_decode_graphs():
         st = engine.scheduler.spec.stats
         runs[graphs] = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
     assert runs[True] == runs[False]
+
+
+async def _constrained(engine, specs) -> list[list[int]]:
+    """Each (prompt, spec) greedy under its grammar; the engine drained and closed."""
+    from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+
+    await engine.start()
+
+    async def one(i, prompt, spec):
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                structured_outputs=StructuredOutputsParams(**spec))  # fmt: skip
+        last = None
+        async for out in engine.generate(prompt, params, request_id=f"g{i}"):
+            last = out
+        assert last.outputs[0].finish_reason in ("stop", "length"), last.outputs[0]
+        return last.outputs[0].token_ids
+
+    try:
+        return await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(specs)))
+    finally:
+        sched = engine.scheduler
+        assert not sched.requests and sched.kv.pool.num_free == sched.kv.pool.num_blocks
+        await engine.shutdown()
+
+
+GRAMMARS = [
+    ([5, 6, 7], {"regex": "(ab ){3,30}c"}),  # forced text: the drafts repeat it
+    ([9, 10], {"json": '{"type": "array", "items": {"type": "integer"}, "maxItems": 12}'}),
+    ([11, 12, 13], {"choice": ("red green red green", "blue")}),
+    ([14], {"regex": "[a-z ]{10,60}"}),  # free text: drafts the grammar refuses are cut
+]
+
+
+def test_greedy_identity_under_grammars_with_ngram_drafts():
+    """A constrained request drafts (n-gram): each verify row is masked by the grammar at
+    its position, the drafts it refuses are cut before the step, and the tokens are those
+    of the same requests without speculation."""
+    model = target_dir("llama-gqa")
+    plain = asyncio.run(_constrained(make_engine(model, max_num_batched_tokens=32), GRAMMARS))
+    engine = make_engine(model, max_num_batched_tokens=32,
+                         speculative_config=spec_config("ngram", "llama-gqa", k=4))  # fmt: skip
+    got = asyncio.run(_constrained(engine, GRAMMARS))
+    assert got == plain
+    st = engine.scheduler.spec.stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0, st
