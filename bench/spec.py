@@ -8,7 +8,10 @@ workloads built from Python standard-library sources the pair was not
 trained on (the files its training held out):
 - free: the first ~160 tokens of a file, continued;
 - copy: a function, a comment saying it follows again, and its first line: the
-  continuation repeats text already in the prompt (code editing, summarising).
+  continuation repeats text already in the prompt (code editing, summarising);
+- copy+grammar: the same, under a grammar that takes any text (a regex), so every step
+  computes masks and a verify chunk one per row: what speculation keeps under
+  structured output (n-gram only: the draft model and Medusa do not draft there).
 Greedy, `ignore_eos`, fixed output length, so every mode emits the same tokens.
 
 Each round runs plain decoding before and after every mode (round_order), and a mode's
@@ -39,6 +42,7 @@ OUT_TOKENS = 64
 K = 4
 REPEATS = 3
 BATCH1_PROMPTS = 4  # batch 1: this many prompts one after another
+GRAMMAR_WORKLOAD = "copy+grammar"
 
 
 def _measure(llm: Any, groups: list[list[list[int]]], params: Any) -> tuple[float, float, float]:
@@ -171,9 +175,10 @@ def medusa_heads(target: Path, given: str | None, minutes: float) -> Path:
 
 
 def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: Any) -> str:
+    import msgspec
     import torch
 
-    from scheduler.sampling_params import SamplingParams
+    from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
     from service.engine_setup import default_draft_dir, default_model_dir
     from service.llm import LLM
     from service.tokenizer import Tokenizer
@@ -197,6 +202,9 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
         "medusa": {"method": "medusa", "model": str(heads), "num_speculative_tokens": K},
     }
     params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
+    work[GRAMMAR_WORKLOAD] = work["copy"]
+    anything = StructuredOutputsParams(regex=r"[\s\S]*")
+    by_workload = {GRAMMAR_WORKLOAD: msgspec.structs.replace(params, structured_outputs=anything)}
     llms = {
         mode: LLM(
             str(target),
@@ -223,7 +231,8 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
                 seq = runs.setdefault((wl, batch), [])
                 for rep in range(repeats):
                     for mode in round_order(rep):
-                        seq.append((mode, _measure(llms[mode], groups, params)))
+                        wl_params = by_workload.get(wl, params)
+                        seq.append((mode, _measure(llms[mode], groups, wl_params)))
                 for mode in MODES:
                     pairs = paired_ratios(seq, mode)
                     rc, rw = _median([p[0] for p in pairs]), _median([p[1] for p in pairs])
