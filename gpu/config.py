@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -23,6 +24,13 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "MistralForCausalLM": ("none", False),
     "Qwen2ForCausalLM": ("qkv", False),
     "Qwen3ForCausalLM": ("config", True),
+    # The base models, without an LM head: embedding checkpoints saved from them (their
+    # tensors without the `model.` prefix, as sentence-transformers writes Qwen3-Embedding
+    # and gte-Qwen2).  They serve /v1/embeddings only (ModelConfig.embedding_only).
+    "LlamaModel": ("config", False),
+    "MistralModel": ("none", False),
+    "Qwen2Model": ("qkv", False),
+    "Qwen3Model": ("config", True),
 }
 
 
@@ -39,6 +47,24 @@ def cache_root() -> Path:
 
 class ModelLoadError(ValueError):
     """A checkpoint the server cannot run; the message names what is wrong."""
+
+
+def _tensor_names(path: Path) -> list[str] | None:
+    """The checkpoint's tensor names (its index's, or its one file's header), None when
+    there is no safetensors checkpoint here (the loader says so)."""
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return list(json.loads(index.read_text()).get("weight_map", {}))
+        single = path / "model.safetensors"
+        if single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                return list(f.keys())
+    except (OSError, ValueError):
+        return None  # unreadable: the loader reports it
+    return None
 
 
 def _need(raw: dict[str, Any], key: str) -> Any:
@@ -119,6 +145,10 @@ class ModelConfig:
     # weights stored float8_e4m3fn with a `weight_scale` each, loaded as they are.
     fp8_format: str | None = None
     o_proj_bias: bool = False
+    # A base model (no LM head): it embeds and does not generate.  The embedding matrix
+    # stands in for the head, for the one token an embedding request samples and no one
+    # reads (tie_word_embeddings is set for it).
+    embedding_only: bool = False
 
     @property
     def q_size(self) -> int:
@@ -146,7 +176,8 @@ class ModelConfig:
             raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (silu only)")
         rope_theta, scaling = _rope(raw)
         sliding = None
-        if arch == "MistralForCausalLM" or raw.get("use_sliding_window"):
+        embedding_only = not arch.endswith("ForCausalLM")
+        if arch.startswith("Mistral") or raw.get("use_sliding_window"):
             sliding = raw.get("sliding_window") or None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -163,7 +194,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=embedding_only or bool(raw.get("tie_word_embeddings", False)),
+            embedding_only=embedding_only,
             attention_bias=biases == "qkv" or from_config,
             o_proj_bias=from_config,
             qk_norm=qk_norm,
@@ -185,7 +217,18 @@ class ModelConfig:
             raw = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg_path}: invalid JSON: {e}") from e
-        return cls.from_dict(raw)
+        cfg = cls.from_dict(raw)
+        names = _tensor_names(Path(path))
+        if (
+            not cfg.embedding_only
+            and names
+            and "lm_head.weight" not in names
+            and not any(n.startswith("model.") for n in names)
+        ):
+            # A base model's tensors under a CausalLM architecture (how sentence-transformers
+            # saves an embedding model it built on one): no head, an embedding model.
+            cfg = dataclasses.replace(cfg, embedding_only=True, tie_word_embeddings=True)
+        return cfg
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies [head_dim // 2], float32, as transformers computes them."""

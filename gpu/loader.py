@@ -117,9 +117,12 @@ def _fmt(names: list[str]) -> str:
     return head + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
 
 
-def _read_sliced(f: object, name: str, cfg: ModelConfig, tp: TPGroup | None) -> torch.Tensor:
-    """The whole tensor, or only this rank's slice of it (read from the file as such)."""
-    rng = None if tp is None else shard_range(name, cfg, tp)
+def _read_sliced(
+    f: object, name: str, cfg: ModelConfig, tp: TPGroup | None, key: str | None = None
+) -> torch.Tensor:
+    """The whole tensor, or only this rank's slice of it (read from the file as such);
+    key: its HF name where the file's differs (a base model's, without `model.`)."""
+    rng = None if tp is None else shard_range(key or name, cfg, tp)
     if rng is None:
         t = f.get_tensor(name)  # type: ignore[attr-defined]
         if tp is not None and tp.rank != 0 and name.endswith("self_attn.o_proj.bias"):
@@ -152,20 +155,23 @@ def read_checkpoint(
                 if name.endswith(_FP8_SCALE_SUFFIXES) and cfg.fp8_format:
                     _fp8_scale(f, name, expected, wanted, tensors, path)
                     continue
-                if name not in expected:
+                key = name
+                if name not in expected and cfg.embedding_only and f"model.{name}" in expected:
+                    key = f"model.{name}"  # a base model saved on its own: no prefix
+                if key not in expected:
                     # Tied checkpoints sometimes store lm_head too; it equals the embedding.
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue
                     unexpected.append(name)
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
+                if shape != expected[key]:
                     raise ModelLoadError(
                         f"{path}: tensor {name} has shape {shape}, "
-                        f"config.json implies {expected[name]}"
+                        f"config.json implies {expected[key]}"
                     )
-                if name in wanted:
-                    tensors[name] = _read_sliced(f, name, cfg, tp)
+                if key in wanted:
+                    tensors[key] = _read_sliced(f, name, cfg, tp, key)
     missing = [n for n in wanted if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: checkpoint is missing tensors: {_fmt(missing)}")

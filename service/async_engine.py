@@ -131,6 +131,10 @@ class MaxTokensTooLarge(RequestRejected):
     """max_tokens does not fit beside the prompt in max_model_len (names that field)."""
 
 
+class EmbeddingOnly(RequestRejected):
+    """A generation request to a model without an LM head (names `model`)."""
+
+
 class RequestFailed(RuntimeError):
     """One request failed inside the engine or its output processing; the others go on.
     status: 400 when the request's own spec caused it (its grammar), else 500."""
@@ -240,6 +244,8 @@ class AsyncEngine:
         self.faults: FaultPlan | None = None
         # Ids the model has embeddings for (a tokenizer may know more added tokens).
         self.vocab_size: int = runner.config.vocab_size  # type: ignore[attr-defined]
+        # A base model without an LM head (gpu/config.py): embedding requests only.
+        self.embedding_only = bool(getattr(runner.config, "embedding_only", False))
         self.grammars = GrammarCompiler(
             model_dir / "tokenizer.json", self.vocab_size, self.eos_token_ids
         )
@@ -560,6 +566,11 @@ class AsyncEngine:
         pinned under when it ends (scheduler.pins); priority: its place in its tenant's
         line, lower first; grammar_share: the prompts of the API request it is one of
         (their samples split the grammar's per-token budget)."""
+        if self.embedding_only and not params.embed:
+            raise EmbeddingOnly(
+                "this model is an embedding model (a base model without an LM head): it "
+                "serves /v1/embeddings, /score and /rerank, not generation"
+            )
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         if params.lora is not None:
             lora = self.lora_salts.get(params.lora)
@@ -847,7 +858,8 @@ class AsyncEngine:
         blocks to the shared tier now, rather than after it proves hot (counted against
         `tenant`'s share of the tier)."""
         bs = self.block_size
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        # (embed: it samples one unread token either way, and an embedding model takes it)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, embed=True)
         rid = f"prefix-{uuid.uuid4().hex[:16]}"
         sub = self.submit(
             prompt_token_ids, params, rid, cache_salt, publish_prefix=True, tenant=tenant

@@ -826,6 +826,7 @@ def child_main(fd: int, parent_pid: int) -> int:
         facts = {
             "eos_token_ids": tuple(engine.eos_token_ids),
             "vocab_size": engine.vocab_size,
+            "embedding_only": engine.embedding_only,
             "max_model_len": engine.max_model_len,
             "max_num_seqs": engine.scheduler.config.max_num_seqs,
             "block_size": engine.scheduler.block_size,
@@ -862,7 +863,9 @@ def remote_runner(facts: dict) -> SimpleNamespace:
     facts."""
     return SimpleNamespace(
         eos_token_ids=facts["eos_token_ids"],
-        config=SimpleNamespace(vocab_size=facts["vocab_size"]),
+        config=SimpleNamespace(
+            vocab_size=facts["vocab_size"], embedding_only=facts["embedding_only"]
+        ),
         device=SimpleNamespace(type=facts["device"].split(":")[0]),
         max_model_len=facts["max_model_len"],
         kv_cache_dtype=facts["kv_cache_dtype"],

@@ -21,7 +21,7 @@ from scheduler.contract import TokenLogprobs
 from scheduler.engine_core import DuplicateRequestId, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service.async_engine import AsyncEngine, MaxTokensTooLarge, RequestFailed
+from service.async_engine import AsyncEngine, EmbeddingOnly, MaxTokensTooLarge, RequestFailed
 from service.beam_search import BeamSearchParams, start_searches
 from service.generation_defaults import NONE as NO_DEFAULTS
 from service.generation_defaults import GenerationDefaults
@@ -55,6 +55,8 @@ def _refusals(max_tokens_field: str, prompt_field: str) -> Iterator[None]:
         yield
     except DuplicateRequestId as e:  # never with the ids request_ids.py makes
         raise BadRequest(str(e), "X-Request-Id", status=409) from e
+    except EmbeddingOnly as e:
+        raise BadRequest(str(e), "model") from e
     except MaxTokensTooLarge as e:  # the message says the field the client sent
         raise BadRequest(str(e).replace("max_tokens", max_tokens_field, 1), max_tokens_field) from e
     except RequestRejected as e:

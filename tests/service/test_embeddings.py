@@ -300,3 +300,49 @@ def test_rerank_orders_documents_by_similarity(server, model, hf):
     status, r = go("/rerank", {"query": query, "documents": []})
     assert status == 400 and r["error"]["param"] == "documents"
     server.wait_kv_free()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3-as-causal-lm"])
+def base_model(request, tmp_path_factory) -> str:
+    """A base model saved on its own (architectures ["LlamaModel"], tensors without the
+    `model.` prefix, no LM head), as embedding checkpoints are: the tiny checkpoint's body.
+    The last keeps its CausalLM architecture name over the same tensors (as
+    sentence-transformers saves some)."""
+    arch = request.param.split("-")[0]
+    src = tiny_checkpoint(arch)
+    out = tmp_path_factory.mktemp(f"base-{request.param}")
+    full = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    full.model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out / name)
+    if request.param.endswith("causal-lm"):
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["architectures"] = [f"{cfg['architectures'][0][: -len('Model')]}ForCausalLM"]
+        cfg["tie_word_embeddings"] = False
+        (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["inline", "engine-process"])
+def test_a_base_model_checkpoint_embeds_and_refuses_generation(base_model, engine_process):
+    from safetensors import safe_open
+
+    with safe_open(f"{base_model}/model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names)
+    hf = transformers.AutoModel.from_pretrained(base_model, dtype=torch.float32).eval()
+    assert type(hf).__name__.endswith("Model")
+    ids = _inputs(6, [17, 60])
+    with live_server(base_model, engine_process=engine_process,
+                     engine_kwargs={"max_model_len": MAX_LEN}) as s:  # fmt: skip
+        status, r = _post(s, {"input": ids})
+        assert status == 200, r
+        for got, want in zip(r["data"], ids, strict=True):
+            np.testing.assert_allclose(got["embedding"], oracle(hf, want), atol=2e-5)
+        status, r = _post(s, {"prompt": "hi", "max_tokens": 4}, "/v1/completions")
+        assert status == 400 and r["error"]["param"] == "model", r
+        assert "embedding model" in r["error"]["message"]
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status, r = _post(s, body, "/v1/chat/completions")
+        assert status == 400 and r["error"]["param"] == "model", r
+        s.wait_kv_free()
