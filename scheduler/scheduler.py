@@ -71,24 +71,29 @@ def _seeded_sampling(req: Request) -> bool:
     return req.params.seed is not None and req.params.temperature > 0
 
 
-def _draft_masks(grammar: GrammarMatcher, drafts: list[int]) -> bytes | None:
+def _draft_masks(grammar: GrammarMatcher, drafts: list[int]) -> tuple[bytes | None, int]:
     """A verify chunk's masks, one per row (the position before each draft, then the
-    bonus token's), concatenated: the matcher walked through the drafts, then rolled back.
-    None where the matcher fails on the way (its request ends on update, with the reason)."""
+    token after the last kept one), joined, and how many drafts the grammar takes in a
+    row (the chunk is cut there).  The matcher is walked through them, then rolled back.
+    (None, 0) where the matcher fails on the way: its request ends on update, with why."""
     masks: list[bytes] = []
     taken = 0
     try:
         for tok in drafts:
             m = grammar.bitmask()
-            if m is None or not grammar.accept(tok):
-                return None
+            if m is None:
+                return None, 0
             masks.append(m)
+            if not (m[tok // 8] >> (tok % 8)) & 1:
+                return b"".join(masks), taken  # this row samples the bonus token
+            if not grammar.accept(tok):
+                return None, 0
             taken += 1
         m = grammar.bitmask()
         if m is None:
-            return None
+            return None, 0
         masks.append(m)
-        return b"".join(masks)
+        return b"".join(masks), taken
     finally:
         if taken:
             grammar.rollback(taken)
@@ -232,7 +237,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         constrained, self._constrained = self._constrained, []
         if not constrained:
             return
-        drafted = {sr.req_id: sr.draft_ids for sr in so.scheduled if sr.draft_ids}
+        drafted = {sr.req_id: sr for sr in so.scheduled if sr.draft_ids}
         plain = [r for r in constrained if r.req_id not in drafted]
         masks = bitmasks([r.grammar for r in plain])  # type: ignore[misc]
         # No mask for a matcher in error: its request ends on update with the reason.
@@ -240,10 +245,16 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             (r.req_id, m) for r, m in zip(plain, masks, strict=True) if m is not None
         )
         for r in constrained:
-            if r.req_id in drafted:
-                m = _draft_masks(r.grammar, drafted[r.req_id])  # type: ignore[arg-type]
-                if m is not None:
-                    so.grammar_bitmasks[r.req_id] = m
+            if (sr := drafted.get(r.req_id)) is None:
+                continue
+            m, keep = _draft_masks(r.grammar, sr.draft_ids)  # type: ignore[arg-type]
+            if m is None:
+                continue
+            so.grammar_bitmasks[r.req_id] = m
+            if keep < sr.num_draft:
+                # A draft the grammar refuses can never be accepted: none past it is
+                # verified (its KV slots are trimmed on update, as rejected drafts' are).
+                sr.draft_ids, sr.num_draft = sr.draft_ids[:keep], keep
 
     def _plan_step(self, latency_first: bool) -> _StepPlan:
         """What one step runs: fair shares and (latency_first) their limits first, then
@@ -354,8 +365,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         worst = 1.0 + spec.k  # the fewest tokens a row is expected to emit
         for req in decodes:
             # A constrained request drafts only where the scheduler proposes the tokens
-            # (n-gram) and its matcher can check them without advancing: `fill_masks`
-            # walks the matcher through the drafts for a mask at every verify position.
+            # (n-gram) and its matcher's masks cover every position (`drafts`):
+            # `fill_masks` walks it through the drafts for a mask at every verify row.
             # A seeded sampling request never drafts: how many uniforms a verify draws
             # depends on its drafts, and whether a step speculates depends on measured
             # time, so its output must not (it equals the output without speculation,
@@ -378,10 +389,6 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         if speculate:
             for req, k in wanted:
                 drafts, num_draft = spec.propose(req, k)
-                if req.grammar is not None and num_draft:
-                    # A draft the grammar refuses can never be accepted: verify none past it.
-                    num_draft = req.grammar.valid_prefix(drafts)  # type: ignore[attr-defined]
-                    drafts = drafts[:num_draft]
                 if num_draft:
                     plans[req.req_id] = (drafts, num_draft)
         if decodes and len(decodes) == len(self.running):
@@ -639,7 +646,7 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             spec is not None
             and not spec.in_executor
             and not spec.tree
-            and hasattr(grammar, "valid_prefix")
+            and getattr(grammar, "drafts", False)
         )
 
     def _spec_room(self, req: Request, budget: int) -> int:

@@ -83,6 +83,9 @@ class LLGuidanceMatcher:
     step at up to 8x the budget for 8x as long before its 4xx."""
 
     __slots__ = ("budget", "m", "n", "over", "spent", "suspect", "words")
+    # Its mask covers every position (None only in error): speculative drafts can be
+    # verified under it (Scheduler.fill_masks walks it through them).
+    drafts = True
 
     def __init__(self, m: llguidance.LLMatcher, words: int, n: int = 1) -> None:
         self.m = m
@@ -153,16 +156,6 @@ class LLGuidanceMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         self.m.rollback(num_tokens)
-
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` (speculative drafts) the grammar would take in a row,
-        without advancing (the scheduler drafts for a matcher that offers this)."""
-        if self.over is not None:
-            return 0
-        t0 = cpu_seconds()
-        n = self.m.validate_tokens(tokens)
-        self._charge(cpu_seconds() - t0)
-        return n if self.over is None else 0
 
     @property
     def terminated(self) -> bool:

@@ -1,0 +1,71 @@
+"""`Scheduler.fill_masks` for a verify chunk under a grammar (scheduler/scheduler.py
+_draft_masks): a mask for every row, the chunk cut at the first draft the grammar refuses,
+the matcher left where it was."""
+
+from __future__ import annotations
+
+from scheduler.scheduler import _draft_masks
+
+VOCAB = 64
+
+
+class Allowed:
+    """A matcher over a fixed sequence: position i allows only `seq[i]` (and the token
+    after the sequence, anything)."""
+
+    drafts = True
+
+    def __init__(self, seq: list[int]) -> None:
+        self.seq, self.pos = seq, 0
+        self.rolled_back = 0
+
+    def bitmask(self) -> bytes:
+        out = bytearray(VOCAB // 8)
+        allowed = [self.seq[self.pos]] if self.pos < len(self.seq) else range(VOCAB)
+        for t in allowed:
+            out[t // 8] |= 1 << (t % 8)
+        return bytes(out)
+
+    def accept(self, tok: int) -> bool:
+        if self.pos < len(self.seq) and tok != self.seq[self.pos]:
+            return False
+        self.pos += 1
+        return True
+
+    def rollback(self, n: int) -> None:
+        self.pos -= n
+        self.rolled_back += n
+
+
+def _rows(joined: bytes) -> list[list[int]]:
+    """Each row's allowed tokens."""
+    size = VOCAB // 8
+    rows = [joined[i : i + size] for i in range(0, len(joined), size)]
+    return [[t for t in range(VOCAB) if (r[t // 8] >> (t % 8)) & 1] for r in rows]
+
+
+def test_every_draft_taken_gives_a_mask_per_row_and_rolls_back():
+    m = Allowed([5, 9, 17, 3])
+    joined, keep = _draft_masks(m, [5, 9, 17])
+    assert keep == 3 and m.pos == 0 and m.rolled_back == 3
+    # three drafts' rows and the row of the token after them
+    assert _rows(joined) == [[5], [9], [17], [3]]
+
+
+def test_the_chunk_is_cut_at_the_first_refused_draft():
+    m = Allowed([5, 9, 17, 3])
+    joined, keep = _draft_masks(m, [5, 8, 17])  # 8 is refused where 9 must come
+    assert keep == 1 and m.pos == 0
+    assert _rows(joined) == [[5], [9]]  # the first draft's row, then the one drawn after it
+    joined, keep = _draft_masks(m, [6])
+    assert keep == 0 and _rows(joined) == [[5]] and m.rolled_back == 1
+
+
+def test_a_matcher_in_error_gives_no_masks():
+    class Broken(Allowed):
+        def bitmask(self):
+            return None if self.pos == 1 else super().bitmask()
+
+    m = Broken([5, 9])
+    assert _draft_masks(m, [5, 9]) == (None, 0)
+    assert m.pos == 0
