@@ -264,10 +264,21 @@ GRAMMARS = [
 ]
 
 
-def test_greedy_identity_under_grammars_with_ngram_drafts():
+def test_greedy_identity_under_grammars_with_ngram_drafts(monkeypatch):
     """A constrained request drafts (n-gram): each verify row is masked by the grammar at
     its position, the drafts it refuses are cut before the step, and the tokens are those
     of the same requests without speculation."""
+    import scheduler.scheduler as sched_mod
+
+    cuts = []
+    walk = sched_mod._draft_masks
+
+    def counting(grammar, drafts):
+        masks, keep = walk(grammar, drafts)
+        cuts.append(keep < len(drafts))
+        return masks, keep
+
+    monkeypatch.setattr(sched_mod, "_draft_masks", counting)
     model = target_dir("llama-gqa")
     plain = asyncio.run(_constrained(make_engine(model, max_num_batched_tokens=32), GRAMMARS))
     engine = make_engine(model, max_num_batched_tokens=32,
@@ -276,3 +287,4 @@ def test_greedy_identity_under_grammars_with_ngram_drafts():
     assert got == plain
     st = engine.scheduler.spec.stats
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0, st
+    assert any(cuts) and not all(cuts), cuts  # chunks cut at a refused draft, and whole ones
