@@ -75,28 +75,38 @@ def _draft_masks(grammar: GrammarMatcher, drafts: list[int]) -> tuple[bytes | No
     """A verify chunk's masks, one per row (the position before each draft, then the
     token after the last kept one), joined, and how many drafts the grammar takes in a
     row (the chunk is cut there).  The matcher is walked through them, then rolled back.
-    (None, 0) where the matcher fails on the way: its request ends on update, with why."""
-    masks: list[bytes] = []
+    A row the matcher leaves free (a reasoning model's thinking) gets an all-allowed
+    mask, and a chunk free throughout none (b"").  (None, 0) where the matcher fails on
+    the way: its request ends on update, with the reason."""
+    rows: list[bytes | None] = []
     taken = 0
     try:
         for tok in drafts:
             m = grammar.bitmask()
-            if m is None:
+            if m is None and grammar.error() is not None:
                 return None, 0
-            masks.append(m)
-            if not (m[tok // 8] >> (tok % 8)) & 1:
-                return b"".join(masks), taken  # this row samples the bonus token
+            rows.append(m)
+            if m is not None and not (m[tok // 8] >> (tok % 8)) & 1:
+                return _join_rows(rows), taken  # this row samples the bonus token
             if not grammar.accept(tok):
                 return None, 0
             taken += 1
         m = grammar.bitmask()
-        if m is None:
+        if m is None and grammar.error() is not None:
             return None, 0
-        masks.append(m)
-        return b"".join(masks), taken
+        rows.append(m)
+        return _join_rows(rows), taken
     finally:
         if taken:
             grammar.rollback(taken)
+
+
+def _join_rows(rows: list[bytes | None]) -> bytes:
+    size = next((len(r) for r in rows if r is not None), 0)
+    if not size:
+        return b""
+    free = b"\xff" * size
+    return b"".join(free if r is None else r for r in rows)
 
 
 def check_group(group: list[Request], max_len: int, max_num_seqs: int) -> None:
@@ -250,7 +260,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             m, keep = _draft_masks(r.grammar, sr.draft_ids)  # type: ignore[arg-type]
             if m is None:
                 continue
-            so.grammar_bitmasks[r.req_id] = m
+            if m:  # (b"": the grammar leaves every row free)
+                so.grammar_bitmasks[r.req_id] = m
             if keep < sr.num_draft:
                 # A draft the grammar refuses can never be accepted: none past it is
                 # verified (its KV slots are trimmed on update, as rejected drafts' are).

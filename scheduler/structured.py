@@ -93,6 +93,12 @@ class AfterReasoning:
         self.thought = 0  # tokens accepted while thinking (the tags included)
         self.opened = False  # the output opened its thinking with `start`
 
+    @property
+    def drafts(self) -> bool:
+        """Speculative drafts can be verified under it (Scheduler.fill_masks): its rows
+        are free while thinking, the grammar's masks after."""
+        return self.inner is None or bool(getattr(self.inner, "drafts", False))
+
     def _over_budget(self) -> bool:
         inside = self.thought - (1 if self.opened else 0)
         return self.budget is not None and inside >= self.budget

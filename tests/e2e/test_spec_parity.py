@@ -288,3 +288,24 @@ def test_greedy_identity_under_grammars_with_ngram_drafts(monkeypatch):
     st = engine.scheduler.spec.stats
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0, st
     assert any(cuts) and not all(cuts), cuts  # chunks cut at a refused draft, and whole ones
+
+
+def test_greedy_identity_after_thinking_with_ngram_drafts(tmp_path):
+    """A reasoning model's request with a grammar after `</think>` (AfterReasoning) drafts
+    too: its thinking rows verify free, its answer rows under the grammar, and the tokens
+    are those without speculation."""
+    from service.tokenizer import Tokenizer
+    from tests.checkpoints import THINK_PROMPT, thinking_model
+
+    model = thinking_model(tmp_path / "thinker")
+    tok = Tokenizer.from_dir(model)
+    prompt = tok.encode(tok.apply_chat_template(THINK_PROMPT, add_generation_prompt=True),
+                        add_special_tokens=False)  # fmt: skip
+    end = tok.backend.token_to_id("</think>")
+    schema = '{"type": "array", "items": {"type": "integer"}, "maxItems": 8}'
+    work = [(prompt, {"json": schema, "reasoning_end": end})] * 2
+    plain = asyncio.run(_constrained(make_engine(model), work))
+    engine = make_engine(model, speculative_config=spec_config("ngram", "llama-gqa", k=4))
+    got = asyncio.run(_constrained(engine, work))
+    assert got == plain and end in got[0]
+    assert engine.scheduler.spec.stats.num_drafts > 0

@@ -36,6 +36,9 @@ class Allowed:
         self.pos -= n
         self.rolled_back += n
 
+    def error(self) -> str | None:
+        return None
+
 
 def _rows(joined: bytes) -> list[list[int]]:
     """Each row's allowed tokens."""
@@ -66,6 +69,24 @@ def test_a_matcher_in_error_gives_no_masks():
         def bitmask(self):
             return None if self.pos == 1 else super().bitmask()
 
+        def error(self):
+            return "broken" if self.pos == 1 else None
+
     m = Broken([5, 9])
     assert _draft_masks(m, [5, 9]) == (None, 0)
     assert m.pos == 0
+
+
+def test_rows_a_reasoning_matcher_leaves_free_are_all_allowed():
+    """AfterReasoning: no mask while thinking, the grammar's after the closing token."""
+    from scheduler.structured import _THINKING, AfterReasoning
+
+    end = 60
+    after = AfterReasoning(Allowed([5, 9]), end)
+    assert after.drafts
+    joined, keep = _draft_masks(after, [1, 2, end, 5])
+    assert keep == 4 and (after.state, after.thought, after.taken) == (_THINKING, 0, 0)
+    rows = _rows(joined)
+    assert rows[:3] == [list(range(VOCAB))] * 3 and rows[3:] == [[5], [9]]
+    # Thinking throughout: no masks at all, and nothing cut.
+    assert _draft_masks(AfterReasoning(Allowed([5]), end), [1, 2]) == (b"", 2)
