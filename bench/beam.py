@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.offline import WorkerEngine, local_engine, rep_work, vllm_engine
+from bench.offline import WorkerEngine, alternated, local_engine, vllm_engine
 from bench.workloads import Item
 
 
@@ -45,18 +45,9 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
     if args.vllm_python:
         makers.append(("vLLM", lambda: vllm_engine(path, dtype, args, warm, False, beam=width)))
     engines = [make() for _, make in makers]
-    seconds: list[list[float]] = [[] for _ in engines]
-    best: list[list[list[list[int]]]] = [[] for _ in engines]  # engine, rep, prompt
     load = os.getloadavg()[0]
-    try:
-        for r in range(args.beam_reps):
-            for i in [(r + k) % len(engines) for k in range(len(engines))]:
-                dt, _ = engines[i].run(rep_work(work, r, vocab))
-                seconds[i].append(dt)
-                best[i].append(engines[i].result["beams"])
-    finally:
-        for e in engines:
-            e.close()
+    # engine, run -> each prompt's best beam
+    seconds, best = alternated(engines, args.beam_reps, work, vocab, "beams")
     med = [statistics.median(s) for s in seconds]
     tokens = args.beam_prompts * args.beam_tokens * width
     header = ["engine", "median s (each run)", "beam tokens/s", "vs vLLM"]

@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.offline import WorkerEngine, local_engine, rep_work, vllm_engine
+from bench.offline import WorkerEngine, alternated, local_engine, vllm_engine
 from bench.workloads import Item
 
 
@@ -46,18 +46,9 @@ def run(args: argparse.Namespace, print_table: Callable, model_dir: Callable) ->
     if args.vllm_python:
         makers.append(("vLLM", lambda: vllm_engine(path, dtype, args, warm, False, embed=True)))
     engines = [make() for _, make in makers]
-    seconds: list[list[float]] = [[] for _ in engines]
-    vectors: list[list] = [[] for _ in engines]  # engine, rep -> the run's first vectors
     load = os.getloadavg()[0]
-    try:
-        for r in range(args.embed_reps):
-            for i in [(r + k) % len(engines) for k in range(len(engines))]:
-                dt, _ = engines[i].run(rep_work(work, r, vocab))
-                seconds[i].append(dt)
-                vectors[i].append(engines[i].result["vectors"])
-    finally:
-        for e in engines:
-            e.close()
+    # engine, run -> the run's first vectors
+    seconds, vectors = alternated(engines, args.embed_reps, work, vocab, "vectors")
     med = [statistics.median(s) for s in seconds]
     tokens = sum(len(w.prompt) for w in work)
     ours = np.asarray(vectors[0], dtype=np.float64)

@@ -128,6 +128,26 @@ def workloads(args: argparse.Namespace, vocab: int) -> tuple[list[Item], list[It
     return work, warm
 
 
+def alternated(
+    engines: list[WorkerEngine], reps: int, work: list[Item], vocab: int, key: str
+) -> tuple[list[list[float]], list[list]]:
+    """`reps` timed runs of every engine, their order rotating run by run (a drifting
+    machine load falls on each alike), each run with fresh prompts (rep_work); then the
+    engines are closed.  (seconds, the result's `key`) per engine, per run."""
+    seconds: list[list[float]] = [[] for _ in engines]
+    results: list[list] = [[] for _ in engines]
+    try:
+        for r in range(reps):
+            for i in [(r + k) % len(engines) for k in range(len(engines))]:
+                dt, _ = engines[i].run(rep_work(work, r, vocab))
+                seconds[i].append(dt)
+                results[i].append(engines[i].result[key])
+    finally:
+        for e in engines:
+            e.close()
+    return seconds, results
+
+
 def rep_work(work: list[Item], rep: int, vocab: int) -> list[Item]:
     """The workload of timed run `rep`: the same prompt lengths and output lengths (the
     same useful tokens and FLOPs), fresh token ids.  Timing the same prompts twice would
