@@ -399,7 +399,7 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
                    help="characters in one stop string")  # fmt: skip
     g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
-                   help="prompts in one /v1/completions body")  # fmt: skip
+                   help="prompts in one /v1/completions body; inputs in one /v1/embeddings body, distinct texts in one /score or /rerank")  # fmt: skip
     g.add_argument("--max-choices-per-request", type=int, default=d.max_choices_per_request,
                    help="n x prompts: sequences one request may start")  # fmt: skip
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,

@@ -17,7 +17,7 @@ from service.protocol import BadRequest
 class Limits:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 1024
-    max_prompts_per_request: int = 256  # prompts in one /v1/completions body
+    max_prompts_per_request: int = 256  # prompts in /v1/completions, inputs in /v1/embeddings
     max_choices_per_request: int = 256  # n × prompts: sequences one request may start
     max_logprobs: int = 20  # logprobs / top_logprobs (the sampler's ceiling is 20)
     # Prompt-logprob entries one response may carry: prompt tokens x (top + 1), repeated in
