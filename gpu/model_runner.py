@@ -106,6 +106,9 @@ class ModelRunner:
             self.config.vocab_size, self.eos_token_ids, self.device, seed=config.model.seed
         )
         self.requests: dict[str, RequestSamplingState] = {}
+        # Registered embedding requests (SamplingParams.embed): a step without any pools
+        # nothing and looks at no row for it.
+        self.embed_ids: set[str] = set()
         # Each running request's block table, kept across steps: a step sends only the
         # entries that changed (scheduler/contract.py, ScheduledRequest).
         self.block_tables: dict[str, list[int]] = {}
@@ -465,7 +468,7 @@ class ModelRunner:
                 if so.grammar_bitmasks:
                     self._apply_grammar(logits, samples.ids, so.grammar_bitmasks)
                 self._sample(logits, samples, out)
-                self._pool(rows, samples.states, samples.ids, out)
+                self._pool(rows, samples.ids, out)
                 if self.spec is not None and self.spec.medusa is not None:
                     # Medusa's heads read the hidden state that sampled each last token.
                     self.spec.medusa.remember(samples.ids, rows)
@@ -497,6 +500,7 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.block_tables.pop(rid, None)
+            self.embed_ids.discard(rid)
             if self.spec is not None:
                 self.spec.drop(rid)
         for new in so.new_requests:
@@ -509,6 +513,8 @@ class ModelRunner:
                 ):
                     raise ValueError(f"no LoRA adapter named {lora_name!r}")
                 self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
+                if new.sampling.embed:
+                    self.embed_ids.add(new.req_id)
             except Exception as e:
                 log.warning("request %s: could not register: %r", new.req_id, e)
                 errors[new.req_id] = f"could not start the request: {e}"
@@ -601,14 +607,14 @@ class ModelRunner:
         out.sampled_token_ids = list(toks)
         out.logprobs = lps
 
-    @staticmethod
-    def _pool(
-        rows: torch.Tensor, states: list[RequestSamplingState], ids: list[str], out: ModelOutput
-    ) -> None:
+    def _pool(self, rows: torch.Tensor, ids: list[str], out: ModelOutput) -> None:
         """Embedding requests' pooled vectors: the hidden state that sampled their first
         token is the final (normed) state of the prompt's last position, which is what
         last-token pooling reads (HF's last_hidden_state[-1])."""
-        want = [i for i, st in enumerate(states) if st.params.embed]
+        embed = self.embed_ids
+        if not embed:
+            return
+        want = [i for i, rid in enumerate(ids) if rid in embed]
         if not want:
             return
         vecs = rows.index_select(0, torch.tensor(want, device=rows.device)).float().cpu()

@@ -222,7 +222,7 @@ def run_pipeline(
             if grammar_bitmasks:
                 runner._apply_grammar(logits, ids, grammar_bitmasks)
             runner._sample(logits, rows, out)
-            runner._pool(hidden, states, ids, out)
+            runner._pool(hidden, ids, out)
         if pp.sends_output:
             send_output(out, pp.device)
         return out

@@ -62,6 +62,7 @@ class LLM:
         self._start_loop()
         self._run(self.engine.start())
         self._counter = 0
+        self._pooler: Pooler | None = None  # the model's embedding rules, on first embed
 
     @staticmethod
     def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
@@ -132,7 +133,9 @@ class LLM:
         """An embedding per prompt (text, token ids, or vLLM's prompt dicts), as vLLM's
         `LLM.embed`: the last token's final hidden state, L2-normalized unless
         `normalize=False`, cut to `dimensions` on a Matryoshka model (service/pooling.py)."""
-        pooler = Pooler(self.engine.model_dir)
+        if self._pooler is None:
+            self._pooler = Pooler(self.engine.model_dir)
+        pooler = self._pooler
         pooler.check(dimensions)
         plist = [prompts] if isinstance(prompts, str) else list(prompts)
         ids = [self._prompt_ids(p) for p in plist]  # type: ignore[arg-type]
