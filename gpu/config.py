@@ -31,6 +31,13 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "MistralModel": ("none", False),
     "Qwen2Model": ("qkv", False),
     "Qwen3Model": ("config", True),
+    # Sequence classifiers: the base model and a `score` head read at the last position
+    # (cross-encoder rerankers, reward and label models).  They serve /classify, and
+    # /score and /rerank as cross-encoders (ModelConfig.num_labels).
+    "LlamaForSequenceClassification": ("config", False),
+    "MistralForSequenceClassification": ("none", False),
+    "Qwen2ForSequenceClassification": ("qkv", False),
+    "Qwen3ForSequenceClassification": ("config", True),
 }
 
 
@@ -82,6 +89,16 @@ def _architecture(raw: dict[str, Any]) -> str:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return arch
+
+
+def num_labels(raw: dict[str, Any]) -> int:
+    """A classifier's label count as transformers reads it: id2label's size, else
+    num_labels, else 2."""
+    labels = raw.get("id2label")
+    n = len(labels) if isinstance(labels, dict) and labels else raw.get("num_labels", 2)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ModelLoadError(f"config.json: num_labels {n!r} is not a positive integer")
+    return n
 
 
 def _attention_shape(raw: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -149,6 +166,9 @@ class ModelConfig:
     # stands in for the head, for the one token an embedding request samples and no one
     # reads (tie_word_embeddings is set for it).
     embedding_only: bool = False
+    # A sequence classifier's labels: the runner returns score.weight @ the pooled state
+    # (its logits) in place of the state itself.  0: no classification head.
+    num_labels: int = 0
 
     @property
     def q_size(self) -> int:
@@ -206,6 +226,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             awq_group_size=_awq_group_size(raw.get("quantization_config"), hidden),
             fp8_format=_fp8_format(raw.get("quantization_config")),
+            num_labels=num_labels(raw) if arch.endswith("ForSequenceClassification") else 0,
         )
 
     @classmethod

@@ -68,6 +68,8 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    if cfg.num_labels:
+        shapes["score.weight"] = (cfg.num_labels, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         shapes |= {
@@ -223,6 +225,8 @@ def _to_state_dict(
     }
     if not cfg.tie_word_embeddings and "lm_head.weight" in hf:
         sd["lm_head_weight"] = hf["lm_head.weight"]
+    if "score.weight" in hf:
+        sd["score_weight"] = hf["score.weight"]
     start, stop = (0, cfg.num_layers) if pp is None else (pp.start, pp.stop)
     for i in range(start, stop):
         p, q = f"model.layers.{i}.", f"layers.{i - start}."

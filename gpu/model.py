@@ -292,6 +292,10 @@ class CausalLM(nn.Module):
         self.lm_head_int8: nn.Module | None = None
         if not config.tie_word_embeddings and (pp is None or pp.last):
             self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        # A sequence classifier's head (a few rows; every pipeline stage reads it).
+        self.score_weight: nn.Parameter | None = None
+        if config.num_labels:
+            self.score_weight = nn.Parameter(torch.empty(config.num_labels, config.hidden_size))
 
     def forward(
         self,

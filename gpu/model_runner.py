@@ -610,14 +610,20 @@ class ModelRunner:
     def _pool(self, rows: torch.Tensor, ids: list[str], out: ModelOutput) -> None:
         """Embedding requests' pooled vectors: the hidden state that sampled their first
         token is the final (normed) state of the prompt's last position, which is what
-        last-token pooling reads (HF's last_hidden_state[-1])."""
+        last-token pooling reads (HF's last_hidden_state[-1]); a classifier's label logits
+        are its score head applied to that state."""
         embed = self.embed_ids
         if not embed:
             return
         want = [i for i, rid in enumerate(ids) if rid in embed]
         if not want:
             return
-        vecs = rows.index_select(0, torch.tensor(want, device=rows.device)).float().cpu()
+        vecs = rows.index_select(0, torch.tensor(want, device=rows.device))
+        score = self.model.score_weight
+        if score is not None:
+            # A sequence classifier: its label logits (transformers' score(last state)).
+            vecs = vecs @ score.T
+        vecs = vecs.float().cpu()
         for i, vec in zip(want, vecs.tolist(), strict=True):
             out.embeddings[ids[i]] = vec
 

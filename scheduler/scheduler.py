@@ -115,7 +115,9 @@ def check_group(group: list[Request], max_len: int, max_num_seqs: int) -> None:
     p = group[0]
     if p.prompt_len == 0:
         raise RequestRejected("the prompt is empty")
-    if p.prompt_len >= max_len:
+    # An embedding's pass reads the sampled token's logits and never its KV: its prompt
+    # may fill max_model_len (vLLM's limit for pooling).
+    if p.prompt_len > max_len or (p.prompt_len == max_len and not p.params.embed):
         raise RequestRejected(
             f"the prompt has {p.prompt_len} tokens; max_model_len is {max_len}, which "
             "must leave room for at least one generated token"

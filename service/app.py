@@ -88,7 +88,7 @@ async def host_middleware(
 
 
 def _needs_key(state: ServerState, path: str) -> bool:
-    if path.startswith(("/v1", "/v2", "/debug")) or path in ("/score", "/rerank"):
+    if path.startswith(("/v1", "/v2", "/debug")) or path in ("/score", "/rerank", "/classify"):
         return True
     return path in ("/tokenize", "/detokenize") and not state.config.public_tokenize
 
@@ -431,6 +431,8 @@ async def _generation(request: web.Request, route: str) -> web.StreamResponse:
             return await serving.score(request, body)
         if route == "rerank":
             return await serving.rerank(request, body)
+        if route == "classify":
+            return await serving.classify(request, body)
         return await serving.completions(request, body)
     finally:
         state.inflight_dec()
@@ -462,6 +464,10 @@ async def score(request: web.Request) -> web.StreamResponse:
 
 async def rerank(request: web.Request) -> web.StreamResponse:
     return await _generation(request, "rerank")
+
+
+async def classify(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "classify")
 
 
 async def count_message_tokens(request: web.Request) -> web.Response:
@@ -693,6 +699,8 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
         app.router.add_post(path, score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.router.add_post(path, rerank)
+    for path in ("/classify", "/v1/classify"):
+        app.router.add_post(path, classify)
     app.router.add_post("/v1/responses/input_tokens", response_input_tokens)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)

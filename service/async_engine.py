@@ -523,6 +523,8 @@ class AsyncEngine:
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len
+        if params.embed and room == 0:
+            return 1  # the one token an embedding samples is never fed back (check_group)
         if room < 1:
             raise RequestRejected(
                 f"the prompt has {prompt_len} tokens, but max_model_len is {self.max_model_len}"
@@ -568,8 +570,8 @@ class AsyncEngine:
         (their samples split the grammar's per-token budget)."""
         if self.embedding_only and not params.embed:
             raise EmbeddingOnly(
-                "this model is an embedding model (a base model without an LM head): it "
-                "serves /v1/embeddings, /score and /rerank, not generation"
+                "this model has no LM head (an embedding model or a sequence classifier): "
+                "it serves /v1/embeddings or /classify, /score and /rerank, not generation"
             )
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         if params.lora is not None:

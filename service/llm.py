@@ -15,7 +15,12 @@ from service.async_engine import AsyncEngine, RequestOutput
 from service.beam_search import BeamSearchOutput, BeamSearchParams, start_searches
 from service.engine_setup import default_model_dir
 from service.generation_defaults import GenerationDefaults
-from service.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from service.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+)
 from service.pooling import EMBED_PARAMS, Pooler
 from service.tokenizer import Tokenizer
 
@@ -133,20 +138,50 @@ class LLM:
         """An embedding per prompt (text, token ids, or vLLM's prompt dicts), as vLLM's
         `LLM.embed`: the last token's final hidden state, L2-normalized unless
         `normalize=False`, cut to `dimensions` on a Matryoshka model (service/pooling.py)."""
-        if self._pooler is None:
-            self._pooler = Pooler(self.engine.model_dir)
-        pooler = self._pooler
+        pooler = self._pooling_rules()
         pooler.check(dimensions)
-        plist = [prompts] if isinstance(prompts, str) else list(prompts)
-        ids = [self._prompt_ids(p) for p in plist]  # type: ignore[arg-type]
-        if truncate_prompt_tokens is not None:
-            ids = [i[-truncate_prompt_tokens:] for i in ids]
-        outs = self._run(self._generate_all(ids, [EMBED_PARAMS] * len(ids)))  # type: ignore[arg-type]
+        outs = self._pooled(prompts, truncate_prompt_tokens)
         vecs = pooler.finish([o.embedding or [] for o in outs], normalize, dimensions)
         return [
             EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(v))
             for o, v in zip(outs, vecs.tolist(), strict=True)
         ]
+
+    def classify(
+        self,
+        prompts: str | Sequence[str | list[int] | dict[str, Any]],
+        *,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Label probabilities per prompt from a sequence classifier, as vLLM's
+        `LLM.classify`: softmax over the head's logits (sigmoid for one label), or the
+        logits themselves with `use_activation=False`."""
+        pooler = self._pooling_rules()
+        pooler.check_classifier()
+        outs = self._pooled(prompts, truncate_prompt_tokens)
+        probs = pooler.probabilities([o.embedding or [] for o in outs], use_activation)
+        return [
+            ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(p))
+            for o, p in zip(outs, probs.tolist(), strict=True)
+        ]
+
+    def _pooling_rules(self) -> Pooler:
+        if self._pooler is None:
+            self._pooler = Pooler(self.engine.model_dir)
+        return self._pooler
+
+    def _pooled(
+        self,
+        prompts: str | Sequence[str | list[int] | dict[str, Any]],
+        truncate_prompt_tokens: int | None,
+    ) -> list[RequestOutput]:
+        """Each prompt run through one pass that returns its pooled vector."""
+        plist = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [self._prompt_ids(p) for p in plist]  # type: ignore[arg-type]
+        if truncate_prompt_tokens is not None:
+            ids = [i[-truncate_prompt_tokens:] for i in ids]
+        return self._run(self._generate_all(ids, [EMBED_PARAMS] * len(ids)))  # type: ignore[arg-type, no-any-return]
 
     def beam_search(
         self,

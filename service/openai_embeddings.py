@@ -24,8 +24,9 @@ from service.outputs import RequestOutput
 from service.pooling import EMBED_PARAMS, Pooler, cosine, encode_vectors
 from service.protocol import BadRequest, check_messages
 from service.protocol_embeddings import (
-    EmbeddingRequest,
     PairwiseRequest,
+    PromptInputs,
+    decode_classification,
     decode_embedding,
     decode_rerank,
     decode_score,
@@ -45,8 +46,7 @@ class EmbeddingServing(ServingBase):
 
     @property
     def max_embed_len(self) -> int:
-        # The one sampled token (unread) needs a position after the prompt.
-        return self.engine.max_model_len - 1
+        return self.engine.max_model_len
 
     async def embed_prompts(
         self, request: web.Request, prompts: list[list[int]],
@@ -73,13 +73,12 @@ class EmbeddingServing(ServingBase):
             if len(ids) > limit:
                 where = f"{field}[{i}]" if len(prompts) > 1 else field
                 raise BadRequest(
-                    f"{where} has {len(ids)} tokens; at most {limit} can be embedded "
-                    f"(max_model_len {self.engine.max_model_len}, less the position the pass "
-                    "samples): shorten it or set truncate_prompt_tokens",
+                    f"{where} has {len(ids)} tokens; at most max_model_len ({limit}) can be "
+                    "read: shorten it or set truncate_prompt_tokens",
                     field,
                 )
 
-    async def embedding_prompt_ids(self, req: EmbeddingRequest) -> list[list[int]]:
+    async def embedding_prompt_ids(self, req: PromptInputs) -> list[list[int]]:
         truncate = truncation(req.truncate_prompt_tokens, self.max_embed_len)
         if req.messages is not None:
             check_messages(req.messages)
@@ -127,23 +126,54 @@ class EmbeddingServing(ServingBase):
                 {"object": "embedding", "index": i, "embedding": e}
                 for i, e in enumerate(encode_vectors(x, req.encoding_format))
             ]
-            tokens = sum(map(len, prompts))
-            return json_response(
-                {
-                    "id": rid,
-                    "object": "list",
-                    "created": int(time.time()),
-                    "model": model,
-                    "data": data,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                }
-            )
+            return _list_response(rid, model, data, sum(map(len, prompts)))
 
         # Thousands of floats per input: a large body is built on a thread, so the event
         # loop (other streams, /health) only waits its turn for the GIL.
         if sum(len(out.embedding or ()) for out in finals) > OFF_LOOP_LOGPROB_ENTRIES:
             return await asyncio.to_thread(build)
         return build()
+
+    async def classify(self, request: web.Request, body: bytes) -> web.Response:
+        """vLLM's /classify: each input's label probabilities from a sequence classifier
+        (the same one-prefill pass as an embedding; the runner applies the head)."""
+        req = decode_classification(body)
+        lora = self.check_model(req.model)
+        req.check()
+        self.pooler.check_classifier()
+        prompts = await self.embedding_prompt_ids(req)
+        self.check_embed_lengths(prompts, "messages" if req.messages is not None else "input")
+        rid, finals = await self.embed_prompts(
+            request, prompts, lora=lora, id_prefix="classify-", body_id=req.request_id,
+            cache_salt=req.cache_salt, priority=req.priority,
+        )  # fmt: skip
+        probs = self.pooler.probabilities(
+            [_vector(out) for out in finals], req.use_activation is not False
+        )
+        labels = self.pooler.labels
+        data = [
+            {
+                "index": i,
+                "label": labels[int(np.argmax(p))],
+                "probs": p.tolist(),
+                "num_classes": len(labels),
+            }
+            for i, p in enumerate(probs)
+        ]
+        return _list_response(rid, req.model or self.names[0], data, sum(map(len, prompts)))
+
+
+def _list_response(rid: str, model: str, data: list[dict[str, Any]], tokens: int) -> web.Response:
+    return json_response(
+        {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }
+    )
 
 
 def _vector(out: RequestOutput) -> list[float]:
@@ -153,8 +183,10 @@ def _vector(out: RequestOutput) -> list[float]:
 
 
 class PairwiseServing(EmbeddingServing):
-    """vLLM's /score and /rerank for an embedding model (a bi-encoder): each text is
-    embedded once and a pair's score is the cosine similarity of its two embeddings."""
+    """vLLM's /score and /rerank.  For an embedding model (a bi-encoder) each text is
+    embedded once and a pair's score is the cosine similarity of its two embeddings; for
+    a one-label sequence classifier (a cross-encoder) each pair is one input and its score
+    the head's sigmoid."""
 
     async def _embed_texts(
         self,
@@ -200,36 +232,66 @@ class PairwiseServing(EmbeddingServing):
         ]
         return rid, out, sum(map(len, prompts))
 
+    async def _cross_scores(
+        self,
+        request: web.Request,
+        req: PairwiseRequest,
+        firsts: list[str],
+        seconds: list[str],
+        fields: tuple[str, str],
+        id_prefix: str,
+        second_max: int | None = None,
+    ) -> tuple[str, np.ndarray, int]:
+        """A cross-encoder's relevance of each (first, second) pair, read together as one
+        input: (request id, scores, prompt tokens)."""
+        lora = self.check_model(req.model)
+        req.check()
+        self.pooler.check_classifier(cross_encoder=True)
+        field = fields[1]
+        self.limits.check_prompt_count(len(seconds), field)
+        truncate = truncation(req.truncate_prompt_tokens, self.max_embed_len)
+        prompts = await self.prep.pair_ids(
+            list(zip(firsts, seconds, strict=True)), fields, truncate, second_max
+        )
+        self.check_embed_lengths(prompts, field)
+        rid, finals = await self.embed_prompts(
+            request, prompts, lora=lora, id_prefix=id_prefix, body_id=req.request_id,
+            priority=req.priority, field=field,
+        )  # fmt: skip
+        scores = self.pooler.probabilities([_vector(o) for o in finals])[:, 0]
+        return rid, scores, sum(map(len, prompts))
+
     async def score(self, request: web.Request, body: bytes) -> web.Response:
         req = decode_score(body)
         a, b = req.pairs()
-        rid, (va, vb), tokens = await self._embed_texts(
-            request, req, [("text_1", a), ("text_2", b)], "score-"
-        )
-        scores = cosine(va, vb)
-        return json_response(
-            {
-                "id": rid,
-                "object": "list",
-                "created": int(time.time()),
-                "model": req.model or self.names[0],
-                "data": [
-                    {"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)
-                ],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        )
+        if self.pooler.classifier:
+            rid, scores, tokens = await self._cross_scores(
+                request, req, a, b, ("text_1", "text_2"), "score-"
+            )
+        else:
+            rid, (va, vb), tokens = await self._embed_texts(
+                request, req, [("text_1", a), ("text_2", b)], "score-"
+            )
+            scores = cosine(va, vb)
+        data = [{"index": i, "object": "score", "score": float(x)} for i, x in enumerate(scores)]
+        return _list_response(rid, req.model or self.names[0], data, tokens)
 
     async def rerank(self, request: web.Request, body: bytes) -> web.Response:
         req = decode_rerank(body)
-        rid, (vq, vd), tokens = await self._embed_texts(
-            request,
-            req,
-            [("query", [req.query]), ("documents", req.documents)],
-            "rerank-",
-            doc_tokens=req.max_tokens_per_doc,
-        )
-        scores = cosine(np.repeat(vq, len(vd), axis=0), vd)
+        if self.pooler.classifier:
+            rid, scores, tokens = await self._cross_scores(
+                request, req, [req.query] * len(req.documents), req.documents,
+                ("query", "documents"), "rerank-", second_max=req.max_tokens_per_doc,
+            )  # fmt: skip
+        else:
+            rid, (vq, vd), tokens = await self._embed_texts(
+                request,
+                req,
+                [("query", [req.query]), ("documents", req.documents)],
+                "rerank-",
+                doc_tokens=req.max_tokens_per_doc,
+            )
+            scores = cosine(np.repeat(vq, len(vd), axis=0), vd)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
             order = order[: req.top_n]

@@ -15,7 +15,12 @@ import msgspec
 
 from service.protocol import PrefixRegistration
 from service.protocol_anthropic import CountTokensRequest, MessagesRequest
-from service.protocol_embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
+from service.protocol_embeddings import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from service.protocol_openai import ChatCompletionRequest, CompletionRequest
 from service.protocol_responses import (
     ConversationCreate,
@@ -93,12 +98,13 @@ def openapi_document() -> dict[str, Any]:
             EmbeddingRequest,
             ScoreRequest,
             RerankRequest,
+            ClassificationRequest,
         ],
         ref_template=_REF,
     )
     chat, completion, responses, frame, prefix, conv, conv_update, conv_items, count = schemas[:9]
     tok_prompt, tok_chat, detok, load_lora, unload_lora, messages, count_messages = schemas[9:16]
-    embeddings, score, rerank = schemas[16:]
+    embeddings, score, rerank, classify = schemas[16:]
     components["ClientFrame"] = frame
     components["ErrorResponse"] = _ERROR
     plain = {"200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}
@@ -123,12 +129,20 @@ def openapi_document() -> dict[str, Any]:
             ),
             "/v1/embeddings": _post("Embeddings (OpenAI)", embeddings, False),
             **{
-                path: _post("Cosine similarity of text pairs' embeddings (vLLM)", score, False)
+                path: _post(
+                    "Text pairs' similarity (cosine, or a cross-encoder's; vLLM)", score, False
+                )
                 for path in ("/score", "/v1/score")
             },
             **{
-                path: _post("Documents ranked by similarity to a query", rerank, False)
+                path: _post("Documents ranked by relevance to a query", rerank, False)
                 for path in ("/rerank", "/v1/rerank", "/v2/rerank")
+            },
+            **{
+                path: _post(
+                    "Label probabilities from a sequence classifier (vLLM)", classify, False
+                )
+                for path in ("/classify", "/v1/classify")
             },
             "/v1/responses/{id}/cancel": {
                 "post": {"summary": "Cancel a background response", "responses": plain},

@@ -1,11 +1,17 @@
 """Embeddings from the served model: what /v1/embeddings, /v1/score, /rerank and
-`LLM.embed` do with the vector the runner returns (SamplingParams.embed).
+`LLM.embed` do with the vector the runner returns (SamplingParams.embed), and what
+/classify and the cross-encoder /score and /rerank do with a sequence classifier's.
 
 The runner hands back the final (normed) hidden state of each prompt's last position:
 last-token pooling, what decoder embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral)
 are trained for and what vLLM runs them with.  This module reads the checkpoint's own
 word on pooling (sentence-transformers' modules.json / 1_Pooling) and Matryoshka
 dimensions (config.json), then normalizes and cuts the vectors.
+
+A sequence classifier (`*ForSequenceClassification`: the base model and a `score` head)
+runs the same pass; the runner applies the head, so its vector is the label logits,
+turned into probabilities here (softmax; a one-label head, a cross-encoder reranker's
+relevance, by sigmoid, as transformers' and vLLM's defaults do).
 """
 
 from __future__ import annotations
@@ -44,6 +50,17 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _labels(cfg: dict[str, Any]) -> list[str]:
+    id2label = cfg.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            return [str(v) for _, v in sorted((int(k), v) for k, v in id2label.items())]
+        except (TypeError, ValueError):
+            pass
+    n = cfg.get("num_labels", 2)
+    return [f"LABEL_{i}" for i in range(n if isinstance(n, int) and n > 0 else 2)]
+
+
 class Pooler:
     """One model's embedding rules, read once from its directory."""
 
@@ -56,6 +73,11 @@ class Pooler:
         # be cut to; `is_matryoshka` alone allows any size.
         self.matryoshka: list[int] | None = list(dims) if isinstance(dims, list) else None
         self.any_dimensions = bool(cfg.get("is_matryoshka")) and self.matryoshka is None
+        archs = cfg.get("architectures")
+        arch = str(archs[0]) if isinstance(archs, list) and archs else ""
+        self.classifier = arch.endswith("ForSequenceClassification")
+        # A classifier's label names in id order (transformers' LABEL_i where unnamed).
+        self.labels: list[str] = _labels(cfg) if self.classifier else []
         # Why this model cannot be served by last-token pooling, if it cannot.
         self.unsupported: str | None = self._pooling_refusal(model_dir)
         if self.unsupported:
@@ -82,8 +104,41 @@ class Pooler:
                 )
         return None
 
+    def check_classifier(self, cross_encoder: bool = False) -> None:
+        """A 400 before any work unless this model is a sequence classifier (one with a
+        single label for `cross_encoder`)."""
+        if not self.classifier:
+            raise BadRequest(
+                "this model is not a sequence classifier (its config.json names no "
+                "*ForSequenceClassification architecture): /classify needs one",
+                "model",
+            )
+        if cross_encoder and len(self.labels) != 1:
+            raise BadRequest(
+                f"this classifier has {len(self.labels)} labels; scoring text pairs needs a "
+                "cross-encoder, a classifier with one",
+                "model",
+            )
+
+    def probabilities(self, logits: list[list[float]], activation: bool = True) -> np.ndarray:
+        """[N, labels] float32: softmax over the labels, sigmoid for a single label, or
+        the logits as they are without `activation`."""
+        x = np.asarray(logits, dtype=np.float32)
+        if not activation:
+            return x
+        if x.shape[1] == 1:
+            return 1.0 / (1.0 + np.exp(-x))  # type: ignore[no-any-return]
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)  # type: ignore[no-any-return]
+
     def check(self, dimensions: int | None) -> None:
         """A 400 before any work for a model or `dimensions` this server cannot serve."""
+        if self.classifier:
+            raise BadRequest(
+                "this model is a sequence classifier: it serves /classify, and /score and "
+                "/rerank as a cross-encoder, not embeddings",
+                "model",
+            )
         if self.unsupported:
             raise BadRequest(f"this model cannot serve embeddings: {self.unsupported}", "model")
         if dimensions is None:

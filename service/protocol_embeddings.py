@@ -1,5 +1,5 @@
 """Request bodies of /v1/embeddings (OpenAI's, with vLLM's extensions: chat `messages`
-as input, truncation, normalize, priority)."""
+as input, truncation, normalize, priority), and of vLLM's /classify, /score and /rerank."""
 
 from __future__ import annotations
 
@@ -11,21 +11,20 @@ from msgspec import Meta, Struct
 from service.protocol import BadRequest, ChatMessage, NonNegInt, PositiveInt, RequestId, decode
 
 
-class EmbeddingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+class PromptInputs(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What /v1/embeddings and /classify share: the inputs and how they become prompts."""
+
     model: str | None = None
     # A string, a list of strings, a list of token ids, or a list of token-id lists
     # (OpenAI's); or vLLM's `messages`, one conversation through the chat template.
     input: str | list[str | NonNegInt | list[NonNegInt]] | None = None
     messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: PositiveInt | None = None
     user: str | None = None
     # vLLM's extensions
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # Text inputs: the tokenizer's special tokens (BOS, or the EOS an embedding model's
     # post-processor appends) are added unless this is false; messages: the template's.
     add_special_tokens: bool | None = None
-    normalize: bool | None = None  # L2 (default true)
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
     request_id: RequestId | None = None
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
@@ -34,7 +33,6 @@ class EmbeddingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     mm_processor_kwargs: Any = None
-    embed_dtype: str | None = None
 
     def check(self) -> None:
         if (self.input is None) == (self.messages is None):
@@ -42,8 +40,6 @@ class EmbeddingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         if self.mm_processor_kwargs is not None:
             raise BadRequest("mm_processor_kwargs is not supported (no multimodal models)",
                              "mm_processor_kwargs")  # fmt: skip
-        if self.embed_dtype not in (None, "float32"):
-            raise BadRequest("embed_dtype: only float32 is supported", "embed_dtype")
         if self.messages is None:
             for name in ("chat_template", "chat_template_kwargs"):
                 if getattr(self, name) is not None:
@@ -60,11 +56,37 @@ class EmbeddingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
+class EmbeddingRequest(PromptInputs, forbid_unknown_fields=True, kw_only=True):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    normalize: bool | None = None  # L2 (default true)
+    embed_dtype: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.embed_dtype not in (None, "float32"):
+            raise BadRequest("embed_dtype: only float32 is supported", "embed_dtype")
+
+
+class ClassificationRequest(PromptInputs, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /classify: each input's label probabilities from a sequence classifier."""
+
+    # false: the head's raw logits in `probs` (vLLM's use_activation).
+    use_activation: bool | None = None
+
+
 _embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
+
+
+_classification_decoder = msgspec.json.Decoder(ClassificationRequest)
 
 
 def decode_embedding(body: bytes) -> EmbeddingRequest:
     return decode(_embedding_decoder, body)
+
+
+def decode_classification(body: bytes) -> ClassificationRequest:
+    return decode(_classification_decoder, body)
 
 
 TextOrTexts = str | list[str]

@@ -140,6 +140,9 @@ def _run_job(codec: Codec, job: tuple[Any, ...]) -> tuple[str, Any]:
     if kind == "encode":
         _, texts, add_special = job
         return "ok", [array("I", ids).tobytes() for ids in codec.encode_batch(texts, add_special)]
+    if kind == "pairs":
+        _, pairs, second_max = job
+        return "ok", [array("I", ids).tobytes() for ids in codec.encode_pairs(pairs, second_max)]
     if kind == "decode":
         _, packed, skip = job
         return "ok", codec.decode_batch([array("I", p) for p in packed], skip)
@@ -190,7 +193,7 @@ class _Worker(Worker):
         status, payload = self.conn.recv()
         if status != "ok":
             raise TokenizeFailed(payload)
-        if job[0] == "encode":
+        if job[0] in ("encode", "pairs"):
             return [_unpack(p) for p in payload]
         return payload
 
@@ -250,11 +253,41 @@ class TokenizePool(WorkerPool[_Worker]):
         """Token ids of each text.  `check(ids)` runs on each result where it was made
         (an exception from it reaches the caller as is)."""
         texts = list(texts)
-        size = sum(map(utf8_len, texts))
+        return await self._encode(
+            sum(map(utf8_len, texts)),
+            lambda: self.codec.encode_batch(texts, add_special_tokens),
+            ("encode", texts, add_special_tokens),
+            check,
+        )
+
+    async def encode_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        second_max: int | None = None,
+        check: Callable[[list[int]], object] | None = None,
+    ) -> list[list[int]]:
+        """Token ids of each text pair, one input each (Codec.encode_pairs); `check` as
+        for `encode`."""
+        pairs = list(pairs)
+        return await self._encode(
+            sum(utf8_len(a) + utf8_len(b) for a, b in pairs),
+            lambda: self.codec.encode_pairs(pairs, second_max),
+            ("pairs", pairs, second_max),
+            check,
+        )
+
+    async def _encode(
+        self,
+        size: int,
+        fn: Callable[[], list[list[int]]],
+        job: tuple[Any, ...],
+        check: Callable[[list[int]], object] | None,
+    ) -> list[list[int]]:
+        """`fn` inline (small), on a thread, or as `job` in a worker process (large)."""
         deadline = time.monotonic() + self.timeout
 
         def run() -> list[list[int]]:
-            out = _guarded(self.codec.encode_batch, texts, add_special_tokens)
+            out = _guarded(fn)
             for ids in out:
                 if check is not None:
                     check(ids)
@@ -264,7 +297,7 @@ class TokenizePool(WorkerPool[_Worker]):
             return run()
         if size <= self.process_bytes or not self.processes:
             return await self._in_thread(run, deadline)
-        return await self._in_process(("encode", texts, add_special_tokens), deadline, check)
+        return await self._in_process(job, deadline, check)  # type: ignore[no-any-return]
 
     async def decode(
         self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True

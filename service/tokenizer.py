@@ -170,6 +170,30 @@ class Codec:
                     ids.append(self.eos_token_id)
         return out
 
+    def encode_pairs(
+        self, pairs: Sequence[tuple[str, str]], second_max: int | None = None
+    ) -> list[list[int]]:
+        """Each (first, second) text pair as one input, as transformers' `tokenizer(text,
+        text_pair)` builds it for a cross-encoder: the tokenizer.json post-processor's pair
+        template, or the special tokens added here around each part.  `second_max`: the
+        second part keeps its first so many tokens (Cohere's max_tokens_per_doc)."""
+        firsts = self.backend.encode_batch([a for a, _ in pairs], add_special_tokens=False)
+        seconds = self.backend.encode_batch([b for _, b in pairs], add_special_tokens=False)
+        out = []
+        for ea, eb in zip(firsts, seconds, strict=True):
+            if second_max is not None:
+                eb.truncate(second_max)
+            if self.bos_token_id is None and self.eos_token_id is None:
+                out.append(self.backend.post_process(ea, eb, add_special_tokens=True).ids)
+                continue
+            ids = []
+            for part in (ea.ids, eb.ids):
+                bos = [] if self.bos_token_id is None else [self.bos_token_id]
+                eos = [] if self.eos_token_id is None else [self.eos_token_id]
+                ids += bos + part + eos
+            out.append(ids)
+        return out
+
     def decode_batch(
         self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True
     ) -> list[str]:

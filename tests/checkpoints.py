@@ -101,6 +101,31 @@ def peft_adapter(model: str | Path, out: Path, seed: int, **lora: Any) -> str:
     return str(out)
 
 
+def classifier_checkpoint(
+    out: Path,
+    arch: str = "llama",
+    labels: tuple[str, ...] = ("negative", "positive"),
+    seed: int = 0,
+) -> str:
+    """A sequence classifier (`LlamaForSequenceClassification`, ...) saved by transformers
+    in `out`: the tiny checkpoint's body and a random `score` head with a row per label,
+    drawn large enough that the labels' logits differ by units (a real head's range)."""
+    import transformers
+
+    src = tiny_checkpoint(arch)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(src), dtype=torch.float32, num_labels=len(labels),
+        id2label=dict(enumerate(labels)), label2id={x: i for i, x in enumerate(labels)},
+    )  # fmt: skip
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 2 / hf.config.hidden_size**0.5)
+    hf.save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out / name)
+    return str(out)
+
+
 THINK_PROMPT = [{"role": "user", "content": "Think about the sea, then answer."}]
 
 

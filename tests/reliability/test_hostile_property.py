@@ -1431,6 +1431,20 @@ embedding_bodies = hostile_body(
     },
     limit_field=None,
 )
+# /classify: the embedding inputs (on this causal LM each valid body is refused naming
+# `model`, after the body's own checks).
+classification_bodies = hostile_body(
+    {"input": st.one_of(text, id_lists, st.lists(words, min_size=1, max_size=8))},
+    {"use_activation": st.booleans(), "truncate_prompt_tokens": st.integers(1, 64)},
+    {
+        "input": st.one_of(huge_list(st.just("hi"), 100_000), HUGE_TEXT, st.just([])),
+        "messages": bad_messages,
+        "use_activation": odd_text,
+        "truncate_prompt_tokens": st.sampled_from([0, -2, 10**9]),
+        "model": odd_text,
+    },
+    limit_field=None,
+)
 PAIRWISE_HOSTILE = {
     "truncate_prompt_tokens": st.sampled_from([0, -2, 10**9]),
     "priority": st.sampled_from([2**40, "high"]),
@@ -1751,6 +1765,7 @@ def test_regexes(server):
         ("/v1/embeddings", embedding_bodies, 60),
         ("/v1/rerank", rerank_bodies, 30),
         ("/v1/score", score_bodies, 30),
+        ("/v1/classify", classification_bodies, 20),
         ("/v1/cache/prefixes", prefix_bodies, 20),
         ("/v1/conversations", conversation_bodies, 30),
     ],

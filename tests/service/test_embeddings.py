@@ -73,7 +73,7 @@ def _post(server, body: dict, path: str = "/v1/embeddings") -> tuple[int, dict]:
 
 def test_each_input_is_its_last_hidden_state_whatever_the_batch(client, server, hf):
     # Lengths across the 32-token budget: one-token, in-budget and chunked inputs together.
-    inputs = _inputs(0, [1, 7, 33, 90, 150])
+    inputs = _inputs(0, [1, 7, 33, 90, MAX_LEN])  # the last fills max_model_len
     r = client.embeddings.create(model="tiny", input=inputs, encoding_format="float")
     assert [d.index for d in r.data] == list(range(5))
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, inputs))
@@ -141,9 +141,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
     assert status == 200 and cut["usage"]["prompt_tokens"] == 10
     status, tail = _post(server, {"input": [ids[-10:]]})
     np.testing.assert_allclose(cut["data"][0]["embedding"], tail["data"][0]["embedding"], atol=2e-5)
-    # -1 keeps what fits: max_model_len less the position the pass samples.
+    # -1 keeps what fits: max_model_len.
     status, r = _post(server, {"input": [ids * 3], "truncate_prompt_tokens": -1})
-    assert status == 200 and r["usage"]["prompt_tokens"] == MAX_LEN - 1
+    assert status == 200 and r["usage"]["prompt_tokens"] == MAX_LEN
 
 
 @pytest.mark.parametrize(
@@ -154,7 +154,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
         ({"input": [[1, 2], "text"]}, "input", 400),
         ({}, "input", 400),
         ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input", 400),
-        ({"input": [[7] * MAX_LEN]}, "input", 400),
+        ({"input": [[7] * (MAX_LEN + 1)]}, "input", 400),
         ({"input": [[10**9]]}, "input", 400),
         ({"input": "x", "encoding_format": "bytes"}, "encoding_format", 400),
         ({"input": "x", "dimensions": 8}, "dimensions", 400),

@@ -133,6 +133,23 @@ def test_llama3_flavour_adds_bos_once(pair) -> None:
     assert ours.bos_token_id not in ours.encode("hello", add_special_tokens=False)
 
 
+@pytest.mark.parametrize("second_max", [None, 3])
+def test_text_pairs_are_joined_as_transformers_joins_them(pair, second_max) -> None:
+    """A cross-encoder's input: tokenizer(text, text_pair) (the Llama-3 flavour's
+    post-processor puts a bos before each part); second_max cuts the second part as
+    truncation="only_second" does."""
+    ours, hf, _ = pair
+    pairs = [(TEXTS[1], TEXTS[4]), (TEXTS[6], TEXTS[9]), (TEXTS[2], "x")]
+    got = ours.codec.encode_pairs(pairs, second_max)
+    for (a, b), ids in zip(pairs, got, strict=True):
+        kw = {}
+        if second_max is not None:
+            first = len(hf(a, add_special_tokens=False).input_ids)
+            first += hf.num_special_tokens_to_add(pair=True)
+            kw = {"truncation": "only_second", "max_length": first + second_max}
+        assert ids == hf(a, text_pair=b, **kw).input_ids, (a, b)
+
+
 @pytest.mark.parametrize("conv", CONVERSATIONS)
 @pytest.mark.parametrize("gen", [True, False])
 def test_chat_template_matches_transformers(pair, conv, gen: bool) -> None:

@@ -1,0 +1,226 @@
+"""Sequence classifiers (`*ForSequenceClassification`): vLLM's /classify, and /score and
+/rerank as a cross-encoder.  The oracle is HF transformers' AutoModelForSequenceClassification
+on the same weights in float32 (its `logits`, the score head at the last position), whatever
+the batch, the chunking or the prefix-cache hits; a pair is tokenized as transformers'
+`tokenizer(text, text_pair)` builds it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from service.llm import LLM
+from tests.checkpoints import classifier_checkpoint
+from tests.service.live_server import live_server
+
+transformers = pytest.importorskip("transformers")
+
+MAX_LEN = 160
+LABELS = ("negative", "positive", "neutral")
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory) -> str:
+    return classifier_checkpoint(tmp_path_factory.mktemp("classifier"), "llama", LABELS)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory) -> str:
+    """A one-label classifier on the Qwen3 shape: a reranker."""
+    return classifier_checkpoint(tmp_path_factory.mktemp("reranker"), "qwen3", ("relevance",), 1)
+
+
+def _hf(path: str):
+    return transformers.AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()
+
+
+@torch.no_grad()
+def logits(hf, ids: list[int]) -> np.ndarray:
+    return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _inputs(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 400, n).tolist() for n in lengths]
+
+
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    async def go():
+        async with aiohttp.ClientSession() as s, s.post(server.url + path, json=body) as r:
+            return r.status, await r.json()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module", params=["inline", "engine-process"])
+def server(request, classifier):
+    # A 32-token step budget: the longer inputs are prefilled in chunks, beside others.
+    with live_server(
+        classifier, served_model_name="clf", engine_process=request.param == "engine-process",
+        engine_kwargs={"max_model_len": MAX_LEN, "max_num_batched_tokens": 32},
+    ) as s:  # fmt: skip
+        yield s
+
+
+def test_classify_gives_the_heads_probabilities_whatever_the_batch(server, classifier):
+    hf = _hf(classifier)
+    inputs = _inputs(0, [1, 7, 33, 90, MAX_LEN])
+    for attempt in range(2):  # the second time from the prefix cache
+        status, r = _post(server, "/classify", {"model": "clf", "input": inputs})
+        assert status == 200, r
+        assert r["object"] == "list" and r["model"] == "clf" and r["id"].startswith("classify-")
+        assert r["usage"] == {
+            "prompt_tokens": sum(map(len, inputs)),
+            "total_tokens": sum(map(len, inputs)),
+            "completion_tokens": 0,
+        }
+        for i, (ids, d) in enumerate(zip(inputs, r["data"], strict=True)):
+            want = softmax(logits(hf, ids))
+            np.testing.assert_allclose(d["probs"], want, atol=1e-5, err_msg=f"attempt {attempt}")
+            assert d["index"] == i and d["num_classes"] == 3
+            assert d["label"] == LABELS[int(np.argmax(want))]
+    assert len({d["label"] for d in r["data"]}) > 1, "the head should tell these inputs apart"
+
+    # use_activation false: the raw logits; /v1/classify is the same route.
+    status, raw = _post(server, "/v1/classify", {"input": inputs[:2], "use_activation": False})
+    assert status == 200, raw
+    for ids, d in zip(inputs[:2], raw["data"], strict=True):
+        np.testing.assert_allclose(d["probs"], logits(hf, ids), atol=1e-4)
+    server.wait_kv_free()
+
+
+def test_classify_text_and_messages(server, classifier):
+    hf = _hf(classifier)
+    tok = transformers.AutoTokenizer.from_pretrained(classifier)
+    text = "The service was quick and the food was great."
+    status, r = _post(server, "/classify", {"input": text})
+    assert status == 200, r
+    want = softmax(logits(hf, tok(text).input_ids))
+    np.testing.assert_allclose(r["data"][0]["probs"], want, atol=1e-5)
+    messages = [{"role": "user", "content": text}]
+    status, r = _post(server, "/classify", {"messages": messages})
+    assert status == 200 and len(r["data"]) == 1, r
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ids = tok(rendered, add_special_tokens=False).input_ids
+    np.testing.assert_allclose(r["data"][0]["probs"], softmax(logits(hf, ids)), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/classify", {"input": []}, "input"),
+        ("/classify", {"input": [[10**9]]}, "input"),
+        ("/classify", {"input": [[7] * (MAX_LEN + 1)]}, "input"),
+        ("/classify", {"input": "x", "dimensions": 2}, "dimensions"),
+        ("/classify", {"input": "x", "use_activation": "yes"}, "use_activation"),
+        ("/classify", {"input": "x", "model": "other"}, "model"),
+        ("/v1/embeddings", {"input": "x"}, "model"),
+        ("/score", {"text_1": "a", "text_2": "b"}, "model"),  # three labels: not a cross-encoder
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2}, "model"),
+    ],
+)
+def test_bad_requests_name_their_field(server, path, body, param):
+    status, r = _post(server, path, body)
+    assert 400 <= status < 500 and r["error"]["param"] == param, r
+    server.wait_kv_free()
+
+
+def test_classify_refuses_a_model_that_is_not_a_classifier():
+    from tests.checkpoints import tiny_checkpoint
+
+    with live_server(str(tiny_checkpoint("llama")), engine_kwargs={"max_model_len": 64}) as s:
+        status, r = _post(s, "/classify", {"input": "hello"})
+        assert status == 400 and r["error"]["param"] == "model", r
+        assert "not a sequence classifier" in r["error"]["message"]
+
+
+def test_cross_encoder_scores_and_reranks_pairs_read_together(cross_encoder):
+    hf = _hf(cross_encoder)
+    tok = transformers.AutoTokenizer.from_pretrained(cross_encoder)
+    query = "where do foxes live"
+    docs = ["foxes live in dens", "the stock market fell", "a fox in the woods", "tea"]
+
+    def relevance(a: str, b: str, **kw) -> float:
+        return float(1 / (1 + np.exp(-logits(hf, tok(a, text_pair=b, **kw).input_ids)[0])))
+
+    want = [relevance(query, d) for d in docs]
+    with live_server(cross_encoder, served_model_name="rr",
+                     engine_kwargs={"max_model_len": MAX_LEN, "max_num_batched_tokens": 16}) as s:  # fmt: skip
+        status, r = _post(s, "/score", {"text_1": query, "text_2": docs})
+        assert status == 200, r
+        np.testing.assert_allclose([d["score"] for d in r["data"]], want, atol=1e-5)
+        pair_tokens = sum(len(tok(query, text_pair=d).input_ids) for d in docs)
+        assert r["usage"]["prompt_tokens"] == pair_tokens
+        # N:N pairs in order
+        status, r = _post(s, "/v1/score", {"text_1": docs[:2], "text_2": docs[2:]})
+        assert status == 200, r
+        np.testing.assert_allclose(
+            [d["score"] for d in r["data"]],
+            [relevance(docs[0], docs[2]), relevance(docs[1], docs[3])],
+            atol=1e-5,
+        )
+
+        status, r = _post(s, "/v2/rerank", {"query": query, "documents": docs, "top_n": 3})
+        assert status == 200, r
+        order = sorted(range(len(docs)), key=lambda i: -want[i])
+        assert [x["index"] for x in r["results"]] == order[:3]
+        np.testing.assert_allclose([x["relevance_score"] for x in r["results"]],
+                                   [want[i] for i in order[:3]], atol=1e-5)  # fmt: skip
+        assert r["results"][0]["document"] == {"text": docs[order[0]]}
+
+        # Cohere's max_tokens_per_doc: each document keeps its first tokens, the query all.
+        q_len = len(tok(query, add_special_tokens=False).input_ids)
+        q_len += tok.num_special_tokens_to_add(pair=True)
+        status, r = _post(
+            s, "/rerank", {"query": query, "documents": docs, "max_tokens_per_doc": 2}
+        )
+        assert status == 200, r
+        cut = {x["index"]: x["relevance_score"] for x in r["results"]}
+        for i, d in enumerate(docs):
+            kw = {"truncation": "only_second", "max_length": q_len + 2}
+            assert abs(cut[i] - relevance(query, d, **kw)) < 1e-5, (i, d)
+        assert cut != dict(enumerate(want)), "the documents should have been cut"
+
+        status, r = _post(s, "/v1/embeddings", {"input": "x"})
+        assert status == 400 and r["error"]["param"] == "model"
+        # Hostile but well-formed: refused in seconds, naming the field.
+        for body, param in [
+            ({"query": "q", "documents": ["d"] * 100_000}, "documents"),
+            ({"query": "q " * 1_000_000, "documents": ["d"]}, "query"),
+            ({"query": "q", "documents": ["d " * 400]}, "documents"),
+            ({"query": "q", "documents": ["d"], "max_tokens_per_doc": 0}, "max_tokens_per_doc"),
+        ]:
+            t0 = time.monotonic()
+            status, r = _post(s, "/rerank", body)
+            assert 400 <= status < 500 and r["error"]["param"] == param, (param, r)
+            assert time.monotonic() - t0 < 5
+        status, r = _post(s, "/score", {"text_1": "a", "text_2": "b " * 400,
+                                        "truncate_prompt_tokens": 20})  # fmt: skip
+        assert status == 200 and r["usage"]["prompt_tokens"] == 20, r
+        s.wait_kv_free()
+
+
+def test_llm_classify_matches_transformers(classifier):
+    hf = _hf(classifier)
+    prompts = _inputs(3, [4, 30, 50])
+    with LLM(classifier, dtype="float32", max_num_batched_tokens=16) as llm:
+        outs = llm.classify([{"prompt_token_ids": p} for p in prompts])
+        raw = llm.classify([{"prompt_token_ids": p} for p in prompts], use_activation=False)
+        with pytest.raises(ValueError, match="no LM head"):
+            llm.generate([[5, 6, 7]])
+    for ids, o, r in zip(prompts, outs, raw, strict=True):
+        assert o.outputs.num_classes == 3 and o.prompt_token_ids == ids
+        np.testing.assert_allclose(o.outputs.probs, softmax(logits(hf, ids)), atol=1e-5)
+        np.testing.assert_allclose(r.outputs.probs, logits(hf, ids), atol=1e-4)
