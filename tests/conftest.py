@@ -80,28 +80,44 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _memoize_interpreter_builtins()
 
 
-# `make test` runs the suite in two passes: the compute-bound tests (kernels, interpreted
-# Triton, engine parity, the scheduler, bench sections' rows) two at a time (pytest-xdist,
-# a file per worker: one test at a time left much of a 2-core machine idle), then these
-# alone.  They bound latencies (/health, stream gaps, the loop's stalls), hold grammars to
-# a per-token budget, watch for busy neighbours or drive live servers and a browser: a
-# neighbour test's load would turn them flaky.  A test in a new directory is alone; a new
-# module under the shared ones that times anything must be listed here.
+# `make test` runs the suite in two passes: the tests that only assert behaviour (kernels,
+# interpreted Triton, engine parity, the scheduler, bench sections' rows, and the live
+# servers' API, error and client tests) two at a time (pytest-xdist, a file per worker:
+# one test at a time left much of a 2-core machine idle), then these alone.  They bound
+# latencies (/health, stream gaps, the loop's stalls), grace timers and kill deadlines,
+# hold grammars and templates to a per-token or wall budget, watch for busy neighbours or
+# drive fleets and a browser: a neighbour test's load would turn them flaky.  A test in a
+# new directory is alone; a new module under the shared ones that times anything must be
+# listed here.
 _ALONE = (
-    "service/",
     "reliability/",
-    "clients/",
     "fleet/",
     "e2e/test_browser",
     "e2e/test_structured_property.py",
     "e2e/test_bench_structured.py",
     "gpu/test_cpu_threads.py",
+    "service/test_auth_and_shutdown.py",
+    "service/test_bench_serve.py",
+    "service/test_drain_keepalive.py",
+    "service/test_engine_process_grammar.py",
+    "service/test_engine_thread_http.py",
+    "service/test_fuzz.py",  # a WebSocket read with a 0.4 s window for late frames
+    "service/test_grammar_compiler.py",
+    "service/test_host_path.py",
+    "service/test_render_pool_heals.py",
+    "service/test_request_limits.py",
+    "service/test_response_store.py",
+    "service/test_responses_background.py",
+    "service/test_resume.py",
+    "service/test_template_sandbox.py",
+    "service/test_tenancy.py",
+    "service/test_tokenize_pool.py",
     "test_bench_host.py",
     "test_bench_crowded.py",
     "test_bench_charts.py",
     "test_bench_cpu_gemm.py",  # its ceilings: the machine's copy bandwidth and FMA peak
 )
-_SHARED = ("gpu/", "e2e/", "scheduler/", "test_")
+_SHARED = ("gpu/", "e2e/", "scheduler/", "service/", "clients/", "test_")
 _ROOT = Path(__file__).resolve().parent
 
 
