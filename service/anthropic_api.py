@@ -20,7 +20,12 @@ from service.openai_chat import ChatServing, ChatStart, Thinking
 from service.openai_common import ChoiceDelta, StreamUsage
 from service.outputs import RequestOutput
 from service.protocol import BadRequest
-from service.protocol_anthropic import MessagesRequest, decode_count_tokens, decode_messages
+from service.protocol_anthropic import (
+    MessagesRequest,
+    decode_count_tokens,
+    decode_messages,
+    sign_thinking,
+)
 from service.protocol_openai import ChatCompletionRequest
 from service.reasoning import ReasoningStream, ThinkingCount, split
 from service.tool_calls import ToolStream, make_parser, parse_output
@@ -132,7 +137,9 @@ class MessagesServing(ChatServing):
         if th is not None:
             thought, text, reasoned = split(th.parser, th.opening, o.text)
             if reasoned and th.include:
-                content.append({"type": "thinking", "thinking": thought, "signature": ""})
+                shown = "" if req.omits_thinking else thought
+                content.append({"type": "thinking", "thinking": shown,
+                                "signature": sign_thinking(thought)})  # fmt: skip
         calls: list[dict[str, Any]] = []
         if start.mode is not None:
             parser = make_parser(self.tool_call_parser) if start.mode == "auto" else None
@@ -159,6 +166,7 @@ class _Turn:
         self.usage = StreamUsage(len(start.ids), False, False)
         self.blocks = -1  # the index of the last block opened
         self.open: str | None = None  # its type while it is open
+        self.thought: list[str] = []  # the open thinking block's text, for its signature
         self.finish: tuple[str, str | None] | None = None
 
     def _open(self, block: dict[str, Any]) -> list[bytes]:
@@ -171,8 +179,15 @@ class _Turn:
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":
+            # As Anthropic's stream: the signature last, just before the block ends.
+            sig = sign_thinking("".join(self.thought))
+            self.thought = []
+            out.append(self._delta({"type": "signature_delta", "signature": sig}))
         self.open = None
-        return [event("content_block_stop", {"index": self.blocks})]
+        out.append(event("content_block_stop", {"index": self.blocks}))
+        return out
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return event("content_block_delta", {"index": self.blocks, "delta": delta})
@@ -181,7 +196,9 @@ class _Turn:
         out = []
         if self.open != "thinking":
             out += self._open({"type": "thinking", "thinking": "", "signature": ""})
-        out.append(self._delta({"type": "thinking_delta", "thinking": text}))
+        self.thought.append(text)
+        if not self.req.omits_thinking:
+            out.append(self._delta({"type": "thinking_delta", "thinking": text}))
         return out
 
     def _text(self, text: str) -> list[bytes]:

@@ -10,6 +10,8 @@ marks are accepted and need nothing (every prefix is cached).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Annotated, Any, Literal
 
@@ -87,11 +89,35 @@ class ToolResultBlock(
         return self.content or ""
 
 
+# A thinking block's signature, as this server writes it: the thinking itself (base64 of
+# its UTF-8), so a block sent back with its text omitted (`display: "omitted"`, or a
+# client that keeps only signatures) still gives the template its thinking.  Anthropic's
+# signature is the encrypted thinking for the same reason.  It is not a secret and not a
+# seal: a client may send any thinking text in the clear anyway.
+SIGNATURE_PREFIX = "pagestream.thinking.v1."
+
+
+def sign_thinking(thought: str) -> str:
+    return SIGNATURE_PREFIX + base64.b64encode(thought.encode()).decode("ascii")
+
+
 class ThinkingBlock(
     Struct, tag="thinking", tag_field="type", forbid_unknown_fields=True, kw_only=True
 ):
     thinking: str
     signature: str | None = None
+
+    def text(self, where: str) -> str:
+        """The thinking: its text, or what this server's signature holds when the text
+        was omitted (another server's signature holds nothing readable here)."""
+        sig = self.signature
+        if self.thinking or not sig or not sig.startswith(SIGNATURE_PREFIX):
+            return self.thinking
+        try:
+            return base64.b64decode(sig[len(SIGNATURE_PREFIX) :], validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            raise BadRequest("the signature is not one this server wrote (it does not "
+                             "decode)", f"{where}.signature") from None  # fmt: skip
 
 
 class RedactedThinkingBlock(
@@ -142,7 +168,8 @@ class ThinkingConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: PositiveInt | None = None
-    display: Literal["summarized", "omitted"] | None = None  # omitted: no thinking blocks
+    # omitted: thinking blocks whose text is empty (the signature still holds it)
+    display: Literal["summarized", "omitted"] | None = None
 
     @property
     def on(self) -> bool:
@@ -241,7 +268,7 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
                     calls.append(ToolCall(id=b.id, function=FunctionCall(name=b.name,
                                                                          arguments=args)))  # fmt: skip
                 elif isinstance(b, ThinkingBlock):
-                    thought = (thought or "") + b.thinking
+                    thought = (thought or "") + b.text(where)
             text = "".join(texts)
             if m.role == "user":
                 if text or not blocks or not all(isinstance(b, ToolResultBlock) for b in blocks):
@@ -318,8 +345,14 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
         return self.messages[-1].role == "assistant"
 
     def shows_thinking(self) -> bool:
+        """Whether the answer has thinking blocks (their text may be omitted)."""
         t = self.thinking
-        return t is None or (t.on and t.display != "omitted")
+        return t is None or t.on
+
+    @property
+    def omits_thinking(self) -> bool:
+        t = self.thinking
+        return t is not None and t.display == "omitted"
 
 
 class MessagesRequest(_Common, forbid_unknown_fields=True, kw_only=True):

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import openai
+import orjson
 import pytest
 import websockets
 from tokenizers import Tokenizer as HFTokenizer
@@ -19,6 +20,8 @@ from scheduler.config import ConfigError
 from scheduler.sampling_params import StructuredOutputsParams
 from scheduler.structured import AfterReasoning
 from service.cli import build_parser, server_config
+from service.protocol import BadRequest
+from service.protocol_anthropic import SIGNATURE_PREFIX, decode_messages, sign_thinking
 from service.reasoning import ReasoningParser, ReasoningStream, ThinkingCount, split
 from service.tokenizer import Tokenizer
 from tests.checkpoints import THINK_PROMPT as MESSAGES
@@ -363,6 +366,51 @@ def test_anthropic_messages_carry_thinking_blocks(server, client):
     )
     assert j.content[0].thinking == chat.model_extra["reasoning"]
     assert set(json.loads(j.content[1].text)) == {"sea"} and j.stop_reason == "end_turn"
+
+
+def test_anthropic_thinking_omitted_keeps_its_signature(server):
+    """display "omitted": the thinking blocks are there with empty text, and their
+    signature holds the thinking (as Anthropic's encrypted one does), so the block sent
+    back in the next request gives the template its thinking."""
+    anthropic = pytest.importorskip("anthropic")
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="thinker", max_tokens=30, messages=MESSAGES, extra_body={"temperature": 0})
+    shown = sdk.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 20})
+    thought = shown.content[0].thinking
+    assert thought and shown.content[0].signature == sign_thinking(thought)
+    omitted = {"type": "enabled", "budget_tokens": 20, "display": "omitted"}
+    m = sdk.messages.create(**kw, thinking=omitted)
+    assert _blocks(m) == [("thinking", ""), ("text", shown.content[1].text)]
+    assert m.content[0].signature == sign_thinking(thought)
+    with sdk.messages.stream(**kw, thinking=omitted) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" not in deltas and deltas.count("signature_delta") == 1
+    assert _blocks(final) == _blocks(m) and final.content[0].signature == sign_thinking(thought)
+    with sdk.messages.stream(**kw) as stream:  # shown: its signature streamed too
+        assert stream.get_final_message().content[0].signature == sign_thinking(thought)
+
+    # Sent back: the signature stands for the omitted text.
+    turn = {"role": "assistant", "content": [b.model_dump() for b in m.content]}
+    history = [*MESSAGES, turn, {"role": "user", "content": "more"}]
+    body = {"model": "thinker", "max_tokens": 4, "messages": history}
+    assert decode_messages(orjson.dumps(body)).chat_messages()[1].reasoning_content == thought
+    more = sdk.messages.create(**{**kw, "messages": history}, thinking=omitted)
+    assert more.content[-1].type == "text"
+
+
+def test_a_thinking_signature_from_elsewhere_is_read_past_and_a_broken_one_refused():
+    def first_thought(block: dict) -> str | None:
+        body = {"model": "m", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": [block]},
+            {"role": "user", "content": "q"}]}  # fmt: skip
+        return decode_messages(orjson.dumps(body)).chat_messages()[1].reasoning_content
+
+    assert first_thought({"type": "thinking", "thinking": "", "signature": "EqQBCkgIAR"}) == ""
+    assert first_thought({"type": "thinking", "thinking": "shown", "signature": "x"}) == "shown"
+    with pytest.raises(BadRequest) as e:
+        first_thought({"type": "thinking", "thinking": "", "signature": SIGNATURE_PREFIX + "!"})
+    assert e.value.param == "messages[1].content[0].signature"
 
 
 def _blocks(message) -> list[tuple[str, str]]:
