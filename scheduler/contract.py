@@ -210,6 +210,13 @@ class ModelOutput(msgspec.Struct, gc=False, kw_only=True):
     # (normed) hidden state of the row that sampled, in float32.
     embeddings: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens this step sampled for its clients: each sampling row, its accepted
+        drafts; not the token an embedding's pass samples and nobody reads."""
+        accepted = sum(len(a) for a in self.spec_accepted.values())
+        return len(self.req_ids) - len(self.embeddings) + accepted
+
 
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the index-th sample (index >= 1) of an n > 1 request; sample 0 is the parent."""

@@ -337,7 +337,7 @@ class Metrics:
         c["kv_usage"].set(stats.kv_usage)
         c["step_time"].observe(info.seconds)
         mo = info.mo
-        c["generation_tokens"].inc(len(mo.req_ids) + sum(len(a) for a in mo.spec_accepted.values()))
+        c["generation_tokens"].inc(mo.generated_tokens)
         if stats.spec is not None:
             self._on_spec(stats.spec)
         if stats.pins is not None:
@@ -389,8 +389,12 @@ class Metrics:
         m = out.metrics
         c = self._c
         c["prompt_tokens"].inc(len(out.prompt_token_ids))
+        # A pooling request (embedding, classification, score) ends with its one pass:
+        # "stop", as vLLM counts it, and no token latencies (none was streamed).
+        pooled = out.embedding is not None
         for o in out.outputs:
-            self.requests.labels(self.model_name, o.finish_reason or "abort").inc()
+            reason = "stop" if pooled and o.finish_reason == "length" else o.finish_reason
+            self.requests.labels(self.model_name, reason or "abort").inc()
         if out.lora is not None:
             self.lora_requests.labels(self.model_name, out.lora).inc()
         if any(o.finish_reason == "error" for o in out.outputs):
@@ -399,10 +403,12 @@ class Metrics:
             return
         if m.first_scheduled_time is not None:
             c["queue"].observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        if m.first_token_time is not None:
-            c["ttft"].observe(m.first_token_time - m.arrival_time)
         if m.last_token_time is not None:
             c["e2e"].observe(m.last_token_time - m.arrival_time)
+        if pooled:
+            return
+        if m.first_token_time is not None:
+            c["ttft"].observe(m.first_token_time - m.arrival_time)
         times = m.token_times
         observe_many(c["itl"], [b - a for a, b in itertools.pairwise(times)])
 

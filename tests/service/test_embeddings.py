@@ -9,6 +9,7 @@ import asyncio
 import base64
 import json
 import shutil
+import time
 
 import aiohttp
 import numpy as np
@@ -346,3 +347,44 @@ def test_a_base_model_checkpoint_embeds_and_refuses_generation(base_model, engin
         status, r = _post(s, body, "/v1/chat/completions")
         assert status == 400 and r["error"]["param"] == "model", r
         s.wait_kv_free()
+
+
+def _metrics(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go():
+        async with aiohttp.ClientSession() as s, s.get(server.url + "/metrics") as r:
+            return await r.text()
+
+    out = {}
+    for fam in text_string_to_metric_families(asyncio.run(go())):
+        for smp in fam.samples:
+            reason = smp.labels.get("finished_reason")
+            out[smp.name + (f"[{reason}]" if reason else "")] = smp.value
+    return out
+
+
+def test_embeddings_count_as_pooling_requests_in_the_metrics(server):
+    """Prompt tokens and a finished request ("stop", as vLLM counts pooling), but no
+    generated token and no time-to-first-token: the token the pass samples is nobody's."""
+    server.wait_kv_free()
+    before = _metrics(server)
+    inputs = _inputs(9, [5, 12, 30])
+    status, _ = _post(server, {"input": inputs})
+    assert status == 200
+    deadline = time.monotonic() + 10
+    while (after := _metrics(server))["pagestream_prompt_tokens_total"] < before[
+        "pagestream_prompt_tokens_total"
+    ] + 47:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    assert after["pagestream_prompt_tokens_total"] == before["pagestream_prompt_tokens_total"] + 47
+    assert (
+        after["pagestream_generation_tokens_total"] == before["pagestream_generation_tokens_total"]
+    )
+    stop = "pagestream_request_success_total[stop]"
+    assert after[stop] == before.get(stop, 0) + 3
+    ttft = "pagestream_time_to_first_token_seconds_count"
+    assert after[ttft] == before[ttft]
+    e2e = "pagestream_e2e_request_latency_seconds_count"
+    assert after[e2e] == before[e2e] + 3
