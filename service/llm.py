@@ -20,8 +20,10 @@ from service.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
-from service.pooling import EMBED_PARAMS, Pooler
+from service.pooling import EMBED_PARAMS, Pooler, cosine
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -164,6 +166,37 @@ class LLM:
         return [
             ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(p))
             for o, p in zip(outs, probs.tolist(), strict=True)
+        ]
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str]
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: text_1 against each text_2 (one against many, or pairs in
+        order).  A cross-encoder (a one-label classifier) reads each pair as one input
+        and scores it by the sigmoid of its logit; any other model scores by the cosine
+        of the two texts' embeddings (the routes' rules, service/openai_embeddings.py)."""
+        a = [text_1] if isinstance(text_1, str) else list(text_1)
+        b = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(a) == 1:
+            a = a * len(b)
+        if not b or len(a) != len(b):
+            raise ValueError(f"text_1 has {len(a)} texts and text_2 {len(b)}: give one "
+                             "text_1, or as many as text_2")  # fmt: skip
+        pooler = self._pooling_rules()
+        if pooler.classifier:
+            pooler.check_classifier(cross_encoder=True)
+            ids = self.engine.tokenizer.codec.encode_pairs(list(zip(a, b, strict=True)))
+            outs = self._pooled([{"prompt_token_ids": i} for i in ids], None)
+            scores = pooler.probabilities([o.embedding or [] for o in outs])[:, 0]
+        else:
+            pooler.check(None)
+            outs = self._pooled([*a, *b], None)
+            vecs = pooler.finish([o.embedding or [] for o in outs], True, None)
+            scores = cosine(vecs[: len(a)], vecs[len(a) :])
+            outs = outs[len(a) :]
+        return [
+            ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(x)))
+            for o, x in zip(outs, scores, strict=True)
         ]
 
     def _pooling_rules(self) -> Pooler:

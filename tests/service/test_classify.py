@@ -224,3 +224,24 @@ def test_llm_classify_matches_transformers(classifier):
         assert o.outputs.num_classes == 3 and o.prompt_token_ids == ids
         np.testing.assert_allclose(o.outputs.probs, softmax(logits(hf, ids)), atol=1e-5)
         np.testing.assert_allclose(r.outputs.probs, logits(hf, ids), atol=1e-4)
+
+
+def test_llm_score_by_cross_encoder_and_by_cosine(cross_encoder):
+    hf = _hf(cross_encoder)
+    tok = transformers.AutoTokenizer.from_pretrained(cross_encoder)
+    query, docs = "where do foxes live", ["foxes live in dens", "tea"]
+    with LLM(cross_encoder, dtype="float32") as llm:
+        got = [o.outputs.score for o in llm.score(query, docs)]
+        with pytest.raises(ValueError, match="as many as text_2"):
+            llm.score(docs, [query] * 3)
+    want = [1 / (1 + np.exp(-logits(hf, tok(query, text_pair=d).input_ids)[0])) for d in docs]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+    from tests.checkpoints import tiny_checkpoint
+
+    with LLM(str(tiny_checkpoint("llama")), dtype="float32") as llm:
+        (vq,), vd = (
+            [o.outputs.embedding for o in llm.embed(t)] for t in ([query], docs)
+        )  # fmt: skip
+        got = [o.outputs.score for o in llm.score(query, docs)]
+    np.testing.assert_allclose(got, [float(np.dot(vq, v)) for v in vd], atol=1e-5)
