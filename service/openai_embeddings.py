@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,17 +106,27 @@ class EmbeddingServing(ServingBase):
             add_special_tokens=req.add_special_tokens is not False,
         )
 
-    async def embeddings(self, request: web.Request, body: bytes) -> web.Response:
-        req = decode_embedding(body)
+    async def _pool_inputs(
+        self, request: web.Request, req: PromptInputs, id_prefix: str, check: Callable[[], None]
+    ) -> tuple[str, list[list[int]], list[RequestOutput]]:
+        """A body's inputs as prompts, each run to its pooled vector: (public request id,
+        prompts, outputs).  `check`: the model's own refusal, after the body's checks."""
         lora = self.check_model(req.model)
         req.check()
-        self.pooler.check(req.dimensions)
+        check()
         prompts = await self.embedding_prompt_ids(req)
         self.check_embed_lengths(prompts, "messages" if req.messages is not None else "input")
         rid, finals = await self.embed_prompts(
-            request, prompts, lora=lora, id_prefix="embd-", body_id=req.request_id,
+            request, prompts, lora=lora, id_prefix=id_prefix, body_id=req.request_id,
             cache_salt=req.cache_salt, priority=req.priority,
         )  # fmt: skip
+        return rid, prompts, finals
+
+    async def embeddings(self, request: web.Request, body: bytes) -> web.Response:
+        req = decode_embedding(body)
+        rid, prompts, finals = await self._pool_inputs(
+            request, req, "embd-", lambda: self.pooler.check(req.dimensions)
+        )
         model = req.model or self.names[0]
 
         def build() -> web.Response:
@@ -138,15 +149,9 @@ class EmbeddingServing(ServingBase):
         """vLLM's /classify: each input's label probabilities from a sequence classifier
         (the same one-prefill pass as an embedding; the runner applies the head)."""
         req = decode_classification(body)
-        lora = self.check_model(req.model)
-        req.check()
-        self.pooler.check_classifier()
-        prompts = await self.embedding_prompt_ids(req)
-        self.check_embed_lengths(prompts, "messages" if req.messages is not None else "input")
-        rid, finals = await self.embed_prompts(
-            request, prompts, lora=lora, id_prefix="classify-", body_id=req.request_id,
-            cache_salt=req.cache_salt, priority=req.priority,
-        )  # fmt: skip
+        rid, prompts, finals = await self._pool_inputs(
+            request, req, "classify-", self.pooler.check_classifier
+        )
         probs = self.pooler.probabilities(
             [_vector(out) for out in finals], req.use_activation is not False
         )
