@@ -13,6 +13,7 @@ import torch
 
 from gpu.cpu import features as cpu_features
 from gpu.cpu.features import CpuFeatures
+from gpu.hf_labels import classifier_labels, from_tokens
 from scheduler import envs
 
 # architecture name -> (biases, per-head q/k RMSNorm).  Biases as transformers builds the
@@ -91,16 +92,6 @@ def _architecture(raw: dict[str, Any]) -> str:
     return arch
 
 
-def num_labels(raw: dict[str, Any]) -> int:
-    """A classifier's label count as transformers reads it: id2label's size, else
-    num_labels, else 2."""
-    labels = raw.get("id2label")
-    n = len(labels) if isinstance(labels, dict) and labels else raw.get("num_labels", 2)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ModelLoadError(f"config.json: num_labels {n!r} is not a positive integer")
-    return n
-
-
 def _attention_shape(raw: dict[str, Any]) -> tuple[int, int, int, int]:
     """(hidden size, query heads, KV heads, head dim), with the defaults HF applies."""
     hidden = int(_need(raw, "hidden_size"))
@@ -169,6 +160,8 @@ class ModelConfig:
     # A sequence classifier's labels: the runner returns score.weight @ the pooled state
     # (its logits) in place of the state itself.  0: no classification head.
     num_labels: int = 0
+    # The head built from these tokens' LM-head rows (gpu/hf_labels.py), not read.
+    classifier_from_token: tuple[str, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -197,6 +190,14 @@ class ModelConfig:
         rope_theta, scaling = _rope(raw)
         sliding = None
         embedding_only = not arch.endswith("ForCausalLM")
+        num_labels, tokens = 0, []
+        if arch.endswith("ForSequenceClassification"):
+            try:
+                num_labels, tokens = len(classifier_labels(raw)), from_tokens(raw)
+            except ValueError as e:
+                raise ModelLoadError(f"config.json: {e}") from None
+        # A head built from LM-head rows keeps the checkpoint's LM head (tied or not).
+        tied = bool(raw.get("tie_word_embeddings", False)) or (embedding_only and not tokens)
         if arch.startswith("Mistral") or raw.get("use_sliding_window"):
             sliding = raw.get("sliding_window") or None
         eos = raw.get("eos_token_id")
@@ -214,7 +215,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=embedding_only or bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tied,
             embedding_only=embedding_only,
             attention_bias=biases == "qkv" or from_config,
             o_proj_bias=from_config,
@@ -226,7 +227,8 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             awq_group_size=_awq_group_size(raw.get("quantization_config"), hidden),
             fp8_format=_fp8_format(raw.get("quantization_config")),
-            num_labels=num_labels(raw) if arch.endswith("ForSequenceClassification") else 0,
+            num_labels=num_labels,
+            classifier_from_token=tuple(tokens),
         )
 
     @classmethod

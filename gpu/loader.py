@@ -68,7 +68,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    if cfg.num_labels:
+    if cfg.num_labels and not cfg.classifier_from_token:
         shapes["score.weight"] = (cfg.num_labels, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -181,7 +181,40 @@ def read_checkpoint(
         raise ModelLoadError(
             f"{path}: checkpoint has tensors {cfg.architecture} does not use: {_fmt(unexpected)}"
         )
+    if cfg.classifier_from_token:
+        tensors["score.weight"] = _head_from_tokens(Path(path), cfg)
     return tensors
+
+
+def _head_from_tokens(path: Path, cfg: ModelConfig) -> torch.Tensor:
+    """A classifier head made of the LM head's rows for cfg.classifier_from_token (the
+    whole rows, read from the file whatever this rank's share of the LM head): one row
+    per token, or for a two-way head (one label) the second token's row minus the
+    first's (gpu/hf_labels.py)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: classifier_from_token needs tokenizer.json ({e})") from e
+    ids = []
+    for t in cfg.classifier_from_token:
+        i = tok.token_to_id(t)
+        if i is None:
+            raise ModelLoadError(f"{path}: classifier_from_token {t!r} is not a vocabulary token")
+        ids.append(i)
+    names = ["embed_tokens.weight", "model.embed_tokens.weight"]
+    if not cfg.tie_word_embeddings:
+        names = ["lm_head.weight"]
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            name = next((n for n in names if n in f.keys()), None)  # noqa: SIM118
+            if name is None:
+                continue
+            sl = f.get_slice(name)
+            rows = torch.cat([sl[i : i + 1] for i in ids]).float()
+            return rows if cfg.num_labels == len(ids) else rows[1:] - rows[:1]
+    raise ModelLoadError(f"{path}: no LM head to build the classifier from")
 
 
 def _fp8_scale(

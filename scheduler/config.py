@@ -109,6 +109,9 @@ class ModelSettings:
     # Adapters loaded and unloaded while serving (vLLM's /v1/load_lora_adapter, which it
     # gates behind VLLM_ALLOW_RUNTIME_LORA_UPDATING): any path the server can read.
     allow_runtime_lora: bool = False
+    # vLLM's hf_overrides: merged into the checkpoint's config.json as read
+    # (service/engine_setup.with_hf_overrides), e.g. to serve a causal LM as a classifier.
+    hf_overrides: Mapping[str, Any] | None = None
 
     @property
     def lora(self) -> bool:
@@ -126,6 +129,8 @@ class ModelSettings:
         # Whether it fits the checkpoint is checked at load (gpu/loader.py), which knows
         # what it holds (an AWQ or FP8 checkpoint, an already quantized one).
         _positive_or_none(self, "max_model_len")
+        ok = self.hf_overrides is None or isinstance(self.hf_overrides, Mapping)
+        _check(self, "hf_overrides", ok, "must be a JSON object")
 
 
 @dataclass(frozen=True)

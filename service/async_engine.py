@@ -35,7 +35,12 @@ from scheduler.stream import RequestStream
 from scheduler.structured import AfterReasoning
 from service.bad_words import encode_words, nothing_allowed
 from service.detokenizer import IncrementalDetokenizer, StopChecker
-from service.engine_setup import build_prefix_tier, ensure_default_model, tp_executor
+from service.engine_setup import (
+    build_prefix_tier,
+    ensure_default_model,
+    tp_executor,
+    with_hf_overrides,
+)
 from service.outputs import CompletionOutput, RequestMetrics, RequestOutput, Submitted
 from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
@@ -259,6 +264,7 @@ class AsyncEngine:
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
 
         model_dir = Path(config.model.model) if config.model.model else ensure_default_model()
+        model_dir = with_hf_overrides(model_dir, config.model.hf_overrides)
         faults = FaultPlan.from_env(config.fault_injection)
         if faults is not None:
             log.warning("FAULT INJECTION is on: %s", faults)

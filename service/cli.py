@@ -96,6 +96,16 @@ def _add_model_args(g: Group) -> None:
         help="largest rank an adapter of --lora-modules may have",
     )
     g.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="vLLM's: keys merged into the checkpoint's config.json as read, e.g. "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\' serves Qwen3-Reranker as a '
+        "cross-encoder",
+    )
+    g.add_argument(
         "--allow-runtime-lora",
         action="store_true",
         help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters "

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu.hf_labels import classifier_labels
 from scheduler.sampling_params import SamplingParams
 from service.protocol import BadRequest
 
@@ -50,17 +51,6 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def _labels(cfg: dict[str, Any]) -> list[str]:
-    id2label = cfg.get("id2label")
-    if isinstance(id2label, dict) and id2label:
-        try:
-            return [str(v) for _, v in sorted((int(k), v) for k, v in id2label.items())]
-        except (TypeError, ValueError):
-            pass
-    n = cfg.get("num_labels", 2)
-    return [f"LABEL_{i}" for i in range(n if isinstance(n, int) and n > 0 else 2)]
-
-
 class Pooler:
     """One model's embedding rules, read once from its directory."""
 
@@ -77,7 +67,12 @@ class Pooler:
         arch = str(archs[0]) if isinstance(archs, list) and archs else ""
         self.classifier = arch.endswith("ForSequenceClassification")
         # A classifier's label names in id order (transformers' LABEL_i where unnamed).
-        self.labels: list[str] = _labels(cfg) if self.classifier else []
+        self.labels: list[str] = []
+        if self.classifier:
+            try:
+                self.labels = classifier_labels(cfg)
+            except ValueError:  # the engine refuses to load it, saying why
+                self.labels = ["LABEL_0"]
         # Why this model cannot be served by last-token pooling, if it cannot.
         self.unsupported: str | None = self._pooling_refusal(model_dir)
         if self.unsupported:

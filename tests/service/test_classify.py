@@ -247,3 +247,77 @@ def test_llm_score_by_cross_encoder_and_by_cosine(cross_encoder):
         )  # fmt: skip
         got = [o.outputs.score for o in llm.score(query, docs)]
     np.testing.assert_allclose(got, [float(np.dot(vq, v)) for v in vd], atol=1e-5)
+
+
+def _two_tokens(model: str) -> tuple[str, str]:
+    """Two vocabulary tokens standing for Qwen3-Reranker's "no" and "yes"."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{model}/tokenizer.json")
+    return tok.id_to_token(300), tok.id_to_token(301)
+
+
+def test_a_causal_lm_served_as_a_reranker_through_hf_overrides():
+    """vLLM's recipe for Qwen3-Reranker: --hf-overrides names a sequence-classification
+    architecture and two tokens; the head is the second token's LM-head row minus the
+    first's, so a pair's score is P(yes) against P(no) at the last position, as the
+    model card computes it with transformers."""
+    from tests.checkpoints import tiny_checkpoint
+
+    model = str(tiny_checkpoint("qwen3"))
+    no, yes = _two_tokens(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    ids_no, ids_yes = tok.convert_tokens_to_ids([no, yes])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": [no, yes], "is_original_qwen3_reranker": True}  # fmt: skip
+    query, docs = "<Query>: where do foxes live\n", ["<Document>: in dens", "<Document>: tea"]
+
+    @torch.no_grad()
+    def p_yes(doc: str) -> float:
+        last = hf(torch.tensor([tok(query, text_pair=doc).input_ids])).logits[0, -1]
+        return float(torch.softmax(last[[ids_no, ids_yes]], -1)[1])
+
+    want = [p_yes(d) for d in docs]
+    # In the engine's own process: the parent's pooling rules read the child's config.
+    with live_server(model, served_model_name="rr", engine_process=True,
+                     engine_kwargs={"max_model_len": MAX_LEN, "hf_overrides": overrides}) as s:  # fmt: skip
+        status, r = _post(s, "/score", {"text_1": query, "text_2": docs})
+        assert status == 200, r
+        np.testing.assert_allclose([d["score"] for d in r["data"]], want, atol=1e-5)
+        status, r = _post(s, "/v1/rerank", {"query": query, "documents": docs})
+        assert status == 200 and len(r["results"]) == 2, r
+        status, r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 400 and r["error"]["param"] == "model", r
+        s.wait_kv_free()
+
+    # The tokens' own rows, one label each (no two-way difference): a softmax over them.
+    three = [no, yes, tok.convert_ids_to_tokens(302)]
+    rows = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": three}
+    prompts = _inputs(4, [5, 40])
+    with LLM(model, dtype="float32", hf_overrides=rows) as llm:
+        outs = llm.classify([{"prompt_token_ids": p} for p in prompts])
+    for ids, o in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            last = hf(torch.tensor([ids])).logits[0, -1]
+        want = torch.softmax(last[tok.convert_tokens_to_ids(three)], -1).numpy()
+        np.testing.assert_allclose(o.outputs.probs, want, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"classifier_from_token": ["no", "yes", "x"], "is_original_qwen3_reranker": True},
+         "2 tokens"),
+        ({"classifier_from_token": ["\u2603 not a token"]}, "not a vocabulary token"),
+        ({"classifier_from_token": "yes"}, "list of token strings"),
+    ],
+)  # fmt: skip
+def test_a_head_from_tokens_that_cannot_be_built_fails_at_start(overrides, words):
+    from gpu.config import ModelLoadError
+    from tests.checkpoints import tiny_checkpoint
+
+    model = str(tiny_checkpoint("qwen3"))
+    arch = {"architectures": ["Qwen3ForSequenceClassification"]}
+    with pytest.raises(ModelLoadError, match=words):
+        LLM(model, dtype="float32", hf_overrides={**arch, **overrides})

@@ -19,7 +19,7 @@ from scheduler.config import (
     EngineConfig,
     flag_of,
 )
-from service.cli import build_parser, main, server_config
+from service.cli import build_parser, engine_config, main, server_config
 from tests.checkpoints import tiny_checkpoint
 
 SPEC_BASE = ["--speculative-method", "draft", "--speculative-model", "/draft"]
@@ -34,6 +34,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--reasoning-parser": (["qwen3"], [*KEYS, *SPEC_BASE, "--model", "/m"]),
     "--generation-config": (["vllm"], None),
     "--override-generation-config": (['{{"temperature": 0.5}}'], None),  # (format-escaped)
+    "--hf-overrides": (['{{"num_labels": 3}}'], None),
     "--num-kv-blocks": (["64"], None),
     "--kv-cache-memory": (["0.5"], None),
     "--block-size": (["32"], None),
@@ -245,6 +246,14 @@ def test_a_bad_flag_is_refused_before_loading_naming_it(capsys, argv, flag):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert "pagestream serve: error:" in err and flag in err
+
+
+def test_hf_overrides_must_be_a_json_object(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--hf-overrides", "[1]"])
+    assert e.value.code == 2 and "--hf-overrides" in capsys.readouterr().err
+    a = build_parser().parse_args(["serve", "--hf-overrides", '{"num_labels": 3}'])
+    assert engine_config(a).model.hf_overrides == {"num_labels": 3}
 
 
 def test_llm_refuses_a_bad_or_unknown_setting_before_loading():
