@@ -54,6 +54,7 @@ _VARS = [
     EnvVar("PAGESTREAM_REDIS_URL", None, "default of `serve --redis-url`"),
     EnvVar("PAGESTREAM_API_KEY", None, "an API key, when no --api-key is given"),
     EnvVar("PAGESTREAM_API_KEY_FILE", None, "default of `serve --api-key-file`"),
+    EnvVar("PAGESTREAM_ADMIN_API_KEY", None, "an admin key, when no --admin-api-key is given"),
     EnvVar(
         "PAGESTREAM_ALLOWED_HOSTS", None, "default of `serve --allowed-hosts` (comma-separated)"
     ),

@@ -155,11 +155,36 @@ async def api_middleware(
     return resp
 
 
+# The operator's routes: what they change or show is the whole server's, not one caller's.
+_ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def _admin_refusal(state: ServerState, request: web.Request) -> web.Response | None:
+    """With --admin-api-key, an operator's route takes an admin key and nothing else: 401
+    without one, 403 for an API key (every key is compared, as in _authorized)."""
+    given = (_bearer(request) or "").encode()
+    admin = False
+    for key in state.admin_keys:
+        admin |= hmac.compare_digest(given, key)
+    if admin:
+        return None
+    if _authorized(state, given.decode())[0]:
+        return error_response(
+            "this route takes an admin key (--admin-api-key), not an API key", 403,
+            code="admin_key_required",
+        )  # fmt: skip
+    return error_response("invalid or missing admin key", 401, code="invalid_api_key")
+
+
 async def _api(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    if state.keys and _needs_key(state, request.path):
+    if state.admin_keys and request.path.startswith(("/debug", *_ADMIN_ROUTES)):
+        refused = _admin_refusal(state, request)
+        if refused is not None:
+            return refused
+    elif state.keys and _needs_key(state, request.path):
         ok, salt, tenant = _authorized(state, _bearer(request))
         if not ok:
             return error_response("invalid or missing API key", 401, code="invalid_api_key")

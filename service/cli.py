@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 # What add_argument_group returns; argparse exports no public name for it.
 Group = argparse._ArgumentGroup
+log = logging.getLogger(__name__)
 
 
 def _env(name: str) -> str | None:
@@ -593,10 +594,21 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     if a.reasoning_parser:
         _check_reasoning_parser(a.reasoning_parser, a.model)
     _check_generation_config(a.generation_config, a.override_generation_config, a.model)
+    admin = list(a.admin_api_key or [])
+    if not admin and _env("PAGESTREAM_ADMIN_API_KEY"):
+        admin = [_env("PAGESTREAM_ADMIN_API_KEY")]
+    if set(admin) & set(keys):
+        raise SystemExit("--admin-api-key: an admin key must not also be an API key")
+    if a.allow_runtime_lora and keys and not admin:
+        log.warning(
+            "--allow-runtime-lora without --admin-api-key: every API key may load adapters "
+            "from any path this server can read"
+        )
     converted = {
         "engine": engine,
         "api_key": None,  # the flag's list is api_keys
         "api_keys": keys,
+        "admin_api_keys": admin,
         "allowed_origins": _split(a.allowed_origins),
         "allowed_hosts": _split(hosts) if hosts else None,
         "forwarded_allow_ips": forwarded,
@@ -683,6 +695,13 @@ def _add_access_args(s: argparse.ArgumentParser) -> None:
         action="append",
         help="require 'Authorization: Bearer KEY' on /v1 (and ?api_key= on /v1/ws); "
         "repeat for several keys (default: PAGESTREAM_API_KEY)",
+    )
+    s.add_argument(
+        "--admin-api-key",
+        action="append",
+        help="the key the operator's routes take (LoRA load and unload, /debug), and no "
+        "API key opens them; repeat for several (default: PAGESTREAM_ADMIN_API_KEY; unset: "
+        "those routes take any API key, as vLLM's do)",
     )
     s.add_argument(
         "--api-key-file",

@@ -40,6 +40,9 @@ class ServerConfig:
     api_key: str | None = None
     # More keys (--api-key repeated, --api-key-file); any one of them (or api_key) passes.
     api_keys: list[str] = field(default_factory=list)
+    # --admin-api-key: when set, the operator's routes (LoRA load and unload, /debug) take
+    # only these keys, and no API key opens them.
+    admin_api_keys: list[str] = field(default_factory=list)
     served_model_name: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     # Host headers answered (DNS rebinding; see security.AllowedHosts): None = the --host
@@ -107,6 +110,7 @@ class ServerState:
             (k.encode(), None if config.shared_prefix_cache else key_salt(k), key_tenant(k))
             for k in dict.fromkeys(keys)
         ]
+        self.admin_keys = [k.encode() for k in dict.fromkeys(config.admin_api_keys)]
         self.trusted_proxies = parse_networks(config.forwarded_allow_ips)
         self.allowed_hosts = AllowedHosts.build(config.allowed_hosts, config.host)
         self.request_ids = LiveRequestIds()

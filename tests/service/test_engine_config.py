@@ -59,6 +59,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--node-rank": (["1"], [*KEYS, "--nnodes", "2"]),
     # One key (no share of the prefix tier to change with it), weight 1.
     "--api-key": (["k3"], SPEC_BASE),
+    "--admin-api-key": (["ops"], None),
     "--api-key-file": (["{key_file}"], SPEC_BASE),
     "--host": (["0.0.0.0"], None),
     "--served-model-name": (["name"], None),

@@ -232,6 +232,34 @@ def test_hostile_lora_bodies_are_refused_naming_the_field(runtime, tmp_path):
     assert httpx.get(runtime.url + "/health", timeout=10).status_code == 200
 
 
+def test_admin_keys_alone_open_the_operator_routes(model, adapter):
+    """--admin-api-key: loading and unloading adapters (and /debug) take an admin key; an
+    API key gets 403 there, no key 401; the admin key opens no other route."""
+    kw = {"threads": 1, "allow_runtime_lora": True}
+    with live_server(model, served_model_name="tiny", engine_kwargs=kw, enable_debug_routes=True,
+                     api_keys=["user"], admin_api_keys=["ops"]) as s:  # fmt: skip
+
+        def post(path: str, body: dict, key: str | None) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(s.url + path, json=body, headers=headers, timeout=60)
+
+        body = {"lora_name": "sea", "lora_path": adapter}
+        for key, status in ((None, 401), ("wrong", 401), ("user", 403)):
+            r = post("/v1/load_lora_adapter", body, key)
+            assert r.status_code == status, (key, r.text)
+            assert httpx.get(s.url + "/debug/state", timeout=10, headers={
+                "Authorization": f"Bearer {key}"} if key else {}).status_code == status  # fmt: skip
+        assert post("/v1/load_lora_adapter", body, "ops").status_code == 200
+        ok = httpx.get(s.url + "/debug/state", headers={"Authorization": "Bearer ops"}, timeout=10)
+        assert ok.status_code == 200
+        done = post("/v1/completions", {"model": "sea", "prompt": "hi", "max_tokens": 2}, "user")
+        assert done.status_code == 200, done.text
+        no = post("/v1/completions", {"model": "sea", "prompt": "hi", "max_tokens": 2}, "ops")
+        assert no.status_code == 401
+        assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}, "user").status_code == 403
+        assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}, "ops").status_code == 200
+
+
 async def test_a_websocket_model_past_its_bound_is_an_error_frame(server):
     async with websockets.connect(server.ws_url) as ws:
         await ws.send(json.dumps({"type": "generate", "id": "g", "prompt": "hi",
