@@ -162,13 +162,13 @@ _ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 def _admin_refusal(state: ServerState, request: web.Request) -> web.Response | None:
     """With --admin-api-key, an operator's route takes an admin key and nothing else: 401
     without one, 403 for an API key (every key is compared, as in _authorized)."""
-    given = (_bearer(request) or "").encode()
+    given = _bearer(request)
     admin = False
     for key in state.admin_keys:
-        admin |= hmac.compare_digest(given, key)
+        admin |= hmac.compare_digest((given or "").encode(), key)
     if admin:
         return None
-    if _authorized(state, given.decode())[0]:
+    if _authorized(state, given)[0]:
         return error_response(
             "this route takes an admin key (--admin-api-key), not an API key", 403,
             code="admin_key_required",
