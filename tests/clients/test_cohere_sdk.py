@@ -1,6 +1,7 @@
 """Cohere's official SDK, unchanged, against a live server's /v2/rerank (vLLM serves
 Cohere's and Jina's rerank shape): its results are the server's own ranking, the cosine of
-the query's and each document's embedding, with `top_n` and `max_tokens_per_doc`."""
+the query's and each document's embedding, with `top_n` and `max_tokens_per_doc`; on a
+cross-encoder, its score of each pair."""
 
 from __future__ import annotations
 
@@ -53,3 +54,29 @@ def test_errors_are_the_sdks_classes(co):
         co.rerank(model=MODEL, query=QUERY, documents=[])
     with pytest.raises(cohere.errors.NotFoundError):
         co.rerank(model="nope", query=QUERY, documents=DOCS)
+
+
+def test_a_cross_encoder_ranks_through_the_sdk(tmp_path):
+    """On a one-label classifier the SDK's rerank is the cross-encoder's: each (query,
+    document) pair read together, scored by its logit's sigmoid, as HF computes it."""
+    import torch
+    import transformers
+
+    from tests.checkpoints import classifier_checkpoint
+    from tests.service.live_server import live_server
+
+    path = classifier_checkpoint(tmp_path, "qwen3", ("relevance",), seed=3)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        want = [
+            float(torch.sigmoid(hf(torch.tensor([tok(QUERY, text_pair=d).input_ids])).logits[0, 0]))
+            for d in DOCS
+        ]
+    with live_server(path, served_model_name="rr") as s:
+        co = cohere.ClientV2(api_key="x", base_url=s.url, timeout=60, max_retries=0)
+        r = co.rerank(model="rr", query=QUERY, documents=DOCS)
+    order = np.argsort(-np.asarray(want))
+    assert [x.index for x in r.results] == order.tolist()
+    np.testing.assert_allclose([x.relevance_score for x in r.results],
+                               np.asarray(want)[order], atol=1e-5)  # fmt: skip
