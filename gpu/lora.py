@@ -16,6 +16,7 @@ layer for every row (the last layer's cut to the sampled rows assumes one weight
 layer by layer on CPU (not the compiled all-layer call, which reads the base weights
 itself) and without CUDA graphs, which are captured for the base alone; a step without
 any runs as it would with no adapter loaded.
+Under tensor parallelism each rank serves its share of every adapter (_shard).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from gpu.config import ModelConfig
+from gpu.tp import TPGroup, local_config, shard_range
 from scheduler.config import LoRAInUse
 
 # PEFT's module name -> (our fused projection, its part)
@@ -142,9 +144,10 @@ def read_files(name: str, path: str | Path) -> AdapterFiles:
 
 def read_adapter(
     name: str, path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-    device: torch.device, files: AdapterFiles | None = None,
+    device: torch.device, files: AdapterFiles | None = None, tp: TPGroup | None = None,
 ) -> Adapter:  # fmt: skip
-    """A PEFT LoRA checkpoint, checked against the base model's shapes."""
+    """A PEFT LoRA checkpoint, checked against the base model's shapes; with `tp`, this
+    rank's share of it (_shard)."""
     root = Path(path)
     conf, tensors = files if files is not None else read_files(name, root)
     if conf.get("peft_type", "LORA") != "LORA":
@@ -171,11 +174,11 @@ def read_adapter(
                 f"LoRA adapter {name!r}: {key!r}: the model has {cfg.num_layers} layers"
             )
         found.setdefault((layer, m.group(2)), {})[m.group(3)] = t
-    parts = _parts(cfg)
+    parts, local = _parts(cfg), _parts(local_config(cfg, tp))
     per_module: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, target), ab in sorted(found.items()):
         module, part = TARGETS[target]
-        off, out, inp = parts[module][part]
+        _, out, inp = parts[module][part]
         a, b = ab.get("A"), ab.get("B")
         where = f"LoRA adapter {name!r}: layer {layer} {target}"
         if a is None or b is None:
@@ -185,6 +188,9 @@ def read_adapter(
                 f"{where}: A {tuple(a.shape)} / B {tuple(b.shape)}, the model needs "
                 f"({rank}, {inp}) / ({out}, {rank})"
             )
+        if tp is not None:
+            a, b = _shard(a, b, f"model.layers.{layer}.{module.split('.')[0]}.{target}", cfg, tp)
+        off, out, _ = local[module][part]
         per_module.setdefault((layer, module), []).append((off, out, a, b))
     if not per_module:
         raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights in {weights}")
@@ -198,6 +204,20 @@ def read_adapter(
             ]
         )
     return adapter
+
+
+def _shard(
+    a: torch.Tensor, b: torch.Tensor, hf_name: str, cfg: ModelConfig, tp: TPGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's (A, B) of a projection the base shards as its weight is sharded: a
+    column-parallel one (q/k/v, gate/up) by B's output rows; a row-parallel one (o, down)
+    by A's input columns, so each rank adds its partial product to its partial sum before
+    the all-reduce, which adds them up as it adds the base's."""
+    rng = shard_range(hf_name + ".weight", cfg, tp)
+    if rng is None:
+        return a, b
+    dim, lo, hi = rng
+    return (a, b[lo:hi]) if dim == 0 else (a[:, lo:hi], b)
 
 
 def _stack(adapters: list[Adapter], key: tuple[int, str]) -> _Stack | None:
@@ -238,13 +258,14 @@ class LoRAManager:
     def __init__(
         self, adapters: Mapping[str, Adapter], model: nn.Module | None = None,
         cfg: ModelConfig | None = None, max_rank: int = 64, dtype: torch.dtype = torch.float32,
-        device: torch.device | None = None,
+        device: torch.device | None = None, tp: TPGroup | None = None,
     ) -> None:  # fmt: skip
         """model ... device: what `load` reads adapters for and wraps (None: a manager over
         `adapters` alone, which `add` needs no model for)."""
         self.adapters = dict(adapters)
         self._model, self._cfg, self._max_rank = model, cfg, max_rank
         self._dtype, self._device = dtype, device or torch.device("cpu")
+        self._tp = tp  # (cfg is the whole model's; each adapter is cut to this rank's share)
         # Each adapter's own stacks (its runs'), made once; the stacks of sets of adapters
         # that shared a step (copies of their weights), kept while they fit in as many
         # bytes as the adapters themselves, least recently used out first.
@@ -268,7 +289,9 @@ class LoRAManager:
         assert self._model is not None and self._cfg is not None
         if name in self.adapters:
             raise LoRAError(f"LoRA adapter {name!r} is already loaded")
-        ad = read_adapter(name, path, self._cfg, self._max_rank, self._dtype, self._device, files)
+        ad = read_adapter(
+            name, path, self._cfg, self._max_rank, self._dtype, self._device, files, self._tp
+        )
         for layer, module in ad.deltas:
             owner_name, attr = module.split(".")
             owner = getattr(self._model.layers[layer], owner_name)
@@ -414,7 +437,7 @@ def attach(
 ) -> LoRAManager:  # fmt: skip
     """Read every adapter and wrap the projections any of them targets (none may be given
     yet: adapters loaded while serving come through `LoRAManager.load`)."""
-    manager = LoRAManager({}, model, cfg, max_rank, dtype, device)
+    manager = LoRAManager({}, model, cfg, max_rank, dtype, device, getattr(model, "tp", None))
     for name, path in modules.items():
         manager.load(name, path)
     # The compiled all-layer CPU call reads the packed base weights itself: the model runs

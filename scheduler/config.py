@@ -280,10 +280,18 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model.lora and self.parallel.enabled:
+        # Under tensor parallelism each rank reads its share of every --lora-modules
+        # adapter at start (gpu/lora.py); adapters loaded while serving would have to
+        # reach every rank, and pipeline stages hold no adapter support yet.
+        if self.model.allow_runtime_lora and self.parallel.enabled:
             raise ConfigError(
-                "LoRA adapters (--lora-modules) do not run with --tensor-parallel-size / "
-                "--pipeline-parallel-size / --nnodes > 1 yet"
+                "--allow-runtime-lora does not run with --tensor-parallel-size / "
+                "--pipeline-parallel-size / --nnodes > 1 (--lora-modules does, with tensor "
+                "parallelism)"
+            )
+        if self.model.lora and self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError(
+                "LoRA adapters (--lora-modules) do not run with --pipeline-parallel-size > 1"
             )
         if self.speculative is not None and self.parallel.enabled:
             raise ConfigError(

@@ -99,6 +99,29 @@ def test_a_mixed_batch_is_what_peft_generates(model, adapters):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["gqa", "kv-replicated"])
+def test_tensor_parallel_ranks_serve_their_share_of_each_adapter(adapters, tmp_path, kv_heads):
+    """TP=2: each rank holds its heads' rows of B for q/k/v (and its intermediate slice
+    for gate/up), its input columns of A for o/down, whose partial products the all-reduce
+    adds up with the base's: PEFT's tokens, beside the base, under chunked prefill."""
+    model = str(tiny_checkpoint("llama", num_hidden_layers=2, num_key_value_heads=kv_heads))
+    ads = {
+        name: peft_adapter(model, tmp_path / name, 200 + i, **lora)
+        for i, (name, lora) in enumerate(ADAPTERS.items())
+    }
+    prompts = _prompts(1, 3)
+    n = 8
+    want = {name: _oracle(model, ads.get(name), prompts, n) for name in (None, *ADAPTERS)}
+    with LLM(model, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32, threads=1,
+             lora_modules=ads, tensor_parallel_size=2, tensor_parallel_timeout=60) as llm:  # fmt: skip
+        jobs = [(name, p) for p in prompts for name in (None, *ADAPTERS)]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
+                  for name, _ in jobs]  # fmt: skip
+        got = llm.generate([p for _, p in jobs], params)
+    for (name, p), out in zip(jobs, got, strict=True):
+        assert out.outputs[0].token_ids == want[name][prompts.index(p)], name
+
+
 def test_an_unknown_adapter_is_refused(model, adapters):
     llm = LLM(model, dtype="float32", num_kv_blocks=32, lora_modules={"qv": adapters["qv"]})
     try:
@@ -140,10 +163,12 @@ def test_rank_bound_and_combinations_are_said(model, adapters):
     with pytest.raises(Exception, match="rank 8 is not in"):
         LLM(model, dtype="float32", num_kv_blocks=16, max_lora_rank=4,
             lora_modules={"all": adapters["all"]})  # fmt: skip
-    with pytest.raises(ConfigError, match="do not run with --tensor-parallel-size"):
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size"):
         EngineConfig.from_kwargs(
-            model=model, lora_modules={"qv": adapters["qv"]}, tensor_parallel_size=2
+            model=model, lora_modules={"qv": adapters["qv"]}, pipeline_parallel_size=2
         )
+    with pytest.raises(ConfigError, match="--allow-runtime-lora does not run"):
+        EngineConfig.from_kwargs(model=model, allow_runtime_lora=True, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="names must match"):
         EngineConfig.from_kwargs(model=model, lora_modules={"bad name": adapters["qv"]})
 
