@@ -15,8 +15,8 @@ refused at start with the reason, not served wrongly.  A step with adapter rows 
 layer for every row (the last layer's cut to the sampled rows assumes one weight per row),
 layer by layer on CPU (not the compiled all-layer call, which reads the base weights
 itself) and without CUDA graphs, which are captured for the base alone; a step without
-any runs as it would with no adapter loaded.
-Under tensor parallelism each rank serves its share of every adapter (_shard).
+any runs as it would with no adapter loaded.  Under tensor parallelism each rank serves
+its share of every adapter (_shard).
 """
 
 from __future__ import annotations
