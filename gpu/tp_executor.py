@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 _STOP = b"X"
 _STATS = b"?"
 _STEP = b"S"
+_LORA = b"L"  # an adapter loaded or unloaded while serving: ("load" | "unload", name, path)
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_msg = msgspec.msgpack.Decoder(tuple[str, Any]).decode
@@ -191,6 +192,9 @@ def _worker_main(
         if msg == _STATS:
             conn.send_bytes(_encode(("stats", runner.weight_bytes)))
             continue
+        if msg[:1] == _LORA:
+            conn.send_bytes(_encode(("lora", _lora_op(runner, msg[1:]))))
+            continue
         try:
             runner.execute_model(decode(memoryview(msg)[1:]))
         except BaseException:
@@ -201,6 +205,20 @@ def _worker_main(
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def _lora_op(runner: Any, msg: bytes) -> str | None:
+    """A rank's part of loading or unloading an adapter (rank 0 did its own first, so the
+    request is valid): None, or why it failed here."""
+    op, name, path = msgspec.msgpack.decode(msg)
+    try:
+        if op == "load":
+            runner.add_lora(name, path)
+        elif name in runner.lora.adapters:  # (one this rank failed to load is not there)
+            runner.lora.unload(name)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 class _Hello(msgspec.Struct, frozen=True):
@@ -298,6 +316,22 @@ class _Rank0Runner:
     def execute_model(self, so: SchedulerOutput) -> ModelOutput:
         self._executor.broadcast(_STEP + self._encode(so))
         return self._runner.execute_model(so)
+
+    def add_lora(self, name: str, path: str, files: Any = None) -> None:
+        """Load an adapter on every rank, between steps: rank 0's share first (which
+        checks it), then each other rank's; one that fails leaves it loaded nowhere."""
+        from gpu.lora import LoRAError
+
+        self._runner.add_lora(name, path, files)
+        errors = self._executor.lora_op("load", name, path)
+        if errors:
+            self._runner.lora.unload(name)
+            self._executor.lora_op("unload", name, path)
+            raise LoRAError(f"LoRA adapter {name!r}: a tensor-parallel rank: {errors[0]}")
+
+    def remove_lora(self, name: str) -> None:
+        self._runner.remove_lora(name)  # (refuses an adapter requests still run)
+        self._executor.lora_op("unload", name, "")
 
 
 class TPExecutor(ThreadExecutor):
@@ -489,6 +523,21 @@ class TPExecutor(ThreadExecutor):
         """Bytes of weights each rank holds, rank order.  Asks the workers from the
         executor thread, so the question never interleaves with a step on the pipes."""
         return self.call(self._rank_weight_bytes)
+
+    def lora_op(self, op: str, name: str, path: str) -> list[str]:
+        """Tell every other rank to load or unload an adapter (the executor thread,
+        between steps: the step pipes carry nothing else meanwhile); their failures."""
+        msg = _LORA + _encode((op, name, path))
+        for conn in self._conns:
+            conn.send_bytes(msg)
+        errors = []
+        for conn in self._conns:
+            if not conn.poll(self.timeout_s):
+                raise RuntimeError("a tensor-parallel rank did not answer")
+            error = _decode_msg(conn.recv_bytes())[1]
+            if error is not None:
+                errors.append(error)
+        return errors
 
     def _rank_weight_bytes(self) -> list[int]:
         out = [self.runner.weight_bytes]

@@ -280,15 +280,8 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        # Under tensor parallelism each rank reads its share of every --lora-modules
-        # adapter at start (gpu/lora.py); adapters loaded while serving would have to
-        # reach every rank, and pipeline stages hold no adapter support yet.
-        if self.model.allow_runtime_lora and self.parallel.enabled:
-            raise ConfigError(
-                "--allow-runtime-lora does not run with --tensor-parallel-size / "
-                "--pipeline-parallel-size / --nnodes > 1 (--lora-modules does, with tensor "
-                "parallelism)"
-            )
+        # Under tensor parallelism each rank holds its share of every adapter
+        # (gpu/lora.py, gpu/tp_executor.py); pipeline stages hold no adapter support yet.
         if self.model.lora and self.parallel.pipeline_parallel_size > 1:
             raise ConfigError(
                 "LoRA adapters (--lora-modules) do not run with --pipeline-parallel-size > 1"

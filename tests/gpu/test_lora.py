@@ -167,8 +167,8 @@ def test_rank_bound_and_combinations_are_said(model, adapters):
         EngineConfig.from_kwargs(
             model=model, lora_modules={"qv": adapters["qv"]}, pipeline_parallel_size=2
         )
-    with pytest.raises(ConfigError, match="--allow-runtime-lora does not run"):
-        EngineConfig.from_kwargs(model=model, allow_runtime_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size"):
+        EngineConfig.from_kwargs(model=model, allow_runtime_lora=True, pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="names must match"):
         EngineConfig.from_kwargs(model=model, lora_modules={"bad name": adapters["qv"]})
 

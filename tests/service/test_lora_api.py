@@ -209,6 +209,31 @@ def test_adapters_load_and_unload_while_serving(runtime, model, adapter, tmp_pat
     assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}).is_success
 
 
+def test_adapters_load_on_every_tensor_parallel_rank(model, adapter, tmp_path):
+    """TP=2: a load reaches every rank between steps (each takes its share), an unload
+    too; an adapter that fails to load is loaded nowhere and the server serves on."""
+    kw = {"threads": 1, "allow_runtime_lora": True, "tensor_parallel_size": 2,
+          "tensor_parallel_timeout": 60}  # fmt: skip
+    with live_server(model, served_model_name="tiny", engine_kwargs=kw) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        post = lambda path, body: httpx.post(s.url + path, json=body, timeout=60)  # noqa: E731
+        ids = [17, 305, 1200, 44, 9, 861, 23]
+        kw = dict(prompt=ids, max_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        assert post("/v1/load_lora_adapter", {"lora_name": "sea", "lora_path": adapter}).is_success
+        got = c.completions.create(model="sea", **kw).choices[0].model_extra["token_ids"]
+        assert got == _peft_greedy(model, adapter, ids, 8)
+        assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}).is_success
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="sea", **kw)
+        r = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        base = c.completions.create(model="tiny", **kw).choices[0].model_extra["token_ids"]
+        assert base != got and len(base) == 8
+        assert post("/v1/load_lora_adapter", {"lora_name": "sea", "lora_path": adapter}).is_success
+        assert c.completions.create(model="sea", **kw).choices[0].model_extra["token_ids"] == got
+
+
 def test_hostile_lora_bodies_are_refused_naming_the_field(runtime, tmp_path):
     post = lambda path, body: httpx.post(runtime.url + path, json=body, timeout=60)  # noqa: E731
     big = tmp_path / "big"
