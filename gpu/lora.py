@@ -15,8 +15,8 @@ refused at start with the reason, not served wrongly.  A step with adapter rows 
 layer for every row (the last layer's cut to the sampled rows assumes one weight per row),
 layer by layer on CPU (not the compiled all-layer call, which reads the base weights
 itself) and without CUDA graphs, which are captured for the base alone; a step without
-any runs as it would with no adapter loaded.  Under tensor parallelism each rank serves
-its share of every adapter (_shard).
+any runs as it would with no adapter loaded.  Under tensor and pipeline parallelism each
+rank serves its share of every adapter (_shard; its stage's layers).
 """
 
 from __future__ import annotations
@@ -145,9 +145,11 @@ def read_files(name: str, path: str | Path) -> AdapterFiles:
 def read_adapter(
     name: str, path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
     device: torch.device, files: AdapterFiles | None = None, tp: TPGroup | None = None,
+    layers: range | None = None,
 ) -> Adapter:  # fmt: skip
     """A PEFT LoRA checkpoint, checked against the base model's shapes; with `tp`, this
-    rank's share of it (_shard)."""
+    rank's share of it (_shard); with `layers` (a pipeline stage's), those layers' updates
+    alone, numbered from the stage's first."""
     root = Path(path)
     conf, tensors = files if files is not None else read_files(name, root)
     if conf.get("peft_type", "LORA") != "LORA":
@@ -188,11 +190,14 @@ def read_adapter(
                 f"{where}: A {tuple(a.shape)} / B {tuple(b.shape)}, the model needs "
                 f"({rank}, {inp}) / ({out}, {rank})"
             )
+        if layers is not None and layer not in layers:
+            continue
         if tp is not None:
             a, b = _shard(a, b, f"model.layers.{layer}.{module.split('.')[0]}.{target}", cfg, tp)
         off, out, _ = local[module][part]
-        per_module.setdefault((layer, module), []).append((off, out, a, b))
-    if not per_module:
+        here = layer if layers is None else layer - layers.start
+        per_module.setdefault((here, module), []).append((off, out, a, b))
+    if not found:
         raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights in {weights}")
     adapter = Adapter(name, str(root), rank, scale)
     for key, items in per_module.items():
@@ -259,13 +264,16 @@ class LoRAManager:
         self, adapters: Mapping[str, Adapter], model: nn.Module | None = None,
         cfg: ModelConfig | None = None, max_rank: int = 64, dtype: torch.dtype = torch.float32,
         device: torch.device | None = None, tp: TPGroup | None = None,
+        layers: range | None = None,
     ) -> None:  # fmt: skip
         """model ... device: what `load` reads adapters for and wraps (None: a manager over
         `adapters` alone, which `add` needs no model for)."""
         self.adapters = dict(adapters)
         self._model, self._cfg, self._max_rank = model, cfg, max_rank
         self._dtype, self._device = dtype, device or torch.device("cpu")
-        self._tp = tp  # (cfg is the whole model's; each adapter is cut to this rank's share)
+        # cfg is the whole model's; each adapter is cut to this rank's share: its tensor
+        # slice, its pipeline stage's layers.
+        self._tp, self._layers = tp, layers
         # Each adapter's own stacks (its runs'), made once; the stacks of sets of adapters
         # that shared a step (copies of their weights), kept while they fit in as many
         # bytes as the adapters themselves, least recently used out first.
@@ -290,8 +298,9 @@ class LoRAManager:
         if name in self.adapters:
             raise LoRAError(f"LoRA adapter {name!r} is already loaded")
         ad = read_adapter(
-            name, path, self._cfg, self._max_rank, self._dtype, self._device, files, self._tp
-        )
+            name, path, self._cfg, self._max_rank, self._dtype, self._device, files, self._tp,
+            self._layers,
+        )  # fmt: skip
         for layer, module in ad.deltas:
             owner_name, attr = module.split(".")
             owner = getattr(self._model.layers[layer], owner_name)
@@ -437,7 +446,11 @@ def attach(
 ) -> LoRAManager:  # fmt: skip
     """Read every adapter and wrap the projections any of them targets (none may be given
     yet: adapters loaded while serving come through `LoRAManager.load`)."""
-    manager = LoRAManager({}, model, cfg, max_rank, dtype, device, getattr(model, "tp", None))
+    pp = getattr(model, "pp", None)
+    layers = None if pp is None else range(pp.start, pp.stop)
+    manager = LoRAManager(
+        {}, model, cfg, max_rank, dtype, device, getattr(model, "tp", None), layers
+    )
     for name, path in modules.items():
         manager.load(name, path)
     # The compiled all-layer CPU call reads the packed base weights itself: the model runs

@@ -195,7 +195,11 @@ def run_pipeline(
             x = torch.empty(t, hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(x, src=pp.prev_rank)
         keep = inputs.keep if pp.last else None
+        if runner.lora is not None and runner._lora_rows(d, inputs.ordered):
+            keep = None  # the last layer's cut assumes one weight for every row
         h = model.forward_layers(x, inputs.positions, runner.kv_caches, inputs.meta, keep)
+        if runner.lora is not None:
+            runner.lora.clear()
         if not pp.last:
             h = h.contiguous()
             sends.append((dist.isend(h, dst=pp.next_rank), h))

@@ -280,12 +280,6 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        # Under tensor parallelism each rank holds its share of every adapter
-        # (gpu/lora.py, gpu/tp_executor.py); pipeline stages hold no adapter support yet.
-        if self.model.lora and self.parallel.pipeline_parallel_size > 1:
-            raise ConfigError(
-                "LoRA adapters (--lora-modules) do not run with --pipeline-parallel-size > 1"
-            )
         if self.speculative is not None and self.parallel.enabled:
             raise ConfigError(
                 "speculative decoding (--speculative-*) does not run with "

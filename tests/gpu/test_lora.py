@@ -99,11 +99,17 @@ def test_a_mixed_batch_is_what_peft_generates(model, adapters):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kv_heads", [4, 1], ids=["gqa", "kv-replicated"])
-def test_tensor_parallel_ranks_serve_their_share_of_each_adapter(adapters, tmp_path, kv_heads):
+@pytest.mark.parametrize(
+    ("kv_heads", "layout"),
+    [(4, {"tensor_parallel_size": 2}), (1, {"tensor_parallel_size": 2}),
+     (4, {"pipeline_parallel_size": 2})],
+    ids=["tp2-gqa", "tp2-kv-replicated", "pp2"],
+)  # fmt: skip
+def test_parallel_ranks_serve_their_share_of_each_adapter(adapters, tmp_path, kv_heads, layout):
     """TP=2: each rank holds its heads' rows of B for q/k/v (and its intermediate slice
     for gate/up), its input columns of A for o/down, whose partial products the all-reduce
-    adds up with the base's: PEFT's tokens, beside the base, under chunked prefill."""
+    adds up with the base's.  PP=2: each stage its layers' updates, for each micro-batch's
+    rows.  PEFT's tokens, beside the base, under chunked prefill."""
     model = str(tiny_checkpoint("llama", num_hidden_layers=2, num_key_value_heads=kv_heads))
     ads = {
         name: peft_adapter(model, tmp_path / name, 200 + i, **lora)
@@ -113,7 +119,7 @@ def test_tensor_parallel_ranks_serve_their_share_of_each_adapter(adapters, tmp_p
     n = 8
     want = {name: _oracle(model, ads.get(name), prompts, n) for name in (None, *ADAPTERS)}
     with LLM(model, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32, threads=1,
-             lora_modules=ads, tensor_parallel_size=2, tensor_parallel_timeout=60) as llm:  # fmt: skip
+             lora_modules=ads, tensor_parallel_timeout=60, **layout) as llm:  # fmt: skip
         jobs = [(name, p) for p in prompts for name in (None, *ADAPTERS)]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
                   for name, _ in jobs]  # fmt: skip
@@ -163,12 +169,6 @@ def test_rank_bound_and_combinations_are_said(model, adapters):
     with pytest.raises(Exception, match="rank 8 is not in"):
         LLM(model, dtype="float32", num_kv_blocks=16, max_lora_rank=4,
             lora_modules={"all": adapters["all"]})  # fmt: skip
-    with pytest.raises(ConfigError, match="--pipeline-parallel-size"):
-        EngineConfig.from_kwargs(
-            model=model, lora_modules={"qv": adapters["qv"]}, pipeline_parallel_size=2
-        )
-    with pytest.raises(ConfigError, match="--pipeline-parallel-size"):
-        EngineConfig.from_kwargs(model=model, allow_runtime_lora=True, pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="names must match"):
         EngineConfig.from_kwargs(model=model, lora_modules={"bad name": adapters["qv"]})
 

@@ -209,11 +209,12 @@ def test_adapters_load_and_unload_while_serving(runtime, model, adapter, tmp_pat
     assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}).is_success
 
 
-def test_adapters_load_on_every_tensor_parallel_rank(model, adapter, tmp_path):
-    """TP=2: a load reaches every rank between steps (each takes its share), an unload
-    too; an adapter that fails to load is loaded nowhere and the server serves on."""
-    kw = {"threads": 1, "allow_runtime_lora": True, "tensor_parallel_size": 2,
-          "tensor_parallel_timeout": 60}  # fmt: skip
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"],
+                         ids=["tp2", "pp2"])  # fmt: skip
+def test_adapters_load_on_every_parallel_rank(model, adapter, tmp_path, layout):
+    """TP=2 or PP=2: a load reaches every rank between steps (each takes its share), an
+    unload too; an adapter that fails to load is loaded nowhere and the server serves on."""
+    kw = {"threads": 1, "allow_runtime_lora": True, layout: 2, "tensor_parallel_timeout": 60}
     with live_server(model, served_model_name="tiny", engine_kwargs=kw) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
         post = lambda path, body: httpx.post(s.url + path, json=body, timeout=60)  # noqa: E731
