@@ -71,6 +71,16 @@ def _prompts(seed: int, k: int) -> list[list[int]]:
     return [torch.randint(3, 2000, (int(n),), generator=g).tolist() for n in (5, 37, 70, 19)[:k]]
 
 
+def _check_mixed_batch(llm: LLM, prompts: list[list[int]], want: dict, n: int) -> None:
+    """Every prompt under the base and each adapter, in one batch: PEFT's tokens."""
+    jobs = [(name, p) for p in prompts for name in (None, *ADAPTERS)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
+              for name, _ in jobs]  # fmt: skip
+    got = llm.generate([p for _, p in jobs], params)
+    for (name, p), out in zip(jobs, got, strict=True):
+        assert out.outputs[0].token_ids == want[name][prompts.index(p)], name
+
+
 def test_a_mixed_batch_is_what_peft_generates(model, adapters):
     prompts = _prompts(0, 4)
     n = 12
@@ -81,12 +91,7 @@ def test_a_mixed_batch_is_what_peft_generates(model, adapters):
         lora_modules=adapters,
     )  # fmt: skip
     try:
-        jobs = [(name, p) for p in prompts for name in (None, *ADAPTERS)]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
-                  for name, _ in jobs]  # fmt: skip
-        got = llm.generate([p for _, p in jobs], params)
-        for (name, p), out in zip(jobs, got, strict=True):
-            assert out.outputs[0].token_ids == want[name][prompts.index(p)], name
+        _check_mixed_batch(llm, prompts, want, n)
         # One at a time, base first: each prompt's blocks are cached before the adapters'
         # turns, which must not hit them (their KV is another model's).
         for name in (None, *ADAPTERS):
@@ -120,12 +125,7 @@ def test_parallel_ranks_serve_their_share_of_each_adapter(adapters, tmp_path, kv
     want = {name: _oracle(model, ads.get(name), prompts, n) for name in (None, *ADAPTERS)}
     with LLM(model, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32, threads=1,
              lora_modules=ads, tensor_parallel_timeout=60, **layout) as llm:  # fmt: skip
-        jobs = [(name, p) for p in prompts for name in (None, *ADAPTERS)]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=name)
-                  for name, _ in jobs]  # fmt: skip
-        got = llm.generate([p for _, p in jobs], params)
-    for (name, p), out in zip(jobs, got, strict=True):
-        assert out.outputs[0].token_ids == want[name][prompts.index(p)], name
+        _check_mixed_batch(llm, prompts, want, n)
 
 
 def test_an_unknown_adapter_is_refused(model, adapters):
