@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
+import logging
 import math
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +22,8 @@ from gpu.cpu import features as cpu_features
 from gpu.cpu.features import CpuFeatures
 from gpu.hf_labels import classifier_labels, from_tokens
 from scheduler import envs
+
+log = logging.getLogger(__name__)
 
 # architecture name -> (biases, per-head q/k RMSNorm).  Biases as transformers builds the
 # attention: "config" = q/k/v and o_proj all follow config.json's attention_bias (default
@@ -124,6 +133,48 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             f"config.json: rope scaling type {rtype!r} is not supported (llama3 only)"
         )
     return rope_theta, {**scaling, "rope_type": "llama3"}
+
+
+def with_hf_overrides(model_dir: Path, overrides: Mapping[str, Any] | None) -> Path:
+    """vLLM's hf_overrides (`--hf-overrides`): a directory that is `model_dir` but for its
+    config.json, which has `overrides` merged in (dicts key by key), so every reader of the
+    checkpoint (the runner, tensor-parallel ranks, the pooling rules, the prefix tier's
+    fingerprint) sees the same config.  It holds links to the other files, under the cache
+    directory, named by the checkpoint's path, its config and the overrides."""
+    if not overrides:
+        return model_dir
+    source = model_dir.resolve()
+    raw = (source / "config.json").read_bytes()
+    cfg = _merged(json.loads(raw), overrides)
+    key = hashlib.blake2b(digest_size=10)
+    for part in (str(source).encode(), raw, json.dumps(overrides, sort_keys=True).encode()):
+        key.update(part + b"\0")
+    out = cache_root() / "hf-overrides" / key.hexdigest()
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".overlay-", dir=out.parent))
+    try:
+        for f in source.iterdir():
+            if f.name != "config.json":
+                (tmp / f.name).symlink_to(f)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        with contextlib.suppress(OSError):  # another process made it first
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("config.json with --hf-overrides %s: %s", json.dumps(overrides), out)
+    return out
+
+
+def _merged(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merged(out[k], v)
+        else:
+            out[k] = v
+    return out
 
 
 @dataclass(frozen=True)

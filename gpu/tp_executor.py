@@ -37,11 +37,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import wait as wait_any
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from gpu.config import ModelConfig, ModelLoadError
+from gpu.config import ModelConfig, ModelLoadError, with_hf_overrides
 from gpu.pp import DEFAULT_MICRO_BATCHES, make_stage
 from gpu.tp import core_sets, free_port, init_group, pin_thread
 from scheduler.config import EngineConfig, ParallelSettings
@@ -141,12 +142,14 @@ def _build_runner(
         addr=topo.master_addr, local_rank=local_rank, tp_size=topo.tp_size,
     )  # fmt: skip
     tp = group if topo.tp_size > 1 else None
+    # --hf-overrides' config, made here (on another node, in its own cache).
+    model_dir = with_hf_overrides(Path(spec.model_dir), spec.config.model.hf_overrides)
     pp = None
     if topo.pp_size > 1:
-        cfg = ModelConfig.from_dir(spec.model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
         pp = make_stage(cfg, rank, topo.pp_size, topo.tp_size, topo.micro_batches, group.device)
     config = spec.config.replace(device=_rank_device(device, local_rank))
-    return ModelRunner(spec.model_dir, config, faults=faults, tp=tp, pp=pp)
+    return ModelRunner(model_dir, config, faults=faults, tp=tp, pp=pp)
 
 
 def _worker_main(

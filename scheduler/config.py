@@ -110,7 +110,7 @@ class ModelSettings:
     # gates behind VLLM_ALLOW_RUNTIME_LORA_UPDATING): any path the server can read.
     allow_runtime_lora: bool = False
     # vLLM's hf_overrides: merged into the checkpoint's config.json as read
-    # (service/engine_setup.with_hf_overrides), e.g. to serve a causal LM as a classifier.
+    # (gpu/config.with_hf_overrides), e.g. to serve a causal LM as a classifier.
     hf_overrides: Mapping[str, Any] | None = None
 
     @property

@@ -35,12 +35,7 @@ from scheduler.stream import RequestStream
 from scheduler.structured import AfterReasoning
 from service.bad_words import encode_words, nothing_allowed
 from service.detokenizer import IncrementalDetokenizer, StopChecker
-from service.engine_setup import (
-    build_prefix_tier,
-    ensure_default_model,
-    tp_executor,
-    with_hf_overrides,
-)
+from service.engine_setup import build_prefix_tier, ensure_default_model, tp_executor
 from service.outputs import CompletionOutput, RequestMetrics, RequestOutput, Submitted
 from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
@@ -261,15 +256,16 @@ class AsyncEngine:
         """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
         if config.device.engine_process:
             return cls.in_process(config)  # the HTTP process never imports torch
+        from gpu.config import with_hf_overrides
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
 
-        model_dir = Path(config.model.model) if config.model.model else ensure_default_model()
-        model_dir = with_hf_overrides(model_dir, config.model.hf_overrides)
+        source = Path(config.model.model) if config.model.model else ensure_default_model()
+        model_dir = with_hf_overrides(source, config.model.hf_overrides)
         faults = FaultPlan.from_env(config.fault_injection)
         if faults is not None:
             log.warning("FAULT INJECTION is on: %s", faults)
         if config.parallel.enabled:
-            executor: ThreadExecutor = tp_executor(config, model_dir, faults)
+            executor: ThreadExecutor = tp_executor(config, source, faults)
             return cls._assemble(config, executor, model_dir, faults)
 
         def build() -> ModelRunner:

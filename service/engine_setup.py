@@ -4,15 +4,9 @@ namespace, and the tensor-parallel executor."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import logging
-import os
-import shutil
 import struct
-import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +85,14 @@ def build_prefix_tier(config: EngineConfig, runner: object, model_dir: Path) -> 
 def tp_executor(config: EngineConfig, model_dir: Path, faults: FaultPlan | None) -> ThreadExecutor:
     """Check what tensor and pipeline parallelism cannot do with this model before any
     process starts (EngineConfig already refused what they cannot do at all), then
-    spawn."""
-    from gpu.config import ModelConfig
+    spawn.  `model_dir` is the checkpoint's own: each rank applies --hf-overrides where
+    it runs (its node's cache)."""
+    from gpu.config import ModelConfig, with_hf_overrides
     from gpu.pp import check_pp_config
     from gpu.tp import check_tp_config
     from gpu.tp_executor import TPExecutor
 
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = ModelConfig.from_dir(with_hf_overrides(model_dir, config.model.hf_overrides))
     par = config.parallel
     check_tp_config(cfg, par.tensor_parallel_size)
     check_pp_config(cfg, par.pipeline_parallel_size, config.model.quantization)
@@ -155,50 +150,6 @@ def default_draft_dir() -> Path:
     from modelkit.train import PAIR_DIR
 
     return PAIR_DIR / "draft"
-
-
-def with_hf_overrides(model_dir: Path, overrides: Mapping[str, Any] | None) -> Path:
-    """vLLM's hf_overrides (`--hf-overrides`): a directory that is `model_dir` but for its
-    config.json, which has `overrides` merged in (dicts key by key), so every reader of the
-    checkpoint (the runner, tensor-parallel ranks, the pooling rules, the prefix tier's
-    fingerprint) sees the same config.  It holds links to the other files, under the cache
-    directory, named by the checkpoint's path, its config and the overrides."""
-    if not overrides:
-        return model_dir
-    from gpu.config import cache_root  # (torch: the engine's side only)
-
-    source = model_dir.resolve()
-    raw = (source / "config.json").read_bytes()
-    cfg = _merged(json.loads(raw), overrides)
-    key = hashlib.blake2b(digest_size=10)
-    for part in (str(source).encode(), raw, json.dumps(overrides, sort_keys=True).encode()):
-        key.update(part + b"\0")
-    out = cache_root() / "hf-overrides" / key.hexdigest()
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".overlay-", dir=out.parent))
-    try:
-        for f in source.iterdir():
-            if f.name != "config.json":
-                (tmp / f.name).symlink_to(f)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        with contextlib.suppress(OSError):  # another process made it first
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("config.json with --hf-overrides %s: %s", json.dumps(overrides), out)
-    return out
-
-
-def _merged(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = _merged(out[k], v)
-        else:
-            out[k] = v
-    return out
 
 
 class DefaultModelMissing(FileNotFoundError):
