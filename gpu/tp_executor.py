@@ -329,7 +329,7 @@ class _Rank0Runner:
         errors = self._executor.lora_op("load", name, path)
         if errors:
             self._runner.lora.unload(name)
-            self._executor.lora_op("unload", name, path)
+            self._executor.lora_op("unload", name, "")
             raise LoRAError(f"LoRA adapter {name!r}: a tensor-parallel rank: {errors[0]}")
 
     def remove_lora(self, name: str) -> None:

@@ -66,13 +66,9 @@ class Pooler:
         archs = cfg.get("architectures")
         arch = str(archs[0]) if isinstance(archs, list) and archs else ""
         self.classifier = arch.endswith("ForSequenceClassification")
-        # A classifier's label names in id order (transformers' LABEL_i where unnamed).
-        self.labels: list[str] = []
-        if self.classifier:
-            try:
-                self.labels = classifier_labels(cfg)
-            except ValueError:  # the engine refuses to load it, saying why
-                self.labels = ["LABEL_0"]
+        # A classifier's label names in id order (transformers' LABEL_i where unnamed);
+        # the engine loaded this config, so it has them.
+        self.labels: list[str] = classifier_labels(cfg) if self.classifier else []
         # Why this model cannot be served by last-token pooling, if it cannot.
         self.unsupported: str | None = self._pooling_refusal(model_dir)
         if self.unsupported:
@@ -115,7 +111,8 @@ class Pooler:
                 "model",
             )
 
-    def probabilities(self, logits: list[list[float]], activation: bool = True) -> np.ndarray:
+    @staticmethod
+    def probabilities(logits: list[list[float]], activation: bool = True) -> np.ndarray:
         """[N, labels] float32: softmax over the labels, sigmoid for a single label, or
         the logits as they are without `activation`."""
         x = np.asarray(logits, dtype=np.float32)

@@ -179,19 +179,16 @@ class Codec:
         second part keeps its first so many tokens (Cohere's max_tokens_per_doc)."""
         firsts = self.backend.encode_batch([a for a, _ in pairs], add_special_tokens=False)
         seconds = self.backend.encode_batch([b for _, b in pairs], add_special_tokens=False)
+        bos = [] if self.bos_token_id is None else [self.bos_token_id]
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
         out = []
         for ea, eb in zip(firsts, seconds, strict=True):
             if second_max is not None:
                 eb.truncate(second_max)
-            if self.bos_token_id is None and self.eos_token_id is None:
+            if bos or eos:
+                out.append(bos + ea.ids + eos + bos + eb.ids + eos)
+            else:
                 out.append(self.backend.post_process(ea, eb, add_special_tokens=True).ids)
-                continue
-            ids = []
-            for part in (ea.ids, eb.ids):
-                bos = [] if self.bos_token_id is None else [self.bos_token_id]
-                eos = [] if self.eos_token_id is None else [self.eos_token_id]
-                ids += bos + part + eos
-            out.append(ids)
         return out
 
     def decode_batch(
