@@ -11,7 +11,9 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import orjson
 from aiohttp import WSCloseCode, web
 
@@ -35,7 +37,7 @@ from service.protocol import BadRequest, check_messages, decode_prefix
 from service.reasoning import ReasoningParser
 from service.request_ids import LIVE_IDS, TENANT, echo_request_id, release_request_id
 from service.response_store import make_response_store
-from service.security import AccessLogger, host_refusal
+from service.security import AccessLogger, host_refusal, server_ssl_context
 from service.state import STATE, ServerConfig, ServerState
 from service.ws import websocket_handler
 
@@ -87,8 +89,11 @@ async def host_middleware(
     return await handler(request)
 
 
+_KEYED_PATHS = ("/score", "/rerank", "/classify", "/invocations")
+
+
 def _needs_key(state: ServerState, path: str) -> bool:
-    if path.startswith(("/v1", "/v2", "/debug")) or path in ("/score", "/rerank", "/classify"):
+    if path.startswith(("/v1", "/v2", "/debug")) or path in _KEYED_PATHS:
         return True
     return path in ("/tokenize", "/detokenize") and not state.config.public_tokenize
 
@@ -252,9 +257,14 @@ async def _load_engine(app: web.Application, state: ServerState) -> None:
         engine = app.get(PRESET_ENGINE)
         if engine is None:
             engine = await asyncio.to_thread(AsyncEngine.from_config, state.config.engine)
-        names = [state.config.served_model_name or engine.model_name]
+        given = state.config.served_model_name
+        names = [given] if isinstance(given, str) else list(given or [engine.model_name])
         if str(engine.model_dir) not in names:
             names.append(str(engine.model_dir))
+        # Before the render pool starts: its worker processes take a copy of the templates.
+        engine.tokenizer.use_chat_template(
+            state.config.chat_template, state.config.chat_template_content_format
+        )
         metrics = _engine_metrics(engine, names[0])
         metrics.watch_streams(state.streams)
         waiting = engine.config.scheduler.max_waiting_requests or 1024
@@ -328,6 +338,9 @@ def _openai_serving(
         ),
         defaults=_generation_defaults(state.config, engine),
         streams=state.streams,
+        response_role=state.config.response_role,
+        tokens_as_ids=state.config.return_tokens_as_token_ids,
+        force_usage=state.config.enable_force_include_usage,
     )
     cfg = state.config
     serving.store = make_response_store(
@@ -465,6 +478,59 @@ async def _generation(request: web.Request, route: str) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generation(request, "chat")
+
+
+class _InvocationKeys(msgspec.Struct):
+    """The keys /invocations routes by; their values are not decoded here (an absent
+    key's Raw is empty)."""
+
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
+    query: msgspec.Raw = msgspec.Raw()
+    queries: msgspec.Raw = msgspec.Raw()
+    text_1: msgspec.Raw = msgspec.Raw()
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's (and vLLM's) one route for every task, told apart by the body: `messages`
+    is a chat completion, `prompt` a completion, `input` an embedding (a classifier's:
+    classify), `query` a rerank, `queries` or `text_1` a score."""
+    try:
+        keys = msgspec.json.decode(await request.read(), type=_InvocationKeys)
+    except msgspec.DecodeError as e:
+        return error_response(f"the body is not a JSON object: {e}", 400)
+    if keys.messages:
+        route = "chat"
+    elif keys.prompt:
+        route = "completions"
+    elif keys.input:
+        serving = _serving(request)
+        route = "classify" if serving.pooler.classifier else "embeddings"
+    elif keys.query:
+        route = "rerank"
+    elif keys.queries or keys.text_1:
+        route = "score"
+    else:
+        return error_response(
+            "/invocations takes a chat (messages), completion (prompt), embedding or "
+            "classification (input), rerank (query) or score (queries / text_1) body",
+            400,
+            "messages",
+        )
+    return await _generation(request, route)
+
+
+async def ping(request: web.Request) -> web.Response:
+    """SageMaker's health check: /health's answer."""
+    return await health(request)
+
+
+async def get_model(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.serving is None:
+        return error_response("the model is still loading", 503)
+    return await state.serving.model(request, request.match_info["model"])
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -713,6 +779,10 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
+    app.router.add_post("/invocations", invocations)
+    for method in ("GET", "POST"):
+        app.router.add_route(method, "/ping", ping)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
@@ -750,7 +820,8 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     app.router.add_get("/v1/ws", websocket_handler)
     if config.enable_debug_routes:
         app.router.add_get("/debug/state", debug_state)
-    app.router.add_get("/openapi.json", openapi)
+    if config.openapi_docs:
+        app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)
@@ -768,18 +839,27 @@ def run_server(config: ServerConfig, engine: AsyncEngine | None = None) -> int:
     except ImportError:  # pragma: no cover
         loop = asyncio.new_event_loop()
     app = create_app(config, engine)
-    url = f"http://{config.host}:{config.port}/"
+    tls = server_ssl_context(config)
+    if config.uds:
+        where = f"unix:{config.uds}"
+        url = "http://localhost/"
+    else:
+        where = url = f"{'https' if tls else 'http'}://{config.host}:{config.port}/"
 
     def announce(_: str) -> None:
         print(
-            f"pagestream serving on {url} (OpenAI API at {url}v1, chat page at {url})", flush=True
+            f"pagestream serving on {where} (OpenAI API at {url}v1, chat page at {url})",
+            flush=True,
         )
 
     config.exit_on_engine_failure = True
+    where_kw: dict[str, Any] = (
+        {"path": config.uds} if config.uds else {"host": config.host, "port": config.port}
+    )
     web.run_app(
         app,
-        host=config.host,
-        port=config.port,
+        **where_kw,
+        ssl_context=tls,
         loop=loop,
         handler_cancellation=True,
         shutdown_timeout=config.shutdown_timeout + 5.0,

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -39,6 +39,11 @@ RESERVED_VARIABLES = frozenset(
     }
 )
 DEFAULT_MAX_OUTPUT_CHARS = 8 << 20
+# How message content reaches the template (vLLM's --chat-template-content-format):
+# "string" joins a list of text parts into one string; "openai" hands every content over
+# as OpenAI's list of parts ({"type": "text", "text": ...}), a string one as one part;
+# "auto" picks "openai" for a template that loops over a message's content, else "string".
+CONTENT_FORMATS = ("auto", "string", "openai")
 _TEMPLATE_CACHE_SIZE = 32
 _WIDTH = re.compile(r"%[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _FORMAT_WIDTH = re.compile(r"\{[^{}]*:[^{}]*?(\d+)[^{}]*\}")
@@ -163,10 +168,11 @@ def sandbox(max_size: int = DEFAULT_MAX_OUTPUT_CHARS) -> BoundedSandbox:
     return env
 
 
-def _message_content(content: Any) -> Any:
-    """OpenAI content parts -> one string; strings pass through; other types are refused."""
+def _text_parts(content: Any) -> list[str]:
+    """A message content's texts: a string is one; of a list of OpenAI parts, each text
+    part's; other types are refused."""
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list | tuple):
         texts = []
         for part in content:
@@ -178,9 +184,53 @@ def _message_content(content: Any) -> Any:
                 texts.append(part["text"])
             else:
                 raise ValueError(f"unsupported message content part (type {kind!r})")
-        # vLLM joins text parts with newlines, so the same request renders the same prompt.
-        return "\n".join(texts)
+        return texts
     raise ValueError(f"message content must be a string or a list of parts, not {type(content)}")
+
+
+def _message_content(content: Any, as_parts: bool = False) -> Any:
+    """Content as the template reads it: one string (vLLM joins text parts with
+    newlines, so the same request renders the same prompt), or with `as_parts` a list of
+    text parts."""
+    texts = _text_parts(content)
+    if as_parts:
+        return [{"type": "text", "text": t} for t in texts]
+    return texts[0] if isinstance(content, str) else "\n".join(texts)
+
+
+def loops_over_content(template: jinja2.nodes.Template) -> bool:
+    """Whether a parsed template iterates over a message's `content` (`for part in
+    message['content']` or `message.content`): such a template expects OpenAI's list of
+    parts, and "auto" hands it that."""
+    for loop in template.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if isinstance(it, jinja2.nodes.Filter):  # `content | selectattr(...)` and the like
+            it = it.node
+        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+            return True
+        if (
+            isinstance(it, jinja2.nodes.Getitem)
+            and isinstance(it.arg, jinja2.nodes.Const)
+            and it.arg.value == "content"
+        ):
+            return True
+    return False
+
+
+def load_chat_template(arg: str) -> str:
+    """--chat-template as vLLM reads it: a file's text, or the template itself when the
+    argument is not a file but holds Jinja syntax.  Anything else is an error naming it."""
+    from pathlib import Path
+
+    path = Path(arg)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {arg}: cannot read it: {e}") from None
+    if "{{" in arg or "{%" in arg:
+        return arg
+    raise ValueError(f"--chat-template {arg!r}: no such file, and not a Jinja template")
 
 
 def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
@@ -188,6 +238,8 @@ def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
     transformers' continue_final_message: its trailing whitespace kept only where the
     template kept it)."""
     content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # as OpenAI's parts (content format "openai")
+        content = _message_content(content)
     stripped = content.strip() if isinstance(content, str) else ""
     if not stripped:
         raise TemplateError(
@@ -204,7 +256,9 @@ def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
     return text[: at + (len(content) if whole else len(stripped))]
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], as_parts: bool = False
+) -> list[dict[str, Any]]:
     out = []
     for m in messages:
         if not isinstance(m, Mapping):
@@ -212,9 +266,15 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         # Like transformers: a key set to None (OpenAI's content=None) counts as absent.
         msg = {k: v for k, v in m.items() if v is not None}
         if "content" in msg:
-            msg["content"] = _message_content(msg["content"])
+            msg["content"] = _message_content(msg["content"], as_parts)
         out.append(msg)
     return out
+
+
+class _Compiled(NamedTuple):
+    template: jinja2.Template
+    names: frozenset[str]  # the variables it reads
+    loops_over_content: bool
 
 
 class ChatTemplates:
@@ -225,11 +285,15 @@ class ChatTemplates:
         source: str | dict[str, str] | None,
         special_tokens: Mapping[str, str] | None = None,
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+        content_format: str = "auto",
     ) -> None:
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"content format must be one of {CONTENT_FORMATS}")
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         self.max_output_chars = max_output_chars
-        self._compiled: OrderedDict[str, tuple[jinja2.Template, frozenset[str]]] = OrderedDict()
+        self.content_format = content_format
+        self._compiled: OrderedDict[str, _Compiled] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_compiled": OrderedDict()}
@@ -254,17 +318,19 @@ class ChatTemplates:
             )
         return source
 
-    def compile(self, source: str) -> tuple[jinja2.Template, frozenset[str]]:
-        """The compiled template and the variables it reads (LRU-cached: clients that may
-        send templates must not grow this without bound)."""
+    def compile(self, source: str) -> _Compiled:
+        """The compiled template, the variables it reads and whether it loops over a
+        message's content (LRU-cached: clients that may send templates must not grow this
+        without bound)."""
         hit = self._compiled.get(source)
         if hit is not None:
             self._compiled.move_to_end(source)
             return hit
         env = sandbox(self.max_output_chars)
         try:
-            names = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
-            entry = (env.from_string(source), names)
+            tree = env.parse(source)
+            names = frozenset(jinja2.meta.find_undeclared_variables(tree))
+            entry = _Compiled(env.from_string(source), names, loops_over_content(tree))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile: {e}") from e
         self._compiled[source] = entry
@@ -275,7 +341,7 @@ class ChatTemplates:
     def request_kwargs(self, source: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """A client's chat_template_kwargs, cut down to variables the template reads
         (others are dropped, as vLLM drops them); reserved names are refused."""
-        _, names = self.compile(source)
+        names = self.compile(source).names
         for k in kwargs:
             if k in RESERVED_VARIABLES:
                 raise TemplateError(
@@ -300,14 +366,16 @@ class ChatTemplates:
         continue_final_message: the text ends with the final message's content, whatever
         the template writes after it (its end of turn), so the model carries that message
         on."""
-        template, _ = self.compile(self.select(chat_template))
+        compiled = self.compile(self.select(chat_template))
         variables = {**self.special_tokens, **kwargs}
         cap = self.max_output_chars
         param = "chat_template" if chat_template else "messages"
-        normalized = normalize_messages(messages)
+        fmt = self.content_format
+        as_parts = fmt == "openai" or (fmt == "auto" and compiled.loops_over_content)
+        normalized = normalize_messages(messages, as_parts)
         try:
             parts, size = [], 0
-            for piece in template.generate(
+            for piece in compiled.template.generate(
                 messages=normalized,
                 tools=tools,
                 documents=documents,

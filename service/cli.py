@@ -24,6 +24,8 @@ from scheduler.config import (
     default_of,
 )
 from scheduler.spec import SpecConfig
+from service.chat_template import CONTENT_FORMATS
+from service.cli_config import expand_config_file
 from service.limits import Limits
 
 if TYPE_CHECKING:
@@ -160,7 +162,8 @@ def _add_step_args(g: Group) -> None:
         action="store_true",
         help="no CUDA graphs for decode steps (they are on by default on CUDA)",
     )
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   help="disable prefix caching")  # fmt: skip
 
 
 def _add_redis_args(g: Group) -> None:
@@ -259,6 +262,12 @@ def _add_speculative_args(g: Group) -> None:
         "(--speculative-model: their directory; `pagestream train-medusa` makes them) "
         "(default: off)",
     )
+    g.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help="vLLM's form of the speculative settings, in place of the flags below: "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', "
+        "method draft (or draft_model) with `model`, or medusa with `model`",
+    )  # fmt: skip
     g.add_argument(
         "--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step"
     )
@@ -378,10 +387,21 @@ def lora_modules(items: list[str] | None) -> dict[str, str] | None:
     return out or None
 
 
+def _take_model_tag(a: argparse.Namespace) -> None:
+    """`serve MODEL` (vLLM's form) is --model MODEL; the two must not disagree."""
+    tag = getattr(a, "model_tag", None)
+    if tag is None:
+        return
+    if a.model is not None and a.model != tag and a.model != _env("PAGESTREAM_MODEL"):
+        raise ConfigError(f"model: serve {tag} and --model {a.model} name different models")
+    a.model, a.model_tag = tag, None
+
+
 def engine_config(a: argparse.Namespace, **settings: object) -> EngineConfig:
     """The engine's config from `serve`'s flags: a flag named as its setting lands there
     as parsed; the few in other units or senses are converted here; `settings` (what
     other flags decide, as server_config's key shares) win.  ConfigError names the flag."""
+    _take_model_tag(a)
     same = {name: getattr(a, name) for name in FIELD_GROUP if hasattr(a, name)}
     converted = {
         "kv_cache_bytes": int(a.kv_cache_memory * (1 << 30)) if a.kv_cache_memory else None,
@@ -507,6 +527,17 @@ def parse_key_file(path: str) -> list[tuple[str, float]]:
 
 def speculative_config(a: argparse.Namespace) -> dict[str, object] | None:
     method = a.speculative_method or ("draft" if a.speculative_model else None)
+    if a.speculative_config is not None:
+        if method is not None:
+            raise ConfigError(
+                "speculative_config (--speculative-config) replaces --speculative-method and "
+                "--speculative-model: give one form"
+            )
+        try:
+            SpecConfig.from_dict(a.speculative_config)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"speculative_config (--speculative-config): {e}") from None
+        return dict(a.speculative_config)
     if method is None:
         return None
     return {
@@ -568,7 +599,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     """The server's configuration from `serve`'s flags (bench.host_server builds its own
     engine around the same)."""
     from service.app import ServerConfig
-    from service.security import key_tenant
+    from service.chat_template import ChatTemplates, load_chat_template
+    from service.security import key_tenant, server_ssl_context
 
     keys = list(a.api_key or [])
     if not keys and _env("PAGESTREAM_API_KEY"):
@@ -604,8 +636,18 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
             "--allow-runtime-lora without --admin-api-key: every API key may load adapters "
             "from any path this server can read"
         )
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        chat_template = load_chat_template(a.chat_template) if a.chat_template else None
+        if chat_template is not None:
+            ChatTemplates(chat_template).compile(chat_template)  # a syntax error: now
+    except ValueError as e:
+        raise SystemExit(f"--chat-template: {e}") from None
     converted = {
         "engine": engine,
+        "chat_template": chat_template,
+        "openapi_docs": not a.disable_fastapi_docs,
         "api_key": None,  # the flag's list is api_keys
         "api_keys": keys,
         "admin_api_keys": admin,
@@ -615,7 +657,12 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         "limits": limits(a),
         "access_log": not a.disable_access_log,
     }
-    return ServerConfig(**(same_names(a, ServerConfig) | converted))
+    config = ServerConfig(**(same_names(a, ServerConfig) | converted))
+    try:
+        server_ssl_context(config)  # unreadable or mismatched files: now, not at bind
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return config
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -662,10 +709,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the OpenAI API, WebSocket and chat page")
+    s.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="the checkpoint directory, as `vllm serve MODEL` takes it (or --model)",
+    )  # fmt: skip
     _add_access_args(s)
+    _add_listen_args(s)
     _add_stream_args(s)
+    _add_chat_args(s)
     add_engine_args(s)
     add_limit_args(s)
+    _add_accepted_args(s)
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("make-model", help="write a random-weight HF checkpoint", add_help=False)
@@ -684,6 +738,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks against a running server", add_help=False)
     b.set_defaults(func=None)
     return ap
+
+
+def _subparser(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction))
+    return sub.choices[name]  # type: ignore[no-any-return]
 
 
 def _add_access_args(s: argparse.ArgumentParser) -> None:
@@ -719,7 +778,11 @@ def _add_access_args(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens",
     )
-    s.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    s.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="the names requests may give as `model` (the first is the one responses "
+        "report; default: the checkpoint's directory name)",
+    )  # fmt: skip
     s.add_argument(
         "--allowed-origins",
         action="append",
@@ -750,9 +813,77 @@ def _add_access_args(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_listen_args(s: argparse.ArgumentParser) -> None:
+    """TLS and Unix sockets (vLLM's uvicorn flags)."""
+    s.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                   help="serve HTTPS (and wss://) with this certificate chain")  # fmt: skip
+    s.add_argument("--ssl-keyfile", default=None, metavar="PEM",
+                   help="the certificate's private key")  # fmt: skip
+    s.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                   help="CA certificates client certificates are checked against")  # fmt: skip
+    s.add_argument(
+        "--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+        help="client certificates: 0 not asked for, 1 checked when given, 2 required "
+        "(mutual TLS; Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED)",
+    )  # fmt: skip
+    s.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host / --port")  # fmt: skip
+
+
+def _add_chat_args(s: argparse.ArgumentParser) -> None:
+    """How chat requests become prompts, and how responses name things."""
+    s.add_argument(
+        "--chat-template", default=None, metavar="FILE|TEMPLATE",
+        help="the chat template every chat request renders with, in place of the "
+        "checkpoint's: a Jinja file, or the template itself",
+    )  # fmt: skip
+    s.add_argument(
+        "--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+        help="message content as the template sees it: string (text parts joined), openai "
+        "(a list of {type, text} parts), auto (openai for a template that loops over a "
+        "message's content, else string)",
+    )  # fmt: skip
+    s.add_argument("--response-role", default="assistant",
+                   help="a chat reply's role after a generation prompt")  # fmt: skip
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:N", whatever a request asks')  # fmt: skip
+    s.add_argument(
+        "--enable-force-include-usage", action="store_true",
+        help="every streamed chat or completion ends with a usage chunk, asked for or not",
+    )  # fmt: skip
+    s.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="do not serve /openapi.json")  # fmt: skip
+
+
+# vLLM flags that ask for what pagestream does anyway; accepted so a `vllm serve` line runs
+# unchanged (docs/FLAGS.md says what each means here).
+ACCEPTED_VLLM_FLAGS = {
+    "--trust-remote-code": "no checkpoint code is ever run: only the architectures "
+    "pagestream implements load, and others are refused at load",
+    "--enable-prefix-caching": "prefix caching is on unless --no-prefix-caching",
+    "--enable-chunked-prefill": "prompts are always cut into chunks that share steps with decodes",
+    "--enable-auto-tool-choice": "tool_choice auto is served whenever --tool-call-parser "
+    "is given (it is refused without one)",
+    "--disable-log-requests": "requests' contents are never logged",
+    "--disable-log-stats": "no periodic statistics are logged (GET /metrics has them)",
+}
+
+
+def _add_accepted_args(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("vLLM flags accepted for what pagestream does anyway")
+    for flag, meaning in ACCEPTED_VLLM_FLAGS.items():
+        g.add_argument(flag, action="store_true", help=meaning)
+    g.add_argument(
+        "--config", default=None, metavar="YAML",
+        help="flags from a YAML file (vLLM's: long flag names as keys, e.g. `port: 8001`); "
+        "a flag on the command line wins over the file's",
+    )  # fmt: skip
+
+
 def _add_stream_args(s: argparse.ArgumentParser) -> None:
     """Request size, logging, slow readers and shutdown."""
-    s.add_argument("--disable-access-log", action="store_true", help="no per-request log")
+    s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                   help="no per-request log")  # fmt: skip
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="parse tool calls out of the text for tool_choice 'auto'")  # fmt: skip
@@ -848,6 +979,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # import it: like git's external commands, this process becomes `python -m bench`.
         os.execv(sys.executable, [sys.executable, "-m", "bench", *argv[1:]])
     ap = build_parser()
+    if argv[:1] == ["serve"]:
+        try:
+            argv = ["serve", *expand_config_file(argv[1:], _subparser(ap, "serve"))]
+        except ValueError as e:
+            ap.error(str(e))
     a = ap.parse_args(argv)
     logging.basicConfig(
         level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

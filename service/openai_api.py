@@ -19,6 +19,7 @@ from service.openai_completions import CompletionServing
 from service.openai_conversations import ConversationsServing
 from service.openai_embeddings import PairwiseServing
 from service.openai_responses import ResponsesServing
+from service.protocol import BadRequest
 
 
 class OpenAIServing(
@@ -29,10 +30,10 @@ class OpenAIServing(
     shape) and completions (`service/openai_completions.py`) share `ServingBase`
     (`service/openai_common.py`): queueing, bounded SSE writes, usage and logprob text."""
 
-    async def models(self, request: web.Request) -> web.Response:
-        """OpenAI's list, each entry with Anthropic's fields too (`type`, `display_name`,
-        `created_at`; the page's `has_more`, `first_id`, `last_id`), so either SDK's
-        `models.list()` reads it."""
+    def model_entries(self) -> list[dict[str, object]]:
+        """Every name a request may give as `model`: OpenAI's model object with
+        Anthropic's fields too (`type`, `display_name`, `created_at`), so either SDK reads
+        it; an adapter in vLLM's shape (its directory, and the base it adapts)."""
         now = int(time.time())
         stamp = datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z")
 
@@ -50,11 +51,16 @@ class OpenAIServing(
             }
 
         data = [entry(name, root=str(self.engine.model_dir)) for name in self.names]
-        # vLLM's shape for an adapter: its directory, and the base it adapts
         data += [
             entry(name, root=path, parent=self.names[0])
             for name, path in self.engine.lora_paths.items()
         ]
+        return data
+
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI's list (with Anthropic's page fields `has_more`, `first_id`, `last_id`),
+        so either SDK's `models.list()` reads it."""
+        data = self.model_entries()
         return json_response(
             {
                 "object": "list",
@@ -64,3 +70,11 @@ class OpenAIServing(
                 "last_id": data[-1]["id"],
             }
         )
+
+    async def model(self, request: web.Request, name: str) -> web.Response:
+        """GET /v1/models/{model}: OpenAI's (and Anthropic's) retrieve; 404 in the error
+        shape for a name this server does not serve."""
+        for entry in self.model_entries():
+            if entry["id"] == name:
+                return json_response(entry)
+        raise BadRequest(f"The model `{name}` does not exist.", "model", status=404)

@@ -20,7 +20,6 @@ from service.completion_extras import (
     OFF_LOOP_LOGPROB_ENTRIES,
     finite,
     prompt_logprobs_json,
-    token_labels,
 )
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
@@ -82,6 +81,13 @@ class ChatStart:
 
 
 class ChatServing(ServingBase):
+    def reply_role(self, req: ChatCompletionRequest) -> str:
+        """The reply's role, as vLLM names it: --response-role after a generation prompt,
+        else the role of the message the reply carries on."""
+        if req.add_generation_prompt or not req.messages:
+            return self.response_role
+        return req.messages[-1].role
+
     def chat_logprobs(
         self, lps: list[TokenLogprobs] | None, label: Callable[[int], str] | None
     ) -> dict[str, Any] | None:
@@ -203,7 +209,7 @@ class ChatServing(ServingBase):
         choices = []
         thinking, reasoning_tokens = start.thinking, 0
         for o in last.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            message: dict[str, Any] = {"role": self.reply_role(req), "content": o.text}
             text = o.text
             if thinking is not None:
                 thought, text, reasoned = split(thinking.parser, thinking.opening, text)
@@ -223,9 +229,7 @@ class ChatServing(ServingBase):
             choice: dict[str, Any] = {
                 "index": o.index,
                 "message": message,
-                "logprobs": self.chat_logprobs(
-                    o.logprobs, token_labels(req.return_tokens_as_token_ids)
-                ),
+                "logprobs": self.chat_logprobs(o.logprobs, self.labels(req)),
                 "finish_reason": finish,
                 "stop_reason": o.stop_reason,
             }
@@ -265,7 +269,7 @@ class ChatServing(ServingBase):
         created = int(time.time())
         parser = make_parser(self.tool_call_parser) if mode == "auto" else None
         tools = {i: ToolStream(mode, parser, req) for i in range(params.n)} if mode else {}
-        usage = StreamUsage.of(len(ids), req.stream_options)
+        usage = StreamUsage.of(len(ids), req.stream_options, self.force_usage)
         thinking = start.thinking
         thoughts: dict[int, tuple[ReasoningStream, ThinkingCount]] = {}
         if thinking is not None:
@@ -274,9 +278,9 @@ class ChatServing(ServingBase):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         # A reply that may be tool calls opens without `content: ""`: OpenAI's does, and a
         # client that sees an empty content string first may take the reply for text.
-        role: dict[str, Any] = (
-            {"role": "assistant"} if mode else {"role": "assistant", "content": ""}
-        )
+        role: dict[str, Any] = {"role": self.reply_role(req)}
+        if not mode:
+            role["content"] = ""
         head = [
             {"index": i, "delta": dict(role), "logprobs": None, "finish_reason": None}
             for i in range(params.n)
@@ -351,9 +355,7 @@ class ChatServing(ServingBase):
         c: dict[str, Any] = {
             "index": d.index,
             "delta": delta,
-            "logprobs": self.chat_logprobs(
-                d.logprobs, token_labels(req.return_tokens_as_token_ids)
-            ),
+            "logprobs": self.chat_logprobs(d.logprobs, self.labels(req)),
             "finish_reason": finish,
         }
         if d.finish_reason is not None:

@@ -23,6 +23,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
 from service.async_engine import AsyncEngine, EmbeddingOnly, MaxTokensTooLarge, RequestFailed
 from service.beam_search import BeamSearchParams, start_searches
+from service.completion_extras import token_labels
 from service.generation_defaults import NONE as NO_DEFAULTS
 from service.generation_defaults import GenerationDefaults
 from service.http_util import (
@@ -166,10 +167,11 @@ class StreamUsage:
     reasoning_tokens: int | None = None  # counted when a reasoning parser runs
 
     @classmethod
-    def of(cls, prompt_tokens: int, opts: StreamOptions | None) -> StreamUsage:
+    def of(cls, prompt_tokens: int, opts: StreamOptions | None, force: bool = False) -> StreamUsage:
+        """force: --enable-force-include-usage, the totals whatever the request asks."""
         return cls(
             prompt_tokens,
-            include=bool(opts and opts.include_usage),
+            include=force or bool(opts and opts.include_usage),
             continuous=bool(opts and opts.continuous_usage_stats),
         )
 
@@ -193,8 +195,14 @@ class ServingBase:
         reasoning: ReasoningParser | None = None,
         defaults: GenerationDefaults = NO_DEFAULTS,
         streams: StreamRegistry | None = None,
+        response_role: str = "assistant",
+        tokens_as_ids: bool = False,
+        force_usage: bool = False,
     ) -> None:
         self.engine = engine
+        self.response_role = response_role  # --response-role
+        self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids
+        self.force_usage = force_usage  # --enable-force-include-usage
         self.streams = streams  # resumable streams (service/resume.py); None: off
         self.details = prompt_tokens_details
         self.prep = prep
@@ -294,6 +302,11 @@ class ServingBase:
     @staticmethod
     def with_lora(params: SamplingParams, lora: str | None) -> SamplingParams:
         return params if lora is None else msgspec.structs.replace(params, lora=lora)
+
+    def labels(self, req: Any) -> Callable[[int], str] | None:
+        """How a response's logprobs name tokens: by id when the request or the server
+        (--return-tokens-as-token-ids) asks, else by text (None)."""
+        return token_labels(self.tokens_as_ids or bool(req.return_tokens_as_token_ids))
 
     def token_text(self, tid: int) -> str:
         s = self._token_text.get(tid)

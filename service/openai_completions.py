@@ -21,7 +21,6 @@ from service.completion_extras import (
     best_of,
     finite,
     join_logprobs,
-    token_labels,
 )
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
@@ -169,7 +168,7 @@ class CompletionServing(ServingBase):
             choices = []
             completion = 0
             cached = 0
-            shared = PromptLogprobs(self.token_text, token_labels(req.return_tokens_as_token_ids))
+            shared = PromptLogprobs(self.token_text, self.labels(req))
             for i, out in enumerate(finals):
                 cached += out.num_cached_tokens
                 if not req.echo_only:
@@ -241,7 +240,7 @@ class CompletionServing(ServingBase):
         """A chunk per step of any prompt, with every choice that moved."""
         resp = await self._open_stream(request)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
-        usage = StreamUsage.of(sum(map(len, prompts)), req.stream_options)
+        usage = StreamUsage.of(sum(map(len, prompts)), req.stream_options, self.force_usage)
         chunks = _CompletionChunks(self, req, base, prompts, params.n, echo, usage)
         return await self._run_stream(request, resp, gens, params.n, chunks, base, usage)
 
@@ -300,9 +299,7 @@ class _CompletionChunks:
         self.n, self.echo, self.usage = n, echo, usage
         self.offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         self.cached: dict[str, int] = {}  # per prompt (engine request id): cached tokens
-        self.shared = PromptLogprobs(
-            serving.token_text, token_labels(req.return_tokens_as_token_ids)
-        )
+        self.shared = PromptLogprobs(serving.token_text, serving.labels(req))
         # Nothing but text in a choice's middle chunks: those are built inline.
         plain = echo is None and not req.echo_only and not req.return_token_ids
         self.plain = plain and req.logprobs is None and req.prompt_logprobs is None

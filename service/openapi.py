@@ -163,6 +163,16 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/cache/prefixes": _post("Compute and publish a shared prefix", prefix, False),
             "/v1/models": {"get": {"summary": "Served models", "responses": plain}},
+            "/v1/models/{model}": {"get": {"summary": "One served model", "responses": plain}},
+            "/invocations": _post(
+                "Any task, by the body's keys (SageMaker's route)",
+                {"anyOf": [chat, completion, embeddings, rerank, score]},
+                True,
+            ),
+            "/ping": {
+                "get": {"summary": "/health's answer (SageMaker's)", "responses": plain},
+                "post": {"summary": "/health's answer (SageMaker's)", "responses": plain},
+            },
             "/v1/load_lora_adapter": _post(
                 "Load a LoRA adapter (with --allow-runtime-lora)", load_lora, False
             ),

@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import socket
+import ssl
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -219,3 +221,34 @@ class AccessLogger(AbstractAccessLogger):
             request.version.major, request.version.minor,
             response.status, response.body_length, time,
         )  # fmt: skip
+
+
+def server_ssl_context(config: Any) -> ssl.SSLContext | None:
+    """TLS for the listening socket (--ssl-certfile / --ssl-keyfile, as vLLM's uvicorn
+    takes them), or None for plain HTTP.  With --ssl-ca-certs and --ssl-cert-reqs 1 or 2
+    (ssl.CERT_OPTIONAL / CERT_REQUIRED) client certificates are checked against those CAs:
+    mutual TLS.  A file that cannot be read is a ValueError naming its flag."""
+    if not (config.ssl_certfile or config.ssl_keyfile):
+        if config.ssl_ca_certs or config.ssl_cert_reqs:
+            raise ValueError(
+                "--ssl-ca-certs / --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile"
+            )
+        return None
+    if not (config.ssl_certfile and config.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    if config.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+    if config.ssl_cert_reqs and not config.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to check clients against")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile / --ssl-keyfile: {e}") from None
+    if config.ssl_ca_certs:
+        try:
+            ctx.load_verify_locations(cafile=config.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-ca-certs: {e}") from None
+    ctx.verify_mode = ssl.VerifyMode(config.ssl_cert_reqs)
+    return ctx

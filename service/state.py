@@ -43,7 +43,9 @@ class ServerConfig:
     # --admin-api-key: when set, the operator's routes (LoRA load and unload, /debug) take
     # only these keys, and no API key opens them.
     admin_api_keys: list[str] = field(default_factory=list)
-    served_model_name: str | None = None
+    # The names requests may give as `model` (the first is the one responses report);
+    # None: the checkpoint's directory name.  A str is one name.
+    served_model_name: str | list[str] | None = None
     allowed_origins: list[str] = field(default_factory=list)
     # Host headers answered (DNS rebinding; see security.AllowedHosts): None = the --host
     # name (plus the machine's hostname on 0.0.0.0 / ::); IP addresses and localhost
@@ -96,6 +98,25 @@ class ServerConfig:
     # Where they are kept: memory (this replica's), redis (the fleet's, at the prefix
     # tier's --redis-url: any replica continues a chain), auto (redis when there is one).
     response_store: str = "auto"
+    # Chat templates: --chat-template's source (None: the checkpoint's own) and how
+    # message content reaches a template (service/chat_template.CONTENT_FORMATS).
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    response_role: str = "assistant"  # a chat reply's role after a generation prompt
+    # Logprobs name tokens "token_id:N" whatever a request asks (vLLM's flag).
+    return_tokens_as_token_ids: bool = False
+    # Every streamed chat or completion ends with a usage chunk, asked for or not.
+    enable_force_include_usage: bool = False
+    # Where it listens: TLS on the TCP port when a certificate and key are given (client
+    # certificates checked against ssl_ca_certs when ssl_cert_reqs is 1 or 2, as
+    # ssl.CERT_OPTIONAL / CERT_REQUIRED), or a Unix socket (uds) instead of host:port.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    uds: str | None = None
+    # GET /openapi.json (vLLM's --disable-fastapi-docs turns its docs off).
+    openapi_docs: bool = True
 
 
 class ServerState:

@@ -243,6 +243,16 @@ class Tokenizer:
         )
         self.templates = ChatTemplates(chat_template, self.special_tokens)
 
+    def use_chat_template(self, source: str | None, content_format: str = "auto") -> None:
+        """The server's --chat-template (None: keep the checkpoint's) and
+        --chat-template-content-format."""
+        if source is not None:
+            self.chat_template = source
+        self.templates = ChatTemplates(
+            self.chat_template, self.special_tokens, self.templates.max_output_chars,
+            content_format,
+        )  # fmt: skip
+
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`,

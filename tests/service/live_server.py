@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -33,18 +35,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=2)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(2)
+        self.sock.connect(self.path)
+
+
+def _health(url: str, tls: ssl.SSLContext | None, uds: str | None) -> int:
+    """/health's status, or 0 when nothing answers yet."""
+    try:
+        if uds is not None:
+            conn = _UnixHTTPConnection(uds)
+            try:
+                conn.request("GET", "/health")
+                return conn.getresponse().status
+            finally:
+                conn.close()
+        with urllib.request.urlopen(url + "/health", timeout=2, context=tls) as r:
+            return int(r.status)
+    except OSError:
+        return 0
+
+
 @contextlib.contextmanager
 def server_process(
-    tmp_path: Path, module: str, *args: str, new_session: bool = False, graceful: bool = False
+    tmp_path: Path,
+    module: str,
+    *args: str,
+    new_session: bool = False,
+    graceful: bool = False,
+    tls: ssl.SSLContext | None = None,
+    uds: str | None = None,
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """A real server process (`service.cli serve` or `bench.host_server`), healthy, its
     output in tmp_path; new_session: in a process group of its own (a signal to the group
-    spares pytest); graceful: stopped with SIGTERM (killed past 30 s), else killed."""
+    spares pytest); graceful: stopped with SIGTERM (killed past 30 s), else killed.
+    tls: the client context its /health is polled with (an https:// url comes back);
+    uds: the Unix socket it listens on (--uds is added)."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     logf = tmp_path / f"server-{port}.log"
     pre = ["serve"] if module == "service.cli" else []
-    cmd = [sys.executable, "-m", module, *pre, "--port", str(port), "--threads", "1", *args]
+    where = ["--uds", uds] if uds else ["--port", str(port)]
+    cmd = [sys.executable, "-m", module, *pre, *where, "--threads", "1", *args]
     with logf.open("wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session
@@ -53,12 +91,8 @@ def server_process(
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, logf.read_text()[-3000:]
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(url + "/health", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    break
+            if _health(url, tls, uds) == 200:
+                break
             assert time.monotonic() < deadline, "server did not become healthy"
             time.sleep(0.1)
         yield proc, url

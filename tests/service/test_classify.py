@@ -93,11 +93,14 @@ def test_classify_gives_the_heads_probabilities_whatever_the_batch(server, class
             assert d["label"] == LABELS[int(np.argmax(want))]
     assert len({d["label"] for d in r["data"]}) > 1, "the head should tell these inputs apart"
 
-    # use_activation false: the raw logits; /v1/classify is the same route.
-    status, raw = _post(server, "/v1/classify", {"input": inputs[:2], "use_activation": False})
-    assert status == 200, raw
-    for ids, d in zip(inputs[:2], raw["data"], strict=True):
-        np.testing.assert_allclose(d["probs"], logits(hf, ids), atol=1e-4)
+    # use_activation false: the raw logits; /v1/classify is the same route, and so is
+    # SageMaker's /invocations with an `input` on a classifier.
+    for path in ("/v1/classify", "/invocations"):
+        status, raw = _post(server, path, {"input": inputs[:2], "use_activation": False})
+        assert status == 200, raw
+        assert raw["id"].startswith("classify-"), path
+        for ids, d in zip(inputs[:2], raw["data"], strict=True):
+            np.testing.assert_allclose(d["probs"], logits(hf, ids), atol=1e-4)
     server.wait_kv_free()
 
 
@@ -179,6 +182,11 @@ def test_cross_encoder_scores_and_reranks_pairs_read_together(cross_encoder):
         np.testing.assert_allclose([x["relevance_score"] for x in r["results"]],
                                    [want[i] for i in order[:3]], atol=1e-5)  # fmt: skip
         assert r["results"][0]["document"] == {"text": docs[order[0]]}
+        # SageMaker's /invocations: a `query` is a rerank, `text_1` a score.
+        status, r = _post(s, "/invocations", {"query": query, "documents": docs, "top_n": 1})
+        assert status == 200 and r["results"][0]["index"] == order[0], r
+        status, r = _post(s, "/invocations", {"text_1": query, "text_2": docs[:1]})
+        assert status == 200 and abs(r["data"][0]["score"] - want[0]) < 1e-5, r
 
         # Cohere's max_tokens_per_doc: each document keeps its first tokens, the query all.
         q_len = len(tok(query, add_special_tokens=False).input_ids)

@@ -19,10 +19,12 @@ from scheduler.config import (
     EngineConfig,
     flag_of,
 )
-from service.cli import build_parser, engine_config, main, server_config
+from service.cli import ACCEPTED_VLLM_FLAGS, build_parser, engine_config, main, server_config
 from tests.checkpoints import tiny_checkpoint
+from tests.tls_certs import make_certs
 
 SPEC_BASE = ["--speculative-method", "draft", "--speculative-model", "/draft"]
+TLS = ["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}"]
 KEYS = ["--api-key", "k1", "--api-key", "k2"]  # two keys: --prefix-tier-key-share applies
 # Flags whose default gives no value to derive another from (None), or whose values are
 # constrained: the value to set, and the line it is set on (default: KEYS + SPEC_BASE).
@@ -68,12 +70,28 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--forwarded-allow-ips": (["10.0.0.0/8"], None),
     "--socket-send-buffer": (["65536"], None),
     "--max-logprobs": (["5"], None),
+    # vLLM's form of the speculative flags: one of its fields, on a line that uses it.
+    "--speculative-config": (
+        ['{{"method": "ngram", "num_speculative_tokens": 3}}'],
+        [*KEYS, "--speculative-config", '{{"method": "ngram"}}'],
+    ),
+    "--chat-template": (["{template}"], None),
+    "--uds": (["/tmp/pagestream.sock"], None),
+    # TLS files are read at start: real ones, on a line that already serves TLS.
+    "--ssl-certfile": (["{cert2}"], [*SPEC_BASE, *TLS]),
+    "--ssl-keyfile": (["{key2}"], [*SPEC_BASE, *TLS]),
+    "--ssl-ca-certs": (["{ca}"], [*SPEC_BASE, *TLS]),
+    "--ssl-cert-reqs": (["2"], [*SPEC_BASE, *TLS, "--ssl-ca-certs", "{ca}"]),
 }
 # Flags that set no field of the server's config, and why.
 PROCESS_FLAGS = {
     # oneDNN reads its cache bound from the environment once, before torch loads: cmd_serve
     # sets it first thing.
     "--onednn-cache-capacity",
+    # Its file's flags are set as if given on the line (test_vllm_cli.py).
+    "--config",
+    # vLLM's, for what pagestream does anyway (test_vllm_cli.py runs a line with them).
+    *ACCEPTED_VLLM_FLAGS,
 }
 
 
@@ -89,11 +107,11 @@ def _engine_flags() -> set[str]:
     return {a.option_strings[0] for a in group._group_actions}
 
 
-def _other_value(action: argparse.Action, key_file: str) -> list[str]:
+def _other_value(action: argparse.Action, files: dict[str, str]) -> list[str]:
     """A valid value for the flag other than its default."""
     flag = action.option_strings[0]
     if flag in SPECIAL:
-        return [v.format(key_file=key_file) for v in SPECIAL[flag][0]]
+        return [v.format(**files) for v in SPECIAL[flag][0]]
     if action.nargs == 0:  # store_true
         return []
     if action.choices:
@@ -130,18 +148,34 @@ def _no_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+def _flag_files(tmp_path: Any) -> dict[str, str]:
+    """Files some flags' values name: an API key file, TLS certificates (a second copy of
+    the pair under other names), a chat template."""
+    import shutil
+
+    (tmp_path / "keys").write_text("k4\n")
+    certs = make_certs(tmp_path / "tls")
+    shutil.copy(certs.server_cert, tmp_path / "cert2.pem")
+    shutil.copy(certs.server_key, tmp_path / "key2.pem")
+    (tmp_path / "template.jinja").write_text("{{ messages[0]['content'] }}")
+    return {
+        "key_file": str(tmp_path / "keys"), "cert": str(certs.server_cert),
+        "key": str(certs.server_key), "ca": str(certs.ca), "cert2": str(tmp_path / "cert2.pem"),
+        "key2": str(tmp_path / "key2.pem"), "template": str(tmp_path / "template.jinja"),
+    }  # fmt: skip
+
+
 def test_every_serve_flag_lands_in_exactly_one_field(tmp_path):
-    key_file = tmp_path / "keys"
-    key_file.write_text("k4\n")
+    files = _flag_files(tmp_path)
     engine_flags, landed = _engine_flags(), {}
     for action in _serve_flags():
         flag = action.option_strings[0]
         if flag in PROCESS_FLAGS:
             continue
         base = SPECIAL.get(flag, ([], None))[1]
-        base = [*KEYS, *SPEC_BASE] if base is None else base
+        base = [*KEYS, *SPEC_BASE] if base is None else [v.format(**files) for v in base]
         before = _leaves(_server(base))
-        after = _leaves(_server([*base, flag, *_other_value(action, str(key_file))]))
+        after = _leaves(_server([*base, flag, *_other_value(action, files)]))
         changed = [k for k in after if after[k] != before[k]]
         assert len(changed) == 1, f"{flag} changed {changed}"
         landed[flag] = changed[0]
@@ -151,8 +185,10 @@ def test_every_serve_flag_lands_in_exactly_one_field(tmp_path):
             # The name a ConfigError gives the field is the flag that sets it.
             assert flag_of(field) == flag, (field, flag)
     fields = list(landed.values())
-    # Only --api-key and --api-key-file share a field: the file's keys add to the flag's.
-    assert {f for f in fields if fields.count(f) > 1} == {"api_keys"}, "two flags, one field"
+    # Only --api-key and --api-key-file share a field (the file's keys add to the flag's),
+    # and --speculative-config sets what the --speculative-* flags set, in vLLM's form.
+    shared = {"api_keys", "engine.speculative.num_speculative_tokens"}
+    assert {f for f in fields if fields.count(f) > 1} == shared, "two flags, one field"
     # Every engine setting has its flag, but those only LLM(...), tests or other flags set.
     reached = {k.removeprefix("engine.") for k in landed.values()} | {"speculative"}
     every = {f"{g}.{n}" for n, g in FIELD_GROUP.items()} | {"speculative", "fault_injection"}

@@ -145,6 +145,7 @@ def check_http(server, path: str, body: Any) -> None:
         "/detokenize",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/invocations",
     ],
 )
 def test_fuzz_http(server, schemas, path):
