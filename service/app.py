@@ -25,8 +25,9 @@ from scheduler.engine_core import (
 )
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestRejected
-from service import utility_api
+from service import cors, utility_api
 from service.async_engine import AsyncEngine, RequestFailed, rss_bytes
+from service.cors import cors_middleware
 from service.generation_defaults import GenerationDefaults
 from service.http_util import SPEC_FIELD, TENANT_SALT, error_response, json_response, salted
 from service.metrics import Metrics
@@ -763,9 +764,16 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
     """The application; pass `engine` to serve an already-built engine (tests, embedding)."""
     app = web.Application(
         client_max_size=config.max_request_bytes,
-        middlewares=[host_middleware, connection_middleware, api_middleware],
+        middlewares=[host_middleware, cors_middleware, connection_middleware, api_middleware],
     )
     app[STATE] = ServerState(config)
+    cors.install(
+        app,
+        cors.CorsPolicy.build(
+            config.allowed_origins, config.allowed_methods, config.allowed_headers,
+            config.allow_credentials,
+        ),
+    )  # fmt: skip
     app[LIVE_IDS] = app[STATE].request_ids
     if engine is not None:
         app[PRESET_ENGINE] = engine

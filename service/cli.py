@@ -487,8 +487,23 @@ def bound_onednn_caches(capacity: int) -> None:
 
 
 def _split(values: list[str] | None) -> list[str]:
-    """Repeatable flags that also take comma-separated lists."""
-    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+    """Repeatable flags that also take comma-separated lists, or a JSON list (vLLM's
+    form: --allowed-origins '["https://a.example"]')."""
+    out = []
+    for item in values or []:
+        if item.lstrip().startswith("["):
+            import json
+
+            try:
+                parsed = json.loads(item)
+            except ValueError as e:
+                raise SystemExit(f"not a JSON list: {item!r} ({e})") from None
+            if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+                raise SystemExit(f"not a JSON list of strings: {item!r}")
+            out += [v.strip() for v in parsed if v.strip()]
+        else:
+            out += [v.strip() for v in item.split(",") if v.strip()]
+    return out
 
 
 def read_key_file(path: str) -> list[str]:
@@ -652,6 +667,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         "api_keys": keys,
         "admin_api_keys": admin,
         "allowed_origins": _split(a.allowed_origins),
+        "allowed_methods": _split(a.allowed_methods) or ["*"],
+        "allowed_headers": _split(a.allowed_headers) or ["*"],
         "allowed_hosts": _split(hosts) if hosts else None,
         "forwarded_allow_ips": forwarded,
         "limits": limits(a),
@@ -786,9 +803,16 @@ def _add_access_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--allowed-origins",
         action="append",
-        help="extra origins allowed to open /v1/ws, e.g. https://chat.example.com "
-        "(repeatable or comma-separated; '*' for any)",
+        help="origins (besides the server's own) whose pages may open /v1/ws and call the "
+        "API (CORS), e.g. https://chat.example.com (repeatable or comma-separated; '*' for "
+        "any; default none)",
     )
+    s.add_argument("--allowed-methods", action="append",
+                   help="methods a cross-origin call may use (default: any)")  # fmt: skip
+    s.add_argument("--allowed-headers", action="append",
+                   help="headers a cross-origin call may send (default: any)")  # fmt: skip
+    s.add_argument("--allow-credentials", action="store_true",
+                   help="cross-origin calls may carry the browser's credentials")  # fmt: skip
     s.add_argument(
         "--allowed-hosts",
         action="append",

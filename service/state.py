@@ -46,7 +46,14 @@ class ServerConfig:
     # The names requests may give as `model` (the first is the one responses report);
     # None: the checkpoint's directory name.  A str is one name.
     served_model_name: str | list[str] | None = None
+    # Origins (besides the server's own) a browser page may come from: to open /v1/ws,
+    # and to call the API (CORS, service/cors.py; "*": any).  Empty: none.
     allowed_origins: list[str] = field(default_factory=list)
+    # What a cross-origin call may use (vLLM's defaults: any), and whether it may carry
+    # the browser's credentials (cookies, HTTP auth).
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
     # Host headers answered (DNS rebinding; see security.AllowedHosts): None = the --host
     # name (plus the machine's hostname on 0.0.0.0 / ::); IP addresses and localhost
     # always pass; ["*"] = any.  Anything else gets 421.

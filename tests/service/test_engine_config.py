@@ -66,6 +66,8 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--host": (["0.0.0.0"], None),
     "--served-model-name": (["name"], None),
     "--allowed-origins": (["https://chat.example.com"], None),
+    "--allowed-methods": (["GET,POST"], None),
+    "--allowed-headers": (['["Authorization"]'], None),
     "--allowed-hosts": (["chat.example.com"], None),
     "--forwarded-allow-ips": (["10.0.0.0/8"], None),
     "--socket-send-buffer": (["65536"], None),
