@@ -90,8 +90,12 @@ class ModelRunner:
         if tp is not None:
             check_tp_config(self.config, tp.size)
         if tp is not None or pp is not None:
-            if config.speculative is not None:
-                raise ModelLoadError("speculative decoding does not run tensor/pipeline-parallel")
+            spec = config.speculative
+            if spec is not None and (pp is not None or spec.method == "medusa"):
+                raise ModelLoadError(
+                    "speculative decoding does not run pipeline-parallel, nor Medusa heads "
+                    "tensor-parallel"
+                )
             cuda_graphs = False
         self.local_config = local_config(self.config, tp, pp)
         self._load_weights(config.device.attention_backend, config.model.quantization, tp)

@@ -356,9 +356,16 @@ class SpecRunner:
         attention_backend: str,
         medusa: TreeProposer | None = None,
     ) -> None:
+        # Under tensor parallelism only the group's first rank runs the draft model (it
+        # is small, and whole on that rank); the others take its drafts (before_step).
+        tp = getattr(runner, "tp", None)
+        self.proposes = tp is None or tp.rank == 0
         self.draft = (
-            DraftModel(draft_dir, runner, attention_backend) if draft_dir is not None else None
+            DraftModel(draft_dir, runner, attention_backend)
+            if draft_dir is not None and self.proposes
+            else None
         )
+        self.drafts_shared = draft_dir is not None and tp is not None
         # Medusa heads (gpu/medusa.py): tree-shaped verify chunks.
         self.medusa = medusa
         # q rows of this step's model drafts, between proposing and verifying.
@@ -389,6 +396,45 @@ class SpecRunner:
             todo_m = [sr for sr in scheduled if sr.num_draft and not sr.draft_ids]
             if todo_m:
                 self.medusa.propose(todo_m)
+        if self.drafts_shared:
+            self._draft_everywhere(runner, scheduled, copy_blocks)
+            return
+        self._draft(runner, scheduled, copy_blocks)
+
+    def _draft_everywhere(
+        self,
+        runner: TargetRunner,
+        scheduled: list[ScheduledRequest],
+        copy_blocks: list[tuple[int, int]],
+    ) -> None:
+        """Tensor parallelism: rank 0 drafts, and every rank verifies the same drafts (a
+        rank that verified other tokens would add its share of another sum into the
+        all-reduce).  One broadcast of the step's draft slots, each chunk's count first."""
+        todo = [sr for sr in scheduled if sr.num_draft and not sr.draft_ids]
+        if self.proposes:
+            self._draft(runner, scheduled, copy_blocks)
+        n = sum(1 + sr.num_draft for sr in todo)
+        if not n:
+            return
+        sent = None
+        if self.proposes:
+            sent = []
+            for sr in todo:
+                sent += [len(sr.draft_ids), *sr.draft_ids]
+                sent += [-1] * (sr.num_draft - len(sr.draft_ids))
+        got = runner.tp.broadcast_ints(sent, n)  # type: ignore[attr-defined]
+        at = 0
+        for sr in todo:
+            count = got[at]
+            sr.draft_ids = got[at + 1 : at + 1 + count]
+            at += 1 + sr.num_draft
+
+    def _draft(
+        self,
+        runner: TargetRunner,
+        scheduled: list[ScheduledRequest],
+        copy_blocks: list[tuple[int, int]],
+    ) -> None:
         draft = self.draft
         if draft is None:
             return

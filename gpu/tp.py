@@ -43,6 +43,17 @@ class TPGroup:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast_ints(self, values: list[int] | None, n: int) -> list[int]:
+        """`values` (n ints, given on the group's first rank; None elsewhere) on every
+        rank."""
+        t = torch.empty(n, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            assert values is not None and len(values) == n
+            t.copy_(torch.tensor(values, dtype=torch.int64))
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(t, src=src, group=self.group)
+        return [int(v) for v in t.tolist()]
+
     def min_int(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)

@@ -280,10 +280,16 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative is not None and self.parallel.enabled:
+        spec, par = self.speculative, self.parallel
+        if spec is not None and par.pipeline_parallel_size > 1:
             raise ConfigError(
                 "speculative decoding (--speculative-*) does not run with "
-                "--tensor-parallel-size / --pipeline-parallel-size / --nnodes > 1"
+                "--pipeline-parallel-size > 1"
+            )
+        if spec is not None and spec.method == "medusa" and par.enabled:
+            raise ConfigError(
+                "Medusa heads (--speculative-method medusa) do not run with "
+                "--tensor-parallel-size / --nnodes > 1 (n-gram and draft models do)"
             )
 
     @classmethod

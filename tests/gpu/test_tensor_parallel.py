@@ -153,9 +153,9 @@ def test_llm_refuses_before_spawning_anything():
     t0 = time.monotonic()
     with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 cannot split"):
         LLM(path, tensor_parallel_size=3, **ENGINE)
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        LLM(path, tensor_parallel_size=2, speculative_config={"method": "ngram",
-            "num_speculative_tokens": 2}, **ENGINE)  # fmt: skip
+    with pytest.raises(ConfigError, match="Medusa heads"):
+        LLM(path, tensor_parallel_size=2, speculative_config={"method": "medusa",
+            "model": "/heads"}, **ENGINE)  # fmt: skip
     if torch.cuda.device_count() < 2:
         with pytest.raises(ModelLoadError, match="needs 2 CUDA devices"):
             LLM(path, tensor_parallel_size=2, **dict(ENGINE, device="cuda"))

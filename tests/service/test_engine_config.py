@@ -54,7 +54,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--switch-interval-ms": (["0.5"], None),
     "--master-addr": (["10.0.0.1"], None),
     "--master-port": (["29500"], None),
-    # More than one rank does not run with speculation: set on a line without it.
+    # Pipeline stages do not run with speculation: these are set on a line without it.
     "--tensor-parallel-size": (["2"], KEYS),
     "--pipeline-parallel-size": (["2"], KEYS),
     "--nnodes": (["2"], KEYS),
@@ -277,7 +277,7 @@ def test_the_engine_parts_read_their_groups():
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
         (["--speculative-method", "ngram", "--num-speculative-tokens", "40"], "--speculative-"),
-        (["--tensor-parallel-size", "2", "--speculative-method", "ngram"], "--speculative-"),
+        (["--pipeline-parallel-size", "2", "--speculative-method", "ngram"], "--speculative-"),
         (["--device", "tpu"], "--device"),
     ],
 )

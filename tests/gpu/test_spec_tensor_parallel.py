@@ -1,0 +1,53 @@
+"""Speculative decoding under tensor parallelism (CPU, gloo): n-gram drafts (the
+scheduler's) and a draft model's (run on rank 0 alone, its drafts broadcast so every rank
+verifies the same tokens) keep greedy output token-identical with HF transformers' float32
+generate(), with drafts both accepted and rejected; sampling runs too.  Medusa and
+pipeline parallelism still refuse speculation, by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.config import ConfigError
+from scheduler.sampling_params import SamplingParams
+from service.llm import LLM
+from tests.e2e.test_spec_parity import assert_speculated, check, spec_config, target_dir, workload
+
+ENGINE = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=96,
+              max_num_batched_tokens=32, max_model_len=128, threads=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tp2_speculation_matches_transformers(method: str) -> None:
+    name = "llama-gqa"
+    model = target_dir(name)
+    work = workload(11, 6, shared_prefix=8)
+    llm = LLM(model, tensor_parallel_size=2, tensor_parallel_timeout=60,
+              speculative_config=spec_config(method, name), **ENGINE)  # fmt: skip
+    try:
+        outs = llm.generate(
+            [p for p, _ in work],
+            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work],
+        )
+        check(model, work, [[o.outputs[0].token_ids] for o in outs])
+        assert_speculated(llm.engine)
+        # Sampling (rank 0's draw is the one returned; the others verify the same drafts).
+        sampled = llm.generate(
+            [p for p, _ in work[:3]],
+            SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True),
+        )
+        assert [len(o.outputs[0].token_ids) for o in sampled] == [12, 12, 12]
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free == pool.num_blocks, "leaked KV blocks"
+    finally:
+        llm.shutdown()
+
+
+def test_medusa_and_pipeline_parallel_still_refuse_speculation() -> None:
+    model = target_dir("llama-gqa")
+    with pytest.raises(ConfigError, match="pipeline-parallel-size"):
+        LLM(model, pipeline_parallel_size=2,
+            speculative_config={"method": "ngram"}, **ENGINE)  # fmt: skip
+    with pytest.raises(ConfigError, match="Medusa heads"):
+        LLM(model, tensor_parallel_size=2,
+            speculative_config={"method": "medusa", "model": "/heads"}, **ENGINE)  # fmt: skip
