@@ -427,7 +427,7 @@ class ModelRunner:
             graphs = self.graphs
             verify: list[tuple[ScheduledRequest, int]] = []
             if self.spec is not None:
-                self.spec.before_step(self, scheduled, so.copy_blocks)
+                self.spec.before_step(self, scheduled, so.copy_blocks, so.grammar_bitmasks)
             if graphs is not None and self._graph_fits(graphs, dec, scheduled):
                 # The graph's hidden row i is decode row i, then scheduled request i - nd.
                 n = len(dec.req_ids) + len(scheduled)

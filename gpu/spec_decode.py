@@ -21,9 +21,10 @@ is fed to the draft in one chunk the next time it proposes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -40,6 +41,9 @@ from gpu.sampler import (
     argmax_rows,
 )
 from scheduler.contract import ModelOutput, ScheduledRequest, TokenLogprobs
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import DraftWalk
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,22 @@ def verify_drafts(
         out.append(Verified(d[:a], bonus, lps))
         row += k + 1
     return out
+
+
+def _mask_draft_rows(logits: torch.Tensor, walks: list[DraftWalk | None]) -> None:
+    """Each constrained row of a draft round under its grammar's mask at its position, in
+    place (the walk records the mask as its verify row's)."""
+    rows: list[int] = []
+    masks: list[bytes] = []
+    for j, walk in enumerate(walks):
+        if walk is None:
+            continue
+        m = walk.mask()
+        if m is not None and not walk.failed:
+            rows.append(j)
+            masks.append(m)
+    if rows:
+        apply_token_bitmask_(logits, rows, masks)
 
 
 def _mask_verify_rows(
@@ -247,12 +267,16 @@ class DraftModel:
         reqs: list[tuple[ScheduledRequest, RequestSamplingState]],
         sampler: Sampler,
         block_tables: dict[str, list[int]],
+        walks: list[DraftWalk | None] | None = None,
     ) -> list[tuple[list[int], torch.Tensor | None]]:
         """k drafts per request (k = its num_draft), with their q rows for random ones.
 
         Round 0 feeds what the draft has not seen, up to the last known token; each later
         round feeds the previous draft.  Draft KV lands at the positions this step's
-        verify chunk covers, inside the blocks the scheduler allocated for it."""
+        verify chunk covers, inside the blocks the scheduler allocated for it.  A request
+        with a walk (its grammar) drafts from the draft's logits under the grammar's mask
+        at each position (q is that masked distribution, as the target's p is masked in
+        verification), and stops where the grammar takes no draft (fewer than k)."""
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         feeds: list[tuple[int, list[int], int]] = []  # (request index, tokens, start)
@@ -264,18 +288,25 @@ class DraftModel:
             feeds.sort(key=lambda f: len(f[1]) != 1)  # one-token queries first
             logits = self._forward(feeds, [block_tables[reqs[i][0].req_id] for i, _, _ in feeds])
             logits = logits[:, : sampler.vocab_size]
+            if walks is not None:
+                _mask_draft_rows(logits, [walks[i] for i, _, _ in feeds])
             # Every greedy row's token in one transfer (a sync per row otherwise).
             greedy = [reqs[i][1].greedy for i, _, _ in feeds]
             top = argmax_rows(logits).tolist() if any(greedy) else []
             nxt: list[tuple[int, list[int], int]] = []
             for j, (i, toks, s) in enumerate(feeds):
                 sr, st = reqs[i]
+                if rnd == 0:
+                    self.valid[sr.req_id] = s + len(toks)
+                walk = walks[i] if walks is not None else None
+                if walk is not None and walk.failed:
+                    continue  # the matcher failed: no draft
                 tok, q = (top[j], None) if greedy[j] else self._sample(logits[j], st, sampler)
+                if walk is not None and not walk.take(tok):
+                    continue  # the grammar takes nothing here: the chunk ends
                 drafts[i].append(tok)
                 if q is not None:
                     qs[i].append(q)
-                if rnd == 0:
-                    self.valid[sr.req_id] = s + len(toks)
                 if len(drafts[i]) < sr.num_draft:
                     nxt.append((i, [tok], s + len(toks)))
             feeds = nxt
@@ -366,6 +397,10 @@ class SpecRunner:
             else None
         )
         self.drafts_shared = draft_dir is not None and tp is not None
+        # The engine's Scheduler.draft_walk, where the scheduler shares this process: a
+        # constrained request then drafts too, under its grammar (a DraftWalk; None for a
+        # request without one).
+        self.grammar_walk: Callable[[str], DraftWalk | None] | None = None
         # Medusa heads (gpu/medusa.py): tree-shaped verify chunks.
         self.medusa = medusa
         # q rows of this step's model drafts, between proposing and verifying.
@@ -386,8 +421,10 @@ class SpecRunner:
         runner: TargetRunner,
         scheduled: list[ScheduledRequest],  # the step's requests the runner kept
         copy_blocks: list[tuple[int, int]],
+        masks: dict[str, bytes] | None = None,  # the step's grammar masks (filled in here)
     ) -> None:
-        """Fill the draft slots of this step's verify chunks with the draft model.
+        """Fill the draft slots of this step's verify chunks with the draft model, and a
+        constrained chunk's grammar masks (`grammar_masks`).
 
         The step's plain decodes (its columns) do not pass through here: a decode row's
         position is never below its draft KV's valid end (`verified` keeps that end at
@@ -397,43 +434,45 @@ class SpecRunner:
             if todo_m:
                 self.medusa.propose(todo_m)
         if self.drafts_shared:
-            self._draft_everywhere(runner, scheduled, copy_blocks)
+            self._draft_everywhere(runner, scheduled, copy_blocks, masks)
             return
-        self._draft(runner, scheduled, copy_blocks)
+        self._draft(runner, scheduled, copy_blocks, masks)
 
     def _draft_everywhere(
         self,
         runner: TargetRunner,
         scheduled: list[ScheduledRequest],
         copy_blocks: list[tuple[int, int]],
+        masks: dict[str, bytes],
     ) -> None:
         """Tensor parallelism: rank 0 drafts, and every rank verifies the same drafts (a
         rank that verified other tokens would add its share of another sum into the
         all-reduce).  One broadcast of the step's draft slots, each chunk's count first."""
-        todo = [sr for sr in scheduled if sr.num_draft and not sr.draft_ids]
+        # The slots as scheduled (rank 0's grammar walk may cut a chunk shorter).
+        todo = [(sr, sr.num_draft) for sr in scheduled if sr.num_draft and not sr.draft_ids]
         if self.proposes:
-            self._draft(runner, scheduled, copy_blocks)
-        n = sum(1 + sr.num_draft for sr in todo)
+            self._draft(runner, scheduled, copy_blocks, masks)
+        n = sum(1 + k for _, k in todo)
         if not n:
             return
         sent = None
         if self.proposes:
             sent = []
-            for sr in todo:
-                sent += [len(sr.draft_ids), *sr.draft_ids]
-                sent += [-1] * (sr.num_draft - len(sr.draft_ids))
+            for sr, k in todo:
+                sent += [len(sr.draft_ids), *sr.draft_ids, *[-1] * (k - len(sr.draft_ids))]
         got = runner.tp.broadcast_ints(sent, n)  # type: ignore[attr-defined]
         at = 0
-        for sr in todo:
+        for sr, k in todo:
             count = got[at]
-            sr.draft_ids = got[at + 1 : at + 1 + count]
-            at += 1 + sr.num_draft
+            sr.draft_ids, sr.num_draft = got[at + 1 : at + 1 + count], count
+            at += 1 + k
 
     def _draft(
         self,
         runner: TargetRunner,
         scheduled: list[ScheduledRequest],
         copy_blocks: list[tuple[int, int]],
+        masks: dict[str, bytes],
     ) -> None:
         draft = self.draft
         if draft is None:
@@ -448,11 +487,20 @@ class SpecRunner:
             if sr.num_draft and not sr.draft_ids:
                 todo.append((sr, runner.requests[sr.req_id]))
         if todo:
-            for (sr, _), (d, q) in zip(
-                todo, draft.propose(todo, runner.sampler, runner.block_tables), strict=True
-            ):
+            hook = self.grammar_walk
+            walks = [hook(sr.req_id) for sr, _ in todo] if hook is not None else None
+            drafted = draft.propose(todo, runner.sampler, runner.block_tables, walks)
+            for k, ((sr, _), (d, q)) in enumerate(zip(todo, drafted, strict=True)):
                 sr.draft_ids = d
                 self._q[sr.req_id] = q
+                walk = walks[k] if walks is not None else None
+                if walk is not None:
+                    # Drafted under its grammar: every verify row gets the grammar's mask
+                    # at its position; a chunk whose drafting stopped early is shorter.
+                    m, _ = walk.finish()
+                    if m:  # (None: the matcher failed, its request ends on update;
+                        masks[sr.req_id] = m  # b"": every row free)
+                    sr.num_draft = len(d)
 
     def verify(
         self,

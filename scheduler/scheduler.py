@@ -71,34 +71,68 @@ def _seeded_sampling(req: Request) -> bool:
     return req.params.seed is not None and req.params.temperature > 0
 
 
+class DraftWalk:
+    """A constrained request's matcher walked through its drafts one at a time, for a
+    verify chunk's masks: one per row (the position before each draft, then the token after
+    the last one taken), joined.  A row the matcher leaves free (a reasoning model's
+    thinking) gets an all-allowed mask.  `finish` rolls the matcher back.  A draft model
+    walks it while it drafts (its drafts then always fit the grammar); n-gram drafts are
+    walked after the fact (_draft_masks)."""
+
+    def __init__(self, grammar: GrammarMatcher) -> None:
+        self.grammar = grammar
+        self.rows: list[bytes | None] = []
+        self.taken = 0
+        self.failed = False  # the matcher failed: its request ends on update, with the reason
+
+    def mask(self) -> bytes | None:
+        """The next row's mask (None: free); appended to the chunk's rows."""
+        m = self.grammar.bitmask()
+        if m is None and self.grammar.error() is not None:
+            self.failed = True
+        self.rows.append(m)
+        return m
+
+    def take(self, tok: int) -> bool:
+        """The draft at the row `mask` just gave, if the grammar takes it; False ends the
+        chunk (that row samples the bonus token)."""
+        m = self.rows[-1]
+        if self.failed or (m is not None and not (m[tok // 8] >> (tok % 8)) & 1):
+            return False
+        if self.grammar.terminated:
+            # Complete: the request stops at the token that completed it, so no draft
+            # past it can count (and a matcher that took its end-of-text cannot be
+            # rolled back past it).
+            return False
+        if not self.grammar.accept(tok):
+            self.failed = True
+            return False
+        self.taken += 1
+        return True
+
+    def finish(self) -> tuple[bytes | None, int]:
+        """(the rows' masks joined, or None where the matcher failed; drafts taken), with
+        the matcher rolled back.  The row after the last draft taken is walked here when
+        the drafting did not end on a refused one."""
+        try:
+            if not self.failed and len(self.rows) == self.taken:
+                self.mask()
+            return (None, 0) if self.failed else (_join_rows(self.rows), self.taken)
+        finally:
+            if self.taken:
+                self.grammar.rollback(self.taken)
+
+
 def _draft_masks(grammar: GrammarMatcher, drafts: list[int]) -> tuple[bytes | None, int]:
-    """A verify chunk's masks, one per row (the position before each draft, then the
-    token after the last kept one), joined, and how many drafts the grammar takes in a
-    row (the chunk is cut there).  The matcher is walked through them, then rolled back.
-    A row the matcher leaves free (a reasoning model's thinking) gets an all-allowed
-    mask, and a chunk free throughout none (b"").  (None, 0) where the matcher fails on
-    the way: its request ends on update, with the reason."""
-    rows: list[bytes | None] = []
-    taken = 0
-    try:
-        for tok in drafts:
-            m = grammar.bitmask()
-            if m is None and grammar.error() is not None:
-                return None, 0
-            rows.append(m)
-            if m is not None and not (m[tok // 8] >> (tok % 8)) & 1:
-                return _join_rows(rows), taken  # this row samples the bonus token
-            if not grammar.accept(tok):
-                return None, 0
-            taken += 1
-        m = grammar.bitmask()
-        if m is None and grammar.error() is not None:
-            return None, 0
-        rows.append(m)
-        return _join_rows(rows), taken
-    finally:
-        if taken:
-            grammar.rollback(taken)
+    """n-gram drafts walked through a DraftWalk: the chunk's masks, and how many drafts
+    the grammar takes in a row (the chunk is cut there); (None, 0) where the matcher
+    fails on the way."""
+    walk = DraftWalk(grammar)
+    for tok in drafts:
+        walk.mask()
+        if not walk.take(tok):
+            break
+    return walk.finish()
 
 
 def _join_rows(rows: list[bytes | None]) -> bytes:
@@ -136,6 +170,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
     ) -> None:
         self.config = config
         self.spec = spec
+        # A draft model's executor that calls draft_masks (it shares this process): a
+        # constrained request may draft with it.
+        self.executor_masks = False
         self.block_size = config.block_size
         self.kv = KVCacheManager(
             config.num_kv_blocks,
@@ -250,7 +287,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         if not constrained:
             return
         drafted = {sr.req_id: sr for sr in so.scheduled if sr.draft_ids}
-        plain = [r for r in constrained if r.req_id not in drafted]
+        # A draft model's chunks get theirs in the executor once drafted (draft_masks).
+        later = {sr.req_id for sr in so.scheduled if sr.num_draft and not sr.draft_ids}
+        plain = [r for r in constrained if r.req_id not in drafted and r.req_id not in later]
         masks = bitmasks([r.grammar for r in plain])  # type: ignore[misc]
         # No mask for a matcher in error: its request ends on update with the reason.
         so.grammar_bitmasks.update(
@@ -654,13 +693,26 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         )
 
     def _drafts_constrained(self, grammar: GrammarMatcher) -> bool:
+        """A constrained request may draft: its drafts are the scheduler's (n-gram), or a
+        draft model's in an executor that walks the grammar through them
+        (executor_masks); never a Medusa tree."""
         spec = self.spec
         return (
             spec is not None
-            and not spec.in_executor
+            and (not spec.in_executor or self.executor_masks)
             and not spec.tree
             and getattr(grammar, "drafts", False)
         )
+
+    def draft_walk(self, req_id: str) -> DraftWalk | None:
+        """For a draft model in the executor: a constrained request's matcher to draft
+        under (its verify rows' masks come out of the walk), or None for a request without
+        a grammar.  Walked on the executor's thread while this step runs, which is when
+        nothing else touches the step's matchers."""
+        req = self.requests.get(req_id)
+        if req is None or req.grammar is None:
+            return None
+        return DraftWalk(req.grammar)
 
     def _spec_room(self, req: Request, budget: int) -> int:
         """Most draft tokens a decoding request can verify this step: the token budget

@@ -343,6 +343,13 @@ class AsyncEngine:
             tier=tier,
             spec=SpecDecoder(spec) if spec is not None else None,
         )
+        spec_runner = getattr(runner, "spec", None)
+        if spec_runner is not None and hasattr(spec_runner, "grammar_walk"):
+            # The draft model runs in this process (on rank 0 under tensor parallelism):
+            # it drafts a constrained request's tokens under its grammar, so such a
+            # request drafts too.
+            spec_runner.grammar_walk = sched.draft_walk
+            sched.executor_masks = True
         engine = cls(
             config,
             runner=runner,

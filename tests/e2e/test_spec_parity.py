@@ -264,10 +264,12 @@ GRAMMARS = [
 ]
 
 
-def test_greedy_identity_under_grammars_with_ngram_drafts(monkeypatch):
-    """A constrained request drafts (n-gram): each verify row is masked by the grammar at
-    its position, the drafts it refuses are cut before the step, and the tokens are those
-    of the same requests without speculation."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_identity_under_grammars_with_drafts(monkeypatch, method):
+    """A constrained request drafts (n-gram: the scheduler's drafts; a draft model: the
+    executor's, walked through the grammar there): each verify row is masked by the
+    grammar at its position, the drafts it refuses are cut before the verify pass, and
+    the tokens are those of the same requests without speculation."""
     import scheduler.scheduler as sched_mod
 
     cuts = []
@@ -279,15 +281,27 @@ def test_greedy_identity_under_grammars_with_ngram_drafts(monkeypatch):
         return masks, keep
 
     monkeypatch.setattr(sched_mod, "_draft_masks", counting)
+    walked = []  # a draft model's walks: the drafts each took under its grammar
+    finish = sched_mod.DraftWalk.finish
+
+    def recording(self):
+        walked.append(self.taken)
+        return finish(self)
+
+    monkeypatch.setattr(sched_mod.DraftWalk, "finish", recording)
     model = target_dir("llama-gqa")
     plain = asyncio.run(_constrained(make_engine(model, max_num_batched_tokens=32), GRAMMARS))
     engine = make_engine(model, max_num_batched_tokens=32,
-                         speculative_config=spec_config("ngram", "llama-gqa", k=4))  # fmt: skip
+                         speculative_config=spec_config(method, "llama-gqa", k=4))  # fmt: skip
     got = asyncio.run(_constrained(engine, GRAMMARS))
     assert got == plain
     st = engine.scheduler.spec.stats
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0, st
-    assert any(cuts) and not all(cuts), cuts  # chunks cut at a refused draft, and whole ones
+    if method == "ngram":
+        assert any(cuts) and not all(cuts), cuts  # chunks cut at a refused draft, and whole
+    else:
+        # The draft model drafted under the grammar (so its drafts always fit it).
+        assert not cuts and sum(walked) >= st.num_accepted_tokens > 0, walked
 
 
 def test_greedy_identity_after_thinking_with_ngram_drafts(tmp_path):
@@ -309,3 +323,19 @@ def test_greedy_identity_after_thinking_with_ngram_drafts(tmp_path):
     got = asyncio.run(_constrained(engine, work))
     assert got == plain and end in got[0]
     assert engine.scheduler.spec.stats.num_drafts > 0
+
+
+def test_a_trained_draft_under_grammars_stops_where_the_grammar_completes():
+    """The shipped trained pair drafts well enough to reach a grammar's end inside a
+    chunk (the JSON closes, then only end-of-text fits): drafting stops at the token
+    that completes it, and the tokens are those without speculation."""
+    from service.engine_setup import default_draft_dir, default_model_dir
+
+    model = str(default_model_dir())
+    cfg = spec_config("ngram", "llama-gqa", k=3) | {
+        "method": "draft", "model": str(default_draft_dir()),
+    }  # fmt: skip
+    plain = asyncio.run(_constrained(make_engine(model, max_num_batched_tokens=32), GRAMMARS))
+    engine = make_engine(model, max_num_batched_tokens=32, speculative_config=cfg)
+    assert asyncio.run(_constrained(engine, GRAMMARS)) == plain
+    assert engine.scheduler.spec.stats.num_accepted_tokens > 0

@@ -1,7 +1,8 @@
 """Speculative decoding under tensor parallelism (CPU, gloo): n-gram drafts (the
 scheduler's) and a draft model's (run on rank 0 alone, its drafts broadcast so every rank
 verifies the same tokens) keep greedy output token-identical with HF transformers' float32
-generate(), with drafts both accepted and rejected; sampling runs too.  Medusa and
+generate(), with drafts both accepted and rejected, and under grammars with one rank's
+output without speculation; sampling runs too.  Medusa and
 pipeline parallelism still refuse speculation, by name."""
 
 from __future__ import annotations
@@ -9,21 +10,44 @@ from __future__ import annotations
 import pytest
 
 from scheduler.config import ConfigError
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from service.llm import LLM
-from tests.e2e.test_spec_parity import assert_speculated, check, spec_config, target_dir, workload
+from tests.e2e.test_spec_parity import (
+    GRAMMARS,
+    assert_speculated,
+    check,
+    spec_config,
+    target_dir,
+    workload,
+)
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=96,
               max_num_batched_tokens=32, max_model_len=128, threads=1)  # fmt: skip
 
 
+def _case(method: str) -> tuple[str, list[tuple[list[int], int]], dict]:
+    """n-gram: a random model on prompts that repeat themselves; a draft model: the
+    shipped trained pair (a random draft agrees with its target too rarely for every
+    run to accept some), on Python-like prompts."""
+    if method == "ngram":
+        name = "llama-gqa"
+        return target_dir(name), workload(11, 6, shared_prefix=8), spec_config(method, name)
+    from service.engine_setup import default_draft_dir, default_model_dir
+    from service.tokenizer import Tokenizer
+
+    model = str(default_model_dir())
+    tok = Tokenizer.from_dir(model)
+    texts = ["def main():\n    import os\n", "class Foo:\n    def __init__(self):\n",
+             "for i in range(10):\n", "import sys\nimport os\n"]  # fmt: skip
+    cfg = spec_config("ngram", "llama-gqa") | {"method": "draft", "model": str(default_draft_dir())}
+    return model, [(tok.encode(t), 24) for t in texts], cfg
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_tp2_speculation_matches_transformers(method: str) -> None:
-    name = "llama-gqa"
-    model = target_dir(name)
-    work = workload(11, 6, shared_prefix=8)
+    model, work, cfg = _case(method)
     llm = LLM(model, tensor_parallel_size=2, tensor_parallel_timeout=60,
-              speculative_config=spec_config(method, name), **ENGINE)  # fmt: skip
+              speculative_config=cfg, **ENGINE)  # fmt: skip
     try:
         outs = llm.generate(
             [p for p, _ in work],
@@ -31,6 +55,18 @@ def test_tp2_speculation_matches_transformers(method: str) -> None:
         )
         check(model, work, [[o.outputs[0].token_ids] for o in outs])
         assert_speculated(llm.engine)
+        # Under grammars: rank 0 drafts under each request's grammar, and the tokens are
+        # those of one rank without speculation.
+        constrained = [
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                           structured_outputs=StructuredOutputsParams(**spec))
+            for _, spec in GRAMMARS
+        ]  # fmt: skip
+        prompts = [p for p, _ in GRAMMARS]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, constrained)]
+        with LLM(model, **ENGINE) as plain:
+            want = [o.outputs[0].token_ids for o in plain.generate(prompts, constrained)]
+        assert got == want
         # Sampling (rank 0's draw is the one returned; the others verify the same drafts).
         sampled = llm.generate(
             [p for p, _ in work[:3]],

@@ -39,6 +39,12 @@ class Allowed:
     def error(self) -> str | None:
         return None
 
+    @property
+    def terminated(self) -> bool:
+        return self.ends and self.pos >= len(self.seq)
+
+    ends = False  # a grammar that is complete after its sequence (only end-of-text then)
+
 
 def _rows(joined: bytes) -> list[list[int]]:
     """Each row's allowed tokens."""
@@ -90,3 +96,13 @@ def test_rows_a_reasoning_matcher_leaves_free_are_all_allowed():
     assert rows[:3] == [list(range(VOCAB))] * 3 and rows[3:] == [[5], [9]]
     # Thinking throughout: no masks at all, and nothing cut.
     assert _draft_masks(AfterReasoning(Allowed([5]), end), [1, 2]) == (b"", 2)
+
+
+def test_no_draft_is_taken_past_the_grammars_end():
+    """Complete after [5, 9]: the request stops at 9, so a draft after it cannot count
+    (and a matcher that took its end-of-text could not be rolled back past it)."""
+    m = Allowed([5, 9])
+    m.ends = True
+    joined, keep = _draft_masks(m, [5, 9, 0, 0])
+    assert keep == 2 and m.pos == 0 and m.rolled_back == 2
+    assert len(_rows(joined)) == 3  # the two drafts' rows, and the row after the last
