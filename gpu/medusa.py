@@ -226,6 +226,9 @@ class MedusaProposer:
             path, cfg.hidden_size, cfg.vocab_size, target.dtype, target.device
         )
         self.num_heads = self.heads.num_heads
+        # Tensor parallelism: rank 0's candidates and accepted paths are every rank's (one
+        # broadcast each), so every rank verifies the same tree and moves the same K/V.
+        self.tp = getattr(target, "tp", None)
         # Per request: the hidden state of the row that sampled its last token, as (a
         # step's rows, its row there): every step remembers its rows, and a view per row
         # cost a visible share of a plain step on a small model.
@@ -246,6 +249,38 @@ class MedusaProposer:
         depth = min(self.num_heads, max(tree_depth(sr.num_draft) for sr in reqs))
         paths = tree_paths(depth)
         ranks = [1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)]
+        guesses = (
+            self._candidates(reqs, depth, ranks) if self.tp is None or self.tp.rank == 0 else None
+        )
+        if self.tp is not None:
+            guesses = self._shared(guesses, len(reqs), ranks)
+        assert guesses is not None
+        for sr, guess in zip(reqs, guesses, strict=True):
+            tree = build_tree(guess, sr.num_draft)
+            sr.draft_ids = tree.tokens
+            self.trees[sr.req_id] = tree
+
+    def _shared(
+        self, guesses: list[list[list[int]]] | None, n: int, ranks: list[int]
+    ) -> list[list[list[int]]]:
+        """Rank 0's candidates on every rank: each request's top-k lists, flattened."""
+        assert self.tp is not None
+        width = sum(ranks)
+        flat = None if guesses is None else [t for g in guesses for per in g for t in per]
+        got = self.tp.broadcast_ints(flat, n * width)
+        out = []
+        for i in range(n):
+            at, guess = i * width, []
+            for r in ranks:
+                guess.append(got[at : at + r])
+                at += r
+            out.append(guess)
+        return out
+
+    def _candidates(
+        self, reqs: list[ScheduledRequest], depth: int, ranks: list[int]
+    ) -> list[list[list[int]]]:
+        """Each request's top-k tokens per head (ranks[d] of head d)."""
         known = [sr for sr in reqs if sr.req_id in self.hidden]
         topk: dict[str, list[list[int]]] = {}
         if known:
@@ -257,13 +292,25 @@ class MedusaProposer:
             per_head = [logits[d].topk(ranks[d], dim=-1).indices.tolist() for d in range(depth)]
             for j, sr in enumerate(known):
                 topk[sr.req_id] = [per_head[d][j] for d in range(depth)]
-        for sr in reqs:
-            # A request whose hidden state this runner never saw (none should be) guesses
-            # its last token again: still a tree, verified like any other.
-            guess = topk.get(sr.req_id) or [[sr.input_ids[-1]] * r for r in ranks]
-            tree = build_tree(guess, sr.num_draft)
-            sr.draft_ids = tree.tokens
-            self.trees[sr.req_id] = tree
+        # A request whose hidden state this runner never saw (none should be) guesses its
+        # last token again: still a tree, verified like any other.
+        return [topk.get(sr.req_id) or [[sr.input_ids[-1]] * r for r in ranks] for sr in reqs]
+
+    def _shared_paths(self, paths: list[list[int]], slots: list[int]) -> list[list[int]]:
+        """Rank 0's accepted paths on every rank (each in its tree's row count, its length
+        first): a rank that moved other K/V would hold another sequence's cache."""
+        assert self.tp is not None
+        flat = None
+        if self.tp.rank == 0:
+            flat = []
+            for path, n in zip(paths, slots, strict=True):
+                flat += [len(path), *path, *[-1] * (n - len(path))]
+        got = self.tp.broadcast_ints(flat, sum(1 + n for n in slots))
+        out, at = [], 0
+        for n in slots:
+            out.append(got[at + 1 : at + 1 + got[at]])
+            at += 1 + n
+        return out
 
     def layout(self, req_id: str) -> tuple[list[int], list[int]] | None:
         tree = self.trees.get(req_id)
@@ -285,8 +332,11 @@ class MedusaProposer:
         trees = [self.trees.pop(sr.req_id) for sr, _ in verify]
         states = [runner.requests[sr.req_id] for sr, _ in verify]
         results = verify_tree(runner.sampler, logits, states, trees)
+        paths = [path for _, path in results]
+        if self.tp is not None:
+            paths = self._shared_paths(paths, [tr.size + 1 for tr in trees])
         last_rows = []
-        for (sr, row), (_, path) in zip(verify, results, strict=True):
+        for (sr, row), path in zip(verify, paths, strict=True):
             root = sr.start_pos  # the root token's position (a verify chunk feeds one)
             moves = [(root + r, root + j) for j, r in enumerate(path) if r != j]
             compact_kv(runner.kv_caches, runner.block_tables[sr.req_id], runner.block_size, moves)

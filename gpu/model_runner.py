@@ -90,12 +90,8 @@ class ModelRunner:
         if tp is not None:
             check_tp_config(self.config, tp.size)
         if tp is not None or pp is not None:
-            spec = config.speculative
-            if spec is not None and (pp is not None or spec.method == "medusa"):
-                raise ModelLoadError(
-                    "speculative decoding does not run pipeline-parallel, nor Medusa heads "
-                    "tensor-parallel"
-                )
+            if config.speculative is not None and pp is not None:
+                raise ModelLoadError("speculative decoding does not run pipeline-parallel")
             cuda_graphs = False
         self.local_config = local_config(self.config, tp, pp)
         self._load_weights(config.device.attention_backend, config.model.quantization, tp)

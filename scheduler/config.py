@@ -286,11 +286,6 @@ class EngineConfig:
                 "speculative decoding (--speculative-*) does not run with "
                 "--pipeline-parallel-size > 1"
             )
-        if spec is not None and spec.method == "medusa" and par.enabled:
-            raise ConfigError(
-                "Medusa heads (--speculative-method medusa) do not run with "
-                "--tensor-parallel-size / --nnodes > 1 (n-gram and draft models do)"
-            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

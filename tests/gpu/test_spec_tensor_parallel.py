@@ -1,17 +1,21 @@
 """Speculative decoding under tensor parallelism (CPU, gloo): n-gram drafts (the
-scheduler's) and a draft model's (run on rank 0 alone, its drafts broadcast so every rank
-verifies the same tokens) keep greedy output token-identical with HF transformers' float32
-generate(), with drafts both accepted and rejected, and under grammars with one rank's
-output without speculation; sampling runs too.  Medusa and
-pipeline parallelism still refuse speculation, by name."""
+scheduler's), a draft model's (run on rank 0 alone, its drafts broadcast so every rank
+verifies the same tokens) and Medusa trees (rank 0's candidates and accepted paths
+broadcast, so every rank verifies the same tree and moves the same K/V) keep greedy
+output token-identical with HF transformers' float32 generate(), with drafts both
+accepted and rejected, and under grammars with one rank's output without speculation;
+sampling runs too.  Pipeline parallelism still refuses speculation, by name."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from scheduler.config import ConfigError
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from service.llm import LLM
+from tests.e2e.test_medusa_parity import medusa_config, medusa_dir
 from tests.e2e.test_spec_parity import (
     GRAMMARS,
     assert_speculated,
@@ -25,13 +29,17 @@ ENGINE = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=96,
               max_num_batched_tokens=32, max_model_len=128, threads=1)  # fmt: skip
 
 
-def _case(method: str) -> tuple[str, list[tuple[list[int], int]], dict]:
-    """n-gram: a random model on prompts that repeat themselves; a draft model: the
-    shipped trained pair (a random draft agrees with its target too rarely for every
-    run to accept some), on Python-like prompts."""
+def _case(method: str, tmp: Path) -> tuple[str, list[tuple[list[int], int]], dict]:
+    """n-gram: a random model on prompts that repeat themselves; Medusa: heads at
+    Medusa's initialisation plus noise on that model; a draft model: the shipped trained
+    pair (a random draft agrees with its target too rarely for every run to accept
+    some), on Python-like prompts."""
+    name = "llama-gqa"
     if method == "ngram":
-        name = "llama-gqa"
         return target_dir(name), workload(11, 6, shared_prefix=8), spec_config(method, name)
+    if method == "medusa":
+        cfg = medusa_config(medusa_dir(name, tmp))
+        return target_dir(name), workload(11, 6, shared_prefix=8), cfg
     from service.engine_setup import default_draft_dir, default_model_dir
     from service.tokenizer import Tokenizer
 
@@ -43,9 +51,9 @@ def _case(method: str) -> tuple[str, list[tuple[list[int], int]], dict]:
     return model, [(tok.encode(t), 24) for t in texts], cfg
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_tp2_speculation_matches_transformers(method: str) -> None:
-    model, work, cfg = _case(method)
+@pytest.mark.parametrize("method", ["ngram", "draft", "medusa"])
+def test_tp2_speculation_matches_transformers(method: str, tmp_path: Path) -> None:
+    model, work, cfg = _case(method, tmp_path)
     llm = LLM(model, tensor_parallel_size=2, tensor_parallel_timeout=60,
               speculative_config=cfg, **ENGINE)  # fmt: skip
     try:
@@ -79,11 +87,8 @@ def test_tp2_speculation_matches_transformers(method: str) -> None:
         llm.shutdown()
 
 
-def test_medusa_and_pipeline_parallel_still_refuse_speculation() -> None:
+def test_pipeline_parallel_still_refuses_speculation() -> None:
     model = target_dir("llama-gqa")
     with pytest.raises(ConfigError, match="pipeline-parallel-size"):
         LLM(model, pipeline_parallel_size=2,
             speculative_config={"method": "ngram"}, **ENGINE)  # fmt: skip
-    with pytest.raises(ConfigError, match="Medusa heads"):
-        LLM(model, tensor_parallel_size=2,
-            speculative_config={"method": "medusa", "model": "/heads"}, **ENGINE)  # fmt: skip
