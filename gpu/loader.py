@@ -138,11 +138,16 @@ def _read_sliced(
 
 
 def read_checkpoint(
-    path: str | Path, cfg: ModelConfig, tp: TPGroup | None = None, pp: PPStage | None = None
+    path: str | Path,
+    cfg: ModelConfig,
+    tp: TPGroup | None = None,
+    pp: PPStage | None = None,
+    tokenizer_dir: str | Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint, checked against the config (names and shapes).  With
     `tp`, each sharded tensor is only this rank's slice (gpu.tp.shard_range); with `pp`,
-    only the tensors this pipeline stage holds are read (the others' shapes are checked)."""
+    only the tensors this pipeline stage holds are read (the others' shapes are checked).
+    tokenizer_dir: where classifier_from_token's words are looked up (default: `path`)."""
     expected = _expected_shapes(cfg)
     wanted = set(expected)
     if pp is not None:
@@ -182,11 +187,13 @@ def read_checkpoint(
             f"{path}: checkpoint has tensors {cfg.architecture} does not use: {_fmt(unexpected)}"
         )
     if cfg.classifier_from_token:
-        tensors["score.weight"] = _head_from_tokens(Path(path), cfg)
+        tensors["score.weight"] = _head_from_tokens(Path(path), cfg, tokenizer_dir)
     return tensors
 
 
-def _head_from_tokens(path: Path, cfg: ModelConfig) -> torch.Tensor:
+def _head_from_tokens(
+    path: Path, cfg: ModelConfig, tokenizer_dir: str | Path | None = None
+) -> torch.Tensor:
     """A classifier head made of the LM head's rows for cfg.classifier_from_token (the
     whole rows, read from the file whatever this rank's share of the LM head): one row
     per token, or for a two-way head (one label) the second token's row minus the
@@ -194,7 +201,7 @@ def _head_from_tokens(path: Path, cfg: ModelConfig) -> torch.Tensor:
     from tokenizers import Tokenizer
 
     try:
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tok = Tokenizer.from_file(str(Path(tokenizer_dir or path) / "tokenizer.json"))
     except Exception as e:
         raise ModelLoadError(f"{path}: classifier_from_token needs tokenizer.json ({e})") from e
     ids = []
@@ -366,6 +373,7 @@ def load_model(
     quantization: str | None = None,
     tp: TPGroup | None = None,
     pp: PPStage | None = None,
+    tokenizer_dir: str | Path | None = None,
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors into it.
     quantization: None, "int8" (weight-only, quantized here from a 16/32-bit checkpoint),
@@ -389,7 +397,7 @@ def load_model(
             f"{path}: an FP8 ({cfg.fp8_format}) checkpoint is already quantized; drop "
             f"--quantization {quantization} (or pass fp8)"
         )
-    hf = read_checkpoint(path, cfg, tp, pp)
+    hf = read_checkpoint(path, cfg, tp, pp, tokenizer_dir)
     fp8 = _fp8_layers(cfg, hf, path, pp) if cfg.fp8_format else {}
     if cfg.fp8_format and not fp8:
         raise ModelLoadError(

@@ -204,7 +204,7 @@ class ModelRunner:
         )
         self.model = load_model(
             self.model_dir, cfg, self.attn_backend, self.dtype, self.device, self.max_model_len,
-            quantization, tp, self.pp,
+            quantization, tp, self.pp, self.engine_config.model.tokenizer,
         )  # fmt: skip
         # Bytes of weights this process holds (1/N of the sharded ones under TP).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

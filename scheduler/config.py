@@ -112,6 +112,9 @@ class ModelSettings:
     # vLLM's hf_overrides: merged into the checkpoint's config.json as read
     # (gpu/config.with_hf_overrides), e.g. to serve a causal LM as a classifier.
     hf_overrides: Mapping[str, Any] | None = None
+    # vLLM's --tokenizer: the directory whose tokenizer files (tokenizer.json, its config,
+    # the chat template) serve this model; None: the checkpoint's own.
+    tokenizer: str | None = None
 
     @property
     def lora(self) -> bool:

@@ -58,6 +58,11 @@ def engine_thread_default(config: EngineConfig, runner: object) -> bool:
     return getattr(device, "type", "cpu") == "cuda"
 
 
+def tokenizer_dir(config: EngineConfig, model_dir: Path) -> Path:
+    """Where the served tokenizer's files are: --tokenizer, else the checkpoint's."""
+    return Path(config.model.tokenizer) if config.model.tokenizer else model_dir
+
+
 def default_builder(config: EngineConfig) -> AsyncEngine:
     """The engine process's builder (run in the child, pickled by name): the engine as
     it is built in one process."""
@@ -247,8 +252,9 @@ class AsyncEngine:
         # A base model without an LM head (gpu/config.py): embedding requests only.
         self.embedding_only = bool(getattr(runner.config, "embedding_only", False))
         self.grammars = GrammarCompiler(
-            model_dir / "tokenizer.json", self.vocab_size, self.eos_token_ids
-        )
+            tokenizer_dir(config, model_dir) / "tokenizer.json", self.vocab_size,
+            self.eos_token_ids,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -293,7 +299,7 @@ class AsyncEngine:
             engine = cls(
                 config,
                 runner=remote_runner(core.facts),
-                tokenizer=Tokenizer.from_dir(model_dir),
+                tokenizer=Tokenizer.from_dir(tokenizer_dir(config, model_dir)),
                 scheduler=None,
                 model_dir=model_dir,
                 tier=core.tier,
@@ -315,7 +321,7 @@ class AsyncEngine:
     ) -> AsyncEngine:
         """The scheduler, tokenizer and prefix tier around a built executor."""
         runner: Any = executor.runner
-        tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(tokenizer_dir(config, model_dir))
         capacity = runner.num_kv_blocks * config.cache.block_size
         max_model_len = runner.max_model_len
         if config.model.max_model_len is None and capacity < max_model_len:

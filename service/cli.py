@@ -60,6 +60,11 @@ def _add_model_args(g: Group) -> None:
         help="HF checkpoint directory (default: the embedded model, made on first use)",
     )
     g.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="a directory whose tokenizer files (tokenizer.json, tokenizer_config.json, "
+        "the chat template) serve the model in place of the checkpoint's own",
+    )  # fmt: skip
+    g.add_argument(
         "--dtype",
         default=default_of("dtype"),
         choices=DTYPES,
@@ -639,7 +644,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         tenant_weights={key_tenant(k): w for k, w in weighted if w != 1.0} or None,
     )
     if a.reasoning_parser:
-        _check_reasoning_parser(a.reasoning_parser, a.model)
+        _check_reasoning_parser(a.reasoning_parser, a.tokenizer or a.model)
     _check_generation_config(a.generation_config, a.override_generation_config, a.model)
     admin = list(a.admin_api_key or [])
     if not admin and _env("PAGESTREAM_ADMIN_API_KEY"):
