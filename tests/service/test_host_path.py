@@ -179,7 +179,8 @@ def test_plain_completion_chunk_is_the_dicts_event() -> None:
     from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
     from service.openai_completions import _CompletionChunks
 
-    serving = SimpleNamespace(token_text=None, _chunk=functools.partial(ServingBase._chunk, None))
+    serving = SimpleNamespace(token_text=None, _chunk=functools.partial(ServingBase._chunk, None),
+                              labels=lambda req: None)  # fmt: skip
     req = SimpleNamespace(echo_only=False, return_token_ids=False, logprobs=None,
                           prompt_logprobs=None, return_tokens_as_token_ids=False)  # fmt: skip
     base = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": 'm"x'}
