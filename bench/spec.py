@@ -11,8 +11,8 @@ trained on (the files its training held out):
   continuation repeats text already in the prompt (code editing, summarising);
 - copy+grammar: the same, under a grammar that takes any text (a regex), so every step
   computes masks and a verify chunk one per row: what speculation keeps under
-  structured output (n-gram, and the draft model drafting under the grammar; Medusa
-  does not draft there).
+  structured output (n-gram, the draft model drafting under the grammar, Medusa's trees
+  verified under it).
 Greedy, `ignore_eos`, fixed output length, so every mode emits the same tokens.
 
 Each round runs plain decoding before and after every mode (round_order), and a mode's

@@ -41,7 +41,7 @@ from torch import nn
 
 from gpu.config import ModelLoadError
 from gpu.sampler import RequestSamplingState, Sampler
-from gpu.spec_decode import TargetRunner, Verified, _draw, _view, row_targets
+from gpu.spec_decode import TargetRunner, Verified, _draw, _mask_verify_rows, _view, row_targets
 from scheduler.contract import ScheduledRequest
 from scheduler.medusa_tree import Tree, build_tree, tree_depth, tree_paths
 
@@ -321,14 +321,19 @@ class MedusaProposer:
         runner: TargetRunner,
         hidden: torch.Tensor,  # [T, hidden]
         verify: list[tuple[ScheduledRequest, int]],
+        masks: dict[str, bytes] | None = None,
     ) -> list[Verified]:
         """Verify the trees, move each accepted path's K/V to consecutive positions, and
-        keep the hidden state that sampled each request's new last token."""
+        keep the hidden state that sampled each request's new last token.  masks: a
+        constrained request's grammar mask for each of its tree's rows, joined
+        (Scheduler.draft_tree)."""
         rows: list[int] = []
         for sr, row in verify:
             rows += range(row, row + sr.num_draft + 1)
         idx = torch.tensor(rows, device=hidden.device)
         logits = runner.model.compute_logits(hidden.index_select(0, idx))
+        if masks:
+            _mask_verify_rows(logits, verify, masks)
         trees = [self.trees.pop(sr.req_id) for sr, _ in verify]
         states = [runner.requests[sr.req_id] for sr, _ in verify]
         results = verify_tree(runner.sampler, logits, states, trees)

@@ -374,6 +374,7 @@ class TreeProposer(Protocol):
         runner: TargetRunner,
         hidden: torch.Tensor,
         verify: list[tuple[ScheduledRequest, int]],
+        masks: dict[str, bytes] | None = None,
     ) -> list[Verified]: ...
 
 
@@ -401,6 +402,9 @@ class SpecRunner:
         # constrained request then drafts too, under its grammar (a DraftWalk; None for a
         # request without one).
         self.grammar_walk: Callable[[str], DraftWalk | None] | None = None
+        # ... and Scheduler.draft_tree for Medusa: a constrained request's masks for its
+        # tree's verify rows (None: no grammar, or a failed matcher).
+        self.grammar_tree: Callable[[str, list[int], list[int]], bytes | None] | None = None
         # Medusa heads (gpu/medusa.py): tree-shaped verify chunks.
         self.medusa = medusa
         # q rows of this step's model drafts, between proposing and verifying.
@@ -433,6 +437,12 @@ class SpecRunner:
             todo_m = [sr for sr in scheduled if sr.num_draft and not sr.draft_ids]
             if todo_m:
                 self.medusa.propose(todo_m)
+                if self.grammar_tree is not None and masks is not None:
+                    for sr in todo_m:
+                        tree = self.medusa.trees[sr.req_id]
+                        m = self.grammar_tree(sr.req_id, tree.tokens, tree.parents)
+                        if m:  # (b"": every row free)
+                            masks[sr.req_id] = m
         if self.drafts_shared:
             self._draft_everywhere(runner, scheduled, copy_blocks, masks)
             return
@@ -514,7 +524,7 @@ class SpecRunner:
         (Scheduler.fill_masks walks its matcher through the drafts)."""
         results: list[Verified] = []
         if self.medusa is not None:
-            results = self.medusa.verify(runner, hidden, verify)
+            results = self.medusa.verify(runner, hidden, verify, masks)
         else:
             rows: list[int] = []
             for sr, row in verify:

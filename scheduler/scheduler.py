@@ -135,6 +135,46 @@ def _draft_masks(grammar: GrammarMatcher, drafts: list[int]) -> tuple[bytes | No
     return walk.finish()
 
 
+class _MatcherFailed(Exception):
+    pass
+
+
+def tree_masks(grammar: GrammarMatcher, tokens: list[int], parents: list[int]) -> bytes | None:
+    """A Medusa verify chunk's masks, one per row (the root's, then each node's: the
+    grammar's mask after the node's path), joined.  A node the grammar refuses at its
+    parent is never accepted, so the rows under it are left all-allowed, as are the rows
+    past a node that completes the grammar (the request ends there).  The matcher is walked
+    depth first and ends where it was.  None where it fails: its request ends on update."""
+    kids: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
+    for i, par in enumerate(parents):
+        kids[par + 1].append(i)
+    rows: list[bytes | None] = [None] * (len(tokens) + 1)
+
+    def visit(row: int) -> None:
+        m = grammar.bitmask()
+        if m is None and grammar.error() is not None:
+            raise _MatcherFailed
+        rows[row] = m
+        if grammar.terminated:
+            return
+        for node in kids[row]:
+            tok = tokens[node]
+            if m is not None and not (m[tok // 8] >> (tok % 8)) & 1:
+                continue
+            if not grammar.accept(tok):
+                raise _MatcherFailed
+            try:
+                visit(node + 1)
+            finally:
+                grammar.rollback(1)
+
+    try:
+        visit(0)
+    except _MatcherFailed:
+        return None
+    return _join_rows(rows)
+
+
 def _join_rows(rows: list[bytes | None]) -> bytes:
     size = next((len(r) for r in rows if r is not None), 0)
     if not size:
@@ -694,15 +734,23 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
 
     def _drafts_constrained(self, grammar: GrammarMatcher) -> bool:
         """A constrained request may draft: its drafts are the scheduler's (n-gram), or a
-        draft model's in an executor that walks the grammar through them
-        (executor_masks); never a Medusa tree."""
+        draft model's or Medusa tree's in an executor that walks the grammar through them
+        (executor_masks)."""
         spec = self.spec
         return (
             spec is not None
             and (not spec.in_executor or self.executor_masks)
-            and not spec.tree
             and getattr(grammar, "drafts", False)
         )
+
+    def draft_tree(self, req_id: str, tokens: list[int], parents: list[int]) -> bytes | None:
+        """For Medusa in the executor: a constrained request's masks for its candidate
+        tree's verify rows (tree_masks), or None (no grammar, or a matcher that failed).
+        Walked on the executor's thread while this step runs, as draft_walk."""
+        req = self.requests.get(req_id)
+        if req is None or req.grammar is None:
+            return None
+        return tree_masks(req.grammar, tokens, parents)
 
     def draft_walk(self, req_id: str) -> DraftWalk | None:
         """For a draft model in the executor: a constrained request's matcher to draft

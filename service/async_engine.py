@@ -355,6 +355,7 @@ class AsyncEngine:
             # it drafts a constrained request's tokens under its grammar, so such a
             # request drafts too.
             spec_runner.grammar_walk = sched.draft_walk
+            spec_runner.grammar_tree = sched.draft_tree
             sched.executor_masks = True
         engine = cls(
             config,

@@ -19,7 +19,14 @@ import torch
 
 from tests.checkpoints import tiny_checkpoint
 from tests.e2e.test_engine_parity import make_engine, run_engine
-from tests.e2e.test_spec_parity import CONFIGS, check, one_thread, target_dir, workload
+from tests.e2e.test_spec_parity import (
+    CONFIGS,
+    check,
+    force_speculation,
+    one_thread,
+    target_dir,
+    workload,
+)
 
 pytest.importorskip("transformers")
 
@@ -68,12 +75,6 @@ def assert_trees(engine) -> None:
     st = engine.scheduler.spec.stats
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0, st
     assert st.num_accepted_tokens < st.num_draft_tokens, f"nothing was rejected: {st}"
-
-
-def force_speculation(engine) -> None:
-    """Every decode step speculates (the cost policy would pick for this machine's
-    timing; these tests are about correctness, not whether it pays)."""
-    engine.scheduler.spec.policy.choose = lambda *a, **k: True
 
 
 @pytest.mark.slow
@@ -221,3 +222,31 @@ async def test_trained_heads_serve(tmp_path):
     results = await run_engine(engine, work, stagger_steps=1)
     check(model, work, results)
     assert engine.scheduler.spec.stats.num_drafts > 0
+
+
+def test_medusa_greedy_identity_under_grammars(heads_root, monkeypatch):
+    """A constrained request drafts a tree: every row is masked by the grammar after its
+    path (Scheduler.draft_tree, walked depth first in the executor), nodes the grammar
+    refuses are never accepted, and the tokens are those without speculation."""
+    import asyncio
+
+    import scheduler.scheduler as sched_mod
+    from tests.e2e.test_spec_parity import GRAMMARS, _constrained
+
+    walked = []
+    walk = sched_mod.tree_masks
+
+    def counting(grammar, tokens, parents):
+        walked.append(len(tokens))
+        return walk(grammar, tokens, parents)
+
+    monkeypatch.setattr(sched_mod, "tree_masks", counting)
+    name = "llama-gqa"
+    model = target_dir(name)
+    plain = asyncio.run(_constrained(make_engine(model, max_num_batched_tokens=32), GRAMMARS))
+    engine = make_engine(model, max_num_batched_tokens=32,
+                         speculative_config=medusa_config(medusa_dir(name, heads_root)))  # fmt: skip
+    force_speculation(engine)
+    assert asyncio.run(_constrained(engine, GRAMMARS)) == plain
+    st = engine.scheduler.spec.stats
+    assert walked and st.num_drafts > 0 and st.num_accepted_tokens > 0, (walked, st)

@@ -20,6 +20,7 @@ from tests.e2e.test_spec_parity import (
     GRAMMARS,
     assert_speculated,
     check,
+    force_speculation,
     spec_config,
     target_dir,
     workload,
@@ -56,6 +57,7 @@ def test_tp2_speculation_matches_transformers(method: str, tmp_path: Path) -> No
     model, work, cfg = _case(method, tmp_path)
     llm = LLM(model, tensor_parallel_size=2, tensor_parallel_timeout=60,
               speculative_config=cfg, **ENGINE)  # fmt: skip
+    force_speculation(llm.engine)
     try:
         outs = llm.generate(
             [p for p, _ in work],

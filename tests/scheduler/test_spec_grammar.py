@@ -106,3 +106,35 @@ def test_no_draft_is_taken_past_the_grammars_end():
     joined, keep = _draft_masks(m, [5, 9, 0, 0])
     assert keep == 2 and m.pos == 0 and m.rolled_back == 2
     assert len(_rows(joined)) == 3  # the two drafts' rows, and the row after the last
+
+
+def test_a_medusa_tree_gets_each_rows_mask_after_its_path():
+    from scheduler.scheduler import tree_masks
+
+    m = Allowed([5, 9, 17, 3])
+    # Root's children: 5 (allowed) and 6 (refused); 5's children: 9 and 8; 9's child: 17.
+    tokens, parents = [5, 6, 9, 8, 17], [-1, -1, 0, 0, 2]
+    rows = _rows(tree_masks(m, tokens, parents))
+    every = list(range(VOCAB))
+    # root; 5 -> [9]; 6 refused (its row free); 9 -> [17]; 8 refused; 17 -> [3]
+    assert rows == [[5], [9], every, [17], every, [3]]
+    assert m.pos == 0 and m.rolled_back == 3
+    # A grammar complete after [5]: the rows past the completing token are free.
+    done = Allowed([5])
+    done.ends = True
+    assert _rows(tree_masks(done, [5, 7], [-1, 0])) == [[5], every, every]
+    assert done.pos == 0
+
+
+def test_a_medusa_tree_whose_matcher_fails_gets_no_masks():
+    from scheduler.scheduler import tree_masks
+
+    class Broken(Allowed):
+        def bitmask(self):
+            return None if self.pos == 1 else super().bitmask()
+
+        def error(self):
+            return "broken" if self.pos == 1 else None
+
+    m = Broken([5, 9])
+    assert tree_masks(m, [5, 9], [-1, 0]) is None and m.pos == 0
