@@ -300,17 +300,7 @@ class MedusaProposer:
         """Rank 0's accepted paths on every rank (each in its tree's row count, its length
         first): a rank that moved other K/V would hold another sequence's cache."""
         assert self.tp is not None
-        flat = None
-        if self.tp.rank == 0:
-            flat = []
-            for path, n in zip(paths, slots, strict=True):
-                flat += [len(path), *path, *[-1] * (n - len(path))]
-        got = self.tp.broadcast_ints(flat, sum(1 + n for n in slots))
-        out, at = [], 0
-        for n in slots:
-            out.append(got[at + 1 : at + 1 + got[at]])
-            at += 1 + n
-        return out
+        return self.tp.broadcast_lists(paths if self.tp.rank == 0 else None, slots)
 
     def layout(self, req_id: str) -> tuple[list[int], list[int]] | None:
         tree = self.trees.get(req_id)

@@ -457,25 +457,17 @@ class SpecRunner:
     ) -> None:
         """Tensor parallelism: rank 0 drafts, and every rank verifies the same drafts (a
         rank that verified other tokens would add its share of another sum into the
-        all-reduce).  One broadcast of the step's draft slots, each chunk's count first."""
+        all-reduce).  One broadcast of the step's draft slots."""
         # The slots as scheduled (rank 0's grammar walk may cut a chunk shorter).
         todo = [(sr, sr.num_draft) for sr in scheduled if sr.num_draft and not sr.draft_ids]
         if self.proposes:
             self._draft(runner, scheduled, copy_blocks, masks)
-        n = sum(1 + k for _, k in todo)
-        if not n:
+        if not todo:
             return
-        sent = None
-        if self.proposes:
-            sent = []
-            for sr, k in todo:
-                sent += [len(sr.draft_ids), *sr.draft_ids, *[-1] * (k - len(sr.draft_ids))]
-        got = runner.tp.broadcast_ints(sent, n)  # type: ignore[attr-defined]
-        at = 0
-        for sr, k in todo:
-            count = got[at]
-            sr.draft_ids, sr.num_draft = got[at + 1 : at + 1 + count], count
-            at += 1 + k
+        sent = [sr.draft_ids for sr, _ in todo] if self.proposes else None
+        got = runner.tp.broadcast_lists(sent, [k for _, k in todo])  # type: ignore[attr-defined]
+        for (sr, _), drafts in zip(todo, got, strict=True):
+            sr.draft_ids, sr.num_draft = drafts, len(drafts)
 
     def _draft(
         self,

@@ -54,6 +54,21 @@ class TPGroup:
         dist.broadcast(t, src=src, group=self.group)
         return [int(v) for v in t.tolist()]
 
+    def broadcast_lists(self, lists: list[list[int]] | None, widths: list[int]) -> list[list[int]]:
+        """`lists` (given on the group's first rank; None elsewhere) on every rank, list i
+        at most widths[i] long: one broadcast, each list's length first."""
+        flat = None
+        if lists is not None:
+            flat = []
+            for values, width in zip(lists, widths, strict=True):
+                flat += [len(values), *values, *[-1] * (width - len(values))]
+        got = self.broadcast_ints(flat, sum(1 + w for w in widths))
+        out, at = [], 0
+        for width in widths:
+            out.append(got[at + 1 : at + 1 + got[at]])
+            at += 1 + width
+        return out
+
     def min_int(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)

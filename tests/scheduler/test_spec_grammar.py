@@ -70,14 +70,17 @@ def test_the_chunk_is_cut_at_the_first_refused_draft():
     assert keep == 0 and _rows(joined) == [[5]] and m.rolled_back == 1
 
 
+class Broken(Allowed):
+    """Fails at position 1."""
+
+    def bitmask(self):
+        return None if self.pos == 1 else super().bitmask()
+
+    def error(self):
+        return "broken" if self.pos == 1 else None
+
+
 def test_a_matcher_in_error_gives_no_masks():
-    class Broken(Allowed):
-        def bitmask(self):
-            return None if self.pos == 1 else super().bitmask()
-
-        def error(self):
-            return "broken" if self.pos == 1 else None
-
     m = Broken([5, 9])
     assert _draft_masks(m, [5, 9]) == (None, 0)
     assert m.pos == 0
@@ -128,13 +131,6 @@ def test_a_medusa_tree_gets_each_rows_mask_after_its_path():
 
 def test_a_medusa_tree_whose_matcher_fails_gets_no_masks():
     from scheduler.scheduler import tree_masks
-
-    class Broken(Allowed):
-        def bitmask(self):
-            return None if self.pos == 1 else super().bitmask()
-
-        def error(self):
-            return "broken" if self.pos == 1 else None
 
     m = Broken([5, 9])
     assert tree_masks(m, [5, 9], [-1, 0]) is None and m.pos == 0
