@@ -342,6 +342,8 @@ def _openai_serving(
         response_role=state.config.response_role,
         tokens_as_ids=state.config.return_tokens_as_token_ids,
         force_usage=state.config.enable_force_include_usage,
+        log_requests=state.config.enable_log_requests,
+        max_log_len=state.config.max_log_len,
     )
     cfg = state.config
     serving.store = make_response_store(

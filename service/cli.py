@@ -882,6 +882,13 @@ def _add_chat_args(s: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     s.add_argument("--disable-fastapi-docs", action="store_true",
                    help="do not serve /openapi.json")  # fmt: skip
+    s.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="log each queued prompt (text and token ids) and its sampling parameters at "
+        "INFO on pagestream.requests (prompts are private: off by default)",
+    )  # fmt: skip
+    s.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="characters and token ids of a prompt --enable-log-requests logs")  # fmt: skip
 
 
 # vLLM flags that ask for what pagestream does anyway; accepted so a `vllm serve` line runs
@@ -893,7 +900,7 @@ ACCEPTED_VLLM_FLAGS = {
     "--enable-chunked-prefill": "prompts are always cut into chunks that share steps with decodes",
     "--enable-auto-tool-choice": "tool_choice auto is served whenever --tool-call-parser "
     "is given (it is refused without one)",
-    "--disable-log-requests": "requests' contents are never logged",
+    "--disable-log-requests": "requests are not logged unless --enable-log-requests",
     "--disable-log-stats": "no periodic statistics are logged (GET /metrics has them)",
 }
 

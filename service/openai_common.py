@@ -176,6 +176,19 @@ class StreamUsage:
         )
 
 
+REQUEST_LOG = logging.getLogger("pagestream.requests")
+
+
+def log_request(
+    rid: str, ids: list[int], text: str | None, params: SamplingParams, max_len: int | None
+) -> None:
+    """One queued prompt, as vLLM's --enable-log-requests logs it."""
+    REQUEST_LOG.info(
+        "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora: %s",
+        rid, text[:max_len] if text is not None else None, params, ids[:max_len], params.lora,
+    )  # fmt: skip
+
+
 class ServingBase:
     """State and steps both OpenAI routes use; `OpenAIServing` (service/openai_api.py)
     is this plus the chat and completion routes."""
@@ -198,8 +211,13 @@ class ServingBase:
         response_role: str = "assistant",
         tokens_as_ids: bool = False,
         force_usage: bool = False,
+        log_requests: bool = False,
+        max_log_len: int | None = None,
     ) -> None:
         self.engine = engine
+        # --enable-log-requests: each queued prompt (its text and ids, cut to
+        # --max-log-len) and its sampling parameters, at INFO on pagestream.requests.
+        self.log_requests, self.max_log_len = log_requests, max_log_len
         self.response_role = response_role  # --response-role
         self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids
         self.force_usage = force_usage  # --enable-force-include-usage
@@ -350,6 +368,9 @@ class ServingBase:
                 list(zip(rids, prompts, strict=True)), params, cache_salt,
                 tenant=tenant, conversation=conversation, priority=priority,
             )  # fmt: skip
+        if self.log_requests:
+            for rid, ids, text in zip(rids, prompts, texts, strict=True):
+                log_request(rid, ids, text, params, self.max_log_len)
         gens = [
             self.engine.generate(text or "", submitted=sub)
             for sub, text in zip(subs, texts, strict=True)

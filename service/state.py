@@ -122,6 +122,10 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     uds: str | None = None
+    # Each queued prompt and its parameters logged (pagestream.requests, INFO), its text
+    # and ids cut to max_log_len (None: whole); off by default, as prompts are private.
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     # GET /openapi.json (vLLM's --disable-fastapi-docs turns its docs off).
     openapi_docs: bool = True
 

@@ -31,6 +31,7 @@ KEYS = ["--api-key", "k1", "--api-key", "k2"]  # two keys: --prefix-tier-key-sha
 SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--model": (["/m"], None),
     "--tokenizer": (["/tok"], None),
+    "--max-log-len": (["100"], None),
     "--quantization": (["int8"], None),
     "--lora-modules": (["sea=/adapters/sea"], KEYS),  # (not with speculation)
     # (a model directory without a tokenizer: the check of its tags is the load's)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import ssl
 from pathlib import Path
 from typing import Any
@@ -348,3 +349,24 @@ def test_a_unix_socket_serves_the_openai_client(tmp_path: Path) -> None:
         r = client.completions.create(model=client.models.list().data[0].id, prompt="one",
                                       max_tokens=2)  # fmt: skip
         assert r.usage.completion_tokens <= 2 and r.choices[0].finish_reason
+
+
+def test_enable_log_requests_logs_each_prompt_cut_to_max_log_len(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.service.live_server import live_server
+
+    model = str(tiny_checkpoint("llama"))
+    body = {"prompt": "one two three four five", "max_tokens": 2, "temperature": 0}
+    with caplog.at_level(logging.INFO, logger="pagestream.requests"):
+        with live_server(model, enable_log_requests=True, max_log_len=5) as s:
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        logged = [rec.getMessage() for rec in caplog.records if rec.name == "pagestream.requests"]
+        assert len(logged) == 1 and r["id"].removeprefix("cmpl-") in logged[0], logged
+        assert "prompt: 'one t'," in logged[0] and "temperature=0.0" in logged[0]
+        ids = transformers.AutoTokenizer.from_pretrained(model)(body["prompt"]).input_ids
+        assert f"prompt_token_ids: {ids[:5]}" in logged[0]
+        caplog.clear()
+        with live_server(model) as s:  # off by default: prompts are private
+            httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert not [rec for rec in caplog.records if rec.name == "pagestream.requests"]
