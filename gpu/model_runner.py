@@ -52,6 +52,19 @@ log = logging.getLogger(__name__)
 DEFAULT_GPU_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
 
 
+def kv_budget(free: int, total: int, own: int, utilization: float | None) -> int:
+    """KV cache bytes on a GPU, once the weights are loaded: 85% of what is free (the rest
+    for activations, graphs and the allocator's slack), or with --gpu-memory-utilization U,
+    85% of what this engine's share U x total leaves after its own memory so far (`own`:
+    the weights), as vLLM reads U (a per-engine share: two engines at 0.45 share a GPU),
+    and never more than 85% of what is free.  Nothing left is a start-up error (the runner
+    refuses fewer than two blocks)."""
+    cap = int(free * DEFAULT_GPU_MEMORY_FRACTION)
+    if utilization is None:
+        return cap
+    return max(0, min(cap, int((utilization * total - own) * DEFAULT_GPU_MEMORY_FRACTION)))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -381,9 +394,15 @@ class ModelRunner:
     def _auto_num_blocks(self, kv_cache_bytes: int | None) -> int:
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                kv_cache_bytes = int(free * DEFAULT_GPU_MEMORY_FRACTION)
+                free, total = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = kv_budget(
+                    free, total, torch.cuda.memory_reserved(self.device),
+                    self.engine_config.cache.gpu_memory_utilization,
+                )  # fmt: skip
             else:
+                if self.engine_config.cache.gpu_memory_utilization is not None:
+                    log.info("--gpu-memory-utilization applies on CUDA; on a CPU the KV cache "
+                             "is --kv-cache-memory or PAGESTREAM_CPU_KVCACHE_SPACE")  # fmt: skip
                 kv_cache_bytes = envs.PAGESTREAM_CPU_KVCACHE_SPACE
         n = kv_cache_bytes // self.kv_bytes_per_block
         if n < 2:

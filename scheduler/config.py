@@ -143,6 +143,10 @@ class CacheSettings:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int | None = None  # None: the runner's default for the device
+    # vLLM's: on CUDA, the share of the GPU's memory this engine may take; the KV cache
+    # gets what the weights leave of it (gpu/model_runner.kv_budget).  None: 85% of the
+    # memory free after the weights.  A CPU ignores it (PAGESTREAM_CPU_KVCACHE_SPACE).
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype), int8 or fp8 (e4m3)
     enable_prefix_caching: bool = True
     # Conversation KV pins: at most this fraction of the blocks, each for session_ttl s.
@@ -154,6 +158,8 @@ class CacheSettings:
         _check(self, "block_size", b > 0 and not b & (b - 1), "must be a positive power of two")
         _positive_or_none(self, "num_kv_blocks", "kv_cache_bytes")
         _one_of(self, "kv_cache_dtype", KV_CACHE_DTYPES)
+        u = self.gpu_memory_utilization
+        _check(self, "gpu_memory_utilization", u is None or 0 < u <= 1, "must be in (0, 1]")
         _check(self, "pinned_kv_fraction", 0 <= self.pinned_kv_fraction <= 1, "must be in [0, 1]")
         _check(self, "session_ttl", self.session_ttl >= 0, "must be >= 0")
 

@@ -138,6 +138,12 @@ def _add_kv_cache_args(g: Group) -> None:
         metavar="GiB",
         help="KV cache size (default: 2 GiB on CPU, or PAGESTREAM_CPU_KVCACHE_SPACE; 85%% of free memory on CUDA)",
     )
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+        help="vLLM's: on CUDA, the share of the GPU's memory this engine may take; the KV "
+        "cache gets 85%% of what it leaves after the memory in use once the weights are "
+        "loaded (default: 85%% of the free memory; ignored on a CPU)",
+    )  # fmt: skip
 
 
 def _add_step_args(g: Group) -> None:

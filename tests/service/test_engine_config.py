@@ -32,6 +32,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--model": (["/m"], None),
     "--tokenizer": (["/tok"], None),
     "--max-log-len": (["100"], None),
+    "--gpu-memory-utilization": (["0.9"], None),
     "--quantization": (["int8"], None),
     "--lora-modules": (["sea=/adapters/sea"], KEYS),  # (not with speculation)
     # (a model directory without a tokenizer: the check of its tags is the load's)

@@ -370,3 +370,23 @@ def test_enable_log_requests_logs_each_prompt_cut_to_max_log_len(
         with live_server(model) as s:  # off by default: prompts are private
             httpx.post(s.url + "/v1/completions", json=body, timeout=60)
         assert not [rec for rec in caplog.records if rec.name == "pagestream.requests"]
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache_from_the_gpus_share() -> None:
+    from gpu.model_runner import kv_budget
+
+    gib = 1 << 30
+    c = _config(["--gpu-memory-utilization", "0.9"])
+    assert c.engine.cache.gpu_memory_utilization == 0.9
+    # 80 GiB card, 16 GiB of weights loaded: 0.9 x 80 - 16 = 56 GiB for this engine past
+    # its weights, 85% of that for KV (the rest for activations).
+    assert kv_budget(64 * gib, 80 * gib, 16 * gib, 0.9) == int(56 * gib * 0.85)
+    assert kv_budget(64 * gib, 80 * gib, 16 * gib, None) == int(64 * gib * 0.85)  # default
+    # A second engine at 0.45 beside one that took its 36 GiB: its own share still fits.
+    assert kv_budget(28 * gib, 80 * gib, 16 * gib, 0.45) == int(20 * gib * 0.85)
+    # Never more than is free; nothing left (weights over the share): the runner refuses.
+    assert kv_budget(8 * gib, 80 * gib, 16 * gib, 0.9) == int(8 * gib * 0.85)
+    assert kv_budget(60 * gib, 80 * gib, 20 * gib, 0.2) == 0
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
+            _config(["--gpu-memory-utilization", bad])
