@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from gpu.config import ModelLoadError
-from gpu.sampler import RequestSamplingState, Sampler
+from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import TargetRunner, Verified, _draw, _mask_verify_rows, _view, row_targets
 from scheduler.contract import ScheduledRequest
 from scheduler.medusa_tree import Tree, build_tree, tree_depth, tree_paths
@@ -244,13 +244,17 @@ class MedusaProposer:
         self.trees.pop(req_id, None)
 
     @torch.inference_mode()
-    def propose(self, reqs: list[ScheduledRequest]) -> None:
-        """Fill each request's num_draft slots with the first nodes of the static tree."""
+    def propose(self, reqs: list[ScheduledRequest], roots: dict[str, bytes] | None = None) -> None:
+        """Fill each request's num_draft slots with the first nodes of the static tree.
+        roots: a constrained request's grammar mask at the root, so its first level's
+        candidates are tokens the grammar allows (deeper levels are walked later)."""
         depth = min(self.num_heads, max(tree_depth(sr.num_draft) for sr in reqs))
         paths = tree_paths(depth)
         ranks = [1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)]
         guesses = (
-            self._candidates(reqs, depth, ranks) if self.tp is None or self.tp.rank == 0 else None
+            self._candidates(reqs, depth, ranks, roots or {})
+            if self.tp is None or self.tp.rank == 0
+            else None
         )
         if self.tp is not None:
             guesses = self._shared(guesses, len(reqs), ranks)
@@ -278,9 +282,14 @@ class MedusaProposer:
         return out
 
     def _candidates(
-        self, reqs: list[ScheduledRequest], depth: int, ranks: list[int]
+        self,
+        reqs: list[ScheduledRequest],
+        depth: int,
+        ranks: list[int],
+        roots: dict[str, bytes],
     ) -> list[list[list[int]]]:
-        """Each request's top-k tokens per head (ranks[d] of head d)."""
+        """Each request's top-k tokens per head (ranks[d] of head d); head 0's among the
+        tokens the root's grammar mask allows, where it has one."""
         known = [sr for sr in reqs if sr.req_id in self.hidden]
         topk: dict[str, list[list[int]]] = {}
         if known:
@@ -289,6 +298,10 @@ class MedusaProposer:
             logits = torch.stack(
                 [self.heads.heads[d](h.to(w.dtype)) for d in range(depth)]
             )  # [depth, R, V]
+            masked = [j for j, sr in enumerate(known) if sr.req_id in roots]
+            if masked:
+                first = logits[0]
+                apply_token_bitmask_(first, masked, [roots[known[j].req_id] for j in masked])
             per_head = [logits[d].topk(ranks[d], dim=-1).indices.tolist() for d in range(depth)]
             for j, sr in enumerate(known):
                 topk[sr.req_id] = [per_head[d][j] for d in range(depth)]

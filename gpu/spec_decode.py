@@ -436,7 +436,7 @@ class SpecRunner:
         if self.medusa is not None:
             todo_m = [sr for sr in scheduled if sr.num_draft and not sr.draft_ids]
             if todo_m:
-                self.medusa.propose(todo_m)
+                self.medusa.propose(todo_m, self._root_masks(todo_m))
                 if self.grammar_tree is not None and masks is not None:
                     for sr in todo_m:
                         tree = self.medusa.trees[sr.req_id]
@@ -447,6 +447,22 @@ class SpecRunner:
             self._draft_everywhere(runner, scheduled, copy_blocks, masks)
             return
         self._draft(runner, scheduled, copy_blocks, masks)
+
+    def _root_masks(self, reqs: list[ScheduledRequest]) -> dict[str, bytes]:
+        """Each constrained request's grammar mask where its tree grows from (the matcher
+        as it stands), for Medusa's first level."""
+        out: dict[str, bytes] = {}
+        if self.grammar_walk is None:
+            return out
+        for sr in reqs:
+            walk = self.grammar_walk(sr.req_id)
+            if walk is None:
+                continue
+            m = walk.mask()
+            walk.finish()  # (nothing taken: the matcher is where it was)
+            if m is not None and not walk.failed:
+                out[sr.req_id] = m
+        return out
 
     def _draft_everywhere(
         self,

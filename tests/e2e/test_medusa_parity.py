@@ -225,19 +225,25 @@ async def test_trained_heads_serve(tmp_path):
 
 
 def test_medusa_greedy_identity_under_grammars(heads_root, monkeypatch):
-    """A constrained request drafts a tree: every row is masked by the grammar after its
-    path (Scheduler.draft_tree, walked depth first in the executor), nodes the grammar
-    refuses are never accepted, and the tokens are those without speculation."""
+    """A constrained request drafts a tree: its first level is the heads' top tokens among
+    those the grammar allows, every row is masked by the grammar after its path
+    (Scheduler.draft_tree, walked depth first in the executor), nodes the grammar refuses
+    are never accepted, and the tokens are those without speculation."""
     import asyncio
 
     import scheduler.scheduler as sched_mod
     from tests.e2e.test_spec_parity import GRAMMARS, _constrained
 
-    walked = []
+    walked, refused_first = [], []
     walk = sched_mod.tree_masks
 
     def counting(grammar, tokens, parents):
         walked.append(len(tokens))
+        root = grammar.bitmask()
+        # The first level was drawn under the root's mask: its best candidate (node 0) is
+        # one the grammar allows (the others too, while it allows as many).
+        if root is not None and not (root[tokens[0] // 8] >> (tokens[0] % 8)) & 1:
+            refused_first.append(tokens[0])
         return walk(grammar, tokens, parents)
 
     monkeypatch.setattr(sched_mod, "tree_masks", counting)
@@ -250,3 +256,4 @@ def test_medusa_greedy_identity_under_grammars(heads_root, monkeypatch):
     assert asyncio.run(_constrained(engine, GRAMMARS)) == plain
     st = engine.scheduler.spec.stats
     assert walked and st.num_drafts > 0 and st.num_accepted_tokens > 0, (walked, st)
+    assert not refused_first, refused_first
