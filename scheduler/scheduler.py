@@ -210,8 +210,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
     ) -> None:
         self.config = config
         self.spec = spec
-        # A draft model's executor that calls draft_masks (it shares this process): a
-        # constrained request may draft with it.
+        # An executor that walks this scheduler's matchers through its own drafts
+        # (draft_walk, draft_tree: it shares this process): a constrained request may draft
+        # with a draft model or Medusa.
         self.executor_masks = False
         self.block_size = config.block_size
         self.kv = KVCacheManager(
@@ -327,7 +328,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         if not constrained:
             return
         drafted = {sr.req_id: sr for sr in so.scheduled if sr.draft_ids}
-        # A draft model's chunks get theirs in the executor once drafted (draft_masks).
+        # A draft model's or Medusa's chunks get theirs in the executor once drafted
+        # (draft_walk, draft_tree).
         later = {sr.req_id for sr in so.scheduled if sr.num_draft and not sr.draft_ids}
         plain = [r for r in constrained if r.req_id not in drafted and r.req_id not in later]
         masks = bitmasks([r.grammar for r in plain])  # type: ignore[misc]

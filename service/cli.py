@@ -664,6 +664,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         )
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    if a.max_log_len is not None and a.max_log_len < 0:
+        raise SystemExit("--max-log-len must be >= 0")
     try:
         chat_template = load_chat_template(a.chat_template) if a.chat_template else None
         if chat_template is not None:

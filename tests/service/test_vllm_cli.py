@@ -145,6 +145,7 @@ def test_refused_at_start_naming_the_flag(tmp_path: Path) -> None:
         (["--ssl-certfile", str(certs.server_cert), "--ssl-keyfile", str(certs.server_key),
           "--ssl-cert-reqs", "2"], "needs --ssl-ca-certs"),
         (["--ssl-ca-certs", str(certs.ca)], "need --ssl-certfile"),
+        (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
     ]:  # fmt: skip
         with pytest.raises(SystemExit) as e:
             _config(argv)
