@@ -755,7 +755,7 @@ async def debug_state(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(openapi_document())
+    return json_response(openapi_document(request.app[STATE].config.root_path))
 
 
 async def index(request: web.Request) -> web.FileResponse:

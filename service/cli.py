@@ -863,6 +863,11 @@ def _add_listen_args(s: argparse.ArgumentParser) -> None:
         help="client certificates: 0 not asked for, 1 checked when given, 2 required "
         "(mutual TLS; Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED)",
     )  # fmt: skip
+    s.add_argument(
+        "--root-path", default="", metavar="PREFIX",
+        help="the path prefix a reverse proxy serves this server under (it strips it): "
+        "the OpenAPI document's servers entry (the chat page needs none)",
+    )  # fmt: skip
     s.add_argument("--uds", default=None, metavar="PATH",
                    help="listen on this Unix domain socket instead of --host / --port")  # fmt: skip
 

@@ -76,7 +76,16 @@ def _post(summary: str, schema: dict[str, Any], streams: bool) -> dict[str, Any]
 
 
 @cache
-def openapi_document() -> dict[str, Any]:
+def openapi_document(root_path: str = "") -> dict[str, Any]:
+    """The document; root_path (--root-path): the prefix a proxy serves the API under,
+    given as its `servers` entry so generated clients call through it."""
+    doc = _document()
+    if root_path:
+        doc["servers"] = [{"url": root_path}]
+    return doc
+
+
+def _document() -> dict[str, Any]:
     schemas, components = msgspec.json.schema_components(
         [
             ChatCompletionRequest,

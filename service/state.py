@@ -126,6 +126,10 @@ class ServerConfig:
     # and ids cut to max_log_len (None: whole); off by default, as prompts are private.
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # The path prefix a reverse proxy serves this server under (it strips it before
+    # passing requests on): the OpenAPI document's `servers` entry.  The chat page needs
+    # none (its URLs are relative).
+    root_path: str = ""
     # GET /openapi.json (vLLM's --disable-fastapi-docs turns its docs off).
     openapi_docs: bool = True
 

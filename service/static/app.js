@@ -101,11 +101,14 @@
   }
 
   function socketUrl() {
-    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    // Relative to the page, so the page works behind a proxy that serves it under a path
+    // prefix (https://example.com/llm/ reaches the server's /).
+    const url = new URL("v1/ws", location.href);
+    url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
     const key = els.apiKey.value.trim();
     // Browsers cannot set headers on a WebSocket, so the key travels in the query.
-    const query = key ? `?api_key=${encodeURIComponent(key)}` : "";
-    return `${scheme}//${location.host}/v1/ws${query}`;
+    if (key) url.searchParams.set("api_key", key);
+    return url.href;
   }
 
   function connect() {
@@ -197,7 +200,7 @@
     // Purely informative: show what the server is serving.
     const key = els.apiKey.value.trim();
     try {
-      const resp = await fetch("/v1/models", {
+      const resp = await fetch("v1/models", {
         headers: key ? { Authorization: `Bearer ${key}` } : {},
       });
       if (!resp.ok) return;

@@ -82,6 +82,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     ),
     "--chat-template": (["{template}"], None),
     "--uds": (["/tmp/pagestream.sock"], None),
+    "--root-path": (["/llm"], None),
     # TLS files are read at start: real ones, on a line that already serves TLS.
     "--ssl-certfile": (["{cert2}"], [*SPEC_BASE, *TLS]),
     "--ssl-keyfile": (["{key2}"], [*SPEC_BASE, *TLS]),

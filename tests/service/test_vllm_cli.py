@@ -56,6 +56,13 @@ def _no_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ------------------------------------------------------------------- the command line
+def test_root_path_is_the_documents_server() -> None:
+    from service.openapi import openapi_document
+
+    assert _config(["--root-path", "/llm"]).root_path == "/llm"
+    assert openapi_document("/llm")["servers"] == [{"url": "/llm"}]
+
+
 def test_a_vllm_serve_line_is_read_as_vllm_reads_it() -> None:
     c = _config([
         "/models/llama", "--host", "127.0.0.1", "--port", "8001", "--dtype", "auto",
@@ -317,8 +324,10 @@ def test_invocations_and_ping(tls_server: Any) -> None:
         # `input` is an embedding (a causal LM's last hidden state, as /v1/embeddings).
         emb = http.post("/invocations", json={"input": "x"}, headers=auth).json()
         assert emb["object"] == "list" and len(emb["data"][0]["embedding"]) > 0
-        # --disable-fastapi-docs was not given: the document is there.
-        assert http.get("/openapi.json").status_code == 200
+        # --disable-fastapi-docs was not given: the document is there, and names no
+        # prefix (no --root-path).
+        doc = http.get("/openapi.json").json()
+        assert "/invocations" in doc["paths"] and "servers" not in doc
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path: Path) -> None:
