@@ -103,8 +103,11 @@ class ModelRunner:
         if tp is not None:
             check_tp_config(self.config, tp.size)
         if tp is not None or pp is not None:
-            if config.speculative is not None and pp is not None:
-                raise ModelLoadError("speculative decoding does not run pipeline-parallel")
+            spec = config.speculative
+            if spec is not None and pp is not None and spec.method != "ngram":
+                raise ModelLoadError(
+                    "under pipeline parallelism speculative decoding runs with n-gram drafts only"
+                )
             cuda_graphs = False
         self.local_config = local_config(self.config, tp, pp)
         self._load_weights(config.device.attention_backend, config.model.quantization, tp)

@@ -186,6 +186,11 @@ def run_pipeline(
     sends: list[Any] = []
     sampled: list[torch.Tensor] = []
     states, ids = [], []
+    # The last stage's verify chunks (n-gram drafts): their rows' hidden states, and each
+    # chunk with its first row's place among them.
+    verify_h: list[torch.Tensor] = []
+    verify: list[tuple[ScheduledRequest, int]] = []
+    at = 0
     for d, s in split_rows(dec, scheduled, pp.micro_batches):
         inputs = runner._prepare(s, errors, d)
         t = inputs.meta.num_tokens
@@ -213,6 +218,10 @@ def run_pipeline(
             sampled.append(samples.hidden(h))
             states += samples.states
             ids += samples.ids
+        for sr, row in inputs.verify:
+            verify_h.append(h[row : row + sr.num_draft + 1])
+            verify.append((sr, at))
+            at += sr.num_draft + 1
     for handle, _tensor in sends:
         handle.wait()
     if save_kv_blocks:
@@ -227,6 +236,9 @@ def run_pipeline(
                 runner._apply_grammar(logits, ids, grammar_bitmasks)
             runner._sample(logits, rows, out)
             runner._pool(hidden, ids, out)
+        if verify:
+            assert runner.spec is not None, "draft tokens sent to a runner without speculation"
+            runner.spec.verify(runner, torch.cat(verify_h), verify, out, grammar_bitmasks)
         if pp.sends_output:
             send_output(out, pp.device)
         return out

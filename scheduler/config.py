@@ -290,10 +290,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         spec, par = self.speculative, self.parallel
-        if spec is not None and par.pipeline_parallel_size > 1:
+        if spec is not None and par.pipeline_parallel_size > 1 and spec.method != "ngram":
             raise ConfigError(
-                "speculative decoding (--speculative-*) does not run with "
-                "--pipeline-parallel-size > 1"
+                f"speculative decoding with a {spec.method} proposer (--speculative-*) does not "
+                "run with --pipeline-parallel-size > 1 (n-gram drafts do)"
             )
 
     @classmethod

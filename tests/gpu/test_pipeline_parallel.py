@@ -154,9 +154,9 @@ def test_refused_before_spawning_anything():
     path = checkpoint("llama", {})
     with pytest.raises(ModelLoadError, match=r"num_hidden_layers 2 \(fewer layers than stages"):
         LLM(path, pipeline_parallel_size=3, **ENGINE)
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        LLM(path, pipeline_parallel_size=2, speculative_config={"method": "ngram",
-            "num_speculative_tokens": 2}, **ENGINE)  # fmt: skip
+    with pytest.raises(ConfigError, match="speculative decoding with a draft proposer"):
+        LLM(path, pipeline_parallel_size=2, speculative_config={"method": "draft",
+            "model": "/draft"}, **ENGINE)  # fmt: skip
     with pytest.raises(ModelLoadError, match="--quantization int8"):
         LLM(path, pipeline_parallel_size=2, quantization="int8", **ENGINE)
     with pytest.raises(ModelLoadError, match="do not split evenly over --nnodes 3"):

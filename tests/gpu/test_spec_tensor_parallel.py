@@ -4,7 +4,8 @@ verifies the same tokens) and Medusa trees (rank 0's candidates and accepted pat
 broadcast, so every rank verifies the same tree and moves the same K/V) keep greedy
 output token-identical with HF transformers' float32 generate(), with drafts both
 accepted and rejected, and under grammars with one rank's output without speculation;
-sampling runs too.  Pipeline parallelism still refuses speculation, by name."""
+sampling runs too.  Pipeline parallelism runs n-gram drafts, and refuses a draft model's
+and Medusa's by name."""
 
 from __future__ import annotations
 
@@ -89,8 +90,39 @@ def test_tp2_speculation_matches_transformers(method: str, tmp_path: Path) -> No
         llm.shutdown()
 
 
-def test_pipeline_parallel_still_refuses_speculation() -> None:
+def test_pp2_ngram_speculation_matches_transformers() -> None:
+    """Pipeline parallelism: the last stage verifies each micro-batch's chunks after its
+    samples; n-gram drafts (the scheduler's) reach every stage in the step."""
+    model, work, cfg = _case("ngram", Path("."))
+    llm = LLM(model, pipeline_parallel_size=2, tensor_parallel_timeout=60,
+              speculative_config=cfg, **ENGINE)  # fmt: skip
+    force_speculation(llm.engine)
+    try:
+        outs = llm.generate(
+            [p for p, _ in work],
+            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work],
+        )
+        check(model, work, [[o.outputs[0].token_ids] for o in outs])
+        assert_speculated(llm.engine)
+        constrained = [
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                           structured_outputs=StructuredOutputsParams(**spec))
+            for _, spec in GRAMMARS
+        ]  # fmt: skip
+        prompts = [p for p, _ in GRAMMARS]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, constrained)]
+        with LLM(model, **ENGINE) as plain:
+            want = [o.outputs[0].token_ids for o in plain.generate(prompts, constrained)]
+        assert got == want
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free == pool.num_blocks, "leaked KV blocks"
+    finally:
+        llm.shutdown()
+
+
+def test_pipeline_parallel_refuses_model_drafts() -> None:
     model = target_dir("llama-gqa")
-    with pytest.raises(ConfigError, match="pipeline-parallel-size"):
-        LLM(model, pipeline_parallel_size=2,
-            speculative_config={"method": "ngram"}, **ENGINE)  # fmt: skip
+    for method in ("draft", "medusa"):
+        with pytest.raises(ConfigError, match="pipeline-parallel-size"):
+            LLM(model, pipeline_parallel_size=2,
+                speculative_config={"method": method, "model": "/x"}, **ENGINE)  # fmt: skip

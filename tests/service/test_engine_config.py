@@ -281,7 +281,7 @@ def test_the_engine_parts_read_their_groups():
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
         (["--speculative-method", "ngram", "--num-speculative-tokens", "40"], "--speculative-"),
-        (["--pipeline-parallel-size", "2", "--speculative-method", "ngram"], "--speculative-"),
+        (["--pipeline-parallel-size", "2", *SPEC_BASE], "--speculative-"),
         (["--device", "tpu"], "--device"),
     ],
 )
