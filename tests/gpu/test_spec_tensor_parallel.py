@@ -53,6 +53,33 @@ def _case(method: str, tmp: Path) -> tuple[str, list[tuple[list[int], int]], dic
     return model, [(tok.encode(t), 24) for t in texts], cfg
 
 
+def _greedy_and_grammars(llm: LLM, model: str, work: list[tuple[list[int], int]]) -> None:
+    """Greedy output equals transformers' with drafts accepted and rejected; under
+    grammars (drafted under each request's grammar), the tokens of one rank without
+    speculation."""
+    outs = llm.generate(
+        [p for p, _ in work],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work],
+    )
+    check(model, work, [[o.outputs[0].token_ids] for o in outs])
+    assert_speculated(llm.engine)
+    constrained = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                       structured_outputs=StructuredOutputsParams(**spec))
+        for _, spec in GRAMMARS
+    ]  # fmt: skip
+    prompts = [p for p, _ in GRAMMARS]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, constrained)]
+    with LLM(model, **ENGINE) as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, constrained)]
+    assert got == want
+
+
+def _kv_free(llm: LLM) -> None:
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_free == pool.num_blocks, "leaked KV blocks"
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft", "medusa"])
 def test_tp2_speculation_matches_transformers(method: str, tmp_path: Path) -> None:
     model, work, cfg = _case(method, tmp_path)
@@ -60,32 +87,14 @@ def test_tp2_speculation_matches_transformers(method: str, tmp_path: Path) -> No
               speculative_config=cfg, **ENGINE)  # fmt: skip
     force_speculation(llm.engine)
     try:
-        outs = llm.generate(
-            [p for p, _ in work],
-            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work],
-        )
-        check(model, work, [[o.outputs[0].token_ids] for o in outs])
-        assert_speculated(llm.engine)
-        # Under grammars: rank 0 drafts under each request's grammar, and the tokens are
-        # those of one rank without speculation.
-        constrained = [
-            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                           structured_outputs=StructuredOutputsParams(**spec))
-            for _, spec in GRAMMARS
-        ]  # fmt: skip
-        prompts = [p for p, _ in GRAMMARS]
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, constrained)]
-        with LLM(model, **ENGINE) as plain:
-            want = [o.outputs[0].token_ids for o in plain.generate(prompts, constrained)]
-        assert got == want
+        _greedy_and_grammars(llm, model, work)
         # Sampling (rank 0's draw is the one returned; the others verify the same drafts).
         sampled = llm.generate(
             [p for p, _ in work[:3]],
             SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True),
         )
         assert [len(o.outputs[0].token_ids) for o in sampled] == [12, 12, 12]
-        pool = llm.engine.scheduler.kv.pool
-        assert pool.num_free == pool.num_blocks, "leaked KV blocks"
+        _kv_free(llm)
     finally:
         llm.shutdown()
 
@@ -98,24 +107,8 @@ def test_pp2_ngram_speculation_matches_transformers() -> None:
               speculative_config=cfg, **ENGINE)  # fmt: skip
     force_speculation(llm.engine)
     try:
-        outs = llm.generate(
-            [p for p, _ in work],
-            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work],
-        )
-        check(model, work, [[o.outputs[0].token_ids] for o in outs])
-        assert_speculated(llm.engine)
-        constrained = [
-            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                           structured_outputs=StructuredOutputsParams(**spec))
-            for _, spec in GRAMMARS
-        ]  # fmt: skip
-        prompts = [p for p, _ in GRAMMARS]
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, constrained)]
-        with LLM(model, **ENGINE) as plain:
-            want = [o.outputs[0].token_ids for o in plain.generate(prompts, constrained)]
-        assert got == want
-        pool = llm.engine.scheduler.kv.pool
-        assert pool.num_free == pool.num_blocks, "leaked KV blocks"
+        _greedy_and_grammars(llm, model, work)
+        _kv_free(llm)
     finally:
         llm.shutdown()
 
