@@ -174,9 +174,10 @@ class Preprocessor:
         second_max: int | None = None,
     ) -> list[list[int]]:
         """Each text pair tokenized as one cross-encoder input (TokenizePool.encode_pairs);
-        `params`: the fields the two texts came from; `truncate`: each keeps its first so
-        many tokens (the second text's tail goes); `second_max`: the second text keeps its
-        first so many."""
+        `params`: the fields the two texts came from; `truncate`: each keeps at most so
+        many tokens, cut longest part first as transformers' (and so vLLM's) `truncation=
+        True` cuts, special tokens kept; `second_max`: the second text keeps its first so
+        many."""
         first_param, param = params
         for a, b in pairs if truncate is None else ():
             self._check_length(a, first_param)
@@ -184,13 +185,13 @@ class Preprocessor:
                 self._check_length(b, param)
         try:
             out = await self.tokens.encode_pairs(
-                pairs, second_max, check=self.engine.check_token_ids
+                pairs, second_max, check=self.engine.check_token_ids, max_len=truncate
             )
         except RequestRejected as e:
             raise BadRequest(str(e), param) from e
         except (TokenizeTimeout, TokenizeBusy, TokenizeFailed) as e:
             raise _refusal(e, "tokenizing the texts", param) from e
-        return [ids[:truncate] if truncate else ids for ids in out]
+        return out
 
     async def decode(
         self,

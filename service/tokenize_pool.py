@@ -141,8 +141,9 @@ def _run_job(codec: Codec, job: tuple[Any, ...]) -> tuple[str, Any]:
         _, texts, add_special = job
         return "ok", [array("I", ids).tobytes() for ids in codec.encode_batch(texts, add_special)]
     if kind == "pairs":
-        _, pairs, second_max = job
-        return "ok", [array("I", ids).tobytes() for ids in codec.encode_pairs(pairs, second_max)]
+        _, pairs, second_max, max_len = job
+        ids_list = codec.encode_pairs(pairs, second_max, max_len)
+        return "ok", [array("I", ids).tobytes() for ids in ids_list]
     if kind == "decode":
         _, packed, skip = job
         return "ok", codec.decode_batch([array("I", p) for p in packed], skip)
@@ -265,14 +266,15 @@ class TokenizePool(WorkerPool[_Worker]):
         pairs: Sequence[tuple[str, str]],
         second_max: int | None = None,
         check: Callable[[list[int]], object] | None = None,
+        max_len: int | None = None,
     ) -> list[list[int]]:
         """Token ids of each text pair, one input each (Codec.encode_pairs); `check` as
         for `encode`."""
         pairs = list(pairs)
         return await self._encode(
             sum(utf8_len(a) + utf8_len(b) for a, b in pairs),
-            lambda: self.codec.encode_pairs(pairs, second_max),
-            ("pairs", pairs, second_max),
+            lambda: self.codec.encode_pairs(pairs, second_max, max_len),
+            ("pairs", pairs, second_max, max_len),
             check,
         )
 

@@ -171,20 +171,34 @@ class Codec:
         return out
 
     def encode_pairs(
-        self, pairs: Sequence[tuple[str, str]], second_max: int | None = None
+        self,
+        pairs: Sequence[tuple[str, str]],
+        second_max: int | None = None,
+        max_len: int | None = None,
     ) -> list[list[int]]:
         """Each (first, second) text pair as one input, as transformers' `tokenizer(text,
         text_pair)` builds it for a cross-encoder: the tokenizer.json post-processor's pair
         template, or the special tokens added here around each part.  `second_max`: the
-        second part keeps its first so many tokens (Cohere's max_tokens_per_doc)."""
+        second part keeps its first so many tokens (Cohere's max_tokens_per_doc);
+        `max_len`: the whole input keeps at most so many, cut as transformers'
+        `truncation=True` (longest first) cuts, special tokens kept."""
         firsts = self.backend.encode_batch([a for a, _ in pairs], add_special_tokens=False)
         seconds = self.backend.encode_batch([b for _, b in pairs], add_special_tokens=False)
         bos = [] if self.bos_token_id is None else [self.bos_token_id]
         eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        specials = (
+            2 * (len(bos) + len(eos))
+            if bos or eos
+            else self.backend.num_special_tokens_to_add(True)
+        )
         out = []
         for ea, eb in zip(firsts, seconds, strict=True):
             if second_max is not None:
                 eb.truncate(second_max)
+            if max_len is not None:
+                la, lb = longest_first(len(ea.ids), len(eb.ids), max_len - specials)
+                ea.truncate(la)
+                eb.truncate(lb)
             if bos or eos:
                 out.append(bos + ea.ids + eos + bos + eb.ids + eos)
             else:
@@ -197,6 +211,21 @@ class Codec:
         return self.backend.decode_batch(
             [list(s) for s in seqs], skip_special_tokens=skip_special_tokens
         )
+
+
+def longest_first(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """The lengths two parts keep within `budget` tokens, as the tokenizers library's
+    longest-first truncation (what transformers' `truncation=True` runs for a fast
+    tokenizer) leaves them: the shorter part (the first on a tie) keeps up to half the
+    budget, rounded down, and the longer takes the rest."""
+    budget = max(budget, 0)
+    if la + lb <= budget:
+        return la, lb
+    if la <= lb:
+        keep = min(la, budget // 2)
+        return keep, min(lb, budget - keep)
+    keep = min(lb, budget // 2)
+    return min(la, budget - keep), keep
 
 
 class Tokenizer:

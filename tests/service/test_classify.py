@@ -215,10 +215,13 @@ def test_cross_encoder_scores_and_reranks_pairs_read_together(cross_encoder):
             assert 400 <= status < 500 and r["error"]["param"] == param, (param, r)
             assert time.monotonic() - t0 < 5
         # Cut to the first 20 tokens; the 600 KB pair is tokenized in a worker process.
+        # Cut as transformers' truncation=True cuts (longest first, special tokens kept).
         for text in ("b " * 400, "b " * 300_000):
             status, r = _post(s, "/score", {"text_1": "a", "text_2": text,
                                             "truncate_prompt_tokens": 20})  # fmt: skip
             assert status == 200 and r["usage"]["prompt_tokens"] == 20, r
+            want = relevance("a", "b " * 400, truncation=True, max_length=20)
+            assert abs(r["data"][0]["score"] - want) < 1e-5
         s.wait_kv_free()
 
 

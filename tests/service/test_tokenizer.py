@@ -150,6 +150,37 @@ def test_text_pairs_are_joined_as_transformers_joins_them(pair, second_max) -> N
         assert ids == hf(a, text_pair=b, **kw).input_ids, (a, b)
 
 
+@pytest.mark.parametrize("max_len", [6, 9, 12, 200])
+def test_a_pair_cut_to_max_len_is_cut_longest_first_as_transformers_cuts(pair, max_len) -> None:
+    """truncate_prompt_tokens on a cross-encoder's pair: transformers' truncation=True
+    (longest first, the second part on a tie), the special tokens kept."""
+    ours, hf, _ = pair
+    pairs = [(TEXTS[1], TEXTS[4]), (TEXTS[6] * 3, TEXTS[9]), ("x", TEXTS[2] * 4), ("ab", "cd")]
+    got = ours.codec.encode_pairs(pairs, max_len=max_len)
+    for (a, b), ids in zip(pairs, got, strict=True):
+        want = hf(a, text_pair=b, truncation=True, max_length=max_len).input_ids
+        assert ids == want, (a, b, max_len)
+
+
+def test_longest_first_lengths_are_the_tokenizers_librarys() -> None:
+    """The lengths longest_first computes are the ones the Rust tokenizer's own pair
+    truncation leaves, over every small case (ties and budgets under half included)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from service.tokenizer import longest_first
+
+    rust = RustTokenizer.from_file(str(tiny_checkpoint("llama") / "tokenizer.json"))
+    unit = "a"  # one token however often it repeats (checked)
+    assert len(rust.encode(unit * 7, add_special_tokens=False).ids) == 7
+    for budget in range(14):
+        rust.enable_truncation(max_length=budget, strategy="longest_first")
+        for la in range(1, 10):
+            for lb in range(1, 10):
+                e = rust.encode(unit * la, unit * lb, add_special_tokens=False)
+                got = (e.sequence_ids.count(0), e.sequence_ids.count(1))
+                assert longest_first(la, lb, budget) == got, (la, lb, budget)
+
+
 @pytest.mark.parametrize("conv", CONVERSATIONS)
 @pytest.mark.parametrize("gen", [True, False])
 def test_chat_template_matches_transformers(pair, conv, gen: bool) -> None:
