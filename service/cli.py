@@ -671,7 +671,9 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         if chat_template is not None:
             ChatTemplates(chat_template).compile(chat_template)  # a syntax error: now
     except ValueError as e:
-        raise SystemExit(f"--chat-template: {e}") from None
+        msg = str(e)
+        why = msg if msg.startswith("--chat-template") else f"--chat-template: {msg}"
+        raise SystemExit(why) from None
     converted = {
         "engine": engine,
         "chat_template": chat_template,

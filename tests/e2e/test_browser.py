@@ -137,10 +137,15 @@ def test_stop_aborts_and_frees_kv(server: LiveServer, context: Any) -> None:
     page.wait_for_function(
         "() => (document.querySelector('.msg.assistant .text')?.textContent.length ?? 0) > 0"
     )
-    if not page.locator("#stop").is_enabled():  # say why the reply ended, not just "timeout"
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.click("#stop")
+    except PlaywrightTimeout:  # say why Stop could not land, not just "timeout"
         frames = [f for f in sockets.received if f.get("type") != "delta"]
-        pytest.fail(f"the reply ended before Stop could land: {frames[-3:]!r}")
-    page.click("#stop")
+        tokens = sum(len(f.get("token_ids", ())) for f in sockets.received_of("delta"))
+        finish = bubble.get_attribute("data-finish")
+        pytest.fail(f"Stop stayed disabled: finish {finish!r}, {tokens} tokens, {frames[-3:]!r}")
 
     expect(bubble).to_have_attribute("data-finish", "abort")
     expect(bubble.locator(".stats")).to_contain_text("finish: abort")
