@@ -764,18 +764,18 @@ async def index(request: web.Request) -> web.FileResponse:
 
 def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.Application:
     """The application; pass `engine` to serve an already-built engine (tests, embedding)."""
+    policy = cors.CorsPolicy.build(
+        config.allowed_origins, config.allowed_methods, config.allowed_headers,
+        config.allow_credentials,
+    )  # fmt: skip
+    # No origin allowed (the default): no CORS middleware in every request's path.
+    preflight = [cors_middleware] if policy is not None else []
     app = web.Application(
         client_max_size=config.max_request_bytes,
-        middlewares=[host_middleware, cors_middleware, connection_middleware, api_middleware],
+        middlewares=[host_middleware, *preflight, connection_middleware, api_middleware],
     )
     app[STATE] = ServerState(config)
-    cors.install(
-        app,
-        cors.CorsPolicy.build(
-            config.allowed_origins, config.allowed_methods, config.allowed_headers,
-            config.allow_credentials,
-        ),
-    )  # fmt: skip
+    cors.install(app, policy)
     app[LIVE_IDS] = app[STATE].request_ids
     if engine is not None:
         app[PRESET_ENGINE] = engine

@@ -9,6 +9,10 @@ without one it is not).  With origins allowed, the answers are Starlette's: a pr
 send no Authorization on one) and refused with 400 when its origin, method or headers are
 not allowed; every other response to an allowed origin carries Access-Control-Allow-Origin,
 set as its headers are sent, so streamed responses (SSE) carry it too.
+
+Written here rather than with aiohttp-cors: that library answers preflights from an
+OPTIONS handler on every registered route, behind the app's middlewares, where the API-key
+check would refuse them (a browser sends no key on a preflight).
 """
 
 from __future__ import annotations
@@ -119,26 +123,23 @@ CORS = web.AppKey("cors", CorsPolicy)
 async def cors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """A preflight is answered here, ahead of the API key (browsers send none on one)."""
-    policy = request.app.get(CORS)
+    """A preflight is answered here, ahead of the API key (browsers send none on one).
+    In an app's middlewares only when it has a policy (`install`)."""
     if (
-        policy is not None
-        and request.method == "OPTIONS"
+        request.method == "OPTIONS"
         and "Origin" in request.headers
         and "Access-Control-Request-Method" in request.headers
     ):
-        return policy.preflight(request)
+        return request.app[CORS].preflight(request)
     return await handler(request)
 
 
 async def on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
-    policy = request.app.get(CORS)
-    if policy is not None:
-        policy.decorate(request, response)
+    request.app[CORS].decorate(request, response)
 
 
 def install(app: web.Application, policy: CorsPolicy | None) -> None:
-    """The policy on `app` (its middleware must be in the app's list)."""
+    """The policy on `app` (cors_middleware must be in its middlewares when it has one)."""
     if policy is not None:
         app[CORS] = policy
         app.on_response_prepare.append(on_response_prepare)
