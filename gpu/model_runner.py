@@ -28,6 +28,7 @@ from gpu.kv_quant import SCALE_DTYPE, bytes_per_token, check_kv_cache_dtype, sto
 from gpu.loader import load_model
 from gpu.lora import LoRAManager
 from gpu.medusa import MedusaProposer
+from gpu.pooling import PoolRows, RunningPool
 from gpu.pp import PPStage, kv_payloads, run_pipeline
 from gpu.sampler import RequestSamplingState, Sampler, apply_token_bitmask_
 from gpu.spec_decode import SpecRunner
@@ -125,6 +126,8 @@ class ModelRunner:
         # Registered embedding requests (SamplingParams.embed): a step without any pools
         # nothing and looks at no row for it.
         self.embed_ids: set[str] = set()
+        # Those that pool over every prompt position: their pools so far (gpu/pooling.py).
+        self.pools: dict[str, RunningPool] = {}
         # Each running request's block table, kept across steps: a step sends only the
         # entries that changed (scheduler/contract.py, ScheduledRequest).
         self.block_tables: dict[str, list[int]] = {}
@@ -481,6 +484,7 @@ class ModelRunner:
                     self.lora.clear()
                 for pr in inputs.prompt_rows:
                     out.prompt_logprobs[pr.req_id] = self._prompt_logprobs(hidden, pr)
+                self._feed_pools(hidden, inputs.pool_rows)
             if samples.states:
                 argmax_only = not so.grammar_bitmasks and all(
                     st.plain_greedy for st in samples.states
@@ -505,13 +509,12 @@ class ModelRunner:
     def _graph_fits(
         self, graphs: DecodeGraphs, dec: DecodeColumns, scheduled: list[ScheduledRequest]
     ) -> bool:
-        """A step the decode graphs can run: one-token queries only, no prompt logprobs
-        (decode columns never ask for them), a captured size."""
+        """A step the decode graphs can run: one-token queries only, none that reads
+        every prompt row (prompt logprobs, pooling; decode columns never do), a captured
+        size."""
         return (
             all(len(r.input_ids) == 1 and not r.num_draft for r in scheduled)
-            and not any(
-                self.requests[r.req_id].params.prompt_logprobs is not None for r in scheduled
-            )
+            and not any(self.requests[r.req_id].params.reads_every_position for r in scheduled)
             and graphs.bucket(len(dec.req_ids) + len(scheduled)) is not None
         )
 
@@ -523,6 +526,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self.block_tables.pop(rid, None)
             self.embed_ids.discard(rid)
+            self.pools.pop(rid, None)
             if self.spec is not None:
                 self.spec.drop(rid)
         for new in so.new_requests:
@@ -537,6 +541,8 @@ class ModelRunner:
                 self.requests[new.req_id] = RequestSamplingState.create(new, self.device)
                 if new.sampling.embed:
                     self.embed_ids.add(new.req_id)
+                    if new.sampling.pooling != ("last",):
+                        self.pools[new.req_id] = RunningPool(new.sampling.pooling)
             except Exception as e:
                 log.warning("request %s: could not register: %r", new.req_id, e)
                 errors[new.req_id] = f"could not start the request: {e}"
@@ -632,14 +638,24 @@ class ModelRunner:
     def _pool(self, rows: torch.Tensor, ids: list[str], out: ModelOutput) -> None:
         """Embedding requests' pooled vectors: the hidden state that sampled their first
         token is the final (normed) state of the prompt's last position, which is what
-        last-token pooling reads (HF's last_hidden_state[-1]); a classifier's label logits
-        are its score head applied to that state."""
+        last-token pooling reads (HF's last_hidden_state[-1]); other poolings come from
+        the request's running pools, whose last chunk this step fed.  A classifier's
+        label logits are its score head applied to that state."""
         embed = self.embed_ids
         if not embed:
             return
         want = [i for i, rid in enumerate(ids) if rid in embed]
         if not want:
             return
+        pools = self.pools
+        if pools and any(ids[i] in pools for i in want):
+            pooled = [p.vector() if (p := pools.get(ids[i])) is not None else None for i in want]
+            for i, vec in zip(want, pooled, strict=True):
+                if vec is not None:
+                    out.embeddings[ids[i]] = vec.cpu().tolist()
+            want = [i for i in want if ids[i] not in pools]
+            if not want:
+                return
         vecs = rows.index_select(0, torch.tensor(want, device=rows.device))
         score = self.model.score_weight
         if score is not None:
@@ -709,11 +725,13 @@ class ModelRunner:
         last_rows = [qs[i] + len(r.input_ids) - 1 for i, r in enumerate(ordered)]
         samples = self._sample_rows(ordered, last_rows, errors, dec)
         prompt_rows = self._prompt_rows(ordered, qs)
+        pool_rows = self._pool_rows(ordered, qs)
         verify = [(r, row) for r, row in zip(ordered, last_rows, strict=True) if r.num_draft]
         meta = batch.meta
-        # Prompt logprobs and speculative verification read other rows' hidden states.
+        # Prompt logprobs, pooling and speculative verification read other rows' hidden
+        # states.
         keep = None
-        if not prompt_rows and not verify:
+        if not prompt_rows and not pool_rows and not verify:
             keep = samples.kept_rows(meta.num_tokens, meta.num_decodes)
         return StepInputs(
             ordered=ordered,
@@ -724,7 +742,28 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             verify=verify,
             keep=keep,
+            pool_rows=pool_rows,
         )
+
+    def _pool_rows(self, ordered: list[ScheduledRequest], query_start: list[int]) -> list[PoolRows]:
+        """Every fed row of the requests that pool over their prompt's positions."""
+        pools = self.pools
+        if not pools:
+            return []
+        return [
+            PoolRows(
+                r.req_id,
+                list(range(query_start[i], query_start[i] + len(r.input_ids))),
+                r.start_pos,
+            )
+            for i, r in enumerate(ordered)
+            if r.req_id in pools
+        ]
+
+    def _feed_pools(self, hidden: torch.Tensor, pool_rows: list[PoolRows]) -> None:
+        for pr in pool_rows:
+            rows = hidden[pr.rows[0] : pr.rows[-1] + 1]  # consecutive rows: a view
+            self.pools[pr.req_id].feed(rows, pr.start)
 
     def _prompt_rows(
         self, ordered: list[ScheduledRequest], query_start: list[int]

@@ -214,6 +214,7 @@ def run_pipeline(
             samples = samples.among(keep)
         for pr in inputs.prompt_rows:
             out.prompt_logprobs[pr.req_id] = runner._prompt_logprobs(h, pr)
+        runner._feed_pools(h, inputs.pool_rows)
         if samples.states:
             sampled.append(samples.hidden(h))
             states += samples.states

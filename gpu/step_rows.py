@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from gpu.attention.base import AttentionMetadata
+from gpu.pooling import PoolRows
 from gpu.sampler import RequestSamplingState
 from scheduler.contract import ScheduledRequest
 
@@ -78,3 +79,5 @@ class StepInputs:
     verify: list[tuple[ScheduledRequest, int]]
     # The rows the forward may stop carrying all others at (CausalLM.forward), or None.
     keep: list[int] | None = None
+    # Requests pooling over their prompt's positions: their rows (gpu/pooling.py).
+    pool_rows: list[PoolRows] = field(default_factory=list)

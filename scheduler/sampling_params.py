@@ -57,6 +57,10 @@ class ReasoningBudget(msgspec.Struct, kw_only=True, frozen=True):
     start: int | None = None
 
 
+# sentence-transformers' pooling modes.
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "last")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request.  Field names and defaults follow vLLM's SamplingParams.
 
@@ -98,9 +102,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # A reasoning model's thinking, bounded (scheduler/structured.py AfterReasoning).
     reasoning_budget: ReasoningBudget | None = None
     # An embedding request (/v1/embeddings; set by the server): the runner returns the
-    # final hidden state of the prompt's last position with the one token it samples
-    # (last-token pooling, as decoder embedding models are trained for).
+    # prompt's pooled final hidden states with the one token it samples.
     embed: bool = False
+    # How an embedding request pools (set by the server from the checkpoint's
+    # sentence-transformers config or --pooler-config): modes of POOLING_MODES, their
+    # vectors concatenated in this tuple's order.  The last position's state alone is what decoder
+    # embedding models are trained for; every other mode reads every prompt position.
+    pooling: tuple[str, ...] = ("last",)
 
     def __post_init__(self) -> None:
         # Normalise the aliases so the hot path tests one value.
@@ -155,6 +163,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for seq in self.bad_words_token_ids or ():
             if not seq or min(seq) < 0:
                 bad("bad_words", f"a banned sequence must be non-empty token ids, got {seq}")
+        if (
+            not self.pooling
+            or len(set(self.pooling)) != len(self.pooling)
+            or any(m not in POOLING_MODES for m in self.pooling)
+        ):
+            bad("pooling", f"must be distinct modes of {POOLING_MODES}, got {self.pooling}")
+
+    @property
+    def reads_every_position(self) -> bool:
+        """The runner needs every prompt position's hidden state computed (prompt
+        logprobs, or pooling other than the last token's): cached KV cannot stand in."""
+        return self.prompt_logprobs is not None or (self.embed and self.pooling != ("last",))
 
     @property
     def greedy(self) -> bool:

@@ -540,10 +540,9 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
                     continue
                 fair.done.add(req.tenant)
                 continue
-            # Prompt logprobs need every prompt position computed: no prefix hits.
-            hits = (
-                [] if req.params.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
-            )
+            # Prompt logprobs and pooling over positions need every prompt position
+            # computed: no prefix hits.
+            hits = [] if req.params.reads_every_position else self.kv.get_computed_blocks(req)
             local, remote = len(hits), 0
             if req.remote_payloads:
                 # Blocks the shared tier holds, contiguous with the local hits.

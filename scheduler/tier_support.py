@@ -46,7 +46,7 @@ class PrefixTierSupport:
         if (
             not self.config.enable_prefix_caching
             or req.num_computed_tokens
-            or req.params.prompt_logprobs is not None
+            or req.params.reads_every_position
         ):
             return None
         bs = self.block_size

@@ -90,7 +90,7 @@ async def host_middleware(
     return await handler(request)
 
 
-_KEYED_PATHS = ("/score", "/rerank", "/classify", "/invocations")
+_KEYED_PATHS = ("/score", "/rerank", "/classify", "/pooling", "/invocations")
 
 
 def _needs_key(state: ServerState, path: str) -> bool:
@@ -345,6 +345,7 @@ def _openai_serving(
         log_requests=state.config.enable_log_requests,
         max_log_len=state.config.max_log_len,
     )
+    serving.pooler_config = state.config.pooler_config
     cfg = state.config
     serving.store = make_response_store(
         cfg.response_store,
@@ -474,6 +475,8 @@ async def _generation(request: web.Request, route: str) -> web.StreamResponse:
             return await serving.rerank(request, body)
         if route == "classify":
             return await serving.classify(request, body)
+        if route == "pooling":
+            return await serving.pooling(request, body)
         return await serving.completions(request, body)
     finally:
         state.inflight_dec()
@@ -562,6 +565,10 @@ async def rerank(request: web.Request) -> web.StreamResponse:
 
 async def classify(request: web.Request) -> web.StreamResponse:
     return await _generation(request, "classify")
+
+
+async def pooling(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "pooling")
 
 
 async def count_message_tokens(request: web.Request) -> web.Response:
@@ -806,6 +813,8 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> web.A
         app.router.add_post(path, rerank)
     for path in ("/classify", "/v1/classify"):
         app.router.add_post(path, classify)
+    for path in ("/pooling", "/v1/pooling"):
+        app.router.add_post(path, pooling)
     app.router.add_post("/v1/responses/input_tokens", response_input_tokens)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)

@@ -626,6 +626,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     engine around the same)."""
     from service.app import ServerConfig
     from service.chat_template import ChatTemplates, load_chat_template
+    from service.pooling import check_pooler_config
     from service.security import key_tenant, server_ssl_context
 
     keys = list(a.api_key or [])
@@ -664,6 +665,11 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         )
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    if a.pooler_config is not None:
+        try:
+            check_pooler_config(a.pooler_config)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if a.max_log_len is not None and a.max_log_len < 0:
         raise SystemExit("--max-log-len must be >= 0")
     try:
@@ -886,6 +892,12 @@ def _add_chat_args(s: argparse.ArgumentParser) -> None:
         help="message content as the template sees it: string (text parts joined), openai "
         "(a list of {type, text} parts), auto (openai for a template that loops over a "
         "message's content, else string)",
+    )  # fmt: skip
+    s.add_argument(
+        "--pooler-config", "--override-pooler-config", type=_json_object, default=None,
+        metavar="JSON",
+        help='how embeddings pool, over the checkpoint\'s own rule: {"pooling_type": '
+        '"LAST"|"MEAN"|"CLS", "normalize": true|false}',
     )  # fmt: skip
     s.add_argument("--response-role", default="assistant",
                    help="a chat reply's role after a generation prompt")  # fmt: skip

@@ -23,7 +23,7 @@ from service.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from service.pooling import EMBED_PARAMS, Pooler, cosine
+from service.pooling import Pooler, check_pooler_config, cosine
 from service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -52,13 +52,16 @@ class LLM:
         *,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        pooler_config: dict[str, Any] | None = None,
         **settings: Any,
     ) -> None:
         """settings: the engine's, by their names in scheduler/config.py's EngineConfig
         (dtype, block_size, num_kv_blocks, max_num_seqs, speculative_config,
         tensor_parallel_size, ...; vLLM's enforce_eager too), checked as `serve`'s flags
         are; an unknown one is a ConfigError naming it.  generation_config: where
-        `get_default_sampling_params` comes from, as `serve --generation-config`."""
+        `get_default_sampling_params` comes from, as `serve --generation-config`;
+        pooler_config: how embeddings pool, as `serve --pooler-config`."""
+        self.pooler_config = check_pooler_config(dict(pooler_config or {}))
         self.config = self.engine_config(model, **settings)
         where = Path(self.config.model.model) if self.config.model.model else default_model_dir()
         # (before the engine: a refused config leaves nothing running)
@@ -133,13 +136,15 @@ class LLM:
         self,
         prompts: str | Sequence[str | list[int] | dict[str, Any]],
         *,
-        normalize: bool = True,
+        normalize: bool | None = None,
         dimensions: int | None = None,
         truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """An embedding per prompt (text, token ids, or vLLM's prompt dicts), as vLLM's
-        `LLM.embed`: the last token's final hidden state, L2-normalized unless
-        `normalize=False`, cut to `dimensions` on a Matryoshka model (service/pooling.py)."""
+        `LLM.embed`: the prompt's final hidden states pooled as the checkpoint says (the
+        last token's by default), L2-normalized unless `normalize=False` (or the
+        pooler_config's normalize), cut to `dimensions` on a Matryoshka model
+        (service/pooling.py)."""
         pooler = self._pooling_rules()
         pooler.check(dimensions)
         outs = self._pooled(prompts, truncate_prompt_tokens)
@@ -201,7 +206,7 @@ class LLM:
 
     def _pooling_rules(self) -> Pooler:
         if self._pooler is None:
-            self._pooler = Pooler(self.engine.model_dir)
+            self._pooler = Pooler(self.engine.model_dir, self.pooler_config)
         return self._pooler
 
     def _pooled(
@@ -214,7 +219,8 @@ class LLM:
         ids = [self._prompt_ids(p) for p in plist]  # type: ignore[arg-type]
         if truncate_prompt_tokens is not None:
             ids = [i[-truncate_prompt_tokens:] for i in ids]
-        return self._run(self._generate_all(ids, [EMBED_PARAMS] * len(ids)))  # type: ignore[arg-type, no-any-return]
+        params = self._pooling_rules().params
+        return self._run(self._generate_all(ids, [params] * len(ids)))  # type: ignore[arg-type, no-any-return]
 
     def beam_search(
         self,

@@ -22,13 +22,14 @@ from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ServingBase
 from service.openai_completions import final_outputs
 from service.outputs import RequestOutput
-from service.pooling import EMBED_PARAMS, Pooler, cosine, encode_vectors
+from service.pooling import Pooler, cosine, encode_vectors
 from service.protocol import BadRequest, check_messages
 from service.protocol_embeddings import (
     PairwiseRequest,
     PromptInputs,
     decode_classification,
     decode_embedding,
+    decode_pooling,
     decode_rerank,
     decode_score,
 )
@@ -38,11 +39,12 @@ from service.request_ids import TENANT, request_id
 
 class EmbeddingServing(ServingBase):
     _pooler: Pooler | None = None
+    pooler_config: dict[str, Any] | None = None  # --pooler-config
 
     @property
     def pooler(self) -> Pooler:
         if self._pooler is None:
-            self._pooler = Pooler(self.engine.model_dir)
+            self._pooler = Pooler(self.engine.model_dir, self.pooler_config)
         return self._pooler
 
     @property
@@ -55,7 +57,7 @@ class EmbeddingServing(ServingBase):
         cache_salt: str | None = None, priority: int = 0, field: str = "input",
     ) -> tuple[str, list[RequestOutput]]:  # fmt: skip
         """Run each prompt to its embedding, concurrently; (public request id, outputs)."""
-        params = self.with_lora(EMBED_PARAMS, lora)
+        params = self.with_lora(self.pooler.params, lora)
         rid, engine_rid = request_id(request, body_id, id_prefix)
         salt = salted(request.get(TENANT_SALT), cache_salt)
         gens, subs = self._start(
@@ -130,20 +132,58 @@ class EmbeddingServing(ServingBase):
         model = req.model or self.names[0]
 
         def build() -> web.Response:
-            x = self.pooler.finish(
-                [_vector(out) for out in finals], req.normalize is not False, req.dimensions
-            )
+            x = self.pooler.finish([_vector(out) for out in finals], req.normalize, req.dimensions)
             data = [
                 {"object": "embedding", "index": i, "embedding": e}
                 for i, e in enumerate(encode_vectors(x, req.encoding_format))
             ]
             return _list_response(rid, model, data, sum(map(len, prompts)))
 
-        # Thousands of floats per input: a large body is built on a thread, so the event
-        # loop (other streams, /health) only waits its turn for the GIL.
+        return await self._respond(build, finals)
+
+    @staticmethod
+    async def _respond(
+        build: Callable[[], web.Response], finals: list[RequestOutput]
+    ) -> web.Response:
+        """Thousands of floats per input: a large body is built on a thread, so the event
+        loop (other streams, /health) only waits its turn for the GIL."""
         if sum(len(out.embedding or ()) for out in finals) > OFF_LOOP_LOGPROB_ENTRIES:
             return await asyncio.to_thread(build)
         return build()
+
+    async def pooling(self, request: web.Request, body: bytes) -> web.Response:
+        """vLLM's /pooling: an embedding model's vectors (as /v1/embeddings) or a
+        classifier's probabilities (as /classify), each as an item's `data`."""
+        req = decode_pooling(body)
+        pooler = self.pooler
+        task = req.task or ("classify" if pooler.classifier else "embed")
+        if task == "classify" and (req.dimensions is not None or req.normalize is not None):
+            raise BadRequest("dimensions and normalize apply to task embed", "task")
+        if task == "embed" and req.use_activation is not None:
+            raise BadRequest("use_activation applies to task classify", "use_activation")
+
+        def check() -> None:
+            if task == "classify":
+                pooler.check_classifier()
+            else:
+                pooler.check(req.dimensions)
+
+        rid, prompts, finals = await self._pool_inputs(request, req, "pool-", check)
+
+        def build() -> web.Response:
+            vectors = [_vector(out) for out in finals]
+            if task == "classify":
+                x = pooler.probabilities(vectors, req.use_activation is not False)
+            else:
+                x = pooler.finish(vectors, req.normalize, req.dimensions)
+            data = [
+                {"index": i, "object": "pooling", "data": v}
+                for i, v in enumerate(encode_vectors(x, req.encoding_format))
+            ]
+            model = req.model or self.names[0]
+            return _list_response(rid, model, data, sum(map(len, prompts)))
+
+        return await self._respond(build, finals)
 
     async def classify(self, request: web.Request, body: bytes) -> web.Response:
         """vLLM's /classify: each input's label probabilities from a sequence classifier

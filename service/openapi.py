@@ -18,6 +18,7 @@ from service.protocol_anthropic import CountTokensRequest, MessagesRequest
 from service.protocol_embeddings import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
 )
@@ -108,12 +109,13 @@ def _document() -> dict[str, Any]:
             ScoreRequest,
             RerankRequest,
             ClassificationRequest,
+            PoolingRequest,
         ],
         ref_template=_REF,
     )
     chat, completion, responses, frame, prefix, conv, conv_update, conv_items, count = schemas[:9]
     tok_prompt, tok_chat, detok, load_lora, unload_lora, messages, count_messages = schemas[9:16]
-    embeddings, score, rerank, classify = schemas[16:]
+    embeddings, score, rerank, classify, pooling = schemas[16:]
     components["ClientFrame"] = frame
     components["ErrorResponse"] = _ERROR
     plain = {"200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}
@@ -152,6 +154,15 @@ def _document() -> dict[str, Any]:
                     "Label probabilities from a sequence classifier (vLLM)", classify, False
                 )
                 for path in ("/classify", "/v1/classify")
+            },
+            **{
+                path: _post(
+                    "Each input's pooled output: an embedding, or a classifier's "
+                    "probabilities (vLLM)",
+                    pooling,
+                    False,
+                )
+                for path in ("/pooling", "/v1/pooling")
             },
             "/v1/responses/{id}/cancel": {
                 "post": {"summary": "Cancel a background response", "responses": plain},

@@ -2,16 +2,19 @@
 `LLM.embed` do with the vector the runner returns (SamplingParams.embed), and what
 /classify and the cross-encoder /score and /rerank do with a sequence classifier's.
 
-The runner hands back the final (normed) hidden state of each prompt's last position:
-last-token pooling, what decoder embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral)
-are trained for and what vLLM runs them with.  This module reads the checkpoint's own
-word on pooling (sentence-transformers' modules.json / 1_Pooling) and Matryoshka
-dimensions (config.json), then normalizes and cuts the vectors.
+The runner pools the final (normed) hidden states of each prompt as the request says
+(SamplingParams.pooling, gpu/pooling.py).  The last position's state is what decoder
+embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) are trained for and the
+default.  A sentence-transformers checkpoint names its own pipeline in modules.json: its
+Pooling module's modes (mean, CLS, max, ...; several are concatenated), then Dense
+projections and Normalize.  This module reads that pipeline (or vLLM's --pooler-config),
+runs the Dense layers on the pooled vectors, then cuts (Matryoshka dimensions from
+config.json) and normalizes them.
 
 A sequence classifier (`*ForSequenceClassification`: the base model and a `score` head)
-runs the same pass; the runner applies the head, so its vector is the label logits,
-turned into probabilities here (softmax; a one-label head, a cross-encoder reranker's
-relevance, by sigmoid, as transformers' and vLLM's defaults do).
+runs the same pass with the last token's state; the runner applies the head, so its
+vector is the label logits, turned into probabilities here (softmax; a one-label head, a
+cross-encoder reranker's relevance, by sigmoid, as transformers' and vLLM's defaults do).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +34,57 @@ from service.protocol import BadRequest
 
 log = logging.getLogger(__name__)
 
-# An embedding request: one greedy token, which nobody reads (SamplingParams.embed).
-EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True)
-
-# 1_Pooling/config.json's keys for the poolings a runner that returns one position's
-# state cannot give.
-_OTHER_POOLINGS = {
-    "pooling_mode_mean_tokens": "mean",
+# sentence-transformers' pooling modes: 1_Pooling/config.json's `pooling_mode` names
+# (one, or a list concatenated in its order), and the older files' switches (concatenated
+# in this order).
+_ST_NAMES = {
+    "cls": "cls",
+    "max": "max",
+    "mean": "mean",
+    "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "weightedmean": "weightedmean",
+    "lasttoken": "last",
+}
+_ST_SWITCHES = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "last",
 }
+# vLLM's --pooler-config pooling_type names this server runs.
+POOLING_TYPES = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}
+_POOLER_KEYS = ("pooling_type", "normalize")
+# A Dense module's activation_function, as sentence-transformers saves it.
+_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.Tanh": np.tanh,
+    "torch.nn.modules.activation.ReLU": lambda x: np.maximum(x, 0.0),
+    "torch.nn.modules.activation.Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+}
+# Modules after the pooling that change nothing this server computes: Normalize is what
+# `normalize` (on by default) does.
+_PASSIVE_MODULES = ("Normalize",)
+
+
+def check_pooler_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize":
+    bool}.  ValueError naming what is wrong."""
+    for key, value in cfg.items():
+        if key not in _POOLER_KEYS:
+            raise ValueError(
+                f"--pooler-config: {key!r} is not supported (this server reads "
+                f"{', '.join(_POOLER_KEYS)})"
+            )
+        if key == "pooling_type" and str(value).upper() not in POOLING_TYPES:
+            raise ValueError(
+                f"--pooler-config: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                f"got {value!r}"
+            )
+        if key == "normalize" and not isinstance(value, bool):
+            raise ValueError(f"--pooler-config: normalize must be true or false, got {value!r}")
+    return cfg
 
 
 def _read_json(path: Path) -> Any:
@@ -51,13 +94,66 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-class Pooler:
-    """One model's embedding rules, read once from its directory."""
+def _pooling_modes(conf: Any, where: str) -> tuple[str, ...]:
+    """A Pooling module's modes (SamplingParams.pooling), in concatenation order."""
+    conf = conf if isinstance(conf, dict) else {}
+    named = conf.get("pooling_mode")
+    if named is not None:
+        names = [named] if isinstance(named, str) else named
+        bad = [n for n in names if n not in _ST_NAMES] if isinstance(names, list) else [named]
+        if bad or not names or len(set(names)) != len(names):
+            raise ValueError(f"{where}/config.json: pooling_mode {named!r} is not supported")
+        return tuple(_ST_NAMES[n] for n in names)
+    modes = tuple(mode for key, mode in _ST_SWITCHES.items() if conf.get(key))
+    if not modes:
+        raise ValueError(f"{where}/config.json names no pooling mode")
+    return modes
 
-    def __init__(self, model_dir: Path | None) -> None:
+
+class Dense:
+    """A sentence-transformers Dense module: activation(x @ W.T + b)."""
+
+    def __init__(self, where: Path) -> None:
+        conf = _read_json(where / "config.json")
+        if not isinstance(conf, dict):
+            raise ValueError(f"{where.name}/config.json is missing or not JSON")
+        act = str(conf.get("activation_function", "torch.nn.modules.activation.Tanh"))
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{where.name}: activation {act} is not supported")
+        self.activation = _ACTIVATIONS[act]
+        weights = where / "model.safetensors"
+        if not weights.is_file():
+            raise ValueError(f"{where.name} has no model.safetensors (save it with safetensors)")
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(weights))
+        w = tensors.get("linear.weight")
+        n_in, n_out = conf.get("in_features"), conf.get("out_features")
+        if w is None or w.shape != (n_out, n_in):
+            shape = None if w is None else tuple(w.shape)
+            raise ValueError(
+                f"{where.name}: linear.weight is {shape}, config says ({n_out}, {n_in})"
+            )
+        self.weight = w.astype(np.float32).T  # [in, out]
+        b = tensors.get("linear.bias")
+        if conf.get("bias", True) and (b is None or b.shape != (n_out,)):
+            raise ValueError(f"{where.name}: linear.bias is missing or not ({n_out},)")
+        self.bias = b.astype(np.float32) if b is not None and conf.get("bias", True) else None
+        self.in_features, self.out_features = int(n_in), int(n_out)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = x @ self.weight
+        if self.bias is not None:
+            y += self.bias
+        return self.activation(y)
+
+
+class Pooler:
+    """One model's embedding rules, read once from its directory (and --pooler-config)."""
+
+    def __init__(self, model_dir: Path | None, override: dict[str, Any] | None = None) -> None:
         cfg = _read_json(model_dir / "config.json") if model_dir else None
         cfg = cfg if isinstance(cfg, dict) else {}
-        self.hidden_size: int | None = cfg.get("hidden_size")
         dims = cfg.get("matryoshka_dimensions")
         # vLLM's reading: `matryoshka_dimensions` lists the sizes the model was trained to
         # be cut to; `is_matryoshka` alone allows any size.
@@ -69,31 +165,55 @@ class Pooler:
         # A classifier's label names in id order (transformers' LABEL_i where unnamed);
         # the engine loaded this config, so it has them.
         self.labels: list[str] = classifier_labels(cfg) if self.classifier else []
-        # Why this model cannot be served by last-token pooling, if it cannot.
-        self.unsupported: str | None = self._pooling_refusal(model_dir)
-        if self.unsupported:
-            log.warning("embeddings are off for this model: %s", self.unsupported)
+        override = override or {}
+        self.normalize: bool = override.get("normalize", True)  # a request's default
+        self.modes: tuple[str, ...] = ("last",)
+        self.dense: list[Dense] = []
+        # Why this model's embeddings cannot be served, if they cannot.
+        self.unsupported: str | None = None
+        if not self.classifier and model_dir is not None:
+            try:
+                self._read_pipeline(model_dir)
+            except ValueError as e:
+                self.unsupported = str(e)
+                log.warning("embeddings are off for this model: %s", e)
+        if not self.classifier and "pooling_type" in override:
+            self.modes = (POOLING_TYPES[str(override["pooling_type"]).upper()],)
+        hidden = cfg.get("hidden_size")
+        # The pooled vector's size: the modes' states side by side, or the last Dense's.
+        self.hidden_size: int | None = (
+            self.dense[-1].out_features
+            if self.dense
+            else hidden * len(self.modes)
+            if isinstance(hidden, int)
+            else None
+        )
+        # An embedding request: one greedy token, which nobody reads, and the pooled
+        # vector (SamplingParams.embed).
+        self.params = SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, embed=True, pooling=self.modes
+        )
 
-    @staticmethod
-    def _pooling_refusal(model_dir: Path | None) -> str | None:
-        """A sentence-transformers checkpoint names its pooling; one other than the last
-        token's would get wrong vectors, so it is refused rather than served."""
-        if model_dir is None:
-            return None
+    def _read_pipeline(self, model_dir: Path) -> None:
+        """A sentence-transformers checkpoint's modules after its Transformer: the
+        Pooling's modes, Dense projections, Normalize.  Anything else, or a Dense this
+        server cannot run, raises ValueError: served as last-token vectors it would give
+        wrong embeddings, so it is refused instead."""
         modules = _read_json(model_dir / "modules.json")
         for m in modules if isinstance(modules, list) else ():
-            if not isinstance(m, dict) or not str(m.get("type", "")).endswith("Pooling"):
+            kind = str(m.get("type", "")).rsplit(".", 1)[-1] if isinstance(m, dict) else ""
+            where = model_dir / str(m.get("path", "")) if isinstance(m, dict) else model_dir
+            if kind == "Transformer" or kind in _PASSIVE_MODULES:
                 continue
-            conf = _read_json(model_dir / str(m.get("path", "")) / "config.json")
-            if not isinstance(conf, dict) or conf.get("pooling_mode_lasttoken"):
-                return None
-            other = [name for key, name in _OTHER_POOLINGS.items() if conf.get(key)]
-            if other:
-                return (
-                    f"the checkpoint pools by {', '.join(other)} ({m.get('path')}/config.json); "
-                    "this server pools the last token"
+            if kind == "Pooling":
+                self.modes = _pooling_modes(_read_json(where / "config.json"), where.name)
+            elif kind == "Dense":
+                self.dense.append(Dense(where))
+            else:
+                raise ValueError(
+                    f"modules.json: the sentence-transformers module {m.get('type')} is not "
+                    "supported (Transformer, Pooling, Dense and Normalize are)"
                 )
-        return None
 
     def check_classifier(self, cross_encoder: bool = False) -> None:
         """A 400 before any work unless this model is a sequence classifier (one with a
@@ -156,10 +276,16 @@ class Pooler:
                 "dimensions",
             )
 
-    @staticmethod
-    def finish(vectors: list[list[float]], normalize: bool, dimensions: int | None) -> np.ndarray:
-        """[N, H] float32: cut to `dimensions` first (Matryoshka), then L2-normalized."""
+    def finish(
+        self, vectors: list[list[float]], normalize: bool | None, dimensions: int | None
+    ) -> np.ndarray:
+        """[N, H] float32: the checkpoint's Dense projections, then cut to `dimensions`
+        (Matryoshka), then L2-normalized (`normalize` None: the model's default)."""
         x = np.asarray(vectors, dtype=np.float32)
+        for dense in self.dense:
+            x = dense(x)
+        if normalize is None:
+            normalize = self.normalize
         if dimensions is not None:
             x = x[:, :dimensions]
         if normalize:

@@ -1,5 +1,6 @@
 """Request bodies of /v1/embeddings (OpenAI's, with vLLM's extensions: chat `messages`
-as input, truncation, normalize, priority), and of vLLM's /classify, /score and /rerank."""
+as input, truncation, normalize, priority), and of vLLM's /pooling, /classify, /score and
+/rerank."""
 
 from __future__ import annotations
 
@@ -75,7 +76,27 @@ class ClassificationRequest(PromptInputs, forbid_unknown_fields=True, kw_only=Tr
     use_activation: bool | None = None
 
 
+class PoolingRequest(EmbeddingRequest, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /pooling: each input's pooled output as the model's task makes it: an
+    embedding model's vector (as /v1/embeddings), a classifier's probabilities (as
+    /classify)."""
+
+    # vLLM's pooling tasks; the per-token ones are refused (this server pools prompts).
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    use_activation: bool | None = None  # classify: false gives the head's raw logits
+
+    def check(self) -> None:
+        super().check()
+        if self.task in ("token_embed", "token_classify"):
+            raise BadRequest(
+                f"task {self.task!r} is not supported: this server returns one output per "
+                "input (embed or classify)",
+                "task",
+            )
+
+
 _embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
+_pooling_decoder = msgspec.json.Decoder(PoolingRequest)
 
 
 _classification_decoder = msgspec.json.Decoder(ClassificationRequest)
@@ -83,6 +104,10 @@ _classification_decoder = msgspec.json.Decoder(ClassificationRequest)
 
 def decode_embedding(body: bytes) -> EmbeddingRequest:
     return decode(_embedding_decoder, body)
+
+
+def decode_pooling(body: bytes) -> PoolingRequest:
+    return decode(_pooling_decoder, body)
 
 
 def decode_classification(body: bytes) -> ClassificationRequest:

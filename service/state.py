@@ -110,6 +110,9 @@ class ServerConfig:
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     response_role: str = "assistant"  # a chat reply's role after a generation prompt
+    # vLLM's --pooler-config: how embeddings pool, over the checkpoint's own rule
+    # (service/pooling.py).
+    pooler_config: dict[str, Any] | None = None
     # Logprobs name tokens "token_id:N" whatever a request asks (vLLM's flag).
     return_tokens_as_token_ids: bool = False
     # Every streamed chat or completion ends with a usage chunk, asked for or not.

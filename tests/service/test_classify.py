@@ -101,6 +101,15 @@ def test_classify_gives_the_heads_probabilities_whatever_the_batch(server, class
         assert raw["id"].startswith("classify-"), path
         for ids, d in zip(inputs[:2], raw["data"], strict=True):
             np.testing.assert_allclose(d["probs"], logits(hf, ids), atol=1e-4)
+    # vLLM's /pooling on a classifier: the same probabilities (or logits), as `data`.
+    status, r = _post(server, "/pooling", {"input": inputs[:2]})
+    assert status == 200 and r["id"].startswith("pool-"), r
+    for i, (ids, d) in enumerate(zip(inputs[:2], r["data"], strict=True)):
+        assert d["object"] == "pooling" and d["index"] == i
+        np.testing.assert_allclose(d["data"], softmax(logits(hf, ids)), atol=1e-5)
+    status, r = _post(server, "/v1/pooling", {"input": inputs[:1], "use_activation": False})
+    assert status == 200, r
+    np.testing.assert_allclose(r["data"][0]["data"], logits(hf, inputs[0]), atol=1e-4)
     server.wait_kv_free()
 
 
@@ -129,6 +138,9 @@ def test_classify_text_and_messages(server, classifier):
         ("/classify", {"input": "x", "dimensions": 2}, "dimensions"),
         ("/classify", {"input": "x", "use_activation": "yes"}, "use_activation"),
         ("/classify", {"input": "x", "model": "other"}, "model"),
+        ("/pooling", {"input": "x", "task": "embed"}, "model"),
+        ("/pooling", {"input": "x", "task": "token_classify"}, "task"),
+        ("/pooling", {"input": "x", "normalize": True}, "task"),
         ("/v1/embeddings", {"input": "x"}, "model"),
         ("/score", {"text_1": "a", "text_2": "b"}, "model"),  # three labels: not a cross-encoder
         ("/v1/completions", {"prompt": "x", "max_tokens": 2}, "model"),

@@ -217,21 +217,6 @@ def test_matryoshka_dimensions_cut_then_normalize(tmp_path, hf):
         assert status == 400 and r["error"]["param"] == "dimensions"
 
 
-def test_a_checkpoint_that_pools_otherwise_is_refused(tmp_path):
-    model = tmp_path / "m"
-    shutil.copytree(tiny_checkpoint("llama"), model)
-    (model / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]))  # fmt: skip
-    (model / "1_Pooling").mkdir()
-    (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-    with live_server(str(model), engine_kwargs={"max_model_len": MAX_LEN}) as s:
-        status, r = _post(s, {"input": "hello"})
-        assert status == 400 and r["error"]["param"] == "model"
-        assert "mean" in r["error"]["message"]
-
-
 def test_offline_embed_matches_the_oracle(model, hf):
     inputs = _inputs(5, [3, 45])
     with LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, threads=1,

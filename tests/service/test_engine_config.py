@@ -40,6 +40,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--generation-config": (["vllm"], None),
     "--override-generation-config": (['{{"temperature": 0.5}}'], None),  # (format-escaped)
     "--hf-overrides": (['{{"num_labels": 3}}'], None),
+    "--pooler-config": (['{{"pooling_type": "MEAN"}}'], None),
     "--num-kv-blocks": (["64"], None),
     "--kv-cache-memory": (["0.5"], None),
     "--block-size": (["32"], None),
