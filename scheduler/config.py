@@ -198,10 +198,15 @@ class SchedulerSettings:
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     max_waiting_per_key: int | None = None
+    # vLLM's max_loras: distinct LoRA adapters among the running requests (so in any one
+    # step); a waiting request of another adapter waits its turn.  None: unbounded (every
+    # loaded adapter's weights are on the device anyway; each one in a step adds its own
+    # low-rank products).
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         _positive_or_none(self, "max_num_batched_tokens", "max_waiting_requests")
-        _positive_or_none(self, "max_waiting_tokens", "max_waiting_per_key")
+        _positive_or_none(self, "max_waiting_tokens", "max_waiting_per_key", "max_loras")
         _check(self, "max_num_seqs", self.max_num_seqs >= 1, "must be at least 1")
         _one_of(self, "scheduling_policy", SCHEDULING_POLICIES)
         weights = (self.tenant_weights or {}).values()

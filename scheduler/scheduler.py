@@ -9,6 +9,7 @@ hits and recompute after preemption all follow from that one rule.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -506,6 +507,27 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         past theirs are passed over.  `early`: only tenants under their share, before the
         running pass, preempting an over-share tenant's newest request when one does not
         fit (vLLM's priority preemption, with the share as the priority)."""
+        loras = self._running_loras(step)
+        passed: list[Request] = []  # another adapter's, past max_loras: back in line after
+        try:
+            self._admit_from_queue(step, early, loras, passed)
+        finally:
+            for req in reversed(passed):
+                self.waiting.appendleft(req)
+
+    def _running_loras(self, step: _StepPlan) -> set[str] | None:
+        """Under max_loras, the adapters the running requests use (None: unbounded)."""
+        if self.config.max_loras is None:
+            return None
+        return {
+            lora
+            for r in itertools.chain(self.running, step.early)
+            if (lora := r.params.lora) is not None
+        }
+
+    def _admit_from_queue(
+        self, step: _StepPlan, early: bool, loras: set[str] | None, passed: list[Request]
+    ) -> None:
         bs = self.block_size
         q, fair = self.waiting, step.fair
         later: set[str | None] = set()  # early: passed over until the running pass is done
@@ -517,6 +539,17 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
                 skip = fair.done | fair.over | later if early else fair.skip(q.tenants())
                 if (req := q.peek(skip)) is None:
                     break
+            lora = req.params.lora
+            if (
+                loras is not None
+                and lora is not None
+                and lora not in loras
+                and len(loras) >= self.config.max_loras
+            ):
+                # vLLM's rule: it waits, and the requests behind it go on.
+                q.remove(req)
+                passed.append(req)
+                continue
             cap = step.budget if fair is None else min(step.budget, fair.tokens[req.tenant])
             if step.limit is not None and req.tenant in step.limit:
                 cap = min(cap, step.limit[req.tenant])
@@ -576,6 +609,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
             req.status = RequestStatus.RUNNING
             (step.early if early else self.running).append(req)
             self._count_running(req, 1)
+            if loras is not None and lora is not None:
+                loras.add(lora)
             if fair is not None:
                 fair.admitted(req.tenant, seqs, len(self.kv.blocks_of(req.req_id)), n)
             if step.limit is not None and req.tenant in step.limit:

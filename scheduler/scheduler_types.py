@@ -39,6 +39,8 @@ class SchedulerConfig:
     # pin kept for session_ttl seconds (0 for either: no pinning).
     pinned_kv_fraction: float = 0.25
     session_ttl: float = 300.0
+    # Distinct LoRA adapters among the running requests (vLLM's max_loras); None: any.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fair", "fcfs"):
@@ -75,6 +77,7 @@ class SchedulerConfig:
             tenant_weights=dict(s.tenant_weights or {}),
             pinned_kv_fraction=cache.pinned_kv_fraction,
             session_ttl=cache.session_ttl,
+            max_loras=s.max_loras,
         )
 
 

@@ -98,6 +98,13 @@ def _add_model_args(g: Group) -> None:
         "share each step",
     )
     g.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="distinct adapters among the running requests (vLLM's flag, there default 1); "
+        "a request of another adapter waits while the ones behind it go on (default: any)",
+    )
+    g.add_argument(
         "--max-lora-rank",
         type=int,
         default=default_of("max_lora_rank"),
@@ -927,6 +934,8 @@ ACCEPTED_VLLM_FLAGS = {
     "--enable-chunked-prefill": "prompts are always cut into chunks that share steps with decodes",
     "--enable-auto-tool-choice": "tool_choice auto is served whenever --tool-call-parser "
     "is given (it is refused without one)",
+    "--enable-lora": "LoRA adapters are served whenever --lora-modules or "
+    "--allow-runtime-lora is given",
     "--disable-log-requests": "requests are not logged unless --enable-log-requests",
     "--disable-log-stats": "no periodic statistics are logged (GET /metrics has them)",
 }

@@ -102,6 +102,12 @@ def test_a_mixed_batch_is_what_peft_generates(model, adapters):
         assert not s.has_unfinished() and s.kv.pool.num_free == s.kv.pool.num_blocks
     finally:
         llm.shutdown()
+    # vLLM's --max-loras 1: one adapter's requests at a time, the base beside them; the
+    # same tokens.
+    with LLM(model, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48,
+             lora_modules=adapters, max_loras=1) as llm:  # fmt: skip
+        _check_mixed_batch(llm, prompts, want, n)
+        assert llm.engine.scheduler.config.max_loras == 1
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ SPECIAL: dict[str, tuple[list[str], list[str] | None]] = {
     "--gpu-memory-utilization": (["0.9"], None),
     "--quantization": (["int8"], None),
     "--lora-modules": (["sea=/adapters/sea"], KEYS),  # (not with speculation)
+    "--max-loras": (["2"], None),
     # (a model directory without a tokenizer: the check of its tags is the load's)
     "--reasoning-parser": (["qwen3"], [*KEYS, *SPEC_BASE, "--model", "/m"]),
     "--generation-config": (["vllm"], None),
