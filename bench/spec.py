@@ -13,6 +13,10 @@ trained on (the files its training held out):
   computes masks and a verify chunk one per row: what speculation keeps under
   structured output (n-gram, the draft model drafting under the grammar, Medusa's trees
   verified under it).
+- predicted: the free prompts, each sent with OpenAI's `prediction` (SamplingParams.prediction):
+  its plain greedy continuation with one token in EDIT_EVERY changed, a mostly right guess
+  as a code edit's original text is.  n-gram speculation drafts from it first
+  (scheduler/prediction.py); the draft model and Medusa do not read it.
 Greedy, `ignore_eos`, fixed output length, so every mode emits the same tokens.
 
 Each round runs plain decoding before and after every mode (round_order), and a mode's
@@ -44,11 +48,14 @@ K = 4
 REPEATS = 3
 BATCH1_PROMPTS = 4  # batch 1: this many prompts one after another
 GRAMMAR_WORKLOAD = "copy+grammar"
+PREDICTED_WORKLOAD = "predicted"
+EDIT_EVERY = 16
 
 
 def _measure(llm: Any, groups: list[list[list[int]]], params: Any) -> tuple[float, float, float]:
     """(output tokens per wall second, per CPU second of this process, mean acceptance
-    length: tokens per verify step) of running the groups one after another.
+    length: tokens per verify step) of running the groups one after another.  `params`:
+    one SamplingParams, or a function of the prompt giving its own.
 
     CPU seconds count every thread of this process (engine loop, model, detokenizer), so
     on a machine shared with other jobs they track the work a mode does rather than the
@@ -58,7 +65,8 @@ def _measure(llm: Any, groups: list[list[list[int]]], params: Any) -> tuple[floa
     t, c = time.perf_counter(), time.process_time()
     toks = 0
     for g in groups:
-        toks += sum(len(o.outputs[0].token_ids) for o in llm.generate(g, params))
+        ps = [params(p) for p in g] if callable(params) else params
+        toks += sum(len(o.outputs[0].token_ids) for o in llm.generate(g, ps))
     secs, cpu = time.perf_counter() - t, time.process_time() - c
     mal = 1.0
     if spec is not None:
@@ -149,6 +157,21 @@ def _rows(
     return rows
 
 
+def predicted_params(llm: Any, ps: list[list[int]], params: Any) -> Callable[[list[int]], Any]:
+    """Each prompt's params with its prediction: its plain greedy output (from `llm`,
+    which speculates not), one token in EDIT_EVERY changed."""
+    import msgspec
+
+    outs = llm.generate(ps, params)
+    by_prompt = {}
+    for p, o in zip(ps, outs, strict=True):
+        guess = list(o.outputs[0].token_ids)
+        for i in range(EDIT_EVERY // 2, len(guess), EDIT_EVERY):
+            guess[i] = (guess[i] + 1) % llm.engine.vocab_size
+        by_prompt[tuple(p)] = msgspec.structs.replace(params, prediction=guess)
+    return lambda p: by_prompt[tuple(p)]
+
+
 def round_order(rep: int) -> list[str]:
     """One round's runs: plain before and after every speculating mode, the modes in an
     order that rotates from round to round."""
@@ -220,6 +243,10 @@ def run(args: argparse.Namespace, print_table: Callable[..., str], _model_dir: A
     }
     for llm in llms.values():
         llm.generate(work["free"][:2], params)  # warm-up
+    work[PREDICTED_WORKLOAD] = work["free"]
+    by_workload[PREDICTED_WORKLOAD] = predicted_params(
+        llms["off"], work["free"][: max(max(batches), BATCH1_PROMPTS)], params
+    )
     runs: dict[tuple[str, int], list[tuple[str, tuple[float, float, float]]]] = {}
     sizes: dict[tuple[str, int], int] = {}
     try:

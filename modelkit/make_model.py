@@ -49,6 +49,9 @@ CHAT_TEMPLATE = (
 # them, as Qwen3's and DeepSeek-R1's tokenizers do), so `--reasoning-parser` can split
 # the text at them.
 THINK_TOKENS: tuple[str, str] = ("<think>", "</think>")
+# Fill-in-the-middle tokens (`fim=True`), Qwen2.5-Coder's names: special tokens, the
+# vocabulary's last three; a completion's `suffix` is laid out with them (service/fim.py).
+FIM_TOKENS: tuple[str, str, str] = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 # The ChatML template above, as a Qwen3 thinking model's: the generation prompt opens
 # `<think>` (closed and empty with `enable_thinking=False`), and an earlier assistant
@@ -578,15 +581,21 @@ def _added_token(content: str) -> dict[str, Any]:
 
 
 def tokenizer_files(
-    max_pos: int, flavor: str = "gpt2", think_ids: tuple[int, int] | None = None
+    max_pos: int,
+    flavor: str = "gpt2",
+    think_ids: tuple[int, int] | None = None,
+    fim_ids: tuple[int, int, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """tokenizer_config.json and special_tokens_map.json for the generated tokenizer
-    (think_ids: the ids of THINK_TOKENS, for a thinking model)."""
+    (think_ids: the ids of THINK_TOKENS, for a thinking model; fim_ids: FIM_TOKENS')."""
     eot, start, end = SPECIAL_TOKENS
     added = {str(i): _added_token(t) for i, t in enumerate(SPECIAL_TOKENS)}
     if think_ids is not None:
         for i, t in zip(think_ids, THINK_TOKENS, strict=True):
             added[str(i)] = {**_added_token(t), "special": False}
+    if fim_ids is not None:
+        for i, t in zip(fim_ids, FIM_TOKENS, strict=True):
+            added[str(i)] = _added_token(t)
     tok_cfg = {
         "added_tokens_decoder": added,
         "additional_special_tokens": [start, end],
@@ -631,6 +640,7 @@ def make_model(
     config_overrides: dict[str, Any] | None = None,
     fast_weights: str | None = None,
     thinking: bool = False,
+    fim: bool = False,
 ) -> Path:
     """Write a random-weight HF checkpoint with a locally trained tokenizer; return its dir.
 
@@ -641,7 +651,10 @@ def make_model(
     on (`write_fast_weights`) instead of the exact seeded draw.
     `thinking` makes a reasoning model's tokenizer and template: `<think>` and `</think>`
     are the vocabulary's last two tokens, and the generation prompt opens `<think>`.
+    `fim` adds fill-in-the-middle tokens (FIM_TOKENS) as the vocabulary's last three.
     """
+    if thinking and fim:
+        raise ValueError("a checkpoint is made with thinking or fim tokens, not both")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     cfg = build_config(
@@ -656,13 +669,18 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
 
     flavor = TOKENIZER_FLAVORS[arch]
-    think_ids = None
+    think_ids = fim_ids = None
     if thinking:
-        tok_json, think_ids = _thinking_tokenizer(cfg["vocab_size"], corpus_bytes, flavor)
+        tok_json, ids = _tokenizer_with(cfg["vocab_size"], corpus_bytes, flavor, THINK_TOKENS)
+        think_ids = ids  # type: ignore[assignment]
+    elif fim:
+        tok_json, ids = _tokenizer_with(cfg["vocab_size"], corpus_bytes, flavor, FIM_TOKENS)
+        fim_ids = ids  # type: ignore[assignment]
     else:
         tok_json = trained_tokenizer_json(cfg["vocab_size"], corpus_bytes, flavor)
     (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
-    for name, obj in tokenizer_files(cfg["max_position_embeddings"], flavor, think_ids).items():
+    files = tokenizer_files(cfg["max_position_embeddings"], flavor, think_ids, fim_ids)
+    for name, obj in files.items():
         _write_json(out / name, obj)
 
     _write_json(
@@ -685,17 +703,23 @@ def make_model(
     return out
 
 
-def _thinking_tokenizer(
-    vocab_size: int, corpus_bytes: int | None, flavor: str
-) -> tuple[str, tuple[int, int]]:
-    """A tokenizer trained two tokens short, then THINK_TOKENS added as its last two."""
+def _tokenizer_with(
+    vocab_size: int, corpus_bytes: int | None, flavor: str, tokens: tuple[str, ...]
+) -> tuple[str, tuple[int, ...]]:
+    """A tokenizer trained len(tokens) short, then `tokens` added as its last ones:
+    THINK_TOKENS as plain added tokens (decoding keeps them), FIM_TOKENS as special."""
     from tokenizers import AddedToken, Tokenizer
 
-    tok = Tokenizer.from_str(trained_tokenizer_json(vocab_size - 2, corpus_bytes, flavor))
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    ids = tuple(tok.token_to_id(t) for t in THINK_TOKENS)
-    assert ids == (vocab_size - 2, vocab_size - 1), ids
-    return tok.to_str(pretty=True), ids  # type: ignore[return-value]
+    tok = Tokenizer.from_str(trained_tokenizer_json(vocab_size - len(tokens), corpus_bytes, flavor))
+    special = tokens == FIM_TOKENS
+    added = [AddedToken(t, special=special, normalized=False) for t in tokens]
+    if special:
+        tok.add_special_tokens(added)
+    else:
+        tok.add_tokens(added)
+    ids = tuple(tok.token_to_id(t) for t in tokens)
+    assert ids == tuple(range(vocab_size - len(tokens), vocab_size)), ids
+    return tok.to_str(pretty=True), ids
 
 
 def _human(n: int) -> str:
@@ -722,6 +746,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a reasoning model's tokenizer (<think>, </think>) and template, for "
         "--reasoning-parser qwen3",
     )
+    ap.add_argument(
+        "--fim",
+        action="store_true",
+        help="fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>), "
+        "for a completion's `suffix`",
+    )
     args = ap.parse_args(argv)
     out = make_model(
         args.dir,
@@ -732,6 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         vocab_size=args.vocab_size,
         thinking=args.thinking,
+        fim=args.fim,
     )
     cfg = json.loads((out / "config.json").read_text())
     print(

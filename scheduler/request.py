@@ -6,6 +6,7 @@ import enum
 import time
 
 from scheduler.block_pool import BlockHash, hash_block
+from scheduler.prediction import PredictionTrack
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured import GrammarMatcher
 
@@ -53,7 +54,7 @@ class Request:
         "stop_token_id", "arrival_time", "publish_prefix", "remote_start",
         "remote_payloads", "grammar", "prompt_logprobs", "prompt_logprobs_sent",
         "spec_accepted", "spec_trials", "tenant", "conversation", "priority",
-        "grammar_share", "__weakref__",
+        "grammar_share", "prediction", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -125,6 +126,9 @@ class Request:
         # per verify step (scheduler/spec.py); their ratio estimates the per-token rate.
         self.spec_accepted = 1.0
         self.spec_trials = 1.0
+        # OpenAI's predicted output (SamplingParams.prediction): where the output stands
+        # in it, and what its drafts earned (scheduler/spec.py).
+        self.prediction = PredictionTrack(params.prediction) if params.prediction else None
         # The columnar decode path (scheduler/contract.py, DecodeColumns): `plain` says the
         # request never needs more than a token per step (no grammar, no logprobs);
         # `columnar` that it is, right now, a decode whose last block is its own and

@@ -101,6 +101,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     lora: str | None = None
     # A reasoning model's thinking, bounded (scheduler/structured.py AfterReasoning).
     reasoning_budget: ReasoningBudget | None = None
+    # OpenAI's predicted output (`prediction`), as token ids (set by the server): under
+    # n-gram speculation the drafts come from it first (scheduler/spec.py).  It never
+    # changes what is generated.
+    prediction: list[int] | None = None
     # An embedding request (/v1/embeddings; set by the server): the runner returns the
     # prompt's pooled final hidden states with the one token it samples.
     embed: bool = False

@@ -994,6 +994,8 @@ class Scheduler(ColumnarDecodes, PrefixTierSupport, ConversationSupport, AheadSc
         assert len(accepted) <= sr.num_draft
         assert self.spec is not None
         self.spec.observe(req, sr.num_draft, len(accepted))
+        if req.prediction is not None:
+            req.prediction.settle(sr.num_draft, len(accepted))
         # The accepted drafts' KV was computed in this step; the bonus token's is not.
         req.num_computed_tokens += len(accepted)
         lps = [*mo.spec_logprobs.get(req.req_id, [None] * len(accepted)), bonus_lp]

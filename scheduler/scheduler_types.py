@@ -101,6 +101,8 @@ class RequestUpdate(msgspec.Struct, gc=False, kw_only=True):
     first_scheduled_time: float | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token
     embedding: list[float] | None = None  # SamplingParams.embed: with the first token
+    # SamplingParams.prediction: (drafts from it kept, drafts refused), with the finish.
+    prediction_tokens: tuple[int, int] | None = None
 
 
 class StepUpdates:
@@ -149,6 +151,11 @@ def request_update(
         num_cached_tokens=req.num_cached_tokens,
         error=error,
         first_scheduled_time=req.first_scheduled_time,
+        prediction_tokens=(
+            (track.accepted, track.rejected)
+            if (track := req.prediction) is not None and req.finish_reason is not None
+            else None
+        ),
     )
 
 

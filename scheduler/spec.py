@@ -241,11 +241,21 @@ class SpecDecoder:
 
     def propose(self, req: Request, k: int) -> tuple[list[int], int]:
         """(draft tokens, slots) for `k` wanted drafts: n-gram drafts come as tokens (maybe
-        fewer); the draft model gets k slots to fill."""
+        fewer), from the request's predicted output first (scheduler/prediction.py); the
+        draft model gets k slots to fill."""
         if self.tree:
             return [], tree_size(k)
         if self.in_executor:
             return [], k
+        track = req.prediction
+        if track is not None:
+            c = self.config
+            drafts = track.drafts(
+                req.token_ids, req.prompt_len, k, c.prompt_lookup_min, c.prompt_lookup_max
+            )
+            track.drafted = len(drafts)
+            if drafts:
+                return drafts, len(drafts)
         drafts = self.proposer.propose(req, k)
         return drafts, len(drafts)
 

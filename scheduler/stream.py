@@ -59,6 +59,7 @@ def merge_updates(
                 first_scheduled_time=u.first_scheduled_time,
                 prompt_logprobs=u.prompt_logprobs,
                 embedding=u.embedding,
+                prediction_tokens=u.prediction_tokens,
             )
             continue
         m.new_token_ids += u.new_token_ids
@@ -70,6 +71,7 @@ def merge_updates(
         m.client_error = m.client_error or u.client_error
         m.prompt_logprobs = m.prompt_logprobs or u.prompt_logprobs
         m.embedding = m.embedding or u.embedding
+        m.prediction_tokens = u.prediction_tokens or m.prediction_tokens
     return list(merged.values())
 
 

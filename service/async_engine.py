@@ -861,6 +861,9 @@ class AsyncEngine:
             out.prompt_logprobs = [None, *u.prompt_logprobs]
         if u.embedding is not None:
             out.embedding = u.embedding
+        if (pt := u.prediction_tokens) is not None:
+            a, r = out.prediction_tokens or (0, 0)
+            out.prediction_tokens = (a + pt[0], r + pt[1])
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = u.first_scheduled_time
         self._apply_guarded(seq, u)

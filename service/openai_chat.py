@@ -166,6 +166,8 @@ class ChatServing(ServingBase):
             params = msgspec.structs.replace(params, structured_outputs=tc[0])
         await self.compile(request, params, spec[1] if spec else None)
         ids = await self.chat_prompt_ids(req)
+        if req.prediction is not None:
+            params = await self._with_prediction(params, req.prediction.text)
         thinking = self.thinking(ids, req.include_reasoning)
         if thinking is not None and params.structured_outputs is not None:
             # Compiled above without it: where the grammar starts is not part of its key.
@@ -194,6 +196,19 @@ class ChatServing(ServingBase):
         )  # fmt: skip
         model = req.model or self.names[0]
         return ChatStart(rid, model, ids, gens[0], params, mode, subs, thinking)
+
+    async def _with_prediction(self, params: SamplingParams, text: str) -> SamplingParams:
+        """OpenAI's predicted output, tokenized as output text is (no special tokens)."""
+        if not text:
+            return params
+        (ids,) = await self.prep.prompt_ids([text], param="prediction", add_special_tokens=False)
+        if len(ids) > self.engine.max_model_len:
+            raise BadRequest(
+                f"prediction has {len(ids)} tokens; at most max_model_len "
+                f"({self.engine.max_model_len}) can be used",
+                "prediction",
+            )
+        return msgspec.structs.replace(params, prediction=ids)
 
     def thinking(self, ids: list[int], include: bool = True) -> Thinking | None:
         """How a prompt's output starts, when a reasoning parser runs."""
@@ -248,6 +263,7 @@ class ChatServing(ServingBase):
                 completion,
                 last.num_cached_tokens,
                 reasoning_tokens if thinking is not None else None,
+                last.prediction_tokens,
             ),
         }
         if req.return_token_ids:
@@ -308,6 +324,7 @@ class ChatServing(ServingBase):
     ) -> list[dict[str, Any]]:
         """One output's chunks: the choices that moved, then (tool calls) the finishes."""
         usage.cached = out.num_cached_tokens
+        usage.prediction = out.prediction_tokens
         choices, ends = [], []
         for d in deltas:
             usage.completion_tokens += len(d.token_ids)

@@ -165,6 +165,7 @@ class StreamUsage:
     completion_tokens: int = 0
     cached: int = 0
     reasoning_tokens: int | None = None  # counted when a reasoning parser runs
+    prediction: tuple[int, int] | None = None  # RequestOutput.prediction_tokens
 
     @classmethod
     def of(cls, prompt_tokens: int, opts: StreamOptions | None, force: bool = False) -> StreamUsage:
@@ -289,7 +290,12 @@ class ServingBase:
             request[SPEC_FIELD] = field
 
     def _usage(
-        self, prompt: int, completion: int, cached: int = 0, reasoning: int | None = None
+        self,
+        prompt: int,
+        completion: int,
+        cached: int = 0,
+        reasoning: int | None = None,
+        prediction: tuple[int, int] | None = None,
     ) -> dict[str, Any]:
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
@@ -299,13 +305,25 @@ class ServingBase:
         }
         if self.details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        details: dict[str, int] = {}
         if reasoning is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+            details["reasoning_tokens"] = reasoning
+        if prediction is not None:
+            # Predicted-output drafts the model kept, and those it refused (verified and
+            # wasted: OpenAI bills such tokens too).
+            details["accepted_prediction_tokens"] = prediction[0]
+            details["rejected_prediction_tokens"] = prediction[1]
+        if details:
+            usage["completion_tokens_details"] = details
         return usage
 
     def stream_usage(self, usage: StreamUsage) -> dict[str, Any]:
         return self._usage(
-            usage.prompt_tokens, usage.completion_tokens, usage.cached, usage.reasoning_tokens
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached,
+            usage.reasoning_tokens,
+            usage.prediction,
         )
 
     def check_model(self, model: str | None) -> str | None:

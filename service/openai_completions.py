@@ -22,6 +22,7 @@ from service.completion_extras import (
     finite,
     join_logprobs,
 )
+from service.fim import FimLayout, fim_layout
 from service.http_util import TENANT_SALT, json_response, salted
 from service.openai_common import ChoiceDelta, ServingBase, StreamUsage, sse
 from service.outputs import CompletionOutput, RequestOutput
@@ -65,6 +66,9 @@ async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[Reques
 
 
 class CompletionServing(ServingBase):
+    # The model's fill-in-the-middle layout for `suffix`, found on first use (False: none).
+    _fim: FimLayout | bool | None = None
+
     def completion_logprobs(
         self, lps: list[TokenLogprobs] | None, offset: int, label: Callable[[int], str] | None
     ) -> tuple[dict[str, Any] | None, int]:
@@ -108,10 +112,15 @@ class CompletionServing(ServingBase):
         self.prep.check_vocab_ids(params)
         params = await self.prep.with_bad_words(params)
         truncate = req.truncation(self.engine.max_model_len)
-        prompts = await self.prep.prompt_ids(raw, truncate=truncate)
+        if req.suffix:
+            prompts = await self._fim_prompts(raw, req.suffix)
+        else:
+            prompts = await self.prep.prompt_ids(raw, truncate=truncate)
         self._check_prompt_logprobs(req, prompts)
-        # A truncated prompt's text is that of the tokens kept (decoded from them for echo).
-        texts = [p if isinstance(p, str) and truncate is None else None for p in raw]
+        # A truncated prompt's text is that of the tokens kept (decoded from them for echo);
+        # with a suffix the prompt is more than the text.
+        texts = [p if isinstance(p, str) and truncate is None and not req.suffix else None
+                 for p in raw]  # fmt: skip
         rid, engine_rid = request_id(request, req.request_id, "cmpl-")
         salt = salted(request.get(TENANT_SALT), req.cache_salt)
         tenant, cid = request.get(TENANT), req.conversation_id or req.session_id
@@ -134,6 +143,28 @@ class CompletionServing(ServingBase):
             return await self._completion_full(req, rid, model, prompts, gens, echo)
         finally:
             self._release(subs)
+
+    async def _fim_prompts(self, raw: list[str | list[int]], suffix: str) -> list[list[int]]:
+        """Each prompt as the text before the hole, `suffix` as the text after it, laid
+        out with the model's fill-in-the-middle tokens (service/fim.py)."""
+        if self._fim is None:
+            self._fim = fim_layout(self.tokenizer) or False
+        layout = self._fim
+        if not layout:
+            raise BadRequest(
+                "suffix needs a code model with fill-in-the-middle tokens (<|fim_prefix|> "
+                "<|fim_suffix|> <|fim_middle|>, <fim_prefix> ..., DeepSeek-Coder's or "
+                "Codestral's); this model's tokenizer has none",
+                "suffix",
+            )
+        (after,) = await self.prep.encode([suffix], add_special_tokens=False, param="suffix")
+        texts = [p for p in raw if isinstance(p, str)]
+        encoded = iter(await self.prep.encode(texts, add_special_tokens=False) if texts else ())
+        prefixes = [
+            next(encoded) if isinstance(p, str) else self.prep.checked(list(p), "prompt")
+            for p in raw
+        ]
+        return [layout.ids(p, after) for p in prefixes]
 
     def _check_prompt_logprobs(self, req: CompletionRequest, prompts: list[list[int]]) -> None:
         """The prompt logprobs the response would carry, bounded before any work: each of

@@ -79,6 +79,9 @@ class RequestOutput:
     lora: str | None = None  # the LoRA adapter it ran with (vLLM's lora_request), if any
     # SamplingParams.embed: the last prompt position's final hidden state (not normalized).
     embedding: list[float] | None = None
+    # SamplingParams.prediction: drafts taken from it that verification kept and refused,
+    # summed over the finished samples (OpenAI's accepted / rejected_prediction_tokens).
+    prediction_tokens: tuple[int, int] | None = None
 
 
 @dataclass

@@ -137,7 +137,7 @@ class Preprocessor:
         )
         out = []
         for p in prompts:
-            ids = next(encoded) if isinstance(p, str) else self._checked(list(p), param)
+            ids = next(encoded) if isinstance(p, str) else self.checked(list(p), param)
             if not ids:
                 raise BadRequest("the prompt encodes to no tokens", param)
             if truncate:
@@ -272,7 +272,7 @@ class Preprocessor:
                     prefix + field,
                 )
 
-    def _checked(self, ids: list[int], param: str) -> list[int]:
+    def checked(self, ids: list[int], param: str) -> list[int]:
         try:
             return self.engine.check_token_ids(ids)
         except RequestRejected as e:

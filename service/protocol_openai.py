@@ -26,6 +26,7 @@ from service.protocol import (
     RepetitionPenalty,
     RequestId,
     Temperature,
+    TextPart,
     Tool,
     TopP,
     Unit,
@@ -253,6 +254,18 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(str(e), field if why else None) from e
 
 
+class Prediction(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's `prediction`: the output the client expects, as text or text parts."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
 class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
@@ -268,7 +281,8 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
-    prediction: Any = None
+    # OpenAI's predicted output: drafts for speculative decoding (scheduler/prediction.py).
+    prediction: Prediction | None = None
     service_tier: Any = None
     web_search_options: Any = None
     # Given to the chat template as `reasoning_effort` (a template that reads it, as
@@ -310,7 +324,6 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
         for name in (
             "audio",
             "modalities",
-            "prediction",
             "web_search_options",
             "verbosity",
             "documents",
@@ -389,7 +402,10 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True):
                 "max_tokens",
             )
         if self.suffix:
-            raise BadRequest("suffix (insertion) is not supported by this server", "suffix")
+            # (the model's fill-in-the-middle tokens are checked when the prompt is built)
+            for name in ("echo", "truncate_prompt_tokens"):
+                if getattr(self, name):
+                    raise BadRequest(f"{name} cannot be combined with suffix", name)
         if self.prompt_embeds is not None:
             raise BadRequest("prompt_embeds is not supported by this server", "prompt_embeds")
         if not self.add_special_tokens:

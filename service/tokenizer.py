@@ -264,6 +264,8 @@ class Tokenizer:
         pp_bos = len(full) > len(plain) and full[:1] == [self.bos_token_id]
         pp_eos = len(full) > len(plain) and full[-1:] == [self.eos_token_id]
         self._prepend_bos = add_bos_token and self.bos_token_id is not None and not pp_bos
+        # The BOS a prompt encoded with special tokens starts with (either way), if any.
+        self.leading_bos = self.bos_token_id if pp_bos or self._prepend_bos else None
         self._append_eos = add_eos_token and self.eos_token_id is not None and not pp_eos
         self.codec = Codec(
             tokenizer,

@@ -230,7 +230,7 @@ def test_offline_stop_strings_stop_the_engine_promptly(offline):
         ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias", "vocabulary"),
         ({"prompt": "x", "use_beam_search": True, "n": 11}, 400, "n", "beam width"),
         ({"prompt": "x", "use_beam_search": True, "seed": 1}, 400, "seed", "use_beam_search"),
-        ({"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+        ({"prompt": "x", "suffix": "y"}, 400, "suffix", "fill-in-the-middle"),
         ({"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of", ">= n"),
         ({"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of", "streamed"),
         ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "<= 20"),

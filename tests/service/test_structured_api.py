@@ -369,7 +369,6 @@ def test_websocket_structured_outputs(server):
 REFUSED_CHAT = {
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
-    "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
     "verbosity": "low",
     "service_tier": "flex",
@@ -386,7 +385,8 @@ REFUSED_CHAT = {
     "vllm_xargs": {"a": 1},
     "spaces_between_special_tokens": False,
 }
-REFUSED_COMPLETIONS = {"suffix": "x", "prompt_embeds": "AAAA", "add_special_tokens": False}
+# (suffix on a model without fill-in-the-middle tokens: tests/service/test_fim.py)
+REFUSED_COMPLETIONS = {"prompt_embeds": "AAAA", "add_special_tokens": False}
 
 
 @pytest.mark.parametrize(("field", "value"), list(REFUSED_CHAT.items()))
