@@ -24,7 +24,7 @@ import msgspec
 from aiohttp import web
 
 from service import openai_conversations as conversations
-from service.http_util import json_response
+from service.http_util import error_body, json_response
 from service.openai_chat import ChatServing, ChatStart
 from service.openai_common import ChoiceDelta, StreamUsage, end_stream
 from service.outputs import RequestOutput
@@ -54,6 +54,7 @@ from service.responses_background import (
     settled,
 )
 from service.resume import follow, parse_position
+from service.stream_relay import EventRelay, follow_relayed
 from service.tool_calls import ToolStream, make_parser, parse_output
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,12 @@ class ResponsesServing(ChatServing):
         def started(log: Any) -> None:
             log.background = True
             self.background.adopt(self.store, start.rid, turn, log.producer)
+            if self.store.shared and self.streams is not None:
+                # Any replica may be asked to resume it: its events go to the store too.
+                reg = self.streams
+                log.relay = EventRelay(
+                    self.store, turn.tenant, start.rid, reg.cap, reg.grace, list(log.events)
+                )
 
         produce = settled(turn, turn.stream(request))
         return await self.streamed(request, start.rid, start.subs, produce, started)
@@ -301,7 +308,10 @@ class ResponsesServing(ChatServing):
         log is kept (a background response's: until it ends, then --resume-grace)."""
         raw = request.query.get("starting_after")
         after = 0 if raw is None else parse_position(raw, "starting_after") + 1
-        log = self.streams.find(request.get(TENANT), "sse", rid) if self.streams else None
+        tenant = request.get(TENANT)
+        log = self.streams.find(tenant, "sse", rid) if self.streams else None
+        if log is None and self.store.shared:
+            return await self._resume_relayed(request, tenant, rid, after)
         if log is None:
             raise BadRequest(
                 f"no stream of response {rid!r} to resume: it was not streamed, ended more "
@@ -318,6 +328,42 @@ class ResponsesServing(ChatServing):
         resp = await self._prepare_sse(request)
         if await follow(log, self._sink(request, resp), after):
             await end_stream(resp)
+        return resp
+
+    async def _resume_relayed(
+        self, request: web.Request, tenant: str | None, rid: str, after: int
+    ) -> web.StreamResponse:
+        """`_resume` of a background response running (or run) on another replica: its
+        events from the shared store (service/stream_relay.py)."""
+        try:
+            last = await self.store.relay_last(tenant, rid)
+        except StoreUnavailable as e:
+            raise BadRequest(f"{e}; try again", "response_id", status=503) from e
+        if last is None:
+            raise BadRequest(
+                f"no stream of response {rid!r} to resume: it was not streamed in the "
+                "background, ended more than --resume-grace seconds ago, or belongs to "
+                "another API key",
+                "response_id",
+                status=404,
+            )
+        if after > last:
+            raise BadRequest(
+                f"starting_after {after - 1} is past the stream's last event", "starting_after"
+            )
+        resp = await self._prepare_sse(request)
+
+        async def write(data: bytes) -> None:
+            await self.send(request, resp, data)
+
+        async def gone(why: str) -> None:
+            await write(b"data: " + error_body(why, 410) + b"\n\n")
+
+        try:
+            if await follow_relayed(self.store, tenant, rid, after, write, gone):
+                await end_stream(resp)
+        except (ConnectionError, StoreUnavailable):
+            pass  # the reader or the store went away: the connection ends here
         return resp
 
     async def input_items(self, request: web.Request) -> web.Response:

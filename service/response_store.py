@@ -371,6 +371,14 @@ def encode_entry(item: Stored, linked: bool = True) -> tuple[bytes, bytes]:
     return head, _ENCODER.encode(own)
 
 
+# A relayed stream (service/stream_relay.py): its key, and the entries one read takes.
+RELAY_BATCH = 512
+
+
+def relay_key(ns: str, tenant: str, rid: str) -> str:
+    return f"{ns}:ev:{tenant}:{rid}"
+
+
 class RedisResponseStore:
     """Stored responses in Redis, shared by every replica that points at it."""
 
@@ -474,6 +482,63 @@ class RedisResponseStore:
 
     async def alive(self, tenant: str | None, rid: str) -> bool:
         return bool(await self._call("get", self._alive, _tenant(tenant), rid))
+
+    async def relay_events(
+        self, tenant: str | None, rid: str, events: list[tuple[int, bytes, bytes]], ttl: float
+    ) -> None:
+        """Append (seq, kind, data) entries to a response's relayed stream
+        (service/stream_relay.py), its key kept `ttl` seconds from now."""
+        import redis
+
+        key = relay_key(self.ns, _tenant(tenant), rid)
+        pipe = self.client.pipeline(transaction=False)
+        for seq, kind, data in events:
+            pipe.xadd(key, {kind: data}, id=f"0-{seq}")
+        pipe.pexpire(key, max(1, int(ttl * 1000)))
+        try:
+            await pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
+        except redis.ResponseError as e:  # an id out of order: a relay restarted over it
+            raise StoreUnavailable(f"the relayed stream refused an event: {e}") from e
+
+    async def read_events(
+        self, tenant: str | None, rid: str, after: int, block_ms: int = 0
+    ) -> list[tuple[int, bytes, bytes]] | None:
+        """A relayed stream's entries after position `after` (waiting up to `block_ms`
+        for one), or None when the stream is not (or no longer) there."""
+        import redis
+
+        key = relay_key(self.ns, _tenant(tenant), rid)
+        try:
+            got = await self.client.xread(
+                {key: f"0-{after}"}, count=RELAY_BATCH, block=block_ms or None
+            )
+            if not got and not await self.client.exists(key):
+                return None
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
+        out = []
+        for _key, entries in got or ():
+            for eid, fields in entries:
+                seq = int(eid.split(b"-")[1])
+                ((kind, data),) = fields.items()
+                out.append((seq, kind, data))
+        return out
+
+    async def relay_last(self, tenant: str | None, rid: str) -> int | None:
+        """The newest position of a relayed stream (its end's counts one past the last
+        event), or None when there is none."""
+        import redis
+
+        key = relay_key(self.ns, _tenant(tenant), rid)
+        try:
+            got = await self.client.xrevrange(key, count=1)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
+        if not got:
+            return None
+        return int(got[0][0].split(b"-")[1])
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -94,6 +94,8 @@ class StreamLog:
         # A background response's stream (service/responses_background.py): its
         # generation runs to its end whoever reads it; a resume may still find it gone.
         self.background = False
+        # Where its events are relayed for other replicas (service/stream_relay.py).
+        self.relay: Any = None
 
     @property
     def token(self) -> str:
@@ -142,12 +144,16 @@ class StreamLog:
     def finish(self) -> None:
         if not self.done:
             self.done = True
+            if self.relay is not None:
+                self.relay.close()
             if self.owner is not None:
                 self.owner.finished()
             self.registry.release_claim(self)  # the request is over: its id is free
             self.registry.arm(self)
 
     def _store(self, data: bytes) -> None:
+        if self.relay is not None:
+            self.relay.add(data)  # (it numbers on where this log lost its events)
         if self.lost:
             return
         self.last += 1

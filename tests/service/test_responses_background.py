@@ -268,6 +268,36 @@ def test_a_background_stream_outlives_its_readers(servers):
             time.sleep(0.02)
 
 
+def test_a_background_stream_resumes_on_another_replica(servers):
+    """Behind a load balancer the resume may reach a replica that is not running the
+    turn: its events come through the shared store (service/stream_relay.py), live, in
+    order, to the end; another API key finds nothing."""
+    a, b = servers
+    cb = make_client(b)
+    body = {"input": "Write.", "text": LONG, "max_output_tokens": 400, "background": True}
+    with slow_steps(a, 0.02):
+        first, rid = sse_events(a, body, 5)
+        k = first[-1]["sequence_number"]
+        # While it runs on a: b replays what a relayed, then follows the live tail.
+        rest = list(cb.responses.retrieve(rid, stream=True, starting_after=k))
+        assert b.num_running() == 0
+    # Once it ended, from the start: the whole stream, as long as --resume-grace keeps it.
+    whole = list(cb.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in rest] == list(range(k + 1, k + 1 + len(rest)))
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    final = poll(cb, rid)
+    assert text_of(first) + text_of(rest) == final.output_text
+    assert [e.sequence_number for e in whole] == list(range(len(whole)))
+    assert text_of(whole) == final.output_text
+    with pytest.raises(openai.NotFoundError):
+        list(make_client(b, KEYS[1]).responses.retrieve(rid, stream=True))
+    code, reply = get(b, f"/v1/responses/{rid}?stream=true&starting_after=99999")
+    assert code == 400 and reply["error"]["param"] == "starting_after", reply
+    time.sleep(b.state.config.resume_grace + 0.5)
+    code, reply = get(b, f"/v1/responses/{rid}?stream=true")
+    assert code == 404 and reply["error"]["param"] == "response_id", reply
+
+
 def test_a_turn_whose_replica_died_reads_failed(servers, redis):
     """A background response left queued by a replica that stopped (no heartbeat in the
     shared store) reads as failed on any replica, and stays so; a live one keeps beating
