@@ -16,6 +16,11 @@ first anywhere) and drafts on from there; where they occur nowhere, it drafts no
 
 from __future__ import annotations
 
+import bisect
+
+# Places a resync looks at per tail length (see PredictionTrack._find).
+MAX_CANDIDATES = 16
+
 
 class PredictionTrack:
     """One sequence's place in its prediction, and what the prediction's drafts earned."""
@@ -59,7 +64,10 @@ class PredictionTrack:
     def _find(
         self, token_ids: list[int], prompt_len: int, m: int, n_min: int, n_max: int
     ) -> int | None:
-        """Where the prediction goes on after the output's last tokens, or None."""
+        """Where the prediction goes on after the output's last tokens, or None.  Each
+        tail length looks at no more than MAX_CANDIDATES places its last token holds
+        after the old place and as many from the start: a prediction that repeats one
+        token thousands of times costs a step no more than any other."""
         pred = self.tokens
         if self.index is None:
             self.index = {}
@@ -68,14 +76,13 @@ class PredictionTrack:
         size = len(token_ids)
         for n in range(min(n_max, m), n_min - 1, -1):
             tail = token_ids[size - n :]
-            starts = [
-                i - n + 1
-                for i in self.index.get(tail[-1], ())
-                if i - n + 1 >= 0 and pred[i - n + 1 : i + 1] == tail
-            ]
-            if starts:
-                ahead = [i for i in starts if i + n >= self.at]
-                return (ahead or starts)[0] + n
+            ends = self.index.get(tail[-1], [])
+            # (the place after an occurrence ending at i is i + 1)
+            first = bisect.bisect_left(ends, self.at - 1)
+            for part in (ends[first : first + MAX_CANDIDATES], ends[:MAX_CANDIDATES]):
+                for i in part:
+                    if i - n + 1 >= 0 and pred[i - n + 1 : i + 1] == tail:
+                        return i + 1
         return None
 
     def settle(self, num_draft: int, num_accepted: int) -> None:

@@ -4,7 +4,7 @@ it, and counts what verification kept and refused."""
 
 from __future__ import annotations
 
-from scheduler.prediction import PredictionTrack
+from scheduler.prediction import MAX_CANDIDATES, PredictionTrack
 
 PROMPT = [900, 901, 902]
 
@@ -60,3 +60,13 @@ def test_settle_counts_kept_and_refused_drafts():
     t.drafted = 2
     t.settle(2, 0)
     assert (t.accepted, t.rejected, t.drafted) == (3, 3, 0)
+
+
+def test_a_resync_looks_at_a_bounded_number_of_places():
+    # 7 is everywhere but the tail "5 7" occurs once, past MAX_CANDIDATES other 7s: the
+    # search gives up rather than scan the whole prediction on every step.
+    def pairs_only(pred: list[int]) -> list[int]:  # (tails of 2 or 3 tokens)
+        return PredictionTrack(pred).drafts([*PROMPT, 5, 7], len(PROMPT), 4, 2, 3)
+
+    assert pairs_only([1, 7] * (MAX_CANDIDATES + 4) + [5, 7, 8, 9]) == []
+    assert pairs_only([1, 7] * (MAX_CANDIDATES - 4) + [5, 7, 8, 9]) == [8, 9]
