@@ -54,7 +54,7 @@ from service.responses_background import (
     settled,
 )
 from service.resume import follow, parse_position
-from service.stream_relay import EventRelay, follow_relayed
+from service.stream_relay import MAX_RELAY_READERS, EventRelay, follow_relayed
 from service.tool_calls import ToolStream, make_parser, parse_output
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ def _new_id(prefix: str) -> str:
 class ResponsesServing(ChatServing):
     # Replaced by the app with one sized by --max-stored-responses; this one stores nothing.
     store: ResponseStoreBase = ResponseStore(0, 0)
+    relay_readers = 0  # streams _resume_relayed follows now
 
     async def _stored(self, tenant: str | None, rid: str, param: str) -> Stored | None:
         try:
@@ -335,6 +336,15 @@ class ResponsesServing(ChatServing):
     ) -> web.StreamResponse:
         """`_resume` of a background response running (or run) on another replica: its
         events from the shared store (service/stream_relay.py)."""
+        if self.relay_readers >= MAX_RELAY_READERS:
+            # Each one holds a connection to the store while it waits for the tail: a
+            # client opening thousands must not use up the store the fleet shares.
+            raise BadRequest(
+                f"{MAX_RELAY_READERS} streams are being resumed from the shared store on "
+                "this replica; try again later",
+                "response_id",
+                status=429,
+            )
         try:
             last = await self.store.relay_last(tenant, rid)
         except StoreUnavailable as e:
@@ -359,11 +369,14 @@ class ResponsesServing(ChatServing):
         async def gone(why: str) -> None:
             await write(b"data: " + error_body(why, 410) + b"\n\n")
 
+        self.relay_readers += 1
         try:
             if await follow_relayed(self.store, tenant, rid, after, write, gone):
                 await end_stream(resp)
         except (ConnectionError, StoreUnavailable):
             pass  # the reader or the store went away: the connection ends here
+        finally:
+            self.relay_readers -= 1
         return resp
 
     async def input_items(self, request: web.Request) -> web.Response:

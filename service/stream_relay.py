@@ -8,8 +8,8 @@ log's own position, so a reader asks for what follows its position and nothing i
 numbered twice).  The stream's end is an `end` entry; a relay that had to stop (more than
 --resume-buffer-bytes relayed, or the store did not answer) writes `lost` where it
 stopped, and a reader reaching that point gets the 410 a local resume would.  The stream
-key lives while events come (RELAY_TTL_S from the last one) and --resume-grace after the
-end, as a local log does.
+key lives while events come (RELAY_TTL_S from the last one) and, after the end,
+--resume-grace or RELAY_TTL_S, whichever is longer.
 
 A reader on another replica replays what the stream holds after its position, then waits
 on it (XREAD BLOCK) for the live tail until `end`.  Relaying never holds the generation:
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 # leaves nothing behind for longer (its stored response reads failed by then).
 RELAY_TTL_S = 60.0
 BLOCK_MS = 1000  # one XREAD's wait (below the client's 2 s socket timeout)
+# Relayed streams one replica follows at once (each holds a store connection meanwhile).
+MAX_RELAY_READERS = 256
 
 DATA, END, LOST = b"d", b"end", b"lost"
 
@@ -91,7 +93,9 @@ class EventRelay:
             if failed:
                 continue  # (what it holds stops at a `lost` entry, or at a gap)
             ended = bool(batch) and batch[-1][1] != DATA
-            ttl = self.grace if ended and batch[-1][1] == END else RELAY_TTL_S
+            # Ended: kept --resume-grace, and a minute at least (a client told to retry
+            # comes back later than one whose connection blinked; the stream is capped).
+            ttl = max(self.grace, RELAY_TTL_S) if ended else RELAY_TTL_S
             try:
                 await self.store.relay_events(self.tenant, self.rid, batch, ttl)
             except StoreUnavailable as e:
