@@ -751,19 +751,14 @@ class ModelRunner:
         if not pools:
             return []
         return [
-            PoolRows(
-                r.req_id,
-                list(range(query_start[i], query_start[i] + len(r.input_ids))),
-                r.start_pos,
-            )
+            PoolRows(r.req_id, query_start[i], len(r.input_ids), r.start_pos)
             for i, r in enumerate(ordered)
             if r.req_id in pools
         ]
 
     def _feed_pools(self, hidden: torch.Tensor, pool_rows: list[PoolRows]) -> None:
         for pr in pool_rows:
-            rows = hidden[pr.rows[0] : pr.rows[-1] + 1]  # consecutive rows: a view
-            self.pools[pr.req_id].feed(rows, pr.start)
+            self.pools[pr.req_id].feed(hidden[pr.row : pr.row + pr.count], pr.start)
 
     def _prompt_rows(
         self, ordered: list[ScheduledRequest], query_start: list[int]

@@ -20,7 +20,8 @@ class PoolRows:
     """One pooling request's rows in this step's hidden states and where they start."""
 
     req_id: str
-    rows: list[int]  # consecutive prompt positions start, start + 1, ...
+    row: int  # its first row: `count` consecutive rows hold positions start, start + 1, ...
+    count: int
     start: int
 
 
