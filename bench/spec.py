@@ -16,7 +16,7 @@ trained on (the files its training held out):
 - predicted: the free prompts, each sent with OpenAI's `prediction` (SamplingParams.prediction):
   its plain greedy continuation with one token in EDIT_EVERY changed, a mostly right guess
   as a code edit's original text is.  n-gram speculation drafts from it first
-  (scheduler/prediction.py); the draft model and Medusa do not read it.
+  (scheduler/prediction.py), as does the draft model; Medusa does not read it.
 Greedy, `ignore_eos`, fixed output length, so every mode emits the same tokens.
 
 Each round runs plain decoding before and after every mode (round_order), and a mode's

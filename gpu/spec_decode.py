@@ -409,6 +409,9 @@ class SpecRunner:
         self.medusa = medusa
         # q rows of this step's model drafts, between proposing and verifying.
         self._q: dict[str, torch.Tensor | None] = {}
+        # This step's requests the draft model drafted (a predicted output's drafts come
+        # from the scheduler: the draft model fed none of them, its KV stays where it was).
+        self._drafted: set[str] = set()
 
     def drop(self, req_id: str) -> None:
         if self.draft is not None:
@@ -433,6 +436,7 @@ class SpecRunner:
         The step's plain decodes (its columns) do not pass through here: a decode row's
         position is never below its draft KV's valid end (`verified` keeps that end at
         most the last token's position), so only a recomputed chunk can need the reset."""
+        self._drafted.clear()
         if self.medusa is not None:
             todo_m = [sr for sr in scheduled if sr.num_draft and not sr.draft_ids]
             if todo_m:
@@ -511,6 +515,7 @@ class SpecRunner:
             for k, ((sr, _), (d, q)) in enumerate(zip(todo, drafted, strict=True)):
                 sr.draft_ids = d
                 self._q[sr.req_id] = q
+                self._drafted.add(sr.req_id)
                 walk = walks[k] if walks is not None else None
                 if walk is not None:
                     # Drafted under its grammar: every verify row gets the grammar's mask
@@ -562,5 +567,6 @@ class SpecRunner:
                 out.logprobs.append(res.logprobs[-1] if res.logprobs else None)
             if res.logprobs:
                 out.spec_logprobs[sr.req_id] = res.logprobs[:-1]
-            if self.draft is not None:
+            if self.draft is not None and sr.req_id in self._drafted:
                 self.draft.verified(sr.req_id, known, len(res.accepted), sr.num_draft)
+        self._drafted.clear()

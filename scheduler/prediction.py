@@ -1,7 +1,7 @@
 """OpenAI's predicted outputs (`prediction` on a chat completion) as speculative drafts.
 
 A client that expects most of the answer (a file to rewrite with a few changes) sends it;
-under n-gram speculation the scheduler drafts from it before the request's own context.
+under n-gram or draft-model speculation the scheduler drafts from it first.
 The model verifies every draft, so the output is what it would have been without one: a
 good prediction only makes it come sooner.
 

@@ -241,12 +241,10 @@ class SpecDecoder:
 
     def propose(self, req: Request, k: int) -> tuple[list[int], int]:
         """(draft tokens, slots) for `k` wanted drafts: n-gram drafts come as tokens (maybe
-        fewer), from the request's predicted output first (scheduler/prediction.py); the
-        draft model gets k slots to fill."""
+        fewer), from the request's predicted output first (scheduler/prediction.py, with
+        the draft model too); the draft model gets k slots to fill; Medusa a tree."""
         if self.tree:
             return [], tree_size(k)
-        if self.in_executor:
-            return [], k
         track = req.prediction
         if track is not None:
             c = self.config
@@ -254,8 +252,10 @@ class SpecDecoder:
                 req.token_ids, req.prompt_len, k, c.prompt_lookup_min, c.prompt_lookup_max
             )
             track.drafted = len(drafts)
-            if drafts:
+            if drafts:  # (under the draft model too: it then skips this request's step)
                 return drafts, len(drafts)
+        if self.in_executor:
+            return [], k
         drafts = self.proposer.propose(req, k)
         return drafts, len(drafts)
 

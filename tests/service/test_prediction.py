@@ -1,6 +1,7 @@
 """OpenAI's predicted outputs (`prediction` on a chat completion), through the official
 client: the answer is the one without a prediction (the model verifies every drafted
-token), a server speculating with n-gram drafts takes them from the prediction first, and
+token), a server speculating with n-gram drafts or a draft model takes them from the
+prediction first, and
 usage counts the drafts kept and refused (`accepted_prediction_tokens`,
 `rejected_prediction_tokens`)."""
 
@@ -10,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from service.engine_setup import default_model_dir
+from service.engine_setup import default_draft_dir, default_model_dir
 from tests.service.live_server import live_server
 
 # The shipped model writes code: it continues an assistant message that opened a class.
@@ -61,9 +62,11 @@ def plain():
         yield s, r.choices[0].message.content, text
 
 
-@pytest.fixture(scope="module")
-def speculating():
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def speculating(request):
+    spec = {"method": request.param, "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+    if request.param == "draft":  # the prediction's drafts first, the draft model's after
+        spec["model"] = str(default_draft_dir())
     kw = {"threads": 1, "num_kv_blocks": 128, "speculative_config": spec}
     with live_server(str(default_model_dir()), served_model_name="pair", engine_kwargs=kw) as s:
         # Every decode step speculates: the cost policy picks by this machine's timing.
