@@ -127,3 +127,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rel = path.relative_to(_ROOT).as_posix() if path.is_relative_to(_ROOT) else ""
         if not rel or rel.startswith(_ALONE) or not rel.startswith(_SHARED):
             item.add_marker(pytest.mark.alone)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (`pytest.mark.usefixtures("one_torch_thread")`):
+    thousands of tiny tensor ops, or HF's generate() beside a server on a loaded 2-core
+    machine, where a second spinning OpenMP thread only adds contention (an order of
+    magnitude slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

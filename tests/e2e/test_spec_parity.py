@@ -47,14 +47,7 @@ def draft_dir(name: str) -> str:
 _hf: dict[str, object] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: on a loaded 2-core machine two spinning OpenMP threads per
-    process make HF's generate() an order of magnitude slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model(path: str):

@@ -31,12 +31,7 @@ CHI2_5_P1E3 = 20.52  # chi-square, 5 degrees of freedom: a right rule exceeds it
 CHI2_5_P1E6 = 35.89  # a wrong one stays below it 1 in 1,000,000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------- checkpoint layout

@@ -23,13 +23,7 @@ K = 2
 N = 3000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Thousands of tiny tensor ops: a second spinning OpenMP thread only adds contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _dist(seed: int, sharp: float = 1.5) -> torch.Tensor:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 import websockets
 
 from modelkit.make_model import cache_root
@@ -24,15 +23,8 @@ from service.llm import LLM
 from tests.service.live_server import live_server
 from tests.service.test_spec_serving import PROMPT, TIE_MARGIN
 
-pytestmark = pytest.mark.slow  # training the heads takes a minute or two on 2 cores
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# (training the heads takes a minute or two on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
 
 from service.engine_setup import default_draft_dir, default_model_dir
 from tests.service.live_server import live_server
@@ -26,12 +25,7 @@ MAX_TOKENS = 48
 TIE_MARGIN = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _client(s) -> openai.OpenAI:

@@ -10,7 +10,6 @@ import urllib.request
 
 import openai
 import pytest
-import torch
 import websockets
 
 from scheduler.sampling_params import SamplingParams
@@ -25,12 +24,7 @@ PROMPT = (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def spec(method: str) -> dict:
