@@ -8,7 +8,8 @@ without one it is not).  With origins allowed, the answers are Starlette's: a pr
 (OPTIONS with Access-Control-Request-Method) is answered before authentication (browsers
 send no Authorization on one) and refused with 400 when its origin, method or headers are
 not allowed; every other response to an allowed origin carries Access-Control-Allow-Origin,
-set as its headers are sent, so streamed responses (SSE) carry it too.
+set as its headers are sent, so streamed responses (SSE) carry it too, and exposes
+X-Request-Id and Retry-After to the page (Starlette's default exposes none).
 
 Written here rather than with aiohttp-cors: that library answers preflights from an
 OPTIONS handler on every registered route, behind the app's middlewares, where the API-key
@@ -26,6 +27,9 @@ ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 # Headers a browser may always send without asking (the CORS-safelisted ones).
 SAFELISTED_HEADERS = frozenset({"accept", "accept-language", "content-language", "content-type"})
 PREFLIGHT_MAX_AGE = "600"
+# Response headers of this server a page may read besides the safelisted ones: the
+# request's id (to quote it, or to resume its stream) and how long to back off.
+EXPOSED_HEADERS = "X-Request-Id, Retry-After"
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class CorsPolicy:
         if origin is None or not self.allowed(origin):
             return
         response.headers["Access-Control-Allow-Origin"] = self.allow_origin(origin)
+        response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
         if self.credentials:
             response.headers["Access-Control-Allow-Credentials"] = "true"
         if not (self.any_origin and not self.credentials):

@@ -36,7 +36,7 @@ window.callApi = async ([url, key]) => {
       if (done) break;
       text += dec.decode(value);
     }
-    return {ok: true, status: r.status, text};
+    return {ok: true, status: r.status, text, requestId: r.headers.get("X-Request-Id")};
   } catch (e) {
     return {ok: false, error: String(e)};
   }
@@ -83,6 +83,8 @@ def test_a_page_on_an_allowed_origin_reads_the_stream_and_others_cannot(tmp_path
             got = page.evaluate("callApi", [api.url, KEY])
             assert got["ok"] and got["status"] == 200, got
             assert '"chat.completion.chunk"' in got["text"] and "[DONE]" in got["text"]
+            # The exposed header is readable by the page (the chunks' id carries it).
+            assert got["requestId"] and f"chatcmpl-{got['requestId']}" in got["text"], got
             # The same page from 127.0.0.1 is another origin: the browser refuses to let
             # it read the answer (the preflight is refused, so nothing is generated).
             page.goto(f"http://127.0.0.1:{page_port}/")

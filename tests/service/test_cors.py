@@ -75,6 +75,9 @@ def test_a_streamed_answer_to_an_allowed_origin_carries_the_header(server) -> No
     )
     assert status == 200 and raw.rstrip().endswith(b"data: [DONE]")
     assert h["Access-Control-Allow-Origin"] == ALLOWED
+    # The page may read the request's id (to quote it, or resume the stream).
+    lower = {k.lower(): v for k, v in h.items()}
+    assert lower["x-request-id"] and "X-Request-Id" in h["Access-Control-Expose-Headers"]
     # Another origin's call is served (the key decides that) but not readable by its page.
     status, h, _ = _run(
         _call(server.url, "POST", "/v1/completions", auth | {"Origin": "https://evil.example"},
