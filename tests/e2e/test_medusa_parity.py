@@ -23,14 +23,13 @@ from tests.e2e.test_spec_parity import (
     CONFIGS,
     check,
     force_speculation,
-    one_thread,
     target_dir,
     workload,
 )
 
 pytest.importorskip("transformers")
 
-__all__ = ["one_thread"]  # (the module-scoped one-thread fixture applies here too)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 _heads: dict[str, str] = {}
 
