@@ -233,6 +233,12 @@ async def test_engine_process_death_fails_streams_and_health(model, how):
             why = "injected"
         ends = await asyncio.wait_for(streams, 30)
         assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
+        # The child fails its requests' streams first, then says it stopped: on a loaded
+        # machine that notice may trail the streams' ends by a moment.
+        deadline = time.monotonic() + 10
+        while srv.engine.dead is None:
+            assert time.monotonic() < deadline, "the engine's death was never reported"
+            await asyncio.sleep(0.02)
         for path in ("/health", "/live"):
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(srv.url + path, timeout=5)
