@@ -371,8 +371,10 @@ def encode_entry(item: Stored, linked: bool = True) -> tuple[bytes, bytes]:
     return head, _ENCODER.encode(own)
 
 
-# A relayed stream (service/stream_relay.py): its key, and the entries one read takes.
+# A relayed stream (service/stream_relay.py): its key, the entries one read takes, and
+# the field an event (not the end or a lost mark) is stored under.
 RELAY_BATCH = 512
+RELAY_EVENT = b"d"
 
 
 def relay_key(ns: str, tenant: str, rid: str) -> str:
@@ -527,8 +529,8 @@ class RedisResponseStore:
         return out
 
     async def relay_last(self, tenant: str | None, rid: str) -> int | None:
-        """The newest position of a relayed stream (its end's counts one past the last
-        event), or None when there is none."""
+        """The position of a relayed stream's newest event (not of its end or lost mark),
+        or None when there is no such stream."""
         import redis
 
         key = relay_key(self.ns, _tenant(tenant), rid)
@@ -538,7 +540,9 @@ class RedisResponseStore:
             raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
         if not got:
             return None
-        return int(got[0][0].split(b"-")[1])
+        eid, fields = got[0]
+        seq = int(eid.split(b"-")[1])
+        return seq if RELAY_EVENT in fields else seq - 1
 
     async def close(self) -> None:
         await self.client.aclose()

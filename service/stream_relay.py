@@ -23,7 +23,7 @@ import contextlib
 import logging
 from typing import Any
 
-from service.response_store import StoreUnavailable
+from service.response_store import RELAY_EVENT, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ BLOCK_MS = 1000  # one XREAD's wait (below the client's 2 s socket timeout)
 # Relayed streams one replica follows at once (each holds a store connection meanwhile).
 MAX_RELAY_READERS = 256
 
-DATA, END, LOST = b"d", b"end", b"lost"
+DATA, END, LOST = RELAY_EVENT, b"end", b"lost"
 
 
 class EventRelay:

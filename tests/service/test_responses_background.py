@@ -295,8 +295,10 @@ def test_a_background_stream_resumes_on_another_replica(servers):
     assert text_of(whole) == final.output_text
     with pytest.raises(openai.NotFoundError):
         list(make_client(b, KEYS[1]).responses.retrieve(rid, stream=True))
-    code, reply = get(b, f"/v1/responses/{rid}?stream=true&starting_after=99999")
-    assert code == 400 and reply["error"]["param"] == "starting_after", reply
+    last = whole[-1].sequence_number
+    for n in (last + 1, 99999):  # past the last event, as a local resume answers
+        code, reply = get(b, f"/v1/responses/{rid}?stream=true&starting_after={n}")
+        assert code == 400 and reply["error"]["param"] == "starting_after", reply
     code, reply = get(b, "/v1/responses/resp_nope?stream=true")
     assert code == 404 and reply["error"]["param"] == "response_id", reply
 
