@@ -201,8 +201,10 @@ class Pooler:
         wrong embeddings, so it is refused instead."""
         modules = _read_json(model_dir / "modules.json")
         for m in modules if isinstance(modules, list) else ():
-            kind = str(m.get("type", "")).rsplit(".", 1)[-1] if isinstance(m, dict) else ""
-            where = model_dir / str(m.get("path", "")) if isinstance(m, dict) else model_dir
+            if not isinstance(m, dict):
+                raise ValueError(f"modules.json: an entry is not an object: {m!r:.80}")
+            kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+            where = model_dir / str(m.get("path", ""))
             if kind == "Transformer" or kind in _PASSIVE_MODULES:
                 continue
             if kind == "Pooling":

@@ -211,6 +211,8 @@ def test_older_pooling_files_and_refusals(tmp_path):
     odd = _st_dir(tmp_path, ["sentence_transformers.models.Transformer",
                              "sentence_transformers.models.WeightedLayerPooling"])  # fmt: skip
     assert "WeightedLayerPooling" in (Pooler(odd).unsupported or "")
+    (odd / "modules.json").write_text('["not an object"]')
+    assert "not an object" in (Pooler(odd).unsupported or "")
 
 
 def test_a_checkpoint_this_server_cannot_pool_is_refused_by_name(tmp_path):
