@@ -26,7 +26,8 @@ class PoolRows:
 
 
 class RunningPool:
-    """A request's pools so far, in float32 (sentence-transformers' modes)."""
+    """A request's pools so far, in float32 (sentence-transformers' modes): only what its
+    modes read is kept."""
 
     def __init__(self, modes: tuple[str, ...]) -> None:
         self.modes = modes
@@ -47,24 +48,28 @@ class RunningPool:
             self._reset()
         h = h.float()
         n = h.shape[0]
-        if start == 0:
+        modes = self.modes
+        if start == 0 and "cls" in modes:
             self.first = h[0].clone()
-        total = h.sum(0)
-        self.total = total if self.total is None else self.total + total
-        peak = h.amax(0)
-        self.peak = peak if self.peak is None else torch.maximum(self.peak, peak)
-        if "weightedmean" in self.modes:
+        if "mean" in modes or "mean_sqrt_len" in modes:
+            total = h.sum(0)
+            self.total = total if self.total is None else self.total + total
+        if "max" in modes:
+            peak = h.amax(0)
+            self.peak = peak if self.peak is None else torch.maximum(self.peak, peak)
+        if "weightedmean" in modes:
             # sentence-transformers weighs position p by p + 1.
             w = torch.arange(start + 1, start + n + 1, device=h.device, dtype=h.dtype)
             part = (w.unsqueeze(1) * h).sum(0)
             self.weighted = part if self.weighted is None else self.weighted + part
             self.weights += float((start + 1 + start + n) * n / 2)
-        self.last = h[-1].clone()
+        if "last" in modes:
+            self.last = h[-1].clone()
         self.count = start + n
 
     def vector(self) -> torch.Tensor:
         """[H * len(modes)]: each mode's vector, concatenated in `modes` order."""
-        assert self.total is not None and self.count > 0, "pooled before any row was fed"
+        assert self.count > 0, "pooled before any row was fed"
         parts = []
         for mode in self.modes:
             if mode == "cls":

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -408,14 +409,21 @@ class RedisResponseStore:
     def enabled(self) -> bool:
         return self.max_responses > 0
 
-    async def _call(self, op: str, script: Any, *args: Any) -> Any:
+    @contextlib.contextmanager
+    def _answering(self, op: str | None = None) -> Iterator[None]:
+        """Redis not answering, as StoreUnavailable (counted under `op`)."""
         import redis
 
         try:
-            return await script(args=[self.ns, *args])
+            yield
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            self.errors[op] += 1
+            if op is not None:
+                self.errors[op] += 1
             raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
+
+    async def _call(self, op: str, script: Any, *args: Any) -> Any:
+        with self._answering(op):
+            return await script(args=[self.ns, *args])
 
     async def get(self, tenant: str | None, rid: str) -> Stored | None:
         got = await self._call("get", self._get, _tenant(tenant), rid)
@@ -498,9 +506,8 @@ class RedisResponseStore:
             pipe.xadd(key, {kind: data}, id=f"0-{seq}")
         pipe.pexpire(key, max(1, int(ttl * 1000)))
         try:
-            await pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
+            with self._answering():
+                await pipe.execute()
         except redis.ResponseError as e:  # an id out of order: a relay restarted over it
             raise StoreUnavailable(f"the relayed stream refused an event: {e}") from e
 
@@ -509,17 +516,13 @@ class RedisResponseStore:
     ) -> list[tuple[int, bytes, bytes]] | None:
         """A relayed stream's entries after position `after` (waiting up to `block_ms`
         for one), or None when the stream is not (or no longer) there."""
-        import redis
-
         key = relay_key(self.ns, _tenant(tenant), rid)
-        try:
+        with self._answering():
             got = await self.client.xread(
                 {key: f"0-{after}"}, count=RELAY_BATCH, block=block_ms or None
             )
             if not got and not await self.client.exists(key):
                 return None
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
         out = []
         for _key, entries in got or ():
             for eid, fields in entries:
@@ -531,13 +534,9 @@ class RedisResponseStore:
     async def relay_last(self, tenant: str | None, rid: str) -> int | None:
         """The position of a relayed stream's newest event (not of its end or lost mark),
         or None when there is no such stream."""
-        import redis
-
         key = relay_key(self.ns, _tenant(tenant), rid)
-        try:
+        with self._answering():
             got = await self.client.xrevrange(key, count=1)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            raise StoreUnavailable(f"the response store (Redis) did not answer: {e}") from e
         if not got:
             return None
         eid, fields = got[0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from service.response_store import RELAY_EVENT, StoreUnavailable
@@ -47,7 +48,7 @@ class EventRelay:
         rid: str,
         cap: int,
         grace: float,
-        kept: list[tuple[int, bytes]] = (),  # type: ignore[assignment]
+        kept: Sequence[tuple[int, bytes]] = (),
     ) -> None:
         """`kept`: the log's events so far, relayed first (their positions go on)."""
         self.store, self.tenant, self.rid = store, tenant, rid

@@ -126,6 +126,37 @@ class SocketLog:
         ]
 
 
+# ---------------------------------------------------------------- the chat page
+def wait_connected(page: Any) -> None:
+    from playwright.sync_api import expect
+
+    expect(page.locator("#status")).to_have_attribute("data-state", "open")
+    expect(page.locator("#send")).to_be_enabled()
+
+
+def settings(page: Any, *, max_tokens: int, seed: int | None = 1, ignore_eos: bool = True) -> None:
+    """The chat page's advanced settings.  A fixed seed and ignore_eos make the
+    random-weight model's reply length predictable."""
+    if not page.eval_on_selector("#advanced", "d => d.open"):
+        page.click("#advanced summary")
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#seed", "" if seed is None else str(seed))
+    page.set_checked("#ignore-eos", ignore_eos)
+
+
+def ask(page: Any, text: str, finish: str = "length") -> Any:
+    """Send `text` as the conversation's first message; the reply's bubble once it ended
+    with `finish`, its text non-empty."""
+    from playwright.sync_api import expect
+
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+    reply = page.locator(".msg.assistant").nth(0)
+    expect(reply).to_have_attribute("data-finish", finish)
+    assert reply.locator(".text").text_content()
+    return reply
+
+
 def wait_until(page: Any, cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
     """Poll `cond` while letting playwright deliver events (frame logs fill in between)."""
     deadline = time.monotonic() + timeout

@@ -17,6 +17,8 @@ from tests.e2e.browser import (
     chromium_context,
     chromium_path,
     record_chats,
+    settings,
+    wait_connected,
     wait_until,
 )
 from tests.service.live_server import LiveServer, free_port, live_server
@@ -50,22 +52,6 @@ def open_chat(context: Any, url: str) -> tuple[Any, SocketLog]:
     sockets = SocketLog(page)  # before goto, so the first socket is seen
     page.goto(url + "/")
     return page, sockets
-
-
-def wait_connected(page: Any) -> None:
-    from playwright.sync_api import expect
-
-    expect(page.locator("#status")).to_have_attribute("data-state", "open")
-    expect(page.locator("#send")).to_be_enabled()
-
-
-def settings(page: Any, *, max_tokens: int, seed: int | None = 1, ignore_eos: bool = True) -> None:
-    # A fixed seed and ignore_eos make the random-weight model's reply length predictable.
-    if not page.eval_on_selector("#advanced", "d => d.open"):
-        page.click("#advanced summary")
-    page.fill("#max-tokens", str(max_tokens))
-    page.fill("#seed", "" if seed is None else str(seed))
-    page.set_checked("#ignore-eos", ignore_eos)
 
 
 def test_streams_reply_and_keeps_history(server: LiveServer, context: Any) -> None:

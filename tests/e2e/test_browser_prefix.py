@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoints import tiny_checkpoint
-from tests.e2e.browser import chromium_context, chromium_path
+from tests.e2e.browser import ask, chromium_context, chromium_path, settings
 from tests.service.live_server import free_port, live_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
@@ -103,13 +103,6 @@ def test_the_chat_page_works_under_a_path_prefix(tmp_path: Path) -> None:
         assert sockets and all("/llm/v1/ws" in u for u in sockets), sockets
         # The model list came through the prefix too (the page names the model).
         expect(page.locator("#model")).not_to_be_empty()
-        if not page.eval_on_selector("#advanced", "d => d.open"):
-            page.click("#advanced summary")
-        page.fill("#max-tokens", "8")
-        page.set_checked("#ignore-eos", True)
-        page.fill("#input", "Hello there")
-        page.press("#input", "Enter")
-        reply = page.locator(".msg.assistant").nth(0)
-        expect(reply).to_have_attribute("data-finish", "length")
-        assert reply.locator(".text").text_content()
+        settings(page, max_tokens=8, seed=None)
+        ask(page, "Hello there")
         server.wait_kv_free()

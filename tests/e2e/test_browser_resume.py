@@ -21,8 +21,14 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.checkpoints import tiny_checkpoint
-from tests.e2e.browser import SocketLog, chromium_context, chromium_path, wait_until
-from tests.e2e.test_browser import settings, wait_connected
+from tests.e2e.browser import (
+    SocketLog,
+    chromium_context,
+    chromium_path,
+    settings,
+    wait_connected,
+    wait_until,
+)
 from tests.service.live_server import LiveServer, free_port, live_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]

@@ -90,7 +90,7 @@ def test_chat_page_through_the_balancer(fleet: Fleet, tmp_path) -> None:
     Host with its port), the key travels as ?api_key= and reaches no log."""
     from playwright.sync_api import expect
 
-    from tests.e2e.browser import SocketLog, chromium_context, chromium_path
+    from tests.e2e.browser import SocketLog, ask, chromium_context, chromium_path, settings
 
     chromium_path()
     key = fleet.api_keys[1]
@@ -101,15 +101,8 @@ def test_chat_page_through_the_balancer(fleet: Fleet, tmp_path) -> None:
         page.fill("#api-key", key)
         page.dispatch_event("#api-key", "change")
         expect(page.locator("#status")).to_have_attribute("data-state", "open")
-        if not page.eval_on_selector("#advanced", "d => d.open"):
-            page.click("#advanced summary")
-        page.fill("#max-tokens", "12")
-        page.set_checked("#ignore-eos", True)
-        page.fill("#input", "Hello through the balancer")
-        page.press("#input", "Enter")
-        reply = page.locator(".msg.assistant").nth(0)
-        expect(reply).to_have_attribute("data-finish", "length")
-        assert reply.locator(".text").text_content()
+        settings(page, max_tokens=12, seed=None)
+        ask(page, "Hello through the balancer")
         assert any(f"api_key={key}" in u for u in sockets.urls)
         page.close()
     logs = fleet.nginx_log.read_text()
