@@ -22,8 +22,12 @@ class JsonSchemaFormat(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ResponseFormat(Struct, forbid_unknown_fields=True, kw_only=True):
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    # "json" and "regex", and `value` on them and on "json_object", are TGI's forms, which
+    # huggingface_hub's InferenceClient sends (it turns OpenAI's json_schema into
+    # {"type": "json_object", "value": schema}).
+    type: Literal["text", "json_object", "json_schema", "structural_tag", "json", "regex"]
     json_schema: JsonSchemaFormat | None = None
+    value: dict[str, Any] | str | None = None
 
 
 class StructuredOutputsRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -82,7 +86,11 @@ def _spec(field: str, **kw: Any) -> Spec:
 
 
 def _from_response_format(fmt: ResponseFormat | None) -> list[Spec]:
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
+        return []
+    if fmt.value is not None or fmt.type in ("json", "regex"):
+        return [_from_tgi_format(fmt)]
+    if fmt.type == "text":
         return []
     if fmt.type == "json_object":
         return [_spec("response_format", json_object=True)]
@@ -93,6 +101,21 @@ def _from_response_format(fmt: ResponseFormat | None) -> list[Spec]:
         raise BadRequest("response_format json_schema needs json_schema.schema", field)
     schema = _schema_text(fmt.json_schema.schema, field)
     return [_spec(field, json=schema, strict=bool(fmt.json_schema.strict))]
+
+
+def _from_tgi_format(fmt: ResponseFormat) -> Spec:
+    """TGI's response_format: {"type": "json" | "json_object", "value": a JSON schema} or
+    {"type": "regex", "value": a pattern}."""
+    field = "response_format.value"
+    if fmt.value is None:
+        raise BadRequest(f"response_format type {fmt.type!r} needs a value", field)
+    if fmt.type == "regex":
+        if not isinstance(fmt.value, str):
+            raise BadRequest("a regex response_format's value must be a pattern", field)
+        return _spec(field, regex=fmt.value)
+    if fmt.type not in ("json", "json_object"):
+        raise BadRequest(f"response_format type {fmt.type!r} takes no value", field)
+    return _spec(field, json=_schema_text(fmt.value, field))
 
 
 def _from_structured_outputs(so: StructuredOutputsRequest | None) -> list[Spec]:

@@ -5,6 +5,7 @@ valid result here is the grammar's doing."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import jsonschema
@@ -123,6 +124,22 @@ def test_json_schema_streaming(client):
             finish = c.finish_reason or finish
     assert finish == "stop" and len(pieces) > 3  # streamed token by token, not at the end
     jsonschema.validate(json.loads("".join(pieces)), WEATHER)
+
+
+@pytest.mark.parametrize("kind", ["json", "json_object"])
+def test_tgi_response_formats(client, kind):
+    """TGI's forms, which huggingface_hub's InferenceClient sends: a schema as `value` of
+    "json" (or of "json_object", its translation of OpenAI's json_schema), a regex."""
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=200, temperature=1.0, seed=3,
+        extra_body={"response_format": {"type": kind, "value": WEATHER}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=20, temperature=1.0,
+        extra_body={"response_format": {"type": "regex", "value": r"[A-Z]{3}-\d{2}"}},
+    )  # fmt: skip
+    assert re.fullmatch(r"[A-Z]{3}-\d{2}", r.choices[0].message.content)
 
 
 def test_json_object_and_completions_endpoint(client):
@@ -282,6 +299,10 @@ def test_auto_without_parser_is_refused(model):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name", "not among"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"response_format": {"type": "regex"}}, "response_format.value", "needs a value"),
+        ({"response_format": {"type": "regex", "value": {"a": 1}}}, "response_format.value", "pattern"),
+        ({"response_format": {"type": "text", "value": "a"}}, "response_format.value", "takes no value"),
+        ({"response_format": {"type": "json", "value": "{not json"}}, "response_format.value", "not valid JSON"),
     ],
 )  # fmt: skip
 def test_structured_errors_name_the_field(server, body, param, words):
