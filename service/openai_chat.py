@@ -37,6 +37,7 @@ from service.tool_calls import (
     template_tools,
     tool_mode,
 )
+from service.truncation import check_mode, output_room
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,15 +131,22 @@ class ChatServing(ServingBase):
         """The prompt's token ids: the messages (and tools) through the chat template, in
         the sandboxed render pool."""
         template, template_field, kwargs = req.template_request()
+        messages = [m.as_template_dict() for m in req.messages]
+        render: dict[str, Any] = {
+            "add_generation_prompt": req.add_generation_prompt,
+            "chat_template": template,
+            "template_param": template_field,
+            "kwargs": kwargs,
+            "tools": template_tools(req) if req.tools else None,
+            "continue_final_message": req.continue_final_message,
+        }
+        if check_mode(req.truncation, req.truncate_prompt_tokens):
+            limit = req.max_completion_tokens or req.max_tokens
+            room = output_room(limit, self.defaults.cap(None), self.engine.max_model_len)
+            ids, _ = await self.prep.chat_ids_auto(messages, room, **render)
+            return ids  # type: ignore[no-any-return]
         return await self.prep.chat_ids(  # type: ignore[no-any-return]
-            [m.as_template_dict() for m in req.messages],
-            add_generation_prompt=req.add_generation_prompt,
-            chat_template=template,
-            template_param=template_field,
-            kwargs=kwargs,
-            tools=template_tools(req) if req.tools else None,
-            truncate=req.truncation(self.engine.max_model_len),
-            continue_final_message=req.continue_final_message,
+            messages, truncate=req.keep_last(self.engine.max_model_len), **render
         )
 
     async def start_chat(

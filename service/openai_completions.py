@@ -111,7 +111,7 @@ class CompletionServing(ServingBase):
         self.limits.check_sampling(params, prompts=len(raw))
         self.prep.check_vocab_ids(params)
         params = await self.prep.with_bad_words(params)
-        truncate = req.truncation(self.engine.max_model_len)
+        truncate = req.keep_last(self.engine.max_model_len)
         if req.suffix:
             prompts = await self._fim_prompts(raw, req.suffix)
         else:

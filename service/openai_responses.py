@@ -465,7 +465,7 @@ class _Turn:
             "tools": tools,
             "top_logprobs": req.top_logprobs,
             "top_p": 1.0 if req.top_p is None else req.top_p,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "usage": None
             if status in ("queued", "in_progress")
             else {

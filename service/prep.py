@@ -34,6 +34,7 @@ from service.tokenize_pool import (
     TokenizeTimeout,
     utf8_len,
 )
+from service.truncation import PromptTooLong, truncated_ids
 
 
 class Preprocessor:
@@ -117,6 +118,26 @@ class Preprocessor:
             [text], add_special_tokens=False, param=param, bounded=truncate is None
         )
         return ids[-truncate:] if truncate else ids
+
+    async def chat_ids_auto(
+        self, messages: list[dict[str, Any]], room: int, param: str = "messages", **render: Any
+    ) -> tuple[list[int], int]:
+        """chat_ids under `truncation: "auto"` (service/truncation.py): the oldest turns
+        dropped until the prompt leaves `room` tokens of max_model_len; also how many
+        messages went."""
+
+        async def measure(texts: list[str]) -> list[int]:
+            ids = await self.encode(texts, add_special_tokens=False, param=param, bounded=False)
+            return [len(x) for x in ids]
+
+        return await truncated_ids(
+            messages,
+            lambda keep: self.chat_ids(keep, param=param, **render),
+            measure,
+            self.engine.max_model_len,
+            room,
+            self.max_prompt_bytes,
+        )
 
     async def prompt_ids(
         self,
@@ -220,7 +241,7 @@ class Preprocessor:
         size = len(text) if len(text) > bound else utf8_len(text)
         if size > bound:
             per_token = self.engine.tokenizer.max_bytes_per_token
-            raise BadRequest(
+            raise PromptTooLong(
                 f"the prompt is {'over ' if size == len(text) else ''}{size} bytes of text; "
                 f"a token of this model's tokenizer stands for at most {per_token} bytes, so "
                 f"it has more than max_model_len ({self.engine.max_model_len}) tokens",

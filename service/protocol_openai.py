@@ -187,7 +187,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
         )
 
-    def truncation(self, max_model_len: int) -> int | None:
+    def keep_last(self, max_model_len: int) -> int | None:
         """How many of the prompt's last tokens to keep (None: all), or a 400."""
         return truncation(self.truncate_prompt_tokens, max_model_len)
 
@@ -297,6 +297,9 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True)
     thinking_token_budget: NonNegInt | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI Responses' `truncation`, here on chat too: "auto" drops the oldest turns of a
+    # conversation that does not fit, half a window at a time (service/truncation.py).
+    truncation: Literal["disabled", "auto"] | None = None
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False

@@ -175,6 +175,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # accepted: prefixes are cached whatever the key
     service_tier: str | None = None
+    # "auto": the oldest turns go when the conversation does not fit (service/truncation.py)
     truncation: Literal["disabled", "auto"] | None = None
     # vLLM's sampling extensions, as its Responses route takes them.
     top_k: Annotated[int, Meta(ge=-1)] | None = None
@@ -203,11 +204,6 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest("max_tool_calls is not supported by this server", "max_tool_calls")
         if self.service_tier not in (None, "auto", "default"):
             raise BadRequest("service_tier is not supported by this server", "service_tier")
-        if self.truncation == "auto":
-            raise BadRequest(
-                'truncation "auto" is not supported by this server (only "disabled")',
-                "truncation",
-            )
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
         for i, inc in enumerate(self.include or ()):
@@ -328,6 +324,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             cache_salt=self.cache_salt,
             priority=self.priority,
             conversation_id=self.conversation_id,
+            truncation=self.truncation,
             user=self.user,
             reasoning_effort=self.reasoning.effort if self.reasoning else None,
         )

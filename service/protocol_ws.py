@@ -4,7 +4,7 @@ field, which the session answers with an `error` frame."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -87,6 +87,9 @@ class WSGenerate(
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     # The served model (unchecked when absent) or a LoRA adapter of --lora-modules
     model: Annotated[str, Meta(max_length=256)] | None = None
+    # "auto": a conversation too long for the window loses its oldest turns, half a window
+    # at a time (service/truncation.py), as chat's and the Responses API's `truncation`
+    truncation: Literal["disabled", "auto"] | None = None
 
 
 class WSCancel(Struct, forbid_unknown_fields=True, tag="cancel", tag_field="type", kw_only=True):

@@ -41,6 +41,7 @@ from service.resume import StreamLog, resume_ws, ws_detach, ws_log
 from service.security import check_origin
 from service.state import STATE, ServerState
 from service.structured import GrammarError
+from service.truncation import output_room
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +266,9 @@ class WSSession:
                 await self._stream(frame, ids, params, stream, thinking)
             except BadRequest as e:
                 self.error(gid, e.status, e.message, e.param, stream)
-            except RequestRejected as e:
-                self.error(gid, 400, str(e), "prompt", stream)
+            except RequestRejected as e:  # (too long for the window, say)
+                where = "messages" if frame.messages is not None else "prompt"
+                self.error(gid, 400, str(e), where, stream)
             except EngineOverloaded as e:
                 if self.state.metrics is not None:
                     self.state.metrics.on_rejected("overloaded")
@@ -324,9 +326,17 @@ class WSSession:
             raise BadRequest(str(e), spec[1] if spec else None) from e
         if (frame.messages is None) == (frame.prompt is None):
             raise BadRequest("give exactly one of messages or prompt", "messages")
+        if frame.truncation == "auto" and frame.messages is None:
+            raise BadRequest('truncation "auto" drops turns: it takes messages', "truncation")
         if frame.messages is not None:
             check_messages(frame.messages)
-            ids = await prep.chat_ids([m.as_template_dict() for m in frame.messages])
+            messages = [m.as_template_dict() for m in frame.messages]
+            if frame.truncation == "auto":
+                cap = serving.defaults.cap(frame.params.max_tokens)
+                room = output_room(cap, None, engine.max_model_len)
+                ids, _ = await prep.chat_ids_auto(messages, room)
+            else:
+                ids = await prep.chat_ids(messages)
         else:
             (ids,) = await prep.prompt_ids([frame.prompt])  # type: ignore[list-item]
         thinking = serving.thinking(ids) if frame.messages is not None else None

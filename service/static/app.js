@@ -1,6 +1,6 @@
 // pagestream chat page: one WebSocket to /v1/ws, one generation at a time.
 //
-// The protocol (see service/ws.py): we send `generate` {id, messages, params} and
+// The protocol (see service/ws.py): we send `generate` {id, messages, params, truncation} and
 // `cancel` {id}; the server answers with `delta` {id, text, token_ids, reasoning?}
 // frames, then one `done` {id, finish_reason, usage} (finish_reason "abort" after a cancel) or an `error`.
 // With resumable streams each of those frames has a `seq` and deltas a `resume` token:
@@ -307,7 +307,11 @@
       resuming: false,
       resumeTimer: null,
     };
-    ws.send(JSON.stringify({ type: "generate", id: current.id, messages, params: readParams() }));
+    // truncation "auto": a chat longer than the model's window loses its oldest turns on
+    // the server (the system prompt kept) instead of failing (docs/CONVERSATIONS.md).
+    ws.send(JSON.stringify({
+      type: "generate", id: current.id, messages, params: readParams(), truncation: "auto",
+    }));
     els.input.value = "";
     updateButtons();
   }

@@ -241,6 +241,33 @@ def test_api_key_and_inline_errors(model: str, context: Any) -> None:
         page.close()  # before the server goes, so its socket closes cleanly
 
 
+def test_a_chat_longer_than_the_window_goes_on(model: str, context: Any) -> None:
+    """The page asks for truncation "auto": past max_model_len the oldest turns are left
+    out (the system prompt stays) and every reply still comes."""
+    from playwright.sync_api import expect
+
+    with live_server(model, engine_kwargs={"max_model_len": 160}) as server:
+        page, sockets = open_chat(context, server.url)
+        wait_connected(page)
+        settings(page, max_tokens=12)
+        with record_chats(server.state.prep) as seen:
+            for i in range(7):
+                page.fill("#input", f"Message {i}: " + "tell me more about the quiet river " * 2)
+                page.press("#input", "Enter")
+                reply = page.locator(".msg.assistant").nth(i)
+                expect(reply).to_have_attribute("data-finish", "length")
+        assert all(f.get("truncation") == "auto" for f in sockets.sent_of("generate"))
+        sent = sockets.sent_of("generate")[-1]["messages"]
+        assert len(sent) == 1 + 2 * 6 + 1  # the page sends the whole chat
+        done = sockets.received_of("done", sockets.sent_of("generate")[-1]["id"])[0]
+        assert done["usage"]["prompt_tokens"] + 12 <= 160
+        # every prompt the server rendered kept the system prompt, and the first turns
+        # were left out of the last ones
+        assert all(m[0]["role"] == "system" for m in seen)
+        assert not any("Message 0" in m[1]["content"] for m in seen[-3:])
+        page.close()
+
+
 def test_reconnects_after_server_restart(model: str, context: Any) -> None:
     from playwright.sync_api import expect
 

@@ -954,6 +954,7 @@ HOSTILE_CHAT = {
         st.sampled_from(["chat_template", "x"]), text | deep, min_size=1, max_size=2
     ),
     "service_tier": st.just("flex"),
+    "truncation": st.sampled_from(["auto", "x", 1]),
     "top_logprobs": st.sampled_from([21, 5]),  # too many, or without logprobs
     "tool_choice": st.sampled_from(["auto", "bogus", {"type": "function", "function": {}}])
     | st.builds(lambda n: {"type": "function", "function": {"name": n}}, names),

@@ -430,7 +430,7 @@ def test_store_get_delete_and_keys(server, client):
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "hi", "background": True, "store": False}, "background"),
         ({"input": "hi", "include": ["file_search_call.results"]}, "include[0]"),
-        ({"input": "hi", "truncation": "auto"}, "truncation"),
+        ({"input": "hi", "truncation": "most"}, "truncation"),
         ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
