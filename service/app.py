@@ -270,6 +270,7 @@ async def _load_engine(app: web.Application, state: ServerState) -> None:
         metrics.watch_streams(state.streams)
         waiting = engine.config.scheduler.max_waiting_requests or 1024
         prep = Preprocessor(engine, state.config.limits, waiting)
+        prep.on_truncated = metrics.on_truncated
         state.prep = prep  # before the first await: cleanup must find it
         await prep.start()
         await engine.start()

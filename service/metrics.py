@@ -258,6 +258,17 @@ class Metrics:
                 counter.inc(value - last)
                 self._last_extra[key] = value
 
+    def on_truncated(self, messages: int) -> None:
+        """A request under `truncation: "auto"` that left out its oldest messages."""
+        self.counter(
+            "pagestream_truncated_requests",
+            'Requests under truncation "auto" whose conversation did not fit: its oldest '
+            "turns were left out.",
+        ).labels(self.model_name).inc()
+        self.counter(
+            "pagestream_truncated_messages", 'Messages left out by truncation "auto".'
+        ).labels(self.model_name).inc(messages)
+
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         """A further counter (e.g. the Redis tier's), registered once."""
         if name not in self.extra_counters:

@@ -13,7 +13,7 @@ Every failure is a BadRequest naming the field (or EngineOverloaded: busy, retry
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -41,6 +41,8 @@ class Preprocessor:
     def __init__(self, engine: AsyncEngine, limits: Limits, max_queued: int = 1024) -> None:
         self.engine = engine
         self.limits = limits
+        # Told how many messages truncation "auto" left out of a request (the metrics).
+        self.on_truncated: Callable[[int], None] | None = None
         engine.tokenizer.templates.max_output_chars = limits.max_template_output_chars
         self.pool = RenderPool(
             engine.tokenizer.templates,
@@ -130,7 +132,7 @@ class Preprocessor:
             ids = await self.encode(texts, add_special_tokens=False, param=param, bounded=False)
             return [len(x) for x in ids]
 
-        return await truncated_ids(
+        ids, dropped = await truncated_ids(
             messages,
             lambda keep: self.chat_ids(keep, param=param, **render),
             measure,
@@ -138,6 +140,9 @@ class Preprocessor:
             room,
             self.max_prompt_bytes,
         )
+        if dropped and self.on_truncated is not None:
+            self.on_truncated(dropped)
+        return ids, dropped
 
     async def prompt_ids(
         self,

@@ -11,8 +11,10 @@ same text."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import random
+import time
 
 import httpx
 import openai
@@ -230,6 +232,14 @@ def test_a_stored_chain_goes_on_past_the_window_and_keeps_hitting(server, client
     got = httpx.post(server.url + "/v1/responses/input_tokens", json=body).json()
     r = client.responses.create(**body, temperature=0)
     assert got["input_tokens"] == r.usage.input_tokens <= MAX_LEN - MAX_LEN // 4
+    metrics = httpx.get(server.url + "/metrics").text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("pagestream_truncated_")}  # fmt: skip
+    assert counts["pagestream_truncated_requests_total"] >= len(cuts)
+    assert (
+        counts["pagestream_truncated_messages_total"]
+        >= 2 * counts["pagestream_truncated_requests_total"]
+    )
     # without truncation, the same chain no longer fits
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input=_ask(16), instructions=INSTRUCTIONS,
@@ -306,4 +316,29 @@ def test_websocket_generations_take_it(server, client):
     assert done["type"] == "done", done
     want = _chat(client, msgs, extra_body={"truncation": "auto"})
     assert done["text"] == want.choices[0].message.content
+    server.wait_kv_free(10)
+
+
+def test_a_huge_history_is_cut_in_seconds_and_the_loop_stays_free(server):
+    """60,000 one-word messages (near the 4 MiB body cap) under truncation "auto": the
+    search skips parts too big by their bytes, the rest runs off the event loop."""
+    msgs = [{"role": "system", "content": INSTRUCTIONS}]
+    for t in range(30_000):
+        msgs += [user(WORDS[t % 12]), assistant(WORDS[(t + 1) % 12])]
+    body = {"model": "tiny", "messages": [*msgs, user("last")], "max_tokens": 4,
+            "truncation": "auto"}  # fmt: skip
+    worst = 0.0
+    with httpx.Client(timeout=60) as h, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        fut = pool.submit(h.post, server.url + "/v1/chat/completions", json=body)
+        while not fut.done():
+            t = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.monotonic() - t)
+            time.sleep(0.05)
+        r = fut.result()
+        took = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] + 4 <= MAX_LEN
+    assert took < 30 and worst < 1.0, (took, worst)
     server.wait_kv_free(10)
