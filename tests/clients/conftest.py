@@ -15,6 +15,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.reliability.watch import ServeProcess, serve_process
@@ -45,3 +46,17 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     args = ("--dtype", "float32", "--served-model-name", MODEL_NAME, "--tool-call-parser", "hermes")
     with serve_process(str(model_dir), *args, log_dir=tmp_path_factory.mktemp("serve")) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def oai(server: ServeProcess) -> openai.OpenAI:
+    """The official openai client on the server: the oracle the other clients meet."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def greedy_chat(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> str:
+    """The server's greedy answer to `messages`, through the openai client."""
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=max_tokens, temperature=0
+    )
+    return r.choices[0].message.content or ""

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import openai
 import pytest
 from huggingface_hub import InferenceClient, constants
 from huggingface_hub.errors import HfHubHTTPError
 
-from tests.clients.conftest import MODEL_NAME
+from tests.clients.conftest import MODEL_NAME, greedy_chat
 from tests.clients.test_litellm import MSGS, WEATHER
 
 
@@ -35,14 +34,8 @@ def hf(server) -> InferenceClient:
     return InferenceClient(base_url=server.url, api_key="x", timeout=120)
 
 
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
 def _want(oai, n: int) -> str:
-    r = oai.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=n, temperature=0)
-    return r.choices[0].message.content
+    return greedy_chat(oai, MSGS, n)
 
 
 def test_chat_completion_plain_streamed_and_aliased(hf, oai):

@@ -17,10 +17,9 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import litellm
 import numpy as np
-import openai
 import pytest
 
-from tests.clients.conftest import MODEL_NAME
+from tests.clients.conftest import MODEL_NAME, greedy_chat
 
 MSGS = [{"role": "user", "content": "Tell me about the fox."}]
 WEATHER = {
@@ -44,14 +43,8 @@ def kw(server) -> dict:
             "num_retries": 0}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
 def _want(oai, n: int) -> str:
-    r = oai.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=n, temperature=0)
-    return r.choices[0].message.content
+    return greedy_chat(oai, MSGS, n)
 
 
 @pytest.mark.parametrize("provider", ["hosted_vllm", "openai"])

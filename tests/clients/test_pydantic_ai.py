@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 import pytest
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent, NativeOutput
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from tests.clients.conftest import MODEL_NAME
+from tests.clients.conftest import MODEL_NAME, greedy_chat
 
 ASK = "Tell me about the fox."
 
@@ -33,25 +32,21 @@ def model(server) -> OpenAIChatModel:
     return OpenAIChatModel(MODEL_NAME, provider=provider)
 
 
-def _want(server, n: int) -> str:
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    r = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": ASK}], max_tokens=n, temperature=0
-    )
-    return r.choices[0].message.content
+def _want(oai, n: int) -> str:
+    return greedy_chat(oai, [{"role": "user", "content": ASK}], n)
 
 
-def test_text_run_and_stream(model, server):
+def test_text_run_and_stream(model, oai):
     agent = Agent(model, model_settings={"max_tokens": 16, "temperature": 0})
     r = agent.run_sync(ASK)
-    assert r.output == _want(server, 16)
+    assert r.output == _want(oai, 16)
     assert r.usage.output_tokens == 16
 
     async def streamed() -> str:
         async with agent.run_stream(ASK) as s:
             return "".join([d async for d in s.stream_text(delta=True)])
 
-    assert asyncio.run(streamed()) == _want(server, 16)
+    assert asyncio.run(streamed()) == _want(oai, 16)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["tool output", "native output"])
