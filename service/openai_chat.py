@@ -37,7 +37,7 @@ from service.tool_calls import (
     template_tools,
     tool_mode,
 )
-from service.truncation import check_mode, output_room
+from service.truncation import check_mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +141,8 @@ class ChatServing(ServingBase):
             "continue_final_message": req.continue_final_message,
         }
         if check_mode(req.truncation, req.truncate_prompt_tokens):
-            limit = req.max_completion_tokens or req.max_tokens
-            room = output_room(limit, self.defaults.cap(None), self.engine.max_model_len)
-            ids, _ = await self.prep.chat_ids_auto(messages, room, **render)
-            return ids  # type: ignore[no-any-return]
+            limit = self.defaults.cap(req.max_completion_tokens or req.max_tokens)
+            return await self.prep.chat_ids_auto(messages, limit, **render)  # type: ignore[no-any-return]
         return await self.prep.chat_ids(  # type: ignore[no-any-return]
             messages, truncate=req.keep_last(self.engine.max_model_len), **render
         )

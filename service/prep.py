@@ -34,7 +34,7 @@ from service.tokenize_pool import (
     TokenizeTimeout,
     utf8_len,
 )
-from service.truncation import PromptTooLong, truncated_ids
+from service.truncation import PromptTooLong, output_room, truncated_ids
 
 
 class Preprocessor:
@@ -122,11 +122,15 @@ class Preprocessor:
         return ids[-truncate:] if truncate else ids
 
     async def chat_ids_auto(
-        self, messages: list[dict[str, Any]], room: int, param: str = "messages", **render: Any
-    ) -> tuple[list[int], int]:
+        self,
+        messages: list[dict[str, Any]],
+        max_tokens: int | None,
+        param: str = "messages",
+        **render: Any,
+    ) -> list[int]:
         """chat_ids under `truncation: "auto"` (service/truncation.py): the oldest turns
-        dropped until the prompt leaves `room` tokens of max_model_len; also how many
-        messages went."""
+        dropped until the prompt leaves room for `max_tokens` (the request's, as the
+        generation config caps it)."""
 
         async def measure(texts: list[str]) -> list[int]:
             ids = await self.encode(texts, add_special_tokens=False, param=param, bounded=False)
@@ -137,12 +141,12 @@ class Preprocessor:
             lambda keep: self.chat_ids(keep, param=param, **render),
             measure,
             self.engine.max_model_len,
-            room,
+            output_room(max_tokens, self.engine.max_model_len),
             self.max_prompt_bytes,
         )
         if dropped and self.on_truncated is not None:
             self.on_truncated(dropped)
-        return ids, dropped
+        return ids
 
     async def prompt_ids(
         self,

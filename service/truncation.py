@@ -19,8 +19,8 @@ What is kept: the leading system / developer messages (the instructions), and wh
 each from a user message to the next, so an assistant's tool calls stay with their outputs
 and the kept part starts with a user message as templates expect.  The last turn (this
 request's input) is always kept; if it alone does not fit, the request fails as it would
-have without truncation.  Room is left for the output: `max_tokens` when given, else the
-generation config's cap, else a quarter of the window.
+have without truncation.  Room is left for the output: `max_tokens` as the generation
+config caps it, else a quarter of the window.
 """
 
 from __future__ import annotations
@@ -90,9 +90,10 @@ async def _template_costs(
     return per_message, max(0, one - a - per_message)
 
 
-def output_room(max_tokens: int | None, cap: int | None, max_model_len: int) -> int:
-    """The tokens left for the output when choosing the cut (see the module docs)."""
-    return max_tokens or cap or max(1, max_model_len // 4)
+def output_room(max_tokens: int | None, max_model_len: int) -> int:
+    """The tokens left for the output when choosing the cut: the request's max_tokens as
+    the generation config caps it, else a quarter of the window."""
+    return max_tokens or max(1, max_model_len // 4)
 
 
 class PromptTooLong(BadRequest):

@@ -41,7 +41,6 @@ from service.resume import StreamLog, resume_ws, ws_detach, ws_log
 from service.security import check_origin
 from service.state import STATE, ServerState
 from service.structured import GrammarError
-from service.truncation import output_room
 
 log = logging.getLogger(__name__)
 
@@ -333,8 +332,7 @@ class WSSession:
             messages = [m.as_template_dict() for m in frame.messages]
             if frame.truncation == "auto":
                 cap = serving.defaults.cap(frame.params.max_tokens)
-                room = output_room(cap, None, engine.max_model_len)
-                ids, _ = await prep.chat_ids_auto(messages, room)
+                ids = await prep.chat_ids_auto(messages, cap)
             else:
                 ids = await prep.chat_ids(messages)
         else:

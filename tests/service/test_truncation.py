@@ -155,9 +155,9 @@ def test_the_last_turn_alone_is_the_last_resort():
 
 
 def test_output_room():
-    assert output_room(10, 50, 512) == 10
-    assert output_room(None, 50, 512) == 50
-    assert output_room(None, None, 512) == 128
+    assert output_room(10, 512) == 10  # max_tokens, as the generation config caps it
+    assert output_room(50, 512) == 50
+    assert output_room(None, 512) == 128
 
 
 # ----------------------------------------------------------------------------- the server
