@@ -834,13 +834,15 @@ structured = st.one_of(
         st.fixed_dictionaries(
             {
                 "type": st.sampled_from(
-                    ["text", "json_object", "json_schema", "structural_tag", "x"]
+                    ["text", "json_object", "json_schema", "structural_tag", "x", "json", "regex"]
                 )
             },
             optional={
                 "json_schema": st.fixed_dictionaries(
                     {}, optional={"name": text, "schema": schemas, "strict": st.booleans()}
-                )
+                ),
+                # TGI's forms (huggingface_hub sends them): a schema or a pattern as `value`
+                "value": schemas | regexes | json_values,
             },
         ),
     ),
@@ -1120,6 +1122,7 @@ def ws_generate(draw: st.DrawFn) -> dict[str, Any]:
         "messages": bad_messages | odd(messages),
         "prompt": odd(text | id_lists) | huge_list(token_ids, 100_000),
         "cache_salt": words | deep,
+        "truncation": st.sampled_from(["auto", "x", 1]) | deep,
         "unknown": json_values,
     }
     for k in draw(
@@ -1131,6 +1134,7 @@ def ws_generate(draw: st.DrawFn) -> dict[str, Any]:
                 ["messages"],
                 ["prompt"],
                 ["cache_salt"],
+                ["truncation"],
                 ["unknown"],
                 ["prompt", "messages"],
             ]
