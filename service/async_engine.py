@@ -41,6 +41,7 @@ from service.structured import GrammarCompiler, GrammarError
 from service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from service.data_parallel import DataParallelCore
     from service.engine_proc import ProcessCore, TierView
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ def engine_process_default(config: EngineConfig) -> bool:
     d = config.device
     if d.engine_process is not None:
         return d.engine_process
+    if config.parallel.data_parallel_size > 1:
+        return True  # every rank is an engine process
     if d.engine_thread is not None:
         return False
     if d.device is not None:
@@ -194,7 +197,7 @@ class AsyncEngine:
         on_step: Callable[[StepInfo], None] | None = None,
         tier: PrefixTier | TierView | None = None,
         executor: ThreadExecutor | None = None,
-        core: ProcessCore | None = None,
+        core: ProcessCore | DataParallelCore | None = None,
     ) -> None:
         """`core`: the engine in a child process (`in_process`); then there is no
         scheduler, executor or model here, and `runner` holds the child's facts."""
@@ -260,7 +263,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model and tokenizer and size the KV cache (blocking, seconds)."""
-        if config.device.engine_process:
+        if config.device.engine_process or config.parallel.data_parallel_size > 1:
             return cls.in_process(config)  # the HTTP process never imports torch
         from gpu.config import with_hf_overrides
         from gpu.model_runner import ModelRunner  # torch stays out of light imports
@@ -288,12 +291,16 @@ class AsyncEngine:
         builder: Callable[[EngineConfig], AsyncEngine] | None = None,
     ) -> AsyncEngine:
         """The engine in a child process (`serve --engine-process`,
-        service/engine_proc.py): `builder(config)` builds it there (default: from_config,
+        service/engine_proc.py), or one in each of --data-parallel-size children
+        (service/data_parallel.py): `builder(config)` builds it there (default: from_config,
         inline); here only the tokenizer, grammar checks and the streams.  Blocks while
         the child loads the model."""
+        from service.data_parallel import DataParallelCore
         from service.engine_proc import ProcessCore, remote_runner
 
-        core = ProcessCore.spawn(config, builder or default_builder)
+        dp = config.parallel.data_parallel_size > 1
+        spawn = DataParallelCore.spawn if dp else ProcessCore.spawn
+        core = spawn(config, builder or default_builder)
         try:
             model_dir = Path(core.facts["model_dir"])
             engine = cls(

@@ -362,6 +362,13 @@ def _add_device_args(g: Group) -> None:
         "processes), each holding its layers' weights and KV blocks",
     )  # fmt: skip
     g.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=default_of("data_parallel_size"),
+        metavar="N",
+        help="N whole engines, each in its own process on its own cores (CPU) or GPU (CUDA), "
+        "behind this one server; requests go to the rank holding their conversation or "
+        "prefix, else the least loaded (docs/PARALLELISM.md)",
+    )  # fmt: skip
+    g.add_argument(
         "--pipeline-micro-batches", type=int, default=default_of("pipeline_micro_batches"),
         metavar="M",
         help="micro-batches a step's rows are cut into, so the stages work at once",

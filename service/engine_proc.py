@@ -820,8 +820,9 @@ def child_main(fd: int, parent_pid: int) -> int:
         logging.basicConfig(
             level=level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
         )
-        # Inline on the child's loop: this process is the engine's own.
-        config = config.replace(engine_process=False, engine_thread=False)
+        # Inline on the child's loop: this process is the engine's own (one data-parallel
+        # rank's, where there are several).
+        config = config.replace(engine_process=False, engine_thread=False, data_parallel_size=1)
         engine = builder(config)
         facts = {
             "eos_token_ids": tuple(engine.eos_token_ids),

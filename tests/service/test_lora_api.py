@@ -235,6 +235,32 @@ def test_adapters_load_on_every_parallel_rank(model, adapter, tmp_path, layout):
         assert c.completions.create(model="sea", **kw).choices[0].model_extra["token_ids"] == got
 
 
+def test_adapters_load_on_every_data_parallel_rank(model, adapter, tmp_path):
+    """--data-parallel-size 2: a load reaches both engines (requests one at a time go to
+    each in turn, and every one runs the adapter); a refused load, and an unload, too."""
+    kw = {"threads": 1, "allow_runtime_lora": True, "data_parallel_size": 2}
+    with live_server(model, served_model_name="tiny", engine_kwargs=kw) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        post = lambda path, body: httpx.post(s.url + path, json=body, timeout=60)  # noqa: E731
+        assert post("/v1/load_lora_adapter", {"lora_name": "sea", "lora_path": adapter}).is_success
+        r = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        core = s.engine.core
+        before = list(core.routed)
+        for i in range(4):
+            ids = [17 + i, 305, 1200, 44, 9, 861, 23]
+            got = c.completions.create(
+                model="sea", prompt=ids, max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            ).choices[0].model_extra["token_ids"]  # fmt: skip
+            assert got == _peft_greedy(model, adapter, ids, 6), i
+        assert [a - b for a, b in zip(core.routed, before, strict=True)] == [2, 2]
+        assert post("/v1/unload_lora_adapter", {"lora_name": "sea"}).is_success
+        for i in range(2):
+            with pytest.raises(openai.NotFoundError):
+                c.completions.create(model="sea", prompt=[5 + i, 6], max_tokens=2)
+
+
 def test_hostile_lora_bodies_are_refused_naming_the_field(runtime, tmp_path):
     post = lambda path, body: httpx.post(runtime.url + path, json=body, timeout=60)  # noqa: E731
     big = tmp_path / "big"

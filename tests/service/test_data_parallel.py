@@ -1,0 +1,233 @@
+"""`--data-parallel-size` (service/data_parallel.py): N whole engines, each in its own
+process on its own cores, behind one server, through real HTTP clients: greedy output
+equal to transformers' on every rank; the ranks are separate processes pinned to disjoint
+cores; a prompt that shares a prefix with an earlier one goes to the rank that cached it;
+a conversation stays on its rank; an abort frees its KV on its rank; metrics and
+/debug/state add the ranks up; a rank that dies takes the engine down (503, every stream
+failed); bad combinations are refused naming the flag."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from scheduler.config import ConfigError, EngineConfig
+from service.cli import build_parser, engine_config
+from service.data_parallel import core_split, numa_nodes
+from tests.checkpoints import tiny_checkpoint
+from tests.gpu.test_tensor_parallel import hf_greedy
+from tests.service.live_server import live_server
+from tests.service.test_engine_process import _failed_by_the_engine, _long_streams, wait_gone
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def dp(model):
+    kw = {"data_parallel_size": 2, "num_kv_blocks": 512, "block_size": BLOCK}
+    with live_server(
+        model, engine_kwargs=kw, enable_debug_routes=True, enable_prompt_tokens_details=True
+    ) as srv:
+        yield srv
+
+
+def debug(url: str) -> dict:
+    with urllib.request.urlopen(url + "/debug/state", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def routed(url: str) -> list[int]:
+    return [r["routed"] for r in debug(url)["data_parallel_ranks"]]
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+async def complete(c: openai.AsyncOpenAI, prompt: list[int], n: int = 8):
+    return await c.completions.create(
+        model=(await c.models.list()).data[0].id, prompt=prompt, max_tokens=n, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+
+
+async def test_greedy_equals_transformers_on_both_ranks(dp, model):
+    prompts = [[5 + i, 40 + 3 * i, 7, 300 + i, 11] * (2 + i) for i in range(6)]
+    before = routed(dp.url)
+    async with client(dp.url) as c:
+        outs = await asyncio.gather(*(complete(c, p) for p in prompts))
+    after = routed(dp.url)
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    for p, out in zip(prompts, outs, strict=True):
+        want = await asyncio.to_thread(hf_greedy, model, p, 8)
+        assert out.choices[0].model_extra["token_ids"] == want
+
+
+def test_ranks_are_processes_on_disjoint_cores(dp):
+    ranks = debug(dp.url)["data_parallel_ranks"]
+    pids = [r["pid"] for r in ranks]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    allowed = []
+    for pid in pids:
+        status = Path(f"/proc/{pid}/status").read_text()
+        line = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
+        allowed.append(line.split(":")[1].strip())
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert allowed[0] != allowed[1], allowed
+
+
+async def test_a_shared_prefix_goes_to_the_rank_that_cached_it(dp):
+    """Four 4-block prefixes land on both ranks (at once: the least loaded each); every
+    later prompt that extends one finds it cached, sent one at a time (where ties would
+    otherwise alternate ranks)."""
+    prefixes = [[1000 + 10 * k + j % 7 for j in range(4 * BLOCK)] for k in range(4)]
+    async with client(dp.url) as c:
+        await asyncio.gather(*(complete(c, [*p, 3]) for p in prefixes))
+        for turn in range(2):
+            for k, p in enumerate(prefixes):
+                out = await complete(c, [*p, 50 + turn, 60 + k], 2)
+                cached = out.usage.prompt_tokens_details.cached_tokens
+                assert cached >= 4 * BLOCK - BLOCK, (turn, k, cached)
+    ranks = debug(dp.url)["data_parallel_ranks"]
+    assert all(r["routed"] > 0 for r in ranks)
+
+
+async def test_a_conversation_stays_on_its_rank(dp):
+    """Turns of one conversation_id, each mostly its own text (so no prefix draws them
+    together), still go to one rank, where its pinned KV is; requests one at a time with
+    nothing in common otherwise alternate."""
+    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "copper", "lantern",
+             "violet", "harbor"]  # fmt: skip
+    async with client(dp.url) as c:
+        m = (await c.models.list()).data[0].id
+        before = routed(dp.url)
+        for i in range(4):
+            text = " ".join(words[(i + j) % 10] + str(i) for j in range(30))
+            await c.chat.completions.create(
+                model=m, messages=[{"role": "user", "content": text}], max_tokens=2,
+                extra_body={"conversation_id": "dp-conv"},
+            )  # fmt: skip
+        delta = [a - b for a, b in zip(routed(dp.url), before, strict=True)]
+        assert sorted(delta) == [0, 4], delta
+        pins = [r["conversation_pins"] for r in debug(dp.url)["data_parallel_ranks"]]
+        assert pins == [int(d == 4) for d in delta], pins  # its KV pinned there alone
+        before = routed(dp.url)
+        for i in range(4):
+            await complete(c, [1500 + 17 * i + j for j in range(40)], 2)
+        delta = [a - b for a, b in zip(routed(dp.url), before, strict=True)]
+        assert delta == [2, 2], delta
+
+
+async def test_abort_frees_kv_and_metrics_add_the_ranks(dp):
+    async with client(dp.url) as c:
+        m = (await c.models.list()).data[0].id
+        streams = []
+        for i in range(4):
+            s = await c.completions.create(
+                model=m, prompt=f"long {i}", max_tokens=2000, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            streams.append(s)
+        for s in streams:  # each runs
+            await s.__anext__()
+        state = debug(dp.url)
+        assert state["running"] == 4, state
+        assert all(r["running"] > 0 for r in state["data_parallel_ranks"]), state
+        async with aiohttp.ClientSession() as s, s.get(dp.url + "/metrics") as r:
+            text = await r.text()
+        running = [
+            ln for ln in text.splitlines() if ln.startswith("pagestream_num_requests_running")
+        ]
+        assert float(running[0].split()[-1]) == 4, running
+        for s in streams:
+            await s.close()
+    deadline = time.monotonic() + 30
+    # (Free counts blocks a conversation pinned: the conversation test's are.)
+    while (state := debug(dp.url))["kv_blocks_free"] < state["kv_blocks_total"] or state["running"]:
+        assert time.monotonic() < deadline, json.dumps(state)
+        await asyncio.sleep(0.1)
+    assert state["kv_blocks_total"] == 2 * 512
+
+
+async def test_a_rank_that_dies_takes_the_engine_down(model):
+    kw = {"data_parallel_size": 2, "num_kv_blocks": 256}
+    with live_server(model, engine_kwargs=kw, enable_debug_routes=True) as srv:
+        pids = [r["pid"] for r in debug(srv.url)["data_parallel_ranks"]]
+        started = asyncio.Event()
+        streams = asyncio.create_task(_long_streams(srv.url, 4, started))
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.sleep(0.5)  # all four running, two a rank
+        os.kill(pids[1], signal.SIGKILL)
+        ends = await asyncio.wait_for(streams, 30)
+        # Both ranks' streams end with the engine's error: the other rank's too.
+        assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
+        deadline = time.monotonic() + 10
+        while srv.engine.dead is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(srv.url + "/health", timeout=5)
+        assert e.value.code == 503
+    assert await asyncio.to_thread(wait_gone, pids[0], 30), "rank 0 outlived its server"
+
+
+def test_bad_combinations_are_refused_naming_the_flag(model):
+    a = build_parser().parse_args(["serve", "--model", model, "-dp", "2"])
+    assert engine_config(a).parallel.data_parallel_size == 2
+    for extra in (["--tensor-parallel-size", "2"], ["--engine-process", "off"],
+                  ["--engine-thread", "on"]):  # fmt: skip
+        a = build_parser().parse_args(["serve", "--model", model, "-dp", "2", *extra])
+        with pytest.raises(ConfigError, match="--data-parallel-size"):
+            engine_config(a)
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        EngineConfig.from_kwargs(data_parallel_size=0)
+
+
+def test_offline_llm_with_data_parallel_ranks(model):
+    """LLM(data_parallel_size=2): a batch spread over both ranks, each prompt's greedy
+    tokens transformers'; both ranks' processes gone after shutdown."""
+    from scheduler.sampling_params import SamplingParams
+    from service.llm import LLM
+
+    prompts = [[7 + i, 99, 3, 250 + i] * 3 for i in range(4)]
+    llm = LLM(model, dtype="float32", threads=1, data_parallel_size=2, num_kv_blocks=256)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        core = llm.engine.core
+        pids, routed = [r.pid for r in core.ranks], list(core.routed)
+    finally:
+        llm.shutdown()
+    assert all(n > 0 for n in routed), routed
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
+    assert all(wait_gone(pid, 10) for pid in pids)
+
+
+def test_ranks_take_whole_numa_nodes_where_they_divide(tmp_path):
+    """Two sockets of 4 cores (numbered 0-3 and 4-7) and a hyperthreaded layout: each rank
+    takes whole nodes where the nodes divide among the ranks, else an even share."""
+    for i, cpus in enumerate(["0-1,4-5", "2-3,6-7"]):
+        (tmp_path / f"node{i}").mkdir()
+        (tmp_path / f"node{i}" / "cpulist").write_text(cpus + "\n")
+    nodes = numa_nodes(tmp_path)
+    assert nodes == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    cores = list(range(8))
+    assert core_split(cores, nodes, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert core_split(cores, nodes, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # 2 nodes, 4 ranks
+    assert core_split([0, 1, 2, 3], nodes, 2) == [[0, 1], [2, 3]]  # affinity narrows nodes
+    assert core_split([0], [], 2) is None
