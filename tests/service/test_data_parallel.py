@@ -3,8 +3,9 @@ process on its own cores, behind one server, through real HTTP clients: greedy o
 equal to transformers' on every rank; the ranks are separate processes pinned to disjoint
 cores; a prompt that shares a prefix with an earlier one goes to the rank that cached it;
 a conversation stays on its rank; an abort frees its KV on its rank; metrics and
-/debug/state add the ranks up; a rank that dies takes the engine down (503, every stream
-failed); bad combinations are refused naming the flag."""
+/debug/state add the ranks up; a rank that dies takes the server down (every stream
+failed, exit code 70); ranks take whole NUMA nodes where they divide; the offline LLM
+takes it too; bad combinations are refused naming the flag."""
 
 from __future__ import annotations
 
@@ -22,12 +23,18 @@ import openai
 import pytest
 
 from scheduler.config import ConfigError, EngineConfig
+from service.app import ENGINE_FAILURE_EXIT
 from service.cli import build_parser, engine_config
 from service.data_parallel import core_split, numa_nodes
 from tests.checkpoints import tiny_checkpoint
 from tests.gpu.test_tensor_parallel import hf_greedy
-from tests.service.live_server import live_server
-from tests.service.test_engine_process import _failed_by_the_engine, _long_streams, wait_gone
+from tests.service.live_server import live_server, server_process
+from tests.service.test_engine_process import (
+    _failed_by_the_engine,
+    _long_streams,
+    engine_children,
+    wait_gone,
+)
 
 BLOCK = 16
 
@@ -164,26 +171,23 @@ async def test_abort_frees_kv_and_metrics_add_the_ranks(dp):
     assert state["kv_blocks_total"] == 2 * 512
 
 
-async def test_a_rank_that_dies_takes_the_engine_down(model):
-    kw = {"data_parallel_size": 2, "num_kv_blocks": 256}
-    with live_server(model, engine_kwargs=kw, enable_debug_routes=True) as srv:
-        pids = [r["pid"] for r in debug(srv.url)["data_parallel_ranks"]]
+async def test_a_rank_that_dies_takes_the_server_down(tmp_path, model):
+    """`serve -dp 2`, a rank SIGKILLed under load: the streams on both ranks end with the
+    engine's error, the server exits with code 70 for its supervisor, the other rank's
+    process goes with it."""
+    args = ["--model", model, "-dp", "2", "--num-kv-blocks", "256", "--dtype", "float32"]
+    with server_process(tmp_path, "service.cli", *args) as (proc, url):
+        kids = engine_children(proc.pid)
+        assert len(kids) == 2, kids
         started = asyncio.Event()
-        streams = asyncio.create_task(_long_streams(srv.url, 4, started))
+        streams = asyncio.create_task(_long_streams(url, 4, started))
         await asyncio.wait_for(started.wait(), 60)
         await asyncio.sleep(0.5)  # all four running, two a rank
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(kids[1], signal.SIGKILL)
         ends = await asyncio.wait_for(streams, 30)
-        # Both ranks' streams end with the engine's error: the other rank's too.
         assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
-        deadline = time.monotonic() + 10
-        while srv.engine.dead is None:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(srv.url + "/health", timeout=5)
-        assert e.value.code == 503
-    assert await asyncio.to_thread(wait_gone, pids[0], 30), "rank 0 outlived its server"
+        assert await asyncio.to_thread(proc.wait, 30) == ENGINE_FAILURE_EXIT
+    assert await asyncio.to_thread(wait_gone, kids[0], 30), "rank 0 outlived its server"
 
 
 def test_bad_combinations_are_refused_naming_the_flag(model):
