@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scheduler.config import ConfigError, EngineConfig
-from scheduler.engine_core import EngineCore, EngineOverloaded
+from scheduler.engine_core import EngineCore
 from scheduler.request import Request
 from scheduler.stream import RequestStream
 from service.engine_proc import EngineProcessError, ProcessCore
@@ -253,8 +253,12 @@ class DataParallelCore:
         self.async_scheduling = ranks[0].async_scheduling
         self.block_size = int(f0["block_size"])
         s = config.scheduler
-        # The waiting bounds are each rank's; the server as a whole holds N times them.
+        # The waiting bounds are each rank's; the server as a whole holds N times them,
+        # checked here alone (a multi-prompt request is admitted whole, before any of its
+        # prompts is routed): the ranks' own checks are off.
         n = self.size
+        for r in ranks:
+            r.max_waiting_requests = r.max_waiting_tokens = r.max_waiting_per_tenant = None
         self.max_waiting_requests = s.max_waiting_requests and s.max_waiting_requests * n
         self.max_waiting_tokens = s.max_waiting_tokens and s.max_waiting_tokens * n
         self.max_waiting_per_tenant = s.max_waiting_per_key and s.max_waiting_per_key * n
@@ -384,14 +388,14 @@ class DataParallelCore:
     def route(self, group: list[Request]) -> tuple[int, list[int]]:
         """The rank for a group, and its prompt's block hashes (to remember there)."""
         p = group[0]
+        hashes = block_hashes(p.token_ids, self.block_size, p.cache_salt)
         if p.conversation is not None:
             rank = self._conversations.get(p.conversation)
             if rank is not None:
                 self._conversations.move_to_end(p.conversation)
-                return rank, []
+                return rank, hashes
         loads = [self.load(i) for i in range(self.size)]
         least = self._least(loads)
-        hashes = block_hashes(p.token_ids, self.block_size, p.cache_salt)
         rank = least
         if hashes:
             matches = [ix.match(hashes) for ix in self._index]
@@ -417,18 +421,7 @@ class DataParallelCore:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         self.admit([group])
         rank, hashes = self.route(group)
-        try:
-            stream = self.ranks[rank].add(group, wake_on_tokens)
-        except EngineOverloaded:
-            # Its own bound: the least-loaded rank may still have room (a conversation
-            # moves then; its pinned KV on the old rank expires).
-            least = self._least([self.load(i) for i in range(self.size)])
-            if least == rank:
-                raise
-            rank = least
-            stream = self.ranks[rank].add(group, wake_on_tokens)
-            if group[0].conversation is not None:
-                self._conversations[group[0].conversation] = rank
+        stream = self.ranks[rank].add(group, wake_on_tokens)
         self._index[rank].add(hashes)
         self.routed[rank] += 1
         self._turn = (rank + 1) % self.size

@@ -235,3 +235,33 @@ def test_ranks_take_whole_numa_nodes_where_they_divide(tmp_path):
     assert core_split(cores, nodes, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # 2 nodes, 4 ranks
     assert core_split([0, 1, 2, 3], nodes, 2) == [[0, 1], [2, 3]]  # affinity narrows nodes
     assert core_split([0], [], 2) is None
+
+
+async def test_waiting_bounds_are_each_ranks_times_the_ranks(model):
+    """--max-num-seqs 1 and --max-waiting-requests 1 on two ranks: two run (one a rank),
+    two wait (one a rank's bound each, the server's twice it), the fifth is a 429."""
+    kw = {"data_parallel_size": 2, "num_kv_blocks": 256, "max_num_seqs": 1,
+          "max_waiting_requests": 1}  # fmt: skip
+    with live_server(model, engine_kwargs=kw, enable_debug_routes=True) as srv:
+        async with client(srv.url) as c:
+            m = (await c.models.list()).data[0].id
+
+            async def stream(i: int):
+                return await c.completions.create(
+                    model=m, prompt=[30 + i] * 8, max_tokens=2000, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+
+            running = [await stream(i) for i in range(2)]
+            for s in running:
+                await s.__anext__()
+            waiting = [await stream(2 + i) for i in range(2)]
+            deadline = time.monotonic() + 30
+            while (state := debug(srv.url))["waiting"] < 2:
+                assert time.monotonic() < deadline, state
+                await asyncio.sleep(0.05)
+            assert [r["running"] for r in state["data_parallel_ranks"]] == [1, 1], state
+            with pytest.raises(openai.RateLimitError):
+                await stream(9)
+            for s in running + waiting:
+                await s.close()
