@@ -265,3 +265,42 @@ async def test_waiting_bounds_are_each_ranks_times_the_ranks(model):
                 await stream(9)
             for s in running + waiting:
                 await s.close()
+
+
+def test_ranks_share_kv_through_the_redis_tier(model):
+    """-dp 2 with --redis-url: a registered system prompt is computed and published by one
+    rank; requests one at a time, each mostly its own text, go to both ranks, and both
+    find the system prompt cached: one in its own cache, the other loaded from Redis."""
+    from tests.redis_server import RedisServer
+    from tests.service.test_prefix_registration import SYSTEM, metric, post
+
+    redis = RedisServer()
+    try:
+        kw = {"data_parallel_size": 2, "num_kv_blocks": 256, "redis_url": redis.url}
+        with live_server(model, engine_kwargs=kw, enable_prompt_tokens_details=True,
+                         enable_debug_routes=True) as srv:  # fmt: skip
+            system = [{"role": "system", "content": SYSTEM}]
+            code, info = post(srv.url + "/v1/cache/prefixes", {"messages": system})
+            assert code == 200 and info["shared_tier"] == "redis", info
+            published = "pagestream_prefix_tier_blocks_published_total"
+            deadline = time.monotonic() + 30
+            while metric(srv.url, published) < info["blocks"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+            m = c.models.list().data[0].id
+            before = routed(srv.url)
+            for i in range(2):
+                user = " ".join(f"word{i}x{j}" for j in range(120))  # past the system prompt
+                r = c.chat.completions.create(
+                    model=m, messages=[*system, {"role": "user", "content": user}],
+                    max_tokens=2, temperature=0,
+                )  # fmt: skip
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                assert cached >= info["blocks"] * BLOCK - BLOCK, (i, cached, info)
+            delta = [a - b for a, b in zip(routed(srv.url), before, strict=True)]
+            assert delta == [1, 1], delta
+            loaded = metric(srv.url, "pagestream_prefix_tier_blocks_loaded_total")
+            assert loaded >= info["blocks"] - 1
+    finally:
+        redis.stop()
