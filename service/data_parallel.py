@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scheduler.config import ConfigError, EngineConfig
-from scheduler.engine_core import EngineCore
+from scheduler.engine_core import EngineCore, EngineDeadError
 from scheduler.request import Request
 from scheduler.stream import RequestStream
 from service.engine_proc import EngineProcessError, ProcessCore
@@ -224,7 +224,7 @@ def _add_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
                 width = max(len(v) for v in vals)
                 out[f.name] = [sum(v[i] for v in vals if i < len(v)) for i in range(width)]
             elif isinstance(v0, dict):
-                out[f.name] = {k: sum(v.get(k, 0) for v in vals) for k in {*v0, *vals[-1]}}
+                out[f.name] = {k: sum(v.get(k, 0) for v in vals) for k in set().union(*vals)}
             elif all(v is not None for v in vals):
                 out[f.name] = add(vals)
             else:
@@ -263,7 +263,9 @@ class DataParallelCore:
         self.max_waiting_tokens = s.max_waiting_tokens and s.max_waiting_tokens * n
         self.max_waiting_per_tenant = s.max_waiting_per_key and s.max_waiting_per_key * n
         self.num_rejected = 0
-        self.hook_errors: dict[str, int] = {}
+        self.hook_errors: dict[str, int] = {}  # this process's, the ranks' views' too
+        for r in ranks:
+            r.hook_errors = self.hook_errors
         self.child_hook_errors: dict[str, int] = {}
         self.idle = _AllIdle(ranks)
         self.tier = _TierSum(ranks) if ranks[0].tier is not None else None
@@ -416,8 +418,6 @@ class DataParallelCore:
 
     def add(self, group: list[Request], wake_on_tokens: bool = True) -> RequestStream:
         if self.dead is not None:
-            from scheduler.engine_core import EngineDeadError
-
             raise EngineDeadError(f"engine is dead: {self.dead}")
         self.admit([group])
         rank, hashes = self.route(group)
@@ -463,8 +463,6 @@ class DataParallelCore:
     async def query(self, what: str, *args: str | float) -> Any:
         """Every rank's answer to the query, combined: stats added, LoRA loads on all."""
         if self.dead is not None:
-            from scheduler.engine_core import EngineDeadError
-
             raise EngineDeadError(f"engine is dead: {self.dead}")
         results = await asyncio.gather(
             *(r.query(what, *args) for r in self.ranks), return_exceptions=True
