@@ -199,7 +199,10 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None
-    awq_group_size: int | None = None  # an AutoAWQ INT4 (GEMM) checkpoint's group size
+    # An INT4 checkpoint's group size: AutoAWQ (GEMM) or GPTQ (int4_format says which;
+    # both run as the same INT4 layers, GPTQ's tensors repacked at load).
+    awq_group_size: int | None = None
+    int4_format: str | None = None  # "awq", "gptq" (zero points stored minus one), "gptq_v2"
     # An FP8 checkpoint's quant_method ("compressed-tensors" or "fbgemm_fp8"): projection
     # weights stored float8_e4m3fn with a `weight_scale` each, loaded as they are.
     fp8_format: str | None = None
@@ -277,6 +280,7 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             awq_group_size=_awq_group_size(raw.get("quantization_config"), hidden),
+            int4_format=_int4_format(raw.get("quantization_config")),
             fp8_format=_fp8_format(raw.get("quantization_config")),
             num_labels=num_labels,
             classifier_from_token=tuple(tokens),
@@ -323,40 +327,65 @@ class ModelConfig:
         return torch.where(medium, smoothed, scaled)
 
 
+def _int4_format(qc: dict[str, Any] | None) -> str | None:
+    """ "awq", "gptq" or "gptq_v2" for an INT4 checkpoint _awq_group_size takes, else None."""
+    method = str((qc or {}).get("quant_method", "")).lower()
+    if method == "awq":
+        return "awq"
+    if method == "gptq":
+        return str(qc.get("checkpoint_format", "gptq")).lower()  # type: ignore[union-attr]
+    return None
+
+
 def _awq_group_size(qc: dict[str, Any] | None, hidden: int) -> int | None:
-    """The group size of an AutoAWQ GEMM checkpoint; None when it is not quantized; a
-    clear error for every quantized format this loader cannot run."""
+    """The group size of an INT4 checkpoint (AutoAWQ GEMM, or GPTQ without act-order);
+    None when it is not quantized; a clear error for every quantized format this loader
+    cannot run."""
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method in FP8_METHODS:
         return None
-    if method != "awq":
+    if method not in ("awq", "gptq"):
         raise ModelLoadError(
             f"config.json: quantization method {method or qc!r} is not supported "
-            "(AWQ INT4 checkpoints in the AutoAWQ 'gemm' format and FP8 ones in the "
+            "(INT4 checkpoints in the AutoAWQ 'gemm' or the GPTQ format and FP8 ones in the "
             "compressed-tensors or fbgemm_fp8 format load; for INT8 or FP8 weights start "
             "from a 16/32-bit checkpoint with --quantization int8 / fp8)"
         )
+    name = method.upper()
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
-        raise ModelLoadError(f"config.json: AWQ with bits={bits} is not supported (4 only)")
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise ModelLoadError(
-            f"config.json: AWQ version {version!r} is not supported (the 'gemm' packing only)"
-        )
-    if not qc.get("zero_point", True):
-        raise ModelLoadError("config.json: AWQ without zero points is not supported")
+        raise ModelLoadError(f"config.json: {name} with bits={bits} is not supported (4 only)")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelLoadError(
+                f"config.json: AWQ version {version!r} is not supported (the 'gemm' packing only)"
+            )
+        if not qc.get("zero_point", True):
+            raise ModelLoadError("config.json: AWQ without zero points is not supported")
+    else:
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelLoadError(
+                f"config.json: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)"
+            )
+        if qc.get("lm_head"):
+            raise ModelLoadError("config.json: GPTQ with a quantized lm_head is not supported")
+        if qc.get("dynamic"):
+            raise ModelLoadError(
+                "config.json: GPTQ per-module (dynamic) settings are not supported"
+            )
     if qc.get("desc_act") or qc.get("act_order"):
         raise ModelLoadError("config.json: act-order (desc_act) quantization is not supported")
     if qc.get("modules_to_not_convert"):
-        raise ModelLoadError("config.json: AWQ modules_to_not_convert is not supported")
+        raise ModelLoadError(f"config.json: {name} modules_to_not_convert is not supported")
     group = qc.get("group_size", qc.get("q_group_size", 128))
     if not isinstance(group, int) or group <= 0 or group % 32 or hidden % group:
         raise ModelLoadError(
-            f"config.json: AWQ group_size {group!r} is not supported (a positive multiple of "
-            f"32 dividing hidden_size {hidden}; per-channel (-1) is not)"
+            f"config.json: {name} group_size {group!r} is not supported (a positive multiple "
+            f"of 32 dividing hidden_size {hidden}; per-channel (-1) is not)"
         )
     return group
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -32,7 +33,7 @@ _FUSED = {
     "mlp.down_proj": ("mlp.down_proj",),
 }
 _PROJECTIONS = tuple(p for parts in _FUSED.values() for p in parts)
-QUANTIZATION_METHODS = ("int8", "awq", "fp8")
+QUANTIZATION_METHODS = ("int8", "awq", "gptq", "fp8")
 # An FP8 checkpoint's per-projection scales: weight_scale per channel ([N, 1] or [N]) or
 # per tensor; input_scale (a static activation scale) is read past: activations are
 # quantized per token at run time.
@@ -94,24 +95,27 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     if cfg.awq_group_size:
-        _awq_shapes(shapes, cfg.awq_group_size)
+        _int4_shapes(shapes, cfg.awq_group_size, cfg.int4_format == "awq")
     return shapes
 
 
-def _awq_shapes(shapes: dict[str, tuple[int, ...]], g: int) -> None:
+def _int4_shapes(shapes: dict[str, tuple[int, ...]], g: int, awq: bool) -> None:
     """Projection weights [N, K] become AWQ's qweight [K, N/8], qzeros [K/g, N/8] and
-    scales [K/g, N]."""
+    scales [K/g, N]; or GPTQ's qweight [K/8, N] (packed along the input), the same
+    qzeros and scales, and g_idx [K] (each input's group)."""
     for name in [n for n in shapes if n.removesuffix(".weight").endswith(_PROJECTIONS)]:
         n_out, k_in = shapes.pop(name)
         base = name.removesuffix(".weight")
         if n_out % 8 or k_in % g:
             raise ModelLoadError(
-                f"{base}: shape [{n_out}, {k_in}] does not fit AWQ packing (out % 8, in % "
+                f"{base}: shape [{n_out}, {k_in}] does not fit INT4 packing (out % 8, in % "
                 f"group_size {g})"
             )
-        shapes[base + ".qweight"] = (k_in, n_out // 8)
+        shapes[base + ".qweight"] = (k_in, n_out // 8) if awq else (k_in // 8, n_out)
         shapes[base + ".qzeros"] = (k_in // g, n_out // 8)
         shapes[base + ".scales"] = (k_in // g, n_out)
+        if not awq:
+            shapes[base + ".g_idx"] = (k_in,)
 
 
 def _fmt(names: list[str]) -> str:
@@ -169,6 +173,9 @@ def read_checkpoint(
                     # Tied checkpoints sometimes store lm_head too; it equals the embedding.
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue
+                    # AutoGPTQ writes a zero bias for projections that have none.
+                    if _zero_gptq_bias(f, name, cfg):
+                        continue
                     unexpected.append(name)
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
@@ -189,6 +196,13 @@ def read_checkpoint(
     if cfg.classifier_from_token:
         tensors["score.weight"] = _head_from_tokens(Path(path), cfg, tokenizer_dir)
     return tensors
+
+
+def _zero_gptq_bias(f: Any, name: str, cfg: ModelConfig) -> bool:
+    base = name.removesuffix(".bias")
+    if not (cfg.int4_format or "").startswith("gptq") or base == name:
+        return False
+    return base.endswith(_PROJECTIONS) and not f.get_tensor(name).any()
 
 
 def _head_from_tokens(
@@ -303,21 +317,53 @@ def _awq_layers(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Replace each fused projection with an AWQLinear built from its parts' AWQ tensors
-    (unpacked, concatenated along the output dim, repacked for torch's int4 kernel)."""
+    """Replace each fused projection with an AWQLinear built from its parts' INT4 tensors
+    (AWQ's or GPTQ's, unpacked, concatenated along the output dim, repacked for torch's
+    int4 kernel)."""
     g = cfg.awq_group_size
     assert g is not None
+    fmt = cfg.int4_format or "awq"
     for i in range(cfg.num_layers):
         layer = model.layers[i]
         for fused, parts in _FUSED.items():
             names = [f"model.layers.{i}.{p}." for p in parts]
-            q = torch.cat([unpack_awq(hf[n + "qweight"]) for n in names], dim=1)
-            z = torch.cat([unpack_awq(hf[n + "qzeros"]) for n in names], dim=1)
+            unpacked = [_unpack_int4(hf, n, fmt, g) for n in names]
+            q = torch.cat([u[0] for u in unpacked], dim=1)
+            z = torch.cat([u[1] for u in unpacked], dim=1)
             s = torch.cat([hf[n + "scales"] for n in names], dim=1)
             bias = sd.get(f"layers.{i}.{fused}.bias")
             parent_name, attr = fused.split(".")
             parent = getattr(layer, parent_name)
             setattr(parent, attr, AWQLinear(q, z, s, bias, g, dtype, device))
+
+
+def _unpack_int4(
+    hf: dict[str, torch.Tensor], name: str, fmt: str, g: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's INT4 values [K, N] and zero points [K/g, N] (uint8), from AWQ's
+    or GPTQ's packing.  GPTQ: qweight packs 8 inputs a word (nibble i = input 8 r + i),
+    qzeros 8 outputs a word in order; the "gptq" format stores each zero point minus one
+    (AutoGPTQ's convention, read back as readers do: plus one, 1..16), "gptq_v2" as is.
+    Inputs must be in group order (g_idx = input // g): act-order checkpoints are refused
+    in config.json, and one whose g_idx says otherwise here."""
+    if fmt == "awq":
+        return unpack_awq(hf[name + "qweight"]), unpack_awq(hf[name + "qzeros"])
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    packed = hf[name + "qweight"]  # [K/8, N]
+    q = ((packed[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, packed.shape[1])
+    zp = hf[name + "qzeros"]  # [K/g, N/8]
+    z = ((zp[:, :, None] >> shifts) & 0xF).reshape(zp.shape[0], -1)
+    if fmt == "gptq":
+        z = z + 1
+    k = q.shape[0]
+    g_idx = hf.get(name + "g_idx")
+    if g_idx is not None and not torch.equal(
+        g_idx.to(torch.int64), torch.arange(k, dtype=torch.int64) // g
+    ):
+        raise ModelLoadError(
+            f"{name}g_idx: the inputs are not in group order (act-order), which is not supported"
+        )
+    return q.to(torch.uint8), z.to(torch.uint8)
 
 
 def _fp8_layers(
@@ -377,22 +423,26 @@ def load_model(
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors into it.
     quantization: None, "int8" (weight-only, quantized here from a 16/32-bit checkpoint),
-    "awq" (asserts the checkpoint is AWQ, which is detected from config.json anyway) or
+    "awq" / "gptq" (asserts the checkpoint is that INT4 format, which is detected from
+    config.json anyway) or
     "fp8" (W8A8: quantized here from a 16/32-bit checkpoint; an FP8 checkpoint, detected
     from config.json, loads its own bytes and scales with or without the flag)."""
     if quantization not in (None, *QUANTIZATION_METHODS):
         raise ModelLoadError(
             f"quantization {quantization!r} is not supported; use {' or '.join(QUANTIZATION_METHODS)}"
         )
-    if quantization == "awq" and not cfg.awq_group_size:
+    int4 = (cfg.int4_format or "").removesuffix("_v2")  # awq, gptq or ""
+    if quantization in ("awq", "gptq") and quantization != int4:
         raise ModelLoadError(
-            f"{path}: --quantization awq, but config.json has no AWQ quantization_config"
+            f"{path}: --quantization {quantization}, but config.json has no "
+            f"{quantization.upper()} quantization_config"
         )
     if quantization in ("int8", "fp8") and cfg.awq_group_size:
         raise ModelLoadError(
-            f"{path}: an AWQ checkpoint is already quantized; drop --quantization {quantization}"
+            f"{path}: an {int4.upper()} checkpoint is already quantized; drop --quantization "
+            f"{quantization}"
         )
-    if quantization in ("int8", "awq") and cfg.fp8_format:
+    if quantization in ("int8", "awq", "gptq") and cfg.fp8_format:
         raise ModelLoadError(
             f"{path}: an FP8 ({cfg.fp8_format}) checkpoint is already quantized; drop "
             f"--quantization {quantization} (or pass fp8)"

@@ -230,7 +230,11 @@ class ModelRunner:
         # Weight quantization in effect: int8 / fp8 (at load), awq / fp8 (the checkpoint's),
         # or None.
         self.quantization = (
-            "awq" if cfg.awq_group_size else "fp8" if cfg.fp8_format else quantization
+            (cfg.int4_format or "awq").removesuffix("_v2")
+            if cfg.awq_group_size
+            else "fp8"
+            if cfg.fp8_format
+            else quantization
         )
         if self.device.type == "cpu":
             cpu_kernels.load()  # compile (once per machine) at start-up, not on a request

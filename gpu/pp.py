@@ -61,7 +61,7 @@ def check_pp_config(cfg: ModelConfig, size: int, quantization: str | None = None
     if cfg.num_layers < size:
         problems.append(f"num_hidden_layers {cfg.num_layers} (fewer layers than stages)")
     if cfg.awq_group_size:
-        problems.append("AWQ checkpoints (not supported with pipeline parallelism)")
+        problems.append("INT4 (AWQ / GPTQ) checkpoints (not supported with pipeline parallelism)")
     if cfg.fp8_format:
         problems.append("FP8 checkpoints (not supported with pipeline parallelism)")
     if quantization:

@@ -135,7 +135,7 @@ def check_tp_config(cfg: ModelConfig, size: int) -> None:
     if cfg.vocab_size % size:
         problems.append(f"vocab_size {cfg.vocab_size}")
     if cfg.awq_group_size:
-        problems.append("AWQ checkpoints (not supported with tensor parallelism)")
+        problems.append("INT4 (AWQ / GPTQ) checkpoints (not supported with tensor parallelism)")
     if cfg.fp8_format:
         problems.append("FP8 checkpoints (not supported with tensor parallelism)")
     if problems:

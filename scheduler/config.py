@@ -47,7 +47,7 @@ FLAGS: dict[str, str | None] = {
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = ("int8", "awq", "fp8")  # --quantization
+QUANTIZATIONS = ("int8", "awq", "gptq", "fp8")  # --quantization
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # gpu/attention's BACKEND_NAMES
 SCHEDULING_POLICIES = ("fair", "fcfs")
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")

@@ -83,7 +83,8 @@ def _add_model_args(g: Group) -> None:
         default=None,
         choices=QUANTIZATIONS,
         help="weights: int8 = weight-only INT8 quantized at load (per-output-channel scales); "
-        "awq = expect an AutoAWQ INT4 checkpoint (detected from config.json anyway); "
+        "awq / gptq = expect an AutoAWQ or a GPTQ INT4 checkpoint (detected from "
+        "config.json anyway); "
         "fp8 = FP8 W8A8 (e4m3 weights with per-output-channel scales, activations per "
         "token, torch._scaled_mm), quantized at load, or an FP8 checkpoint's own "
         "(compressed-tensors / fbgemm_fp8, detected from config.json anyway)",

@@ -218,7 +218,7 @@ def _with_qc(awq, tmp_path, **changes):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"quant_method": "gptq"}, "quantization method 'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "quantization method .bitsandbytes. is not supported"),
         ({"bits": 8}, "bits=8"),
         ({"version": "gemv"}, "version 'gemv'"),
         ({"zero_point": False}, "without zero points"),
@@ -240,4 +240,4 @@ def test_quantization_flag_must_fit_the_checkpoint(awq_dirs):
     with pytest.raises(ModelLoadError, match="no AWQ quantization_config"):
         ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="awq")
     with pytest.raises(ConfigError, match=r"quantization \(--quantization\) must be one of"):
-        ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="gptq")
+        ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="marlin")

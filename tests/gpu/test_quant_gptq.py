@@ -1,0 +1,138 @@
+"""GPTQ INT4 checkpoints (AutoGPTQ's "gptq" format, zero points stored minus one, and
+GPTQModel's "gptq_v2"; symmetric and asymmetric), written here from random tiny models
+with the format's documented packing: the loader unpacks them into the INT4 layers AWQ
+checkpoints use, and the model's greedy tokens are transformers' on a plain checkpoint of
+the dequantized weights (float32), served and offline.  Act-order and other GPTQ variants
+it cannot run are refused naming what; a zero bias AutoGPTQ writes is read past."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+import torch
+
+from gpu.config import ModelLoadError
+from gpu.loader import _unpack_int4
+from gpu.model_runner import ModelRunner
+from gpu.quant_eval import teacher_forced_logits
+from gpu.quant_linear import AWQLinear
+from modelkit.gptq import pack_cols, pack_rows, write_gptq_checkpoint
+from scheduler.sampling_params import SamplingParams
+from service.llm import LLM
+from tests.checkpoints import tiny_checkpoint
+from tests.gpu.test_tensor_parallel import hf_greedy
+from tests.service.live_server import live_server
+
+CASES = {  # name: (arch, sym, checkpoint_format, zero_bias)
+    "llama-asym-v1": ("llama", False, "gptq", True),
+    "llama-sym-v1": ("llama", True, "gptq", False),
+    "qwen2-asym-v2": ("qwen2", False, "gptq_v2", False),  # qwen2: q/k/v biases
+}
+
+
+@pytest.fixture(scope="module")
+def gptq_dirs(tmp_path_factory):
+    """(gptq checkpoint, plain checkpoint of its dequantized weights) per case."""
+    out = {}
+    for name, (arch, sym, fmt, zero_bias) in CASES.items():
+        root = tmp_path_factory.mktemp(f"gptq-{name}")
+        out[name] = (
+            write_gptq_checkpoint(
+                tiny_checkpoint(arch), root / "gptq", 64, sym=sym, checkpoint_format=fmt,
+                zero_bias=zero_bias, dequantized_copy=root / "ref",
+            ),
+            root / "ref",
+        )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_packing_round_trips_through_the_loader(fmt):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (128, 48), generator=g, dtype=torch.int32)
+    z = torch.randint(1, 16, (2, 48), generator=g, dtype=torch.int32)
+    # Input row 8 r + i of column c sits in nibble i of word (r, c).
+    assert (pack_rows(q)[3, 5] >> 8) & 0xF == q[26, 5]
+    hf = {"p.qweight": pack_rows(q), "p.qzeros": pack_cols(z - 1 if fmt == "gptq" else z),
+          "p.g_idx": torch.arange(128, dtype=torch.int32) // 64}  # fmt: skip
+    got_q, got_z = _unpack_int4(hf, "p.", fmt, 64)
+    assert torch.equal(got_q.to(torch.int32), q) and torch.equal(got_z.to(torch.int32), z)
+    hf["p.g_idx"] = torch.randperm(128, generator=g).to(torch.int32) // 64  # act-order
+    with pytest.raises(ModelLoadError, match="act-order"):
+        _unpack_int4(hf, "p.", fmt, 64)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gptq_model_matches_transformers_on_the_dequantized_weights(gptq_dirs, case):
+    gptq, ref = gptq_dirs[case]
+    r = ModelRunner(gptq, dtype="float32", device="cpu", num_kv_blocks=16)
+    r_ref = ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=16)
+    assert r.quantization == "gptq"
+    layer = r.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, AWQLinear)
+    assert isinstance(layer.mlp.down_proj, AWQLinear) and layer.mlp.down_proj.packed is not None
+    toks = list(range(7, 7 + 48))
+    a = teacher_forced_logits(r, toks, 32)
+    b = teacher_forced_logits(r_ref, toks, 32)
+    torch.testing.assert_close(a, b, atol=1e-3 * b.abs().max().item(), rtol=1e-3)
+    del r, r_ref
+    prompts = [[5 + i, 300, 17 * i + 2, 9, 41] for i in range(3)]
+    llm = LLM(str(gptq), dtype="float32", threads=1, num_kv_blocks=64)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(str(ref), p, 8)
+
+
+def test_gptq_served_through_the_openai_client(gptq_dirs):
+    gptq, ref = gptq_dirs["llama-sym-v1"]
+    with live_server(str(gptq), engine_kwargs={"quantization": "gptq"}) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        m = c.models.list().data[0].id
+        ids = [17, 305, 1200, 44, 9]
+        r = c.completions.create(
+            model=m, prompt=ids, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        assert r.choices[0].model_extra["token_ids"] == hf_greedy(str(ref), ids, 8)
+
+
+def _with_qc(src, tmp_path, **changes):
+    d = tmp_path / "ckpt"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {**cfg["quantization_config"], **changes}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"bits": 8}, "GPTQ with bits=8"),
+        ({"desc_act": True}, "act-order"),
+        ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+        ({"lm_head": True}, "quantized lm_head"),
+        ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+        ({"group_size": -1}, "GPTQ group_size -1"),
+    ],
+)
+def test_gptq_variants_it_cannot_run_are_refused(gptq_dirs, tmp_path, changes, message):
+    d = _with_qc(gptq_dirs["llama-asym-v1"][0], tmp_path, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        ModelRunner(d, dtype="float32", device="cpu", num_kv_blocks=8)
+
+
+def test_quantization_flag_must_fit_the_gptq_checkpoint(gptq_dirs):
+    gptq, ref = gptq_dirs["llama-asym-v1"]
+    for flag, message in (("int8", "GPTQ checkpoint is already quantized"),
+                          ("awq", "no AWQ quantization_config")):  # fmt: skip
+        with pytest.raises(ModelLoadError, match=message):
+            ModelRunner(gptq, dtype="float32", device="cpu", num_kv_blocks=8, quantization=flag)
+    with pytest.raises(ModelLoadError, match="no GPTQ quantization_config"):
+        ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=8, quantization="gptq")
