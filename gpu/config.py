@@ -377,8 +377,8 @@ def _awq_group_size(qc: dict[str, Any] | None, hidden: int) -> int | None:
             raise ModelLoadError(
                 "config.json: GPTQ per-module (dynamic) settings are not supported"
             )
-    if qc.get("desc_act") or qc.get("act_order"):
-        raise ModelLoadError("config.json: act-order (desc_act) quantization is not supported")
+    if method == "awq" and (qc.get("desc_act") or qc.get("act_order")):
+        raise ModelLoadError("config.json: AWQ act-order (desc_act) is not supported")
     if qc.get("modules_to_not_convert"):
         raise ModelLoadError(f"config.json: {name} modules_to_not_convert is not supported")
     group = qc.get("group_size", qc.get("q_group_size", 128))

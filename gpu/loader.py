@@ -331,23 +331,32 @@ def _awq_layers(
             q = torch.cat([u[0] for u in unpacked], dim=1)
             z = torch.cat([u[1] for u in unpacked], dim=1)
             s = torch.cat([hf[n + "scales"] for n in names], dim=1)
+            perm = unpacked[0][2]
+            # Parts that share an input share its Hessian, so GPTQ orders them alike.
+            if any(not _same_order(perm, u[2]) for u in unpacked[1:]):
+                raise ModelLoadError(
+                    f"{names[0]}: the parts of {fused} differ in act-order (g_idx); they "
+                    "cannot share one product"
+                )
             bias = sd.get(f"layers.{i}.{fused}.bias")
             parent_name, attr = fused.split(".")
             parent = getattr(layer, parent_name)
-            setattr(parent, attr, AWQLinear(q, z, s, bias, g, dtype, device))
+            setattr(parent, attr, AWQLinear(q, z, s, bias, g, dtype, device, perm))
 
 
 def _unpack_int4(
     hf: dict[str, torch.Tensor], name: str, fmt: str, g: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One projection's INT4 values [K, N] and zero points [K/g, N] (uint8), from AWQ's
-    or GPTQ's packing.  GPTQ: qweight packs 8 inputs a word (nibble i = input 8 r + i),
-    qzeros 8 outputs a word in order; the "gptq" format stores each zero point minus one
-    (AutoGPTQ's convention, read back as readers do: plus one, 1..16), "gptq_v2" as is.
-    Inputs must be in group order (g_idx = input // g): act-order checkpoints are refused
-    in config.json, and one whose g_idx says otherwise here."""
+    or GPTQ's packing, and for an act-order GPTQ checkpoint the input order that puts its
+    groups together (the rows come back in that order; the layer gathers its input so).
+    GPTQ: qweight packs 8 inputs a word (nibble i = input 8 r + i), qzeros 8 outputs a word
+    in order; the "gptq" format stores each zero point minus one (AutoGPTQ's convention,
+    read back as readers do: plus one, 1..16), "gptq_v2" as is.  g_idx is each input's
+    group: input // g without act-order, a permutation of that with it (GPTQ quantizes the
+    inputs in decreasing Hessian order, each group g of them)."""
     if fmt == "awq":
-        return unpack_awq(hf[name + "qweight"]), unpack_awq(hf[name + "qzeros"])
+        return unpack_awq(hf[name + "qweight"]), unpack_awq(hf[name + "qzeros"]), None
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     packed = hf[name + "qweight"]  # [K/8, N]
     q = ((packed[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, packed.shape[1])
@@ -356,14 +365,21 @@ def _unpack_int4(
     if fmt == "gptq":
         z = z + 1
     k = q.shape[0]
+    groups = torch.arange(k, dtype=torch.int64) // g
+    perm = None
     g_idx = hf.get(name + "g_idx")
-    if g_idx is not None and not torch.equal(
-        g_idx.to(torch.int64), torch.arange(k, dtype=torch.int64) // g
-    ):
-        raise ModelLoadError(
-            f"{name}g_idx: the inputs are not in group order (act-order), which is not supported"
-        )
-    return q.to(torch.uint8), z.to(torch.uint8)
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), groups):
+        perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+        if not torch.equal(g_idx.to(torch.int64)[perm], groups):
+            raise ModelLoadError(
+                f"{name}g_idx: its groups are not {g} inputs each, as group_size says"
+            )
+        q = q[perm]
+    return q.to(torch.uint8), z.to(torch.uint8), perm
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _fp8_layers(

@@ -205,7 +205,8 @@ def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor
 
 
 class AWQLinear(nn.Module):
-    """A linear layer from AWQ tensors (already unpacked), run by torch's int4 kernel."""
+    """A linear layer from INT4 tensors (AWQ's or GPTQ's, already unpacked), run by torch's
+    int4 kernel; `perm` (GPTQ act-order) gathers the input into the rows' order first."""
 
     def __init__(
         self,
@@ -216,10 +217,12 @@ class AWQLinear(nn.Module):
         group: int,
         dtype: torch.dtype,
         device: torch.device,
+        perm: torch.Tensor | None = None,  # act-order: the input order q's rows are in
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = q.shape
         self.group = group
+        self.perm = None if perm is None else perm.to(device)
         self.bias = None if bias is None else bias.to(device, dtype)
         s = scales.float()
         sz = torch.stack([s, (8.0 - zeros.float()) * s], dim=-1)  # [K/g, N, 2]
@@ -249,6 +252,8 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
         if self.packed is not None:
             y = _int4_mm(x2, self.packed, self.group, self.sz)
         else:

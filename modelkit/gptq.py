@@ -11,11 +11,14 @@ packed as AutoGPTQ / GPTQModel store it (`checkpoint_format` "gptq", the default
             "gptq" format stores each zero point minus one (AutoGPTQ's convention), so a
             zero point of 0 cannot be stored there: asymmetric groups are clamped to 1..15
   scales    [in / g, out] float16
-  g_idx     [in] int32: input i's group, i // g (no act-order)
+  g_idx     [in] int32: input i's group, i // g; with act-order (`desc_act`) the groups
+            are formed over a permutation of the inputs (GPTQ's decreasing Hessian
+            order; here a random one, shared by the projections that read the same input,
+            as the Hessian is), and qweight keeps the inputs' own order
   config.json quantization_config: quant_method "gptq", bits 4, group_size g,
-            desc_act false, sym, checkpoint_format
+            desc_act, sym, checkpoint_format
 
-`python -m modelkit.gptq SRC DST --group-size 64 [--sym] [--format gptq_v2]`.
+`python -m modelkit.gptq SRC DST --group-size 64 [--sym] [--act-order] [--format gptq_v2]`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from modelkit.awq import PROJECTIONS, dequantized, quantize_groups
+from modelkit.awq import PROJECTIONS, quantize_groups
+
+# The input each projection reads (q, k and v the same one; gate and up the same one).
+_INPUT_OF = {"q_proj": ".qkv", "k_proj": ".qkv", "v_proj": ".qkv", "o_proj": ".o",
+             "gate_proj": ".gate_up", "up_proj": ".gate_up", "down_proj": ".down"}  # fmt: skip
 
 
 def quantize_symmetric(
@@ -75,31 +82,46 @@ def write_gptq_checkpoint(
     sym: bool = False,
     checkpoint_format: str = "gptq",
     zero_bias: bool = False,
+    act_order: bool = False,
     dequantized_copy: str | Path | None = None,
 ) -> Path:
     """Quantize src's projections into a GPTQ checkpoint at dst.  zero_bias: also store a
-    zero bias for each projection, as AutoGPTQ does for models without one.
-    dequantized_copy: also write a plain checkpoint of the dequantized weights."""
+    zero bias for each projection, as AutoGPTQ does for models without one.  act_order:
+    groups over a permutation of the inputs (desc_act).  dequantized_copy: also write a
+    plain checkpoint of the dequantized weights."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     sd = load_file(str(src / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     plain: dict[str, torch.Tensor] = {}
+    perms: dict[str, torch.Tensor] = {}  # by the input the projection reads
     for name, t in sd.items():
         base = name.removesuffix(".weight")
         if name.endswith(".weight") and base.endswith(PROJECTIONS):
-            q, z, s = (quantize_symmetric if sym else quantize_groups)(t, group_size)
+            k_in = t.shape[1]
+            groups = torch.arange(k_in, dtype=torch.int64) // group_size
+            perm = torch.arange(k_in)
+            if act_order:
+                reads = base.rsplit(".", 1)[0] + _INPUT_OF[base.rsplit(".", 1)[1]]
+                gen = torch.Generator().manual_seed(len(perms))
+                perm = perms.setdefault(reads, torch.randperm(k_in, generator=gen))
+            q, z, s = (quantize_symmetric if sym else quantize_groups)(t[:, perm], group_size)
             if checkpoint_format == "gptq" and not sym:
                 # (a zero point is stored minus one here; 0 has no code: the group's
                 # values shift a step, and the dequantized copy says so)
                 z = z.clamp(min=1)
-            out[base + ".qweight"] = pack_rows(q)
+            g_idx = torch.empty_like(groups)
+            g_idx[perm] = groups  # input perm[i] is in group i // g
+            rows = torch.empty_like(q)
+            rows[perm] = q  # back in the inputs' own order
+            out[base + ".qweight"] = pack_rows(rows)
             out[base + ".qzeros"] = pack_cols(z - 1 if checkpoint_format == "gptq" else z)
             out[base + ".scales"] = s
-            out[base + ".g_idx"] = torch.arange(t.shape[1], dtype=torch.int32) // group_size
+            out[base + ".g_idx"] = g_idx.to(torch.int32)
             if zero_bias:
                 out[base + ".bias"] = torch.zeros(t.shape[0], dtype=torch.float16)
-            plain[name] = dequantized(q, z, s).to(t.dtype)
+            w = (rows.float() - z[g_idx].float()) * s[g_idx].float()  # [in, out]
+            plain[name] = w.t().contiguous().to(t.dtype)
         else:
             out[name] = t.contiguous()
             plain[name] = t
@@ -120,7 +142,7 @@ def write_gptq_checkpoint(
         "quant_method": "gptq",
         "bits": 4,
         "group_size": group_size,
-        "desc_act": False,
+        "desc_act": act_order,
         "sym": sym,
         "checkpoint_format": checkpoint_format,
     }
@@ -136,9 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("dst")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--sym", action="store_true")
+    ap.add_argument("--act-order", action="store_true")
     ap.add_argument("--format", default="gptq", choices=["gptq", "gptq_v2"])
     a = ap.parse_args(argv)
-    write_gptq_checkpoint(a.src, a.dst, a.group_size, sym=a.sym, checkpoint_format=a.format)
+    write_gptq_checkpoint(
+        a.src, a.dst, a.group_size, sym=a.sym, checkpoint_format=a.format,
+        act_order=a.act_order,
+    )  # fmt: skip
     print(a.dst)
     return 0
 

@@ -2,8 +2,9 @@
 GPTQModel's "gptq_v2"; symmetric and asymmetric), written here from random tiny models
 with the format's documented packing: the loader unpacks them into the INT4 layers AWQ
 checkpoints use, and the model's greedy tokens are transformers' on a plain checkpoint of
-the dequantized weights (float32), served and offline.  Act-order and other GPTQ variants
-it cannot run are refused naming what; a zero bias AutoGPTQ writes is read past."""
+the dequantized weights (float32), served and offline; with act-order too (each layer
+gathers its input into its groups' order).  GPTQ variants it cannot run are refused naming
+what; a zero bias AutoGPTQ writes is read past."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ from tests.checkpoints import tiny_checkpoint
 from tests.gpu.test_tensor_parallel import hf_greedy
 from tests.service.live_server import live_server
 
-CASES = {  # name: (arch, sym, checkpoint_format, zero_bias)
-    "llama-asym-v1": ("llama", False, "gptq", True),
-    "llama-sym-v1": ("llama", True, "gptq", False),
-    "qwen2-asym-v2": ("qwen2", False, "gptq_v2", False),  # qwen2: q/k/v biases
+CASES = {  # name: (arch, sym, checkpoint_format, zero_bias, act_order)
+    "llama-asym-v1": ("llama", False, "gptq", True, False),
+    "llama-sym-v1": ("llama", True, "gptq", False, False),
+    "qwen2-asym-v2": ("qwen2", False, "gptq_v2", False, False),  # qwen2: q/k/v biases
+    "llama-sym-act-order": ("llama", True, "gptq", False, True),
+    "qwen2-asym-v2-act-order": ("qwen2", False, "gptq_v2", False, True),
 }
 
 
@@ -37,12 +40,12 @@ CASES = {  # name: (arch, sym, checkpoint_format, zero_bias)
 def gptq_dirs(tmp_path_factory):
     """(gptq checkpoint, plain checkpoint of its dequantized weights) per case."""
     out = {}
-    for name, (arch, sym, fmt, zero_bias) in CASES.items():
+    for name, (arch, sym, fmt, zero_bias, act_order) in CASES.items():
         root = tmp_path_factory.mktemp(f"gptq-{name}")
         out[name] = (
             write_gptq_checkpoint(
                 tiny_checkpoint(arch), root / "gptq", 64, sym=sym, checkpoint_format=fmt,
-                zero_bias=zero_bias, dequantized_copy=root / "ref",
+                zero_bias=zero_bias, act_order=act_order, dequantized_copy=root / "ref",
             ),
             root / "ref",
         )  # fmt: skip
@@ -58,10 +61,20 @@ def test_packing_round_trips_through_the_loader(fmt):
     assert (pack_rows(q)[3, 5] >> 8) & 0xF == q[26, 5]
     hf = {"p.qweight": pack_rows(q), "p.qzeros": pack_cols(z - 1 if fmt == "gptq" else z),
           "p.g_idx": torch.arange(128, dtype=torch.int32) // 64}  # fmt: skip
-    got_q, got_z = _unpack_int4(hf, "p.", fmt, 64)
+    got_q, got_z, perm = _unpack_int4(hf, "p.", fmt, 64)
     assert torch.equal(got_q.to(torch.int32), q) and torch.equal(got_z.to(torch.int32), z)
-    hf["p.g_idx"] = torch.randperm(128, generator=g).to(torch.int32) // 64  # act-order
-    with pytest.raises(ModelLoadError, match="act-order"):
+    assert perm is None
+    # Act-order: input order[i] in group i // 64; the rows come back grouped, with the
+    # order that gathers the input alike.
+    order = torch.randperm(128, generator=g)
+    g_idx = torch.empty(128, dtype=torch.int32)
+    g_idx[order] = torch.arange(128, dtype=torch.int32) // 64
+    hf["p.g_idx"] = g_idx
+    got_q, _, perm = _unpack_int4(hf, "p.", fmt, 64)
+    assert torch.equal(got_q.to(torch.int32), q[perm])
+    assert torch.equal(g_idx[perm].long(), torch.arange(128) // 64)
+    hf["p.g_idx"] = torch.zeros(128, dtype=torch.int32)  # one group of 128, not two of 64
+    with pytest.raises(ModelLoadError, match="not 64 inputs each"):
         _unpack_int4(hf, "p.", fmt, 64)
 
 
@@ -115,7 +128,6 @@ def _with_qc(src, tmp_path, **changes):
     ("changes", "message"),
     [
         ({"bits": 8}, "GPTQ with bits=8"),
-        ({"desc_act": True}, "act-order"),
         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         ({"lm_head": True}, "quantized lm_head"),
         ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
@@ -125,6 +137,21 @@ def _with_qc(src, tmp_path, **changes):
 def test_gptq_variants_it_cannot_run_are_refused(gptq_dirs, tmp_path, changes, message):
     d = _with_qc(gptq_dirs["llama-asym-v1"][0], tmp_path, **changes)
     with pytest.raises(ModelLoadError, match=message):
+        ModelRunner(d, dtype="float32", device="cpu", num_kv_blocks=8)
+
+
+def test_fused_parts_must_share_their_act_order(gptq_dirs, tmp_path):
+    """q, k and v read one input, so GPTQ orders them alike; a file where they differ
+    cannot run as one fused product and is refused naming the projection."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(gptq_dirs["llama-sym-act-order"][0], d)
+    sd = load_file(str(d / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    sd[name] = sd[name].flip(0).contiguous()
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="qkv_proj differ in act-order"):
         ModelRunner(d, dtype="float32", device="cpu", num_kv_blocks=8)
 
 
