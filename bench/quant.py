@@ -1,8 +1,9 @@
 """Section `quant`: what quantization buys and costs, in one run on one model.
 
 Rows: the model dtype (baseline), int8 KV, fp8 KV, int8 weights, AWQ INT4 weights (a
-checkpoint written from the same model by modelkit.awq, group 64), and int8 KV + int8
-weights.  Columns: KV bytes per token and KV blocks (= concurrent tokens) at the same KV
+checkpoint written from the same model by modelkit.awq, group 64), GPTQ INT4 weights with
+act-order (modelkit.gptq, group 64, symmetric: the same INT4 layers, each gathering its
+input into its groups' order), and int8 KV + int8 weights.  Columns: KV bytes per token and KV blocks (= concurrent tokens) at the same KV
 memory, projection weight bytes, batch-1 decode tokens/s (model forward + logits per
 token; the ratio is against a baseline runner timed in alternating turns with the row), offline throughput (LLM.generate on a small mixed workload), and drift from the
 baseline (teacher-forced logits: KL and top-1 agreement; greedy: share of identical
@@ -17,13 +18,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-CONFIGS = [  # label, kv_cache_dtype, quantization, use the AWQ checkpoint
-    ("baseline", "auto", None, False),
-    ("int8 KV", "int8", None, False),
-    ("fp8 KV", "fp8", None, False),
-    ("int8 weights", "auto", "int8", False),
-    ("AWQ int4 weights", "auto", None, True),
-    ("int8 KV + int8 weights", "int8", "int8", False),
+CONFIGS = [  # label, kv_cache_dtype, quantization, the INT4 checkpoint to use (or None)
+    ("baseline", "auto", None, None),
+    ("int8 KV", "int8", None, None),
+    ("fp8 KV", "fp8", None, None),
+    ("int8 weights", "auto", "int8", None),
+    ("AWQ int4 weights", "auto", None, "awq"),
+    ("GPTQ int4 weights, act-order", "auto", None, "gptq"),
+    ("int8 KV + int8 weights", "int8", "int8", None),
 ]
 KV_MEMORY = 1 << 30  # the same KV budget for every row
 DECODE_TURNS = 3
@@ -40,13 +42,17 @@ def _side_by_side(runner, base) -> tuple[float, float]:
     return max(mine), max(theirs)
 
 
-def _awq_dir(path: Path) -> Path:
+def _int4_dir(path: Path, kind: str) -> Path:
     from modelkit.awq import write_awq_checkpoint
+    from modelkit.gptq import write_gptq_checkpoint
 
-    out = path.parent / (path.name + "-awq64")
+    out = path.parent / (path.name + f"-{kind}64")
     if not (out / "config.json").is_file():
-        print(f"writing an AWQ copy of {path} to {out} ...", flush=True)
-        write_awq_checkpoint(path, out, 64)
+        print(f"writing the {kind.upper()} copy of {path} to {out} ...", flush=True)
+        if kind == "awq":
+            write_awq_checkpoint(path, out, 64)
+        else:
+            write_gptq_checkpoint(path, out, 64, sym=True, act_order=True)
     return out
 
 
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     from scheduler.sampling_params import SamplingParams
 
     path = model_dir(args)
-    awq = _awq_dir(path)
+    int4 = {kind: _int4_dir(path, kind) for kind in ("awq", "gptq")}
     cfg = ModelConfig.from_dir(path)
     work = mixed(args.quant_n, (32, 128), (16, 32), cfg.vocab_size, seed=3)
     params = [SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True) for w in work]
@@ -94,8 +100,8 @@ def run(args: argparse.Namespace, table: Callable, model_dir: Callable) -> str:
     # two taking turns (best of DECODE_TURNS each): on a shared machine the load moves
     # between rows run a minute apart, so only a ratio measured side by side means much.
     base = ModelRunner(path, dtype=args.dtype, device="cpu", kv_cache_bytes=KV_MEMORY >> 4)
-    for label, kv, wq, use_awq in CONFIGS:
-        ckpt = awq if use_awq else path
+    for label, kv, wq, kind in CONFIGS:
+        ckpt = int4[kind] if kind else path
         r = ModelRunner(ckpt, dtype=args.dtype, device="cpu", kv_cache_bytes=KV_MEMORY,
                         kv_cache_dtype=kv, quantization=wq)  # fmt: skip
         per_token = r.kv_bytes_per_block // r.block_size

@@ -86,7 +86,7 @@ def test_gptq_model_matches_transformers_on_the_dequantized_weights(gptq_dirs, c
     assert r.quantization == "gptq"
     layer = r.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, AWQLinear)
-    assert isinstance(layer.mlp.down_proj, AWQLinear) and layer.mlp.down_proj.packed is not None
+    assert isinstance(layer.mlp.down_proj, AWQLinear)  # (float32: dequantized at load)
     toks = list(range(7, 7 + 48))
     a = teacher_forced_logits(r, toks, 32)
     b = teacher_forced_logits(r_ref, toks, 32)
@@ -100,6 +100,30 @@ def test_gptq_model_matches_transformers_on_the_dequantized_weights(gptq_dirs, c
         llm.shutdown()
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(str(ref), p, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_order_layer_gathers_its_input(dtype):
+    """An INT4 layer whose rows are in act-order's group order (perm) equals the plain
+    product with the dequantized weight in the inputs' own order: through torch's int4
+    kernel (bf16) and the dequantized weight (float32)."""
+    from modelkit.awq import quantize_groups
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 256, generator=g) * 0.05  # [N, K]
+    perm = torch.randperm(256, generator=g)
+    q, z, s = quantize_groups(w[:, perm], 64)  # groups over the permuted inputs
+    layer = AWQLinear(q.to(torch.uint8), z.to(torch.uint8), s, None, 64, dtype,
+                      torch.device("cpu"), perm)  # fmt: skip
+    assert (layer.packed is not None) == (dtype == torch.bfloat16)
+    w_deq = torch.empty(96, 256)
+    w_deq[:, perm] = ((q.float() - z.float().repeat_interleave(64, 0))
+                      * s.float().repeat_interleave(64, 0)).t()  # fmt: skip
+    x = torch.randn(5, 256, generator=g)
+    ref = x @ w_deq.t()
+    got = layer(x.to(dtype)).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
 def test_gptq_served_through_the_openai_client(gptq_dirs):
