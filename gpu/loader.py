@@ -17,6 +17,7 @@ from gpu.quant_linear import (
     FP8_DTYPE,
     AWQLinear,
     Fp8Linear,
+    awq_dequantize,
     quantize_model_fp8,
     quantize_model_int8,
     unpack_awq,
@@ -319,10 +320,15 @@ def _awq_layers(
 ) -> None:
     """Replace each fused projection with an AWQLinear built from its parts' INT4 tensors
     (AWQ's or GPTQ's, unpacked, concatenated along the output dim, repacked for torch's
-    int4 kernel)."""
+    int4 kernel); or, in float32 on a CPU, put their dequantized weight in `sd`."""
     g = cfg.awq_group_size
     assert g is not None
     fmt = cfg.int4_format or "awq"
+    # In float32 on a CPU the weights are dequantized here into plain projections, which
+    # the CPU path then packs and fuses like any checkpoint's: torch's int4 CPU kernel is
+    # quick with 16-bit activations but 8-26x slower than dense with float32 ones (see
+    # AWQLinear).  Exact: every INT4 value times its scale is a float32.
+    dense = device.type == "cpu" and dtype == torch.float32
     for i in range(cfg.num_layers):
         layer = model.layers[i]
         for fused, parts in _FUSED.items():
@@ -338,7 +344,14 @@ def _awq_layers(
                     f"{names[0]}: the parts of {fused} differ in act-order (g_idx); they "
                     "cannot share one product"
                 )
-            bias = sd.get(f"layers.{i}.{fused}.bias")
+            key = f"layers.{i}.{fused}"
+            if dense:
+                w = awq_dequantize(q, z, s, g)  # [N, K], inputs in perm's order
+                if perm is not None:
+                    w = torch.empty_like(w).index_copy_(1, perm, w)
+                sd[key + ".weight"] = w.to(device, dtype)
+                continue
+            bias = sd.pop(key + ".bias", None)
             parent_name, attr = fused.split(".")
             parent = getattr(layer, parent_name)
             setattr(parent, attr, AWQLinear(q, z, s, bias, g, dtype, device, perm))
@@ -483,8 +496,7 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(local_config(cfg, tp, pp), backend, max_positions, tp, pp)
     if cfg.awq_group_size:
-        _awq_layers(cfg, hf, model, sd, dtype, device)
-        sd = {k: v for k, v in sd.items() if not k.endswith("proj.bias")}
+        _awq_layers(cfg, hf, model, sd, dtype, device)  # (the biases it takes leave sd)
     for (i, fused), (q, s) in fp8.items():
         # The checkpoint's FP8 bytes and scales as they are, no requantization.
         prefix = f"layers.{i - start}.{fused}"

@@ -93,6 +93,21 @@ def write_awq_checkpoint(
         else:
             out[name] = t.contiguous()
             plain[name] = t
+    qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+          "version": "gemm"}  # fmt: skip
+    return save_quantized(src, dst, out, plain, qc, dequantized_copy)
+
+
+def save_quantized(
+    src: Path,
+    dst: Path,
+    out: dict[str, torch.Tensor],
+    plain: dict[str, torch.Tensor],
+    quantization_config: dict,
+    dequantized_copy: str | Path | None,
+) -> Path:
+    """Write the quantized tensors `out` to dst with src's other files and its config plus
+    `quantization_config`; the dequantized `plain` tensors to dequantized_copy if given."""
     save_file(out, str(dst / "model.safetensors"), {"format": "pt"})
     (dst / "model.safetensors").chmod(0o644)  # safetensors writes 0600
     cfg = json.loads((src / "config.json").read_text())
@@ -106,13 +121,7 @@ def write_awq_checkpoint(
         for f in src.iterdir():
             if f.is_file() and f.name != "model.safetensors":
                 shutil.copy(f, ref / f.name)
-    cfg["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": group_size,
-        "zero_point": True,
-        "version": "gemm",
-    }
+    cfg["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))  # last: marks it complete
     return dst
 

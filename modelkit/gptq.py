@@ -24,15 +24,13 @@ packed as AutoGPTQ / GPTQModel store it (`checkpoint_format` "gptq", the default
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from modelkit.awq import PROJECTIONS, quantize_groups
+from modelkit.awq import PROJECTIONS, quantize_groups, save_quantized
 
 # The input each projection reads (q, k and v the same one; gate and up the same one).
 _INPUT_OF = {"q_proj": ".qkv", "k_proj": ".qkv", "v_proj": ".qkv", "o_proj": ".o",
@@ -125,29 +123,9 @@ def write_gptq_checkpoint(
         else:
             out[name] = t.contiguous()
             plain[name] = t
-    save_file(out, str(dst / "model.safetensors"), {"format": "pt"})
-    (dst / "model.safetensors").chmod(0o644)  # safetensors writes 0600
-    cfg = json.loads((src / "config.json").read_text())
-    for f in src.iterdir():
-        if f.is_file() and f.name not in ("model.safetensors", "config.json"):
-            shutil.copy(f, dst / f.name)
-    if dequantized_copy is not None:
-        ref = Path(dequantized_copy)
-        ref.mkdir(parents=True, exist_ok=True)
-        save_file(plain, str(ref / "model.safetensors"), {"format": "pt"})
-        for f in src.iterdir():
-            if f.is_file() and f.name != "model.safetensors":
-                shutil.copy(f, ref / f.name)
-    cfg["quantization_config"] = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": group_size,
-        "desc_act": act_order,
-        "sym": sym,
-        "checkpoint_format": checkpoint_format,
-    }
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))  # last: marks it complete
-    return dst
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
+          "sym": sym, "checkpoint_format": checkpoint_format}  # fmt: skip
+    return save_quantized(src, dst, out, plain, qc, dequantized_copy)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,6 @@ what; a zero bias AutoGPTQ writes is read past."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import openai
@@ -24,6 +23,7 @@ from modelkit.gptq import pack_cols, pack_rows, write_gptq_checkpoint
 from scheduler.sampling_params import SamplingParams
 from service.llm import LLM
 from tests.checkpoints import tiny_checkpoint
+from tests.gpu.test_quant_weights import _with_qc
 from tests.gpu.test_tensor_parallel import hf_greedy
 from tests.service.live_server import live_server
 
@@ -85,8 +85,8 @@ def test_gptq_model_matches_transformers_on_the_dequantized_weights(gptq_dirs, c
     r_ref = ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=16)
     assert r.quantization == "gptq"
     layer = r.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, AWQLinear)
-    assert isinstance(layer.mlp.down_proj, AWQLinear)  # (float32: dequantized at load)
+    # float32 on a CPU: dequantized into plain projections at load (the CPU path's own)
+    assert not isinstance(layer.self_attn.qkv_proj, AWQLinear)
     toks = list(range(7, 7 + 48))
     a = teacher_forced_logits(r, toks, 32)
     b = teacher_forced_logits(r_ref, toks, 32)
@@ -100,6 +100,30 @@ def test_gptq_model_matches_transformers_on_the_dequantized_weights(gptq_dirs, c
         llm.shutdown()
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(str(ref), p, 8)
+
+
+@pytest.mark.parametrize("case", ["llama-sym-act-order", "qwen2-asym-v2"])
+def test_bf16_runs_torch_int4_kernel_with_act_order(gptq_dirs, case):
+    """bfloat16 keeps the weights packed (torch's int4 kernel, act-order's input gathered
+    in the layer): its logits are as near the dequantized weights' float32 logits as the
+    dequantized checkpoint's own in bfloat16 (the error is bf16's, not the packing's)."""
+    gptq, ref = gptq_dirs[case]
+    r = ModelRunner(gptq, dtype="bfloat16", device="cpu", num_kv_blocks=16)
+    qkv = r.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, AWQLinear) and qkv.packed is not None
+    assert (qkv.perm is not None) == case.endswith("act-order")
+    toks = list(range(7, 7 + 48))
+    packed = teacher_forced_logits(r, toks, 32).float()
+    del r
+    dense = {
+        dt: teacher_forced_logits(
+            ModelRunner(ref, dtype=dt, device="cpu", num_kv_blocks=16), toks, 32
+        ).float()
+        for dt in ("bfloat16", "float32")
+    }
+    exact = dense["float32"]
+    err = (packed - exact).abs().max()
+    assert err <= 1.5 * (dense["bfloat16"] - exact).abs().max() + 1e-3 * exact.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -137,15 +161,6 @@ def test_gptq_served_through_the_openai_client(gptq_dirs):
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )  # fmt: skip
         assert r.choices[0].model_extra["token_ids"] == hf_greedy(str(ref), ids, 8)
-
-
-def _with_qc(src, tmp_path, **changes):
-    d = tmp_path / "ckpt"
-    shutil.copytree(src, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {**cfg["quantization_config"], **changes}
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
 
 
 @pytest.mark.parametrize(

@@ -202,8 +202,8 @@ def test_awq_model_matches_dequantized_checkpoint(awq_dirs, arch):
     r_ref = ModelRunner(ref, dtype="float32", device="cpu", num_kv_blocks=16)
     assert r_awq.quantization == "awq"
     layer = r_awq.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, AWQLinear)
-    assert isinstance(layer.mlp.down_proj, AWQLinear) and layer.mlp.down_proj.weight is not None
+    # float32 on a CPU: dequantized into plain projections at load (the CPU path's own)
+    assert not isinstance(layer.self_attn.qkv_proj, AWQLinear)
     toks = list(range(7, 7 + 48))
     a = teacher_forced_logits(r_awq, toks, 32)
     b = teacher_forced_logits(r_ref, toks, 32)
