@@ -268,6 +268,8 @@ async def _load_engine(app: web.Application, state: ServerState) -> None:
         )
         metrics = _engine_metrics(engine, names[0])
         metrics.watch_streams(state.streams)
+        if hasattr(engine.core, "ranks"):  # data parallelism: each rank's load
+            metrics.watch_ranks(engine.core)
         waiting = engine.config.scheduler.max_waiting_requests or 1024
         prep = Preprocessor(engine, state.config.limits, waiting)
         prep.on_truncated = metrics.on_truncated

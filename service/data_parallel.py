@@ -68,7 +68,11 @@ def rank_builder(
     config: EngineConfig,
 ) -> AsyncEngine:
     """What a rank's process runs to build its engine: pinned to its own cores (on CPU)
-    or GPU, then built as one engine is (pickled by name with its arguments)."""
+    or GPU, then built as one engine is (pickled by name with its arguments).  Its log
+    lines say which rank wrote them."""
+    fmt = f"%(asctime)s %(levelname)s %(name)s [engine {rank}]: %(message)s"
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(fmt))
     kw: dict[str, Any] = {}
     if cores:
         # The calling thread, before the executor's thread and torch's OpenMP team exist:
@@ -275,6 +279,8 @@ class DataParallelCore:
         self._conversations: OrderedDict[str, int] = OrderedDict()
         self.routed = [0] * n  # request groups sent to each rank (tests, /debug/state)
         self.routed_by_prefix = 0
+        # Each rank's stats as of the last /metrics scrape (its per-rank gauges).
+        self.rank_stats: list[SchedulerStats] = []
         self._turn = 0  # the rank a tie goes to next
 
     # ------------------------------------------------------------ start-up
@@ -481,7 +487,8 @@ class DataParallelCore:
             for _, _, h in results:
                 for k, v in h.items():
                     hooks[k] = hooks.get(k, 0) + v
-            stats = _add_stats([s for s, _, _ in results])
+            self.rank_stats = [s for s, _, _ in results]
+            stats = _add_stats(self.rank_stats)
             return stats, sum(u for _, u, _ in results), hooks
         if what == "debug_counts":
             total: dict[str, Any] = {}

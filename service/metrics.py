@@ -447,8 +447,43 @@ class Metrics:
         (service/openai_responses.py), read at scrape time."""
         self.registry.register(_ResponsesCollector(serving, self.model_name))
 
+    def watch_ranks(self, core: Any) -> None:
+        """Data parallelism (service/data_parallel.py): each rank's load, as of the scrape's
+        stats query, and the requests routed to it."""
+        self.registry.register(_RanksCollector(core, self.model_name))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RanksCollector(Collector):
+    def __init__(self, core: Any, model_name: str) -> None:
+        self.core = core
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        m, core = [self.model_name], self.core
+        per_rank = (
+            ("pagestream_dp_rank_requests_running", "Sequences running on each rank.",
+             lambda st: st.num_running),
+            ("pagestream_dp_rank_requests_waiting", "Sequences waiting on each rank.",
+             lambda st: st.num_waiting),
+            ("pagestream_dp_rank_kv_cache_usage", "Each rank's KV cache in use (0-1).",
+             lambda st: st.kv_usage),
+        )  # fmt: skip
+        for name, doc, read in per_rank:
+            g = GaugeMetricFamily(name, doc, labels=["model_name", "rank"])
+            for i, st in enumerate(core.rank_stats):
+                g.add_metric([*m, str(i)], read(st))
+            yield g
+        c = CounterMetricFamily(
+            "pagestream_dp_rank_routed_requests",
+            "Requests the server sent to each data-parallel rank.",
+            labels=["model_name", "rank"],
+        )
+        for i, n in enumerate(core.routed):
+            c.add_metric([*m, str(i)], n)
+        yield c
 
 
 class _ResponsesCollector(Collector):

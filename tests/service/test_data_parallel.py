@@ -161,6 +161,16 @@ async def test_abort_frees_kv_and_metrics_add_the_ranks(dp):
             ln for ln in text.splitlines() if ln.startswith("pagestream_num_requests_running")
         ]
         assert float(running[0].split()[-1]) == 4, running
+        per_rank = {}
+        for ln in text.splitlines():
+            if ln.startswith(("pagestream_dp_rank_requests_running{",
+                              "pagestream_dp_rank_routed_requests_total{")):  # fmt: skip
+                name, value = ln.rsplit(" ", 1)
+                per_rank[name] = float(value)
+        running_by_rank = [v for k, v in sorted(per_rank.items()) if "running" in k]
+        assert sum(running_by_rank) == 4 and all(running_by_rank), per_rank
+        routed_by_rank = [v for k, v in sorted(per_rank.items()) if "routed" in k]
+        assert routed_by_rank == [r["routed"] for r in debug(dp.url)["data_parallel_ranks"]]
         for s in streams:
             await s.close()
     deadline = time.monotonic() + 30
@@ -188,6 +198,8 @@ async def test_a_rank_that_dies_takes_the_server_down(tmp_path, model):
         assert all(_failed_by_the_engine(ev) for ev in ends), [ev[-2:] for ev in ends]
         assert await asyncio.to_thread(proc.wait, 30) == ENGINE_FAILURE_EXIT
     assert await asyncio.to_thread(wait_gone, kids[0], 30), "rank 0 outlived its server"
+    log = "".join(p.read_text(errors="replace") for p in tmp_path.glob("server-*.log"))
+    assert "[engine 0]" in log and "[engine 1]" in log  # each rank's lines say which
 
 
 def test_bad_combinations_are_refused_naming_the_flag(model):
