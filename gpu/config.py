@@ -338,7 +338,7 @@ def _int4_format(qc: dict[str, Any] | None) -> str | None:
 
 
 def _awq_group_size(qc: dict[str, Any] | None, hidden: int) -> int | None:
-    """The group size of an INT4 checkpoint (AutoAWQ GEMM, or GPTQ without act-order);
+    """The group size of an INT4 checkpoint (AutoAWQ GEMM, or GPTQ with or without act-order);
     None when it is not quantized; a clear error for every quantized format this loader
     cannot run."""
     if not qc:

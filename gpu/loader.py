@@ -468,8 +468,8 @@ def load_model(
         )
     if quantization in ("int8", "fp8") and cfg.awq_group_size:
         raise ModelLoadError(
-            f"{path}: an {int4.upper()} checkpoint is already quantized; drop --quantization "
-            f"{quantization}"
+            f"{path}: this {int4.upper()} checkpoint is already quantized; drop "
+            f"--quantization {quantization}"
         )
     if quantization in ("int8", "awq", "gptq") and cfg.fp8_format:
         raise ModelLoadError(
