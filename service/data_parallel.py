@@ -278,6 +278,7 @@ class DataParallelCore:
         self._index = [_PrefixIndex(int(r.facts["num_kv_blocks"])) for r in ranks]
         self._conversations: OrderedDict[str, int] = OrderedDict()
         self.routed = [0] * n  # request groups sent to each rank (tests, /debug/state)
+        # Requests a cached prefix drew away from the least-loaded rank (/debug/state).
         self.routed_by_prefix = 0
         # Each rank's stats as of the last /metrics scrape (its per-rank gauges).
         self.rank_stats: list[SchedulerStats] = []
@@ -502,6 +503,7 @@ class DataParallelCore:
                             d[kk] = d.get(kk, 0) + vv
                     else:
                         total.setdefault(k, v)
+            total["data_parallel_routed_by_prefix"] = self.routed_by_prefix
             dead = [c["engine_dead"] for c in results if c.get("engine_dead")]
             total["engine_dead"] = dead[0] if dead else None
             total["data_parallel_ranks"] = [

@@ -105,13 +105,16 @@ async def test_a_shared_prefix_goes_to_the_rank_that_cached_it(dp):
     prefixes = [[1000 + 10 * k + j % 7 for j in range(4 * BLOCK)] for k in range(4)]
     async with client(dp.url) as c:
         await asyncio.gather(*(complete(c, [*p, 3]) for p in prefixes))
-        for turn in range(2):
-            for k, p in enumerate(prefixes):
+        # Each prefix extended twice in a row: the second time load alone (ties in turn)
+        # would send it to the other rank than the one that cached it.
+        for k, p in enumerate(prefixes):
+            for turn in range(2):
                 out = await complete(c, [*p, 50 + turn, 60 + k], 2)
                 cached = out.usage.prompt_tokens_details.cached_tokens
                 assert cached >= 4 * BLOCK - BLOCK, (turn, k, cached)
-    ranks = debug(dp.url)["data_parallel_ranks"]
-    assert all(r["routed"] > 0 for r in ranks)
+    state = debug(dp.url)
+    assert all(r["routed"] > 0 for r in state["data_parallel_ranks"])
+    assert state["data_parallel_routed_by_prefix"] >= 4  # against the ties' turn
 
 
 async def test_a_conversation_stays_on_its_rank(dp):
