@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scheduler.config import ConfigError, EngineConfig
-from scheduler.engine_core import EngineCore, EngineDeadError
+from scheduler.engine_core import DuplicateRequestId, EngineCore, EngineDeadError
 from scheduler.request import Request
+from scheduler.scheduler import check_group
 from scheduler.stream import RequestStream
 from service.engine_proc import EngineProcessError, ProcessCore
 
@@ -369,9 +370,15 @@ class DataParallelCore:
         return out
 
     # ------------------------------------------------------------ requests
+    def _check_id(self, group: list[Request]) -> None:
+        """The id free on every rank: a rank checks only its own streams."""
+        gid = group[0].group_id
+        if any(gid in r.streams for r in self.ranks):
+            raise DuplicateRequestId(f"request id {gid!r} is already in use")
+
     def validate(self, group: list[Request]) -> None:
-        for r in self.ranks:
-            r.validate(group)  # the id is free on every rank; the group fits one
+        self._check_id(group)
+        check_group(group, self.facts["max_model_len"], self.facts["max_num_seqs"])
 
     def queued(self) -> tuple[int, int]:
         seqs = tokens = 0
@@ -426,6 +433,7 @@ class DataParallelCore:
     def add(self, group: list[Request], wake_on_tokens: bool = True) -> RequestStream:
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
+        self._check_id(group)  # (the rank's add checks the group itself)
         self.admit([group])
         rank, hashes = self.route(group)
         stream = self.ranks[rank].add(group, wake_on_tokens)

@@ -319,3 +319,28 @@ def test_ranks_share_kv_through_the_redis_tier(model):
             assert loaded >= info["blocks"] - 1
     finally:
         redis.stop()
+
+
+def test_a_live_id_is_refused_whichever_rank_holds_it(dp):
+    """An id a live request holds on one rank is refused (DuplicateRequestId, a 409)
+    though the next request would go to the other rank, and aborting with another stream
+    leaves the live one alone."""
+    from scheduler.engine_core import DuplicateRequestId
+    from scheduler.sampling_params import SamplingParams
+    from scheduler.stream import RequestStream
+
+    async def go():
+        eng = dp.engine
+        long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+        sub = eng.submit([5, 6, 7, 8], long, "dp-live-id")
+        for ids in ([9, 10], [11, 12, 13]):  # one of them goes to the other rank's turn
+            with pytest.raises(DuplicateRequestId):
+                eng.submit(ids, SamplingParams(max_tokens=2), "dp-live-id")
+        eng.core.abort("dp-live-id", RequestStream("dp-live-id"))
+        last = None
+        async for out in eng.generate("", submitted=sub):
+            last = out
+        return last
+
+    last = dp.call(go())
+    assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 200
