@@ -228,24 +228,13 @@ class AWQLinear(nn.Module):
         sz = torch.stack([s, (8.0 - zeros.float()) * s], dim=-1)  # [K/g, N, 2]
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
-        # torch's int4 CPU kernel is quick with 16-bit activations and very slow with
-        # float32 ones (a [1, 1024] x [1024, 3072] product on a Zen 3: 3.5 ms against
-        # 0.44 dense and 0.29 with bf16 activations; 26x dense at 16 rows): a float32
-        # engine runs the dequantized weight, as fast as a plain checkpoint, bit-exact.
-        if device.type == "cpu" and dtype == torch.float32:
-            _log_once(
-                "INT4 weights in float32 on CPU: dequantized at load (torch's int4 kernel "
-                "is far slower than dense with float32 activations; --dtype bfloat16 keeps "
-                "them packed)"
-            )
-        else:
-            try:
-                packed = _int4_pack(q.t().contiguous(), device)
-                sz = sz.to(device, dtype).contiguous()
-                if self._agrees(packed, sz, q, zeros, scales, dtype, device):
-                    self.packed, self.sz = packed, sz
-            except Exception as e:  # kernel missing for this device / dtype / shape
-                log.info("AWQ int4 kernel unavailable (%s); using a dequantized weight", e)
+        try:
+            packed = _int4_pack(q.t().contiguous(), device)
+            sz = sz.to(device, dtype).contiguous()
+            if self._agrees(packed, sz, q, zeros, scales, dtype, device):
+                self.packed, self.sz = packed, sz
+        except Exception as e:  # kernel missing for this device / dtype / shape
+            log.info("AWQ int4 kernel unavailable (%s); using a dequantized weight", e)
         if self.packed is None:
             w = awq_dequantize(q, zeros, scales, group)
             self.weight = w.to(device, dtype)

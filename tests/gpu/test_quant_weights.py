@@ -176,12 +176,7 @@ def test_awq_layer_matches_dequantized_reference(group, dtype):
     layer = AWQLinear(
         unpack_awq(pack(q)), unpack_awq(pack(z)), s, None, group, dtype, torch.device("cpu")
     )
-    # torch's int4 CPU kernel with 16-bit activations; float32 runs the dequantized weight
-    # (the kernel is many times slower than dense with float32 activations).
-    if dtype == torch.float32:
-        assert layer.packed is None and layer.weight is not None
-    else:
-        assert layer.packed is not None, "torch's int4 CPU kernel should be in use"
+    assert layer.packed is not None, "torch's int4 CPU kernel should be in use"
     ref_w = dequantized(q, z, s)
     assert torch.equal(awq_dequantize(unpack_awq(pack(q)), unpack_awq(pack(z)), s, group), ref_w)
     # 4-bit round-to-nearest with a rounded zero point: each weight within a step of the
