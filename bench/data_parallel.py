@@ -16,10 +16,10 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from bench.fair import start_server
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -30,21 +30,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace, path: Path, extra: list[str]) -> tuple:
-    from bench.serve_sweep import _free_port, _wait_health
-
-    port = _free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(path),
-           "--port", str(port), "--dtype", args.dtype, "--disable-access-log",
-           "--max-model-len", "2048", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(url, proc, timeout=600)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, url
+    # Each kind sets its own threads (the one engine all the cores, a rank its share).
+    own = argparse.Namespace(**{**vars(args), "threads": None})
+    return start_server(own, path, ["--max-model-len", "2048", *extra])
 
 
 def _load(args: argparse.Namespace, url: str, n: int, concurrency: int, seed: int) -> dict:
